@@ -1,0 +1,61 @@
+"""Strict mode and the once-per-(op, device) fallback warning of decision D1."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import threading
+import warnings
+from collections.abc import Iterator
+
+from tightfit._errors import FallbackWarning, StrictModeError
+
+__all__ = ["strict", "is_strict", "report_fallback"]
+
+_STRICT = contextvars.ContextVar("tightfit_strict", default=None)
+_warned: set[tuple[str, str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def strict(enabled: bool = True) -> Iterator[None]:
+    """Within this block, a fallback raises StrictModeError instead of warning."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be bool, got {type(enabled).__name__}: {enabled!r}")
+    token = _STRICT.set(enabled)
+    try:
+        yield
+    finally:
+        _STRICT.reset(token)
+
+
+def is_strict() -> bool:
+    """True inside ``strict()`` or when the environment sets TIGHTFIT_STRICT=1."""
+    scoped = _STRICT.get()
+    if scoped is not None:
+        return scoped
+    return os.environ.get("TIGHTFIT_STRICT", "0").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def report_fallback(op: str, device: str, kind: str, detail: str) -> None:
+    """Warn once per (op, device, kind) that a slower path runs; raise in strict mode.
+
+    ``kind`` is "reference" (the pure-torch kernel on the device) or "cpu" (the op
+    copied to the CPU and back).
+    """
+    message = f"tightfit op {op!r} on {device}: {detail}"
+    if is_strict():
+        raise StrictModeError(message + " (strict mode forbids fallbacks)")
+    key = (op, device, kind)
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(message, FallbackWarning, stacklevel=3)
+
+
+def _forget_warnings() -> None:
+    """Let every fallback warn again (tests only)."""
+    with _warned_lock:
+        _warned.clear()

@@ -1,0 +1,64 @@
+"""Argument checks for public entry points (D7): they raise, never assert, and name
+the argument, the value received and what is accepted."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+import torch
+
+__all__: list[str] = []  # private helpers
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_type(name: str, value: Any, expected: type | tuple[type, ...]) -> None:
+    """Raise TypeError unless ``value`` is an instance of ``expected``."""
+    if not isinstance(value, expected):
+        names = " or ".join(t.__name__ for t in (expected if isinstance(expected, tuple) else (expected,)))
+        raise TypeError(f"{name} must be {names}, got {type(value).__name__}: {_describe(value)}")
+
+
+def check_tensor(
+    name: str,
+    value: Any,
+    *,
+    dtypes: Collection[torch.dtype] | None = None,
+    allow_empty: bool = True,
+) -> torch.Tensor:
+    """Check that ``value`` is a tensor with one of ``dtypes``; return it."""
+    check_type(name, value, torch.Tensor)
+    if dtypes is not None and value.dtype not in dtypes:
+        accepted = ", ".join(sorted(str(d) for d in dtypes))
+        raise TypeError(f"{name} has dtype {value.dtype}; accepted: {accepted}")
+    if not allow_empty and value.numel() == 0:
+        raise ValueError(f"{name} must not be empty, got {_describe(value)}")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: Collection[Any]) -> None:
+    """Raise ValueError unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        accepted = ", ".join(sorted(map(str, choices)))
+        raise ValueError(f"{name}={_describe(value)} is not accepted; accepted: {accepted}")
+
+
+def check_same_device(name: str, value: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
+    """Raise ValueError when two tensors live on different devices."""
+    if value.device != other.device:
+        raise ValueError(f"{name} is on {value.device} but {other_name} is on {other.device}; both must be on one device")
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """Check an integer >= 1 (bool is rejected); return it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be int, got {type(value).__name__}: {_describe(value)}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value

@@ -1,0 +1,31 @@
+"""Backends: which devices this machine has, what they can do, and how much memory they hold.
+
+Detection is lazy (importing tightfit touches no device), cached and thread-safe.
+Built-in backends and plugins both register through the entry-point group
+``tightfit.backends``.
+"""
+
+from tightfit.backends.base import FLOAT8_DTYPES, Backend, Capabilities, MemoryInfo
+from tightfit.backends.registry import (
+    ENTRY_POINT_GROUP,
+    BackendEntry,
+    all_backends,
+    available,
+    default,
+    get,
+    use,
+)
+
+__all__ = [
+    "Backend",
+    "BackendEntry",
+    "Capabilities",
+    "ENTRY_POINT_GROUP",
+    "FLOAT8_DTYPES",
+    "MemoryInfo",
+    "all_backends",
+    "available",
+    "default",
+    "get",
+    "use",
+]

@@ -1,0 +1,150 @@
+"""The small surface a backend implements, and the descriptions it returns.
+
+A backend subclasses :class:`Backend` and implements the private ``_``-methods; the
+public methods wrap them and add context to errors, so a vendor writes only what is
+specific to its device.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+__all__ = ["Backend", "Capabilities", "MemoryInfo", "FLOAT8_DTYPES"]
+
+#: Every float8 kind this build of torch knows.
+FLOAT8_DTYPES: frozenset[torch.dtype] = frozenset(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, name)
+)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can store and compute, and which features it offers."""
+
+    storage_dtypes: frozenset[torch.dtype]
+    compute_dtypes: frozenset[torch.dtype]
+    async_copy: bool = False
+    unified_memory: bool = False
+    paged_memory: bool = False
+    hints: frozenset[str] = field(default_factory=frozenset)
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """Memory figures in bytes; ``None`` where the device does not report one.
+
+    ``source`` says what ``allocated`` and ``peak`` count: an accelerator's caching
+    allocator, or the process's resident set on the CPU.
+    """
+
+    total: int | None
+    free: int | None
+    allocated: int | None
+    peak: int | None
+    source: str
+
+
+class Backend(abc.ABC):
+    """One kind of device as tightfit sees it.
+
+    Subclasses set ``name``, ``device_type`` and ``priority`` and implement the
+    ``_``-methods. Construction must be cheap and touch no device: it happens when
+    tightfit first looks for backends.
+    """
+
+    name: ClassVar[str]
+    device_type: ClassVar[str]
+    priority: ClassVar[int] = 0
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if getattr(cls, "__abstractmethods__", None):
+            return
+        for attribute in ("name", "device_type"):
+            value = getattr(cls, attribute, None)
+            if not isinstance(value, str) or not value:
+                raise TypeError(f"backend class {cls.__qualname__} must set {attribute} to a non-empty str, got {value!r}")
+        if isinstance(cls.priority, bool) or not isinstance(cls.priority, int):
+            raise TypeError(f"backend class {cls.__qualname__} must set priority to an int, got {cls.priority!r}")
+
+    # -- what a backend implements -------------------------------------------------
+    @abc.abstractmethod
+    def _is_available(self) -> bool: ...
+
+    @abc.abstractmethod
+    def _capabilities(self) -> Capabilities: ...
+
+    @abc.abstractmethod
+    def _memory(self, device: torch.device) -> MemoryInfo: ...
+
+    @abc.abstractmethod
+    def _reset_peak_memory(self, device: torch.device) -> None: ...
+
+    @abc.abstractmethod
+    def _synchronize(self, device: torch.device) -> None: ...
+
+    def _device_count(self) -> int:
+        return 1
+
+    # -- public surface --------------------------------------------------------------
+    def is_available(self) -> bool:
+        """Whether this machine can run the backend now (may initialize the driver)."""
+        return bool(self._is_available())
+
+    def capabilities(self) -> Capabilities:
+        """Dtypes and features; may query the device, so call after ``is_available()``."""
+        return self._capabilities()
+
+    def device(self, index: int | None = None) -> torch.device:
+        """The torch device for this backend (``index`` picks one of several)."""
+        if index is None:
+            return torch.device(self.device_type)
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"index must be a non-negative int or None, got {index!r}")
+        return torch.device(self.device_type, index)
+
+    def memory(self, device: torch.device | str | None = None) -> MemoryInfo:
+        """Total, free, allocated and peak bytes of one device of this backend."""
+        target = self._own_device(device)
+        try:
+            return self._memory(target)
+        except Exception as error:  # add context, keep the cause
+            raise RuntimeError(f"reading memory of {target} (backend {self.name}) failed: {error}") from error
+
+    def reset_peak_memory(self, device: torch.device | str | None = None) -> None:
+        """Start a new peak measurement on one device."""
+        target = self._own_device(device)
+        try:
+            self._reset_peak_memory(target)
+        except Exception as error:
+            raise RuntimeError(f"resetting peak memory of {target} (backend {self.name}) failed: {error}") from error
+
+    def synchronize(self, device: torch.device | str | None = None) -> None:
+        """Wait for all queued work on one device."""
+        target = self._own_device(device)
+        try:
+            self._synchronize(target)
+        except Exception as error:
+            raise RuntimeError(f"synchronizing {target} (backend {self.name}) failed: {error}") from error
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} name={self.name!r} device_type={self.device_type!r} priority={self.priority}>"
+
+    def _own_device(self, device: torch.device | str | None) -> torch.device:
+        if device is None:
+            return self.device(0 if self.device_type != "cpu" else None)
+        if not isinstance(device, (str, torch.device)):
+            raise TypeError(f"device must be torch.device, str or None, got {type(device).__name__}: {device!r}")
+        try:
+            resolved = torch.device(device)
+        except RuntimeError as error:
+            raise ValueError(f"device={device!r} is not a valid torch device: {error}") from None
+        if resolved.type != self.device_type:
+            raise ValueError(f"device={device!r} is not a {self.device_type} device (backend {self.name})")
+        return resolved

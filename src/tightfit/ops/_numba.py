@@ -1,0 +1,29 @@
+"""Lazy access to numba for the fast CPU kernels.
+
+numba is imported at the first kernel call, never at ``import tightfit``; where it is
+missing or broken the CPU kernels fall back to the reference, with the D1 warning.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+__all__: list[str] = []
+
+
+@functools.lru_cache(maxsize=1)
+def load_numba() -> tuple[ModuleType | None, str | None]:
+    """(numba, None), or (None, why it cannot be used)."""
+    try:
+        import numba
+    except Exception as error:  # ImportError, or a numpy/llvmlite mismatch at import
+        return None, f"numba is not usable ({type(error).__name__}: {error})"
+    return numba, None
+
+
+def match_torch_threads(numba: ModuleType) -> None:
+    """Use as many threads as torch's intra-op pool, so the two never oversubscribe."""
+    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))

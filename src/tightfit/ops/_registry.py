@@ -1,0 +1,189 @@
+"""One way to declare an op (D1, D4): a ``torch.library`` custom op whose default kernel
+is the pure-torch reference, a fake kernel for tracing, per-device kernels, and the
+conformance cases that hold the kernels to the reference.
+
+The default kernel only runs when the tensor's device has no kernel of its own, so it
+is where fallbacks are reported: once per (op, device) as a warning, or as an error in
+strict mode. Where the reference cannot run on the device at all, the op runs on the
+CPU with copies in and out.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from tightfit._strict import report_fallback
+
+__all__ = ["Case", "KernelInfo", "OpDef", "define_op", "register_kernel", "registered_ops", "get_op"]
+
+NAMESPACE = "tightfit"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One conformance input: CPU tensors and plain values, in the op's argument order."""
+
+    name: str
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class KernelInfo:
+    """A kernel registered for one device type, and who registered it."""
+
+    device_type: str
+    fn: Callable[..., Any]
+    label: str
+    source: str
+
+
+@dataclass
+class OpDef:
+    """Everything tightfit knows about one op."""
+
+    name: str
+    reference: Callable[..., Any]
+    custom_op: Any
+    mutated: tuple[int, ...]
+    cases: Callable[[], Iterable[Case]]
+    metric: str | float
+    unsupported: Callable[[torch.device, tuple[Any, ...]], str | None] | None = None
+    kernels: dict[str, KernelInfo] = field(default_factory=dict)
+
+    @property
+    def qualname(self) -> str:
+        return f"{NAMESPACE}::{self.name}"
+
+    def __call__(self, *args: Any) -> Any:
+        """Dispatch on the arguments' device (callers validate first)."""
+        _ensure_plugins_loaded()
+        return self.custom_op(*args)
+
+
+_ops: dict[str, OpDef] = {}
+_ops_lock = threading.Lock()
+_plugins_loaded = False
+
+
+def _ensure_plugins_loaded() -> None:
+    """Import backend plugins before the first dispatch, so their kernels are in place."""
+    global _plugins_loaded
+    if not _plugins_loaded:
+        from tightfit.backends.registry import all_backends
+
+        all_backends()
+        _plugins_loaded = True
+
+
+def _first_device(args: tuple[Any, ...]) -> torch.device:
+    leaves, _ = tree_flatten(args)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return torch.device("cpu")
+
+
+def _run_on_cpu(opdef: OpDef, args: tuple[Any, ...], device: torch.device) -> Any:
+    """Copy tensors to the CPU, run the reference there, copy results and mutations back."""
+    cpu_args = tree_map(lambda leaf: leaf.cpu() if isinstance(leaf, torch.Tensor) else leaf, args)
+    result = opdef.reference(*cpu_args)
+    for index in opdef.mutated:
+        args[index].copy_(cpu_args[index])
+    return tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, result)
+
+
+def _default_kernel(opdef: OpDef, args: tuple[Any, ...]) -> Any:
+    device = _first_device(args)
+    reason = opdef.unsupported(device, args) if opdef.unsupported is not None else None
+    if reason is None:
+        report_fallback(opdef.name, device.type, "reference", f"no {device.type} kernel is registered; running the pure-torch reference kernel")
+        try:
+            return opdef.reference(*args)
+        except NotImplementedError as error:
+            if device.type == "cpu":
+                raise
+            reason = str(error).splitlines()[0]
+    report_fallback(opdef.name, device.type, "cpu", f"the op cannot run on {device.type} ({reason}); running it on the CPU with copies")
+    return _run_on_cpu(opdef, args, device)
+
+
+def define_op(
+    name: str,
+    reference: Callable[..., Any],
+    *,
+    fake: Callable[..., Any],
+    cases: Callable[[], Iterable[Case]],
+    metric: str | float = "bitwise",
+    mutates_args: tuple[str, ...] = (),
+    unsupported: Callable[[torch.device, tuple[Any, ...]], str | None] | None = None,
+) -> OpDef:
+    """Declare ``tightfit::<name>`` with ``reference`` as its specification.
+
+    ``metric`` is ``"bitwise"`` or a normalized-MSE threshold for conformance;
+    ``unsupported(device, args)`` returns why the op cannot run on a device, or None.
+    """
+    parameters = list(inspect.signature(reference).parameters)
+    opdef = OpDef(
+        name=name,
+        reference=reference,
+        custom_op=None,
+        mutated=tuple(parameters.index(arg) for arg in mutates_args),
+        cases=cases,
+        metric=metric,
+        unsupported=unsupported,
+    )
+
+    @functools.wraps(reference)
+    def default(*args: Any) -> Any:
+        return _default_kernel(opdef, args)
+
+    opdef.custom_op = torch.library.custom_op(f"{NAMESPACE}::{name}", default, mutates_args=mutates_args)
+    opdef.custom_op.register_fake(fake)
+    with _ops_lock:
+        if name in _ops:
+            raise ValueError(f"op {name!r} is already defined")
+        _ops[name] = opdef
+    return opdef
+
+
+def get_op(name: str) -> OpDef:
+    """The registered op called ``name``."""
+    if not isinstance(name, str):
+        raise TypeError(f"op must be str, got {type(name).__name__}: {name!r}")
+    opdef = _ops.get(name)
+    if opdef is None:
+        raise ValueError(f"op {name!r} is not registered; registered ops: {', '.join(sorted(_ops))}")
+    return opdef
+
+
+def registered_ops() -> dict[str, OpDef]:
+    """All ops by name."""
+    return dict(_ops)
+
+
+def register_kernel(op: str, device_type: str, fn: Callable[..., Any], *, label: str | None = None) -> None:
+    """Give ``op`` a kernel for ``device_type``; a later registration replaces an earlier one.
+
+    This is how backend plugins add or override kernels. ``fn`` takes the op's
+    arguments in order and must agree with the reference kernel.
+    """
+    opdef = get_op(op)
+    if not isinstance(device_type, str) or not device_type or ":" in device_type:
+        raise ValueError(f"device_type must be a device type such as 'cuda' (no index), got {device_type!r}")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}: {fn!r}")
+    opdef.custom_op.register_kernel(device_type)(fn)
+    opdef.kernels[device_type] = KernelInfo(
+        device_type=device_type,
+        fn=fn,
+        label=label or getattr(fn, "__qualname__", repr(fn)),
+        source=getattr(fn, "__module__", None) or "unknown",
+    )
