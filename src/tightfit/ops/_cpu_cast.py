@@ -41,12 +41,32 @@ class _Fp32ToFp8:
     subnormal_scale: float  # 1 / the target's smallest subnormal
     exponent_shift: int  # (target bias - 127) << 23
     mantissa_drop: int  # 23 - target mantissa bits
+    forbidden_code: int  # a rounded code that saturates to the one below it; -1 for none
 
 
-_FP32_TO_FP8 = {
-    torch.float8_e4m3fn: _Fp32ToFp8(1087 << 20, 0x7F, 0x7F, 121 << 23, 2.0**9, (7 - 127) << 23, 20),
-    torch.float8_e5m2: _Fp32ToFp8(143 << 23, 0x7C, 0x7F, 113 << 23, 2.0**16, (15 - 127) << 23, 21),
+# torch changed e4m3fn overflow from NaN to saturation (max finite); the first rule that
+# matches the installed torch on the probe values is used (see _fp32_rule).
+_FP32_TO_FP8_RULES = {
+    torch.float8_e4m3fn: (
+        _Fp32ToFp8(1087 << 20, 0x7E, 0x7F, 121 << 23, 2.0**9, (7 - 127) << 23, 20, 0x7F),
+        _Fp32ToFp8(1087 << 20, 0x7F, 0x7F, 121 << 23, 2.0**9, (7 - 127) << 23, 20, -1),
+    ),
+    torch.float8_e5m2: (_Fp32ToFp8(143 << 23, 0x7C, 0x7F, 113 << 23, 2.0**16, (15 - 127) << 23, 21, -1),),
 }
+
+
+def float32_probe_values() -> torch.Tensor:
+    """float32 values on and next to every float8 rounding boundary, specials, random bits."""
+    bf16_exact = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int64) << 16
+    neighbours = [bf16_exact + delta for delta in (0, -1, 1, 1 << 14, (1 << 15) - 1, 1 << 15, (1 << 15) + 1)]
+    generator = torch.Generator().manual_seed(0)
+    random = torch.randint(0, 1 << 32, (1 << 16,), generator=generator, dtype=torch.int64)
+    bits = (torch.cat([*neighbours, random]) & 0xFFFFFFFF).to(torch.int32)  # wraps to the bit pattern
+    specials = torch.tensor(
+        [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 448.0, 464.0, 480.0, 57344.0, 61440.0]
+        + [2.0**-9, 2.0**-10, 2.0**-16, 2.0**-17, 1e-45]
+    )
+    return torch.cat([bits.view(torch.float32), specials])
 
 
 @functools.lru_cache(maxsize=1)
@@ -59,7 +79,7 @@ def _kernels():
             dst[i] = table[src[i]]
 
     @numba.njit(parallel=True, nogil=True, cache=True)
-    def fp32_to_fp8(bits, values, dst, overflow_bits, overflow_code, nan_code, subnormal_below, subnormal_scale, exponent_shift, mantissa_drop):
+    def fp32_to_fp8(bits, values, dst, overflow_bits, overflow_code, nan_code, subnormal_below, subnormal_scale, exponent_shift, mantissa_drop, forbidden_code):
         for i in numba.prange(bits.shape[0]):
             word = np.int64(bits[i])
             sign = (word >> 24) & 0x80
@@ -72,9 +92,32 @@ def _kernels():
                 odd = (magnitude >> mantissa_drop) & 1
                 rounded = magnitude + exponent_shift + ((1 << (mantissa_drop - 1)) - 1) + odd
                 code = (rounded >> mantissa_drop) & 0xFF
+                if code == forbidden_code:
+                    code -= 1
             dst[i] = code | sign
 
     return gather, fp32_to_fp8
+
+
+def _run_fp32_rule(rule: _Fp32ToFp8, x: torch.Tensor, out: torch.Tensor) -> None:
+    _, fp32_to_fp8 = _kernels()
+    fp32_to_fp8(
+        _as_unsigned(x), x.numpy(), _as_unsigned(out), rule.overflow_bits, rule.overflow_code, rule.nan_code,
+        rule.subnormal_below, rule.subnormal_scale, rule.exponent_shift, rule.mantissa_drop, rule.forbidden_code,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _fp32_rule(dst: torch.dtype) -> _Fp32ToFp8 | None:
+    """The rounding rule that reproduces this torch's float32 -> ``dst`` cast, or None."""
+    probe = float32_probe_values()
+    expected = probe.to(dst).view(torch.uint8)
+    for rule in _FP32_TO_FP8_RULES.get(dst, ()):
+        got = torch.empty(probe.shape, dtype=dst)
+        _run_fp32_rule(rule, probe, got)
+        if torch.equal(got.view(torch.uint8), expected):
+            return rule
+    return None
 
 
 def _bits(dtype: torch.dtype) -> int:
@@ -105,13 +148,12 @@ def _fast_into(x: torch.Tensor, out: torch.Tensor) -> bool:
     if src not in FLOAT8_DTYPES and dst not in FLOAT8_DTYPES:
         return False
     src_width, dst_width = _bits(src), _bits(dst)
-    gather, fp32_to_fp8 = _kernels()
+    gather, _ = _kernels()
     if src_width == 4:
-        rule = _FP32_TO_FP8.get(dst) if src == torch.float32 else None
+        rule = _fp32_rule(dst) if src == torch.float32 else None
         if rule is None:
             return False
-        fp32_to_fp8(_as_unsigned(x), x.numpy(), _as_unsigned(out), rule.overflow_bits, rule.overflow_code, rule.nan_code,
-                    rule.subnormal_below, rule.subnormal_scale, rule.exponent_shift, rule.mantissa_drop)
+        _run_fp32_rule(rule, x, out)
         return True
     if src_width == 1 and dst_width == 2 and sys.byteorder == "little":
         even = x.numel() - (x.numel() % 2)

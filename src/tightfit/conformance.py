@@ -1,0 +1,147 @@
+"""Conformance harness (D4): every op on every available backend, and every CPU kernel,
+against the reference kernel run on the CPU.
+
+Outputs that an op writes in place are allocated with sentinel bytes after them, so a
+kernel that writes past its output is caught. Comparison is bit equality or a
+normalized mean squared error under the op's stated threshold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from tightfit.backends import Backend, available
+from tightfit.ops._registry import Case, OpDef, registered_ops
+
+__all__ = ["CheckResult", "run_checks", "SENTINEL_BYTE", "SENTINEL_BYTES"]
+
+SENTINEL_BYTE = 0xA5
+SENTINEL_BYTES = 64
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    op: str
+    backend: str
+    kernel: str
+    case: str
+    status: str  # "OK", "FAIL" or "not supported"
+    detail: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status != "FAIL"
+
+
+def _with_sentinel(template: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A contiguous tensor shaped like ``template`` followed by sentinel bytes; (tensor, guard bytes)."""
+    nbytes = template.numel() * template.element_size()
+    arena = torch.full((nbytes + SENTINEL_BYTES,), SENTINEL_BYTE, dtype=torch.uint8, device=device)
+    tensor = arena[:nbytes].view(template.dtype).view(template.shape)
+    return tensor, arena[nbytes:]
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _compare(expected: Any, actual: Any, metric: str | float) -> str | None:
+    """None when equal under ``metric``, else what differs."""
+    expected_leaves, _ = tree_flatten(expected)
+    actual_leaves, _ = tree_flatten(actual)
+    if len(expected_leaves) != len(actual_leaves):
+        return f"{len(actual_leaves)} outputs, expected {len(expected_leaves)}"
+    for index, (want, got) in enumerate(zip(expected_leaves, actual_leaves)):
+        if not isinstance(want, torch.Tensor):
+            if want != got:
+                return f"output {index}: {got!r} != {want!r}"
+            continue
+        if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.shape != want.shape:
+            got_text = f"{got.dtype} {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
+            return f"output {index}: got {got_text}, expected {want.dtype} {tuple(want.shape)}"
+        if metric == "bitwise":
+            mismatched = int((_flat_bytes(got) != _flat_bytes(want)).sum())
+            if mismatched:
+                return f"output {index}: {mismatched} of {want.numel() * want.element_size()} bytes differ"
+        else:
+            want64, got64 = want.double(), got.detach().cpu().double()
+            error = float(((got64 - want64) ** 2).sum() / (want64**2).sum().clamp_min(1e-300))
+            if not error <= metric:
+                return f"output {index}: normalized MSE {error:.3g} > {metric:.3g}"
+    return None
+
+
+def _required_dtypes(case: Case) -> set[torch.dtype]:
+    leaves, _ = tree_flatten(case.args)
+    return {leaf.dtype if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves if isinstance(leaf, (torch.Tensor, torch.dtype))}
+
+
+def _run_case(opdef: OpDef, case: Case, fn: Callable[..., Any], device: torch.device) -> str | None:
+    """Run ``fn`` on ``device``; compare with the reference on the CPU. None means pass."""
+    expected_args = tree_map(lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, case.args)
+    expected = opdef.reference(*expected_args)
+    args = list(tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, case.args))
+    guards = {}
+    for index in opdef.mutated:
+        args[index], guards[index] = _with_sentinel(case.args[index], device)
+    actual = fn(*args)
+    for index, guard in guards.items():
+        if bool((guard != SENTINEL_BYTE).any()):
+            return f"wrote past the end of argument {index} (sentinel bytes changed)"
+    if opdef.mutated:
+        expected = [expected_args[index] for index in opdef.mutated]
+        actual = [args[index] for index in opdef.mutated]
+    return _compare(expected, actual, opdef.metric)
+
+
+def _targets(opdef: OpDef, backends: Iterable[Backend]) -> list[tuple[str, str, Callable[..., Any], torch.device]]:
+    """(backend, kernel label, callable, device): dispatch per backend, plus every CPU kernel directly."""
+    targets = []
+    for backend in backends:
+        kernel = opdef.kernels.get(backend.device_type)
+        label = f"dispatch -> {kernel.label}" if kernel else "dispatch -> reference"
+        targets.append((backend.name, label, opdef, backend.device(0 if backend.device_type != "cpu" else None)))
+    cpu_kernel = opdef.kernels.get("cpu")
+    if cpu_kernel is not None:
+        targets.append(("cpu", f"direct {cpu_kernel.label}", cpu_kernel.fn, torch.device("cpu")))
+    return targets
+
+
+def run_checks(ops: Iterable[str] | None = None, backends: Iterable[Backend] | None = None) -> list[CheckResult]:
+    """Check the named ops (default: all) on the given backends (default: all available)."""
+    all_ops = registered_ops()
+    names = sorted(all_ops) if ops is None else list(ops)
+    for name in names:
+        if name not in all_ops:
+            raise ValueError(f"op {name!r} is not registered; registered ops: {', '.join(sorted(all_ops))}")
+    chosen = list(available() if backends is None else backends)
+    results = []
+    for name in names:
+        opdef = all_ops[name]
+        cases = list(opdef.cases())
+        for backend_name, label, fn, device in _targets(opdef, chosen):
+            storage = _backend_storage_dtypes(backend_name, chosen)
+            for case in cases:
+                missing = _required_dtypes(case) - storage
+                if missing:
+                    results.append(CheckResult(name, backend_name, label, case.name, "not supported", f"no storage for {sorted(map(str, missing))}"))
+                    continue
+                try:
+                    problem = _run_case(opdef, case, fn, device)
+                except Exception as error:  # a crash in a kernel is a failed check, not a crashed harness
+                    problem = f"raised {type(error).__name__}: {error}"
+                status = "OK" if problem is None else "FAIL"
+                results.append(CheckResult(name, backend_name, label, case.name, status, problem or ""))
+    return results
+
+
+def _backend_storage_dtypes(name: str, backends: list[Backend]) -> frozenset[torch.dtype]:
+    for backend in backends:
+        if backend.name == name:
+            return backend.capabilities().storage_dtypes
+    raise ValueError(f"backend {name!r} is not among the checked backends")
