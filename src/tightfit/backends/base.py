@@ -62,17 +62,6 @@ class Backend(abc.ABC):
     device_type: ClassVar[str]
     priority: ClassVar[int] = 0
 
-    def __init_subclass__(cls, **kwargs: object) -> None:
-        super().__init_subclass__(**kwargs)
-        if getattr(cls, "__abstractmethods__", None):
-            return
-        for attribute in ("name", "device_type"):
-            value = getattr(cls, attribute, None)
-            if not isinstance(value, str) or not value:
-                raise TypeError(f"backend class {cls.__qualname__} must set {attribute} to a non-empty str, got {value!r}")
-        if isinstance(cls.priority, bool) or not isinstance(cls.priority, int):
-            raise TypeError(f"backend class {cls.__qualname__} must set priority to an int, got {cls.priority!r}")
-
     # -- what a backend implements -------------------------------------------------
     @abc.abstractmethod
     def _is_available(self) -> bool: ...

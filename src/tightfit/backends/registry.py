@@ -61,6 +61,15 @@ def _origin(entry_point: EntryPoint) -> str:
     return f"{package} ({entry_point.value})"
 
 
+def _check_declaration(backend: Backend) -> None:
+    for attribute in ("name", "device_type"):
+        value = getattr(backend, attribute, None)
+        if not isinstance(value, str) or not value:
+            raise TypeError(f"{type(backend).__qualname__}.{attribute} must be a non-empty str, got {value!r}")
+    if isinstance(backend.priority, bool) or not isinstance(backend.priority, int):
+        raise TypeError(f"{type(backend).__qualname__}.priority must be an int, got {backend.priority!r}")
+
+
 def _load_entry(entry_point: EntryPoint) -> BackendEntry:
     entry = BackendEntry(entry_point=entry_point.name, origin=_origin(entry_point))
     try:
@@ -68,6 +77,7 @@ def _load_entry(entry_point: EntryPoint) -> BackendEntry:
         backend = loaded() if isinstance(loaded, type) else loaded
         if not isinstance(backend, Backend):
             raise TypeError(f"entry point gave {type(backend).__name__}, not a tightfit Backend")
+        _check_declaration(backend)
         entry.backend = backend
     except Exception as error:  # a broken plugin is reported, never fatal
         last = traceback.extract_tb(error.__traceback__)[-1:] if error.__traceback__ else []

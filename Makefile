@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make run` (the main job) and `make test` (the tests).
+# Each sets up .venv itself; see scripts/setup-env.sh for how torch is chosen.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: run test check backends bench clean
+
+$(VENV)/.installed-hf: pyproject.toml scripts/setup-env.sh
+	TIGHTFIT_VENV=$(VENV) scripts/setup-env.sh hf
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml scripts/setup-env.sh
+	TIGHTFIT_VENV=$(VENV) scripts/setup-env.sh test
+	touch $@ $(VENV)/.installed-hf
+
+run: $(VENV)/.installed-hf
+	$(VENV)/bin/tightfit run
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q
+
+check: $(VENV)/.installed-hf
+	$(VENV)/bin/tightfit check
+
+backends: $(VENV)/.installed-hf
+	$(VENV)/bin/tightfit backends
+
+bench: $(VENV)/.installed-test
+	$(PY) benchmarks/casts.py
+
+clean:
+	rm -rf $(VENV)

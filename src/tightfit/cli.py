@@ -1,0 +1,161 @@
+"""The ``tightfit`` command: ``backends``, ``check`` and ``run``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["main"]
+
+
+def _backend_row(entry) -> dict:
+    """One backend's figures for the report; reading them may fail and is reported."""
+    from tightfit._format import dtype_names, human_bytes
+    from tightfit.backends import FLOAT8_DTYPES
+
+    backend = entry.backend
+    row = {
+        "name": backend.name if backend else entry.entry_point,
+        "device": backend.device_type if backend else "-",
+        "available": entry.available,
+        "priority": backend.priority if backend else None,
+        "memory": None,
+        "compute": None,
+        "float8 storage": None,
+        "features": None,
+        "from": entry.origin,
+        "error": entry.error,
+    }
+    if row["available"]:
+        try:
+            info = backend.memory()
+            caps = backend.capabilities()
+        except RuntimeError as error:
+            row["error"] = str(error)
+            return row
+        row["memory"] = f"{human_bytes(info.free)} free / {human_bytes(info.total)}"
+        row["compute"] = dtype_names(caps.compute_dtypes)
+        row["float8 storage"] = dtype_names(caps.storage_dtypes & FLOAT8_DTYPES) or "none"
+        row["features"] = ", ".join(f for f in ("async_copy", "unified_memory", "paged_memory") if getattr(caps, f)) or "none"
+    return row
+
+
+def _backends_command(args: argparse.Namespace, console: Console) -> int:
+    from tightfit.backends import all_backends, registry
+
+    rows = [_backend_row(entry) for entry in all_backends()]
+    conflict = registry._conflict
+    if args.json:
+        print(json.dumps({"backends": rows, "conflict": str(conflict) if conflict else None}, indent=2))
+        return 1 if conflict else 0
+    table = Table(title="tightfit backends")
+    columns = [name for name in rows[0] if name != "error"] if rows else []
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(*("-" if row[c] is None else str(row[c]) for c in columns))
+    console.print(table)
+    for row in rows:
+        if row["error"]:
+            console.print(f"[yellow]{row['name']}:[/yellow] {row['error']}", highlight=False)
+    if conflict:
+        console.print(f"[red]error:[/red] {conflict}", highlight=False)
+    return 1 if conflict else 0
+
+
+def _check_command(args: argparse.Namespace, console: Console) -> int:
+    from tightfit.conformance import run_checks
+
+    results = run_checks(ops=args.op or None)
+    table = Table(title="tightfit conformance")
+    for column in ("op", "backend", "kernel", "case", "result"):
+        table.add_column(column, overflow="fold")
+    styles = {"OK": "green", "FAIL": "red", "not supported": "yellow"}
+    for result in results:
+        if args.failures_only and result.status == "OK":
+            continue
+        outcome = f"[{styles[result.status]}]{result.status}[/]" + (f" {result.detail}" if result.detail else "")
+        table.add_row(result.op, result.backend, result.kernel, result.case, outcome)
+    console.print(table)
+    passed = sum(result.status == "OK" for result in results)
+    failed = sum(result.status == "FAIL" for result in results)
+    unsupported = len(results) - passed - failed
+    console.print(f"{passed}/{passed + failed} passed, {failed} failed, {unsupported} not supported", highlight=False)
+    return 1 if failed else 0
+
+
+def _run_command(args: argparse.Namespace, console: Console) -> int:
+    from tightfit._format import human_bytes
+    from tightfit.run import RunOptions, run
+
+    report = run(RunOptions(model=args.model, backend=args.backend, repeat=args.repeat))
+    measured = report.measurement
+    if args.json:
+        print(json.dumps({
+            "model": report.model, "backend": report.backend, "device": report.device,
+            "weights_bytes": report.weights_bytes, "embedding_dim": report.embedding_dim,
+            "latency_ms_median": measured.median_seconds * 1e3, "peak_bytes": measured.peak_bytes,
+            "peak_rss_bytes": measured.peak_rss_bytes, "memory_source": measured.source,
+            "pairs": [{"a": a, "b": b, "cosine": score} for a, b, score in report.pairs],
+        }, indent=2))
+        return 0
+    console.print(f"model    {report.model}", highlight=False)
+    console.print(f"backend  {report.backend} ({report.device})", highlight=False)
+    pairs = Table(title="most similar sentence pairs")
+    for column in ("cosine", "sentence", "sentence"):
+        pairs.add_column(column)
+    for a, b, score in report.pairs:
+        pairs.add_row(f"{score:.3f}", a, b)
+    console.print(pairs)
+    figures = Table(title="measured")
+    figures.add_column("figure")
+    figures.add_column("value", justify="right")
+    figures.add_row("weights", human_bytes(report.weights_bytes))
+    figures.add_row(f"latency (median of {len(measured.seconds)})", f"{measured.median_seconds * 1e3:.1f} ms")
+    figures.add_row(f"peak memory ({measured.source})", human_bytes(measured.peak_bytes))
+    if measured.peak_rss_bytes is not None:
+        figures.add_row("peak RSS of the process", human_bytes(measured.peak_rss_bytes))
+    console.print(figures)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tightfit", description="Run a model on any accelerator and make it fit in its memory.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    backends = commands.add_parser("backends", help="list backends: availability, memory, capabilities, load errors")
+    backends.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    check = commands.add_parser("check", help="run the conformance harness: every op on every backend vs the reference")
+    check.add_argument("--op", action="append", help="check only this op (repeatable)")
+    check.add_argument("--failures-only", action="store_true", help="list only checks that did not pass")
+    run = commands.add_parser("run", help="run a model (default: the built-in all-MiniLM-L6-v2) and measure it")
+    run.add_argument("--model", help="a local Hugging Face model folder (default: the built-in model)")
+    run.add_argument("--backend", help="backend name or device, e.g. cpu, cuda, cuda:1 (default: best available)")
+    run.add_argument("--repeat", type=int, default=5, help="timed repetitions (default: 5)")
+    run.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tightfit`` command; returns the exit status."""
+    args = _parser().parse_args(argv)
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    handlers = {"backends": _backends_command, "check": _check_command, "run": _run_command}
+    try:
+        return handlers[args.command](args, console)
+    except (ValueError, TypeError, RuntimeError) as error:
+        console.print(f"[red]tightfit {args.command}: {error}[/red]", highlight=False)
+        return 2
+
+
+def console_main() -> None:
+    """Console-script wrapper: exit with :func:`main`'s status."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    console_main()

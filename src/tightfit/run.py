@@ -1,0 +1,95 @@
+"""The main job behind ``tightfit run``: load a model, pick a backend, run it, and report
+latency and memory measured on the device. Later stages (quantization, budgets and
+plans) extend :class:`RunOptions` and :class:`RunReport`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tightfit import backends
+from tightfit.memory import Measurement, measure, tensor_bytes
+from tightfit.models import default_model_dir, embed, load_encoder
+
+__all__ = ["DEFAULT_SENTENCES", "RunOptions", "RunReport", "run"]
+
+DEFAULT_SENTENCES: tuple[str, ...] = (
+    "A man is eating food.",
+    "A man is eating a piece of bread.",
+    "The girl is carrying a baby.",
+    "A woman is holding an infant in her arms.",
+    "A man is riding a horse.",
+    "Someone on horseback rides across a field.",
+    "The new movie is awesome.",
+    "The film was a great success with critics.",
+)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What to run. ``model`` None means the built-in default; ``backend`` None the default backend."""
+
+    model: str | None = None
+    backend: str | None = None
+    repeat: int = 5
+    sentences: tuple[str, ...] = DEFAULT_SENTENCES
+    top_pairs: int = 3
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, (str, Path)):
+            raise TypeError(f"model must be a folder path or None, got {type(self.model).__name__}: {self.model!r}")
+        if self.backend is not None and not isinstance(self.backend, str):
+            raise TypeError(f"backend must be a str or None, got {type(self.backend).__name__}: {self.backend!r}")
+        for name in ("repeat", "top_pairs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.sentences, tuple) or len(self.sentences) < 2 or not all(isinstance(s, str) and s.strip() for s in self.sentences):
+            raise ValueError("sentences must be a tuple of at least two non-empty strings")
+
+
+@dataclass
+class RunReport:
+    """What a run measured."""
+
+    model: str
+    backend: str
+    device: str
+    weights_bytes: int
+    embedding_dim: int
+    measurement: Measurement
+    pairs: list[tuple[str, str, float]] = field(default_factory=list)
+
+
+def _most_similar(embeddings: torch.Tensor, sentences: tuple[str, ...], count: int) -> list[tuple[str, str, float]]:
+    scores = embeddings @ embeddings.T
+    rows, cols = torch.triu_indices(len(sentences), len(sentences), offset=1)
+    values = scores[rows, cols]
+    order = values.argsort(descending=True)[:count]
+    return [(sentences[int(rows[i])], sentences[int(cols[i])], float(values[i])) for i in order]
+
+
+def run(options: RunOptions | None = None) -> RunReport:
+    """Run the main job and return its report."""
+    options = options or RunOptions()
+    if not isinstance(options, RunOptions):
+        raise TypeError(f"options must be RunOptions, got {type(options).__name__}")
+    backend = backends.get(options.backend) if options.backend else backends.default()
+    device = backend.device(0 if backend.device_type != "cpu" else None)
+    folder = Path(options.model) if options.model is not None else default_model_dir()
+    model, tokenizer = load_encoder(folder, device)
+    weights = tensor_bytes(list(model.parameters()) + list(model.buffers()))
+    sentences = list(options.sentences)
+    measurement = measure(lambda: embed(model, tokenizer, sentences, device), device, repeat=options.repeat, baseline_bytes=weights)
+    embeddings = embed(model, tokenizer, sentences, device).cpu()
+    return RunReport(
+        model=str(folder) if options.model is not None else "all-MiniLM-L6-v2 (built-in default)",
+        backend=backend.name,
+        device=str(device),
+        weights_bytes=weights,
+        embedding_dim=int(embeddings.shape[-1]),
+        measurement=measurement,
+        pairs=_most_similar(embeddings, options.sentences, options.top_pairs),
+    )
