@@ -1,0 +1,203 @@
+"""``tightfit.ops.cast``: bit-identical to torch's conversion, fast path and fallbacks,
+out= buffers, torch.compile, opcheck, and every bad input."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tightfit
+from tightfit.backends import FLOAT8_DTYPES
+from tightfit.ops import _cpu_cast, _numba
+from tightfit.ops._cpu_cast import MIN_FAST_NUMEL, float32_probe_values
+
+WIDE = [torch.float32, torch.float16, torch.bfloat16]
+FLOAT8 = sorted(FLOAT8_DTYPES, key=str)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
+
+
+def every_pattern(dtype: torch.dtype) -> torch.Tensor:
+    if torch.empty((), dtype=dtype).element_size() == 1:
+        return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+    return torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+def big(values: torch.Tensor) -> torch.Tensor:
+    """Repeat ``values`` past the fast-path threshold, with an odd length."""
+    repeats = MIN_FAST_NUMEL // max(values.numel(), 1) + 2
+    return values.repeat(repeats)[: max(MIN_FAST_NUMEL + 1, values.numel()) | 1]
+
+
+@pytest.mark.parametrize("target", WIDE + FLOAT8, ids=str)
+@pytest.mark.parametrize("source", FLOAT8, ids=str)
+def test_every_float8_pattern_widens_or_converts_like_torch(source, target):
+    x = big(every_pattern(source))
+    assert same_bits(tightfit.ops.cast(x, target), x.to(target))
+
+
+@pytest.mark.parametrize("target", FLOAT8, ids=str)
+@pytest.mark.parametrize("source", [torch.float16, torch.bfloat16], ids=str)
+def test_every_16bit_pattern_narrows_like_torch(source, target):
+    x = big(every_pattern(source))
+    assert same_bits(tightfit.ops.cast(x, target), x.to(target))
+
+
+@pytest.mark.parametrize("target", FLOAT8, ids=str)
+def test_float32_boundaries_round_like_torch(target):
+    x = float32_probe_values()
+    assert same_bits(tightfit.ops.cast(x, target), x.to(target))
+
+
+def test_e4m3fn_saturates_and_keeps_nan_like_torch():
+    x = torch.tensor([1e9, -1e9, float("inf"), float("-inf"), float("nan"), 464.0, 470.0]).repeat(MIN_FAST_NUMEL)
+    got = tightfit.ops.cast(x, torch.float8_e4m3fn)
+    assert same_bits(got, x.to(torch.float8_e4m3fn))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 70), min_size=0, max_size=3),
+    pair=st.sampled_from([(s, t) for s in WIDE for t in FLOAT8[:2]] + [(s, t) for s in FLOAT8[:2] for t in WIDE]),
+    scale=st.sampled_from([1e-6, 1.0, 300.0, 1e5]),
+    transpose=st.booleans(),
+)
+def test_random_shapes_and_layouts(shape, pair, scale, transpose):
+    source, target = pair
+    generator = torch.Generator().manual_seed(len(shape) * 1000 + sum(shape))
+    x = (torch.randn(shape, generator=generator) * scale).to(source)
+    if transpose and x.dim() >= 2:
+        x = x.transpose(0, -1)
+    got = tightfit.ops.cast(x, target)
+    assert got.is_contiguous()
+    assert same_bits(got, x.to(target))
+
+
+def test_large_non_contiguous_input_uses_the_fast_path_correctly():
+    x = torch.randn(2 * MIN_FAST_NUMEL + 6, 3).to(torch.float8_e5m2).t()
+    assert same_bits(tightfit.ops.cast(x, torch.bfloat16), x.to(torch.bfloat16))
+
+
+def test_out_buffer_is_written_and_returned():
+    x = torch.randn(MIN_FAST_NUMEL + 1).to(torch.float8_e4m3fn)
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    assert tightfit.ops.cast(x, torch.bfloat16, out=out) is out
+    assert same_bits(out, x.to(torch.bfloat16))
+
+
+def test_non_contiguous_out_buffer():
+    x = torch.randn(8, MIN_FAST_NUMEL // 4).to(torch.float8_e4m3fn)
+    out = torch.empty(x.shape[::-1], dtype=torch.float32).t()
+    tightfit.ops.cast(x, torch.float32, out=out)
+    assert same_bits(out.contiguous(), x.to(torch.float32))
+
+
+def test_without_numba_the_cpu_kernel_warns_once_and_stays_exact(monkeypatch):
+    monkeypatch.setattr(_cpu_cast, "load_numba", lambda: (None, "numba is not usable (ImportError: test)"))
+    x = torch.randn(MIN_FAST_NUMEL).to(torch.float8_e4m3fn)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        first = tightfit.ops.cast(x, torch.bfloat16)
+        tightfit.ops.cast(x, torch.bfloat16)
+    found = [w for w in record if issubclass(w.category, tightfit.FallbackWarning)]
+    assert len(found) == 1 and "numba is not usable" in str(found[0].message)
+    assert same_bits(first, x.to(torch.bfloat16))
+    with tightfit.strict(), pytest.raises(tightfit.StrictModeError):
+        tightfit.ops.cast(x, torch.bfloat16)
+
+
+def test_numba_threads_follow_torch():
+    numba, _ = _numba.load_numba()
+    _numba.match_torch_threads(numba)
+    assert numba.get_num_threads() == min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+
+
+def test_fast_cpu_kernel_runs_without_fallback_warnings():
+    x = torch.randn(MIN_FAST_NUMEL * 2).to(torch.float8_e4m3fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tightfit.FallbackWarning)
+        tightfit.ops.cast(x, torch.bfloat16)
+        tightfit.ops.cast(x.to(torch.float32), torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (torch.randn(5).to(torch.float8_e4m3fn), torch.bfloat16),
+        (torch.randn(3, 4), torch.float8_e5m2),
+        (torch.randn(0).to(torch.bfloat16), torch.float8_e4m3fn),
+        (torch.randn(MIN_FAST_NUMEL + 1).to(torch.float8_e4m3fn), torch.float16),
+    ],
+    ids=["fp8-bf16", "fp32-e5m2-2d", "empty", "fast-path"],
+)
+def test_opcheck_cast(args):
+    torch.library.opcheck(torch.ops.tightfit.cast.default, args, test_utils=OPCHECK_UTILS)
+    assert_schema_holds(torch.ops.tightfit.cast.default, args, mutated=())
+
+
+def test_opcheck_cast_into():
+    x = torch.randn(MIN_FAST_NUMEL + 1)
+    args = (x, torch.empty(x.shape, dtype=torch.float8_e4m3fn))
+    torch.library.opcheck(torch.ops.tightfit.cast_into.default, args, test_utils=OPCHECK_UTILS)
+    assert_schema_holds(torch.ops.tightfit.cast_into.default, args, mutated=(1,))
+
+
+# opcheck's test_schema does arithmetic on the inputs, which torch does not implement for
+# float8 on the CPU; assert_schema_holds checks the same contract (which inputs are
+# mutated, no output aliases an input) directly.
+OPCHECK_UTILS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def assert_schema_holds(op, args, mutated):
+    before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    result = op(*args)
+    for index, (old, new) in enumerate(zip(before, args)):
+        if isinstance(old, torch.Tensor) and index not in mutated:
+            assert same_bits(old, new), f"argument {index} was mutated but the schema says it is not"
+    if isinstance(result, torch.Tensor):
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.numel():
+                assert result.untyped_storage().data_ptr() != arg.untyped_storage().data_ptr()
+
+
+def test_cast_under_torch_compile():
+    def store_and_load(x):
+        return tightfit.ops.cast(tightfit.ops.cast(x * 2, torch.float8_e4m3fn), torch.bfloat16) + 1
+
+    x = torch.randn(MIN_FAST_NUMEL + 3)
+    compiled = torch.compile(store_and_load, backend="aot_eager", fullgraph=True)
+    assert same_bits(compiled(x), store_and_load(x))
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: tightfit.ops.cast([1.0], torch.bfloat16), TypeError, "x must be Tensor, got list"),
+        (lambda: tightfit.ops.cast(torch.ones(2), "bfloat16"), TypeError, "dtype must be dtype, got str"),
+        (lambda: tightfit.ops.cast(torch.ones(2, dtype=torch.int32), torch.float8_e4m3fn), ValueError, "x.dtype=torch.int32 is not accepted"),
+        (lambda: tightfit.ops.cast(torch.ones(2), torch.int8), ValueError, "dtype=torch.int8 is not accepted"),
+        (lambda: tightfit.ops.cast(torch.ones(2), torch.float64), ValueError, "accepted: "),
+        (lambda: tightfit.ops.cast(torch.ones(2), torch.bfloat16, out=[0, 0]), TypeError, "out must be Tensor"),
+        (lambda: tightfit.ops.cast(torch.ones(2), torch.bfloat16, out=torch.empty(2)), TypeError, "out has dtype torch.float32 but dtype=torch.bfloat16"),
+        (lambda: tightfit.ops.cast(torch.ones(2), torch.bfloat16, out=torch.empty(3, dtype=torch.bfloat16)), ValueError, r"out has shape \(3,\) but x has shape \(2,\)"),
+        (lambda: tightfit.ops.cast(torch.ones(2), torch.bfloat16, out=torch.empty(2, dtype=torch.bfloat16, device="meta")), ValueError, "out is on meta but x is on cpu"),
+    ],
+)
+def test_cast_rejects_bad_input(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_cast_rejects_out_sharing_storage_with_input():
+    buffer = torch.zeros(8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="out shares its storage with x"):
+        tightfit.ops.cast(buffer.view(torch.float8_e4m3fn)[:8], torch.float16, out=buffer)
+    assert torch.equal(buffer, torch.zeros(8, dtype=torch.float16))  # untouched
