@@ -130,6 +130,8 @@ def define_op(
     ``metric`` is ``"bitwise"`` or a normalized-MSE threshold for conformance;
     ``unsupported(device, args)`` returns why the op cannot run on a device, or None.
     """
+    if name in _ops:
+        raise ValueError(f"op {name!r} is already defined")
     parameters = list(inspect.signature(reference).parameters)
     opdef = OpDef(
         name=name,

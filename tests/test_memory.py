@@ -1,0 +1,60 @@
+"""Live tensor bytes on the CPU and the measure() helper."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tightfit.memory import LiveTensorBytes, measure, tensor_bytes
+
+
+def test_tracker_counts_live_bytes_and_keeps_the_peak():
+    with LiveTensorBytes() as tracker:
+        a = torch.ones(1 << 20)  # 4 MiB
+        b = a * 2  # 4 MiB more
+        peak_with_both = tracker.current
+        del a, b
+        torch.zeros(1)  # any op samples again
+    assert peak_with_both >= 8 << 20
+    assert tracker.peak >= 8 << 20
+    assert tracker.current < 1 << 20
+
+
+def test_views_count_once():
+    with LiveTensorBytes() as tracker:
+        a = torch.ones(1 << 20)
+        views = [a[i:] for i in range(10)]
+    assert tracker.peak < 5 << 20
+    del views
+
+
+def test_tensor_bytes_counts_tied_weights_once():
+    shared = torch.nn.Parameter(torch.ones(100))
+    assert tensor_bytes([shared, shared, shared[:10]]) == 400
+
+
+def test_measure_cpu_reports_time_peak_and_rss():
+    result = measure(lambda: torch.ones(1 << 22).sum(), "cpu", repeat=3, baseline_bytes=123)
+    assert len(result.seconds) == 3 and result.median_seconds > 0
+    assert result.peak_bytes >= 123 + (16 << 20)
+    assert result.peak_rss_bytes > 16 << 20
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"repeat": 0}, ValueError, "repeat must be an int >= 1"),
+        ({"warmup": -1}, ValueError, "warmup must be an int >= 0"),
+        ({"baseline_bytes": 1.5}, ValueError, "baseline_bytes must be an int"),
+    ],
+)
+def test_measure_rejects_bad_input(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        measure(lambda: None, "cpu", **kwargs)
+
+
+def test_measure_rejects_non_callable_and_bad_device():
+    with pytest.raises(TypeError, match="fn must be callable"):
+        measure(42, "cpu")
+    with pytest.raises(ValueError, match="device_type must be"):
+        LiveTensorBytes("")

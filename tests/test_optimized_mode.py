@@ -1,0 +1,43 @@
+"""Bad inputs raise the documented errors under ``python -O`` too (no asserts do the work)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+SCRIPT = r"""
+import torch, tightfit
+from tightfit.run import RunOptions
+from tightfit.memory import measure
+assert False, "asserts must be off under -O"
+checks = [
+    (lambda: tightfit.ops.cast([1.0], torch.bfloat16), TypeError),
+    (lambda: tightfit.ops.cast(torch.ones(2), "bf16"), TypeError),
+    (lambda: tightfit.ops.cast(torch.ones(2, dtype=torch.int32), torch.float8_e4m3fn), ValueError),
+    (lambda: tightfit.ops.cast(torch.ones(2), torch.bfloat16, out=torch.empty(3, dtype=torch.bfloat16)), ValueError),
+    (lambda: tightfit.ops.cast(torch.ones(2), torch.bfloat16, out=torch.empty(2)), TypeError),
+    (lambda: tightfit.backends.get(3), TypeError),
+    (lambda: tightfit.backends.get("nonesuch"), ValueError),
+    (lambda: tightfit.backends.get("cpu").memory("cuda:0"), ValueError),
+    (lambda: tightfit.backends.get("cpu").device(-1), ValueError),
+    (lambda: tightfit.ops.get_op(1), TypeError),
+    (lambda: RunOptions(repeat=0), ValueError),
+    (lambda: RunOptions(model=1), TypeError),
+    (lambda: measure(lambda: None, "cpu", repeat=0), ValueError),
+]
+for index, (call, expected) in enumerate(checks):
+    try:
+        call()
+    except expected:
+        continue
+    except Exception as error:
+        raise SystemExit(f"check {index}: raised {type(error).__name__}, expected {expected.__name__}: {error}")
+    raise SystemExit(f"check {index}: nothing raised, expected {expected.__name__}")
+print(f"{len(checks)} checks raised as documented")
+"""
+
+
+def test_bad_inputs_raise_under_python_O():
+    done = subprocess.run([sys.executable, "-O", "-c", SCRIPT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "13 checks raised as documented" in done.stdout

@@ -1,0 +1,89 @@
+"""``tightfit run`` on the built-in all-MiniLM-L6-v2 weights, side by side with
+sentence-transformers, and its bad inputs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tightfit.models import default_model_dir, embed, load_encoder
+from tightfit.run import DEFAULT_SENTENCES, RunOptions, run
+
+
+@pytest.fixture(scope="module")
+def report():
+    return run(RunOptions(repeat=2))
+
+
+def test_run_reports_real_figures(report):
+    assert report.backend == "cpu" and report.embedding_dim == 384
+    assert 80e6 < report.weights_bytes < 100e6  # 22.7M float32 parameters
+    measured = report.measurement
+    assert len(measured.seconds) == 2 and measured.median_seconds > 0
+    assert measured.peak_bytes > report.weights_bytes
+    assert measured.peak_rss_bytes > measured.peak_bytes
+
+
+def test_most_similar_pairs_make_sense(report):
+    first = report.pairs[0]
+    assert {first[0], first[1]} == {"A man is eating food.", "A man is eating a piece of bread."}
+    assert all(-1.0 <= score <= 1.0 for *_, score in report.pairs)
+    scores = [score for *_, score in report.pairs]
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_embeddings_match_sentence_transformers():
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    folder = default_model_dir()
+    reference = sentence_transformers.SentenceTransformer(str(folder), device="cpu", local_files_only=True)
+    expected = torch.as_tensor(reference.encode(list(DEFAULT_SENTENCES), normalize_embeddings=True))
+    model, tokenizer = load_encoder(folder, torch.device("cpu"))
+    ours = embed(model, tokenizer, list(DEFAULT_SENTENCES), torch.device("cpu"))
+    cosine = (ours * expected).sum(-1)
+    assert cosine.min() > 0.9999
+
+
+def test_cli_run_json():
+    done = subprocess.run([sys.executable, "-m", "tightfit.cli", "run", "--repeat", "1", "--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["backend"] == "cpu" and data["embedding_dim"] == 384
+    assert data["peak_bytes"] > data["weights_bytes"] > 0 and data["latency_ms_median"] > 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"repeat": 0}, ValueError, "repeat must be an int >= 1"),
+        ({"repeat": True}, ValueError, "repeat must be an int >= 1"),
+        ({"top_pairs": -2}, ValueError, "top_pairs must be an int >= 1"),
+        ({"model": 7}, TypeError, "model must be a folder path"),
+        ({"backend": 3}, TypeError, "backend must be a str"),
+        ({"sentences": ("only one",)}, ValueError, "at least two non-empty strings"),
+        ({"sentences": ["a", "b"]}, ValueError, "sentences must be a tuple"),
+    ],
+)
+def test_run_options_reject_bad_input(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        RunOptions(**kwargs)
+
+
+def test_run_rejects_missing_or_bad_model_folder(tmp_path):
+    with pytest.raises(ValueError, match="is not a folder"):
+        run(RunOptions(model=str(tmp_path / "missing")))
+    with pytest.raises(ValueError, match="has no config.json"):
+        run(RunOptions(model=str(tmp_path)))
+    with pytest.raises(ValueError, match="backend 'nonesuch' is not known"):
+        run(RunOptions(backend="nonesuch"))
+    with pytest.raises(TypeError, match="options must be RunOptions"):
+        run({"repeat": 1})
+
+
+def test_cli_reports_errors_without_a_traceback(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "tightfit.cli", "run", "--model", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "has no config.json" in done.stdout and "Traceback" not in done.stdout + done.stderr
