@@ -3,6 +3,10 @@
 The example is installed with pip into a temporary folder (never into the environment),
 so the test proves what the page tells a vendor: an installed distribution with a
 ``tightfit.backends`` entry point is all tightfit needs.
+
+Importing the plugin names torch's PrivateUse1 device "npu" for the rest of the process
+and torch cannot undo that (``"privateuseone"`` then parses as ``npu``), so every check
+that imports the plugin runs in a fresh interpreter, never in the pytest process.
 """
 
 from __future__ import annotations
@@ -10,18 +14,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-import tightfit
-from tightfit.backends import registry
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "tightfit-example-backend"
+HERE = Path(__file__).resolve().parent
+EXAMPLE = HERE.parent / "docs" / "examples" / "tightfit-example-backend"
+PAGE = HERE.parent / "docs" / "backends.md"
 MODULE = "tightfit_example_backend"
 
 
@@ -42,55 +45,70 @@ def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return site
 
 
-@pytest.fixture
-def with_plugin(plugin_site: Path, monkeypatch: pytest.MonkeyPatch):
-    """Make the installed example discoverable here; leave discovery and kernels as they were."""
-    monkeypatch.syspath_prepend(str(plugin_site))
-    for op in ("cast", "cast_into"):  # the plugin records its kernels in a copy, dropped afterwards
-        opdef = tightfit.ops.get_op(op)
-        monkeypatch.setattr(opdef, "kernels", dict(opdef.kernels))
-    registry._clear_cache()
-    yield plugin_site
-    registry._clear_cache()
-    sys.modules.pop(MODULE, None)  # a later import registers the kernels again
+def _run_fresh(args: list[str], site: Path) -> subprocess.CompletedProcess:
+    """Run ``python <args>`` in a fresh interpreter that sees the installed example."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), str(HERE), env.get("PYTHONPATH")]))
+    for name in ("TIGHTFIT_BACKEND", "TIGHTFIT_STRICT"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=120)
 
 
-def test_example_plugin_is_discovered_and_registers_kernels(with_plugin: Path) -> None:
-    if hasattr(torch, "npu"):
-        pytest.skip("torch.npu exists here, so the example backend would be available")
+def check_discovery() -> None:
+    """The in-process checks; run by the test below in a fresh interpreter."""
+    import torch
+
+    import tightfit
+    from tightfit.backends import registry
+
+    registry._clear_cache()  # the plugin folder is on sys.path now: look again
     entries = {entry.entry_point: entry for entry in tightfit.backends.all_backends()}
     assert "npu" in entries, f"entry point not found; got {sorted(entries)}"
     entry = entries["npu"]
-    assert entry.error is None
-    assert entry.origin == "tightfit-example-backend 0.1.0 (tightfit_example_backend:NPUBackend)"
+    assert entry.error is None, entry.error
+    assert entry.origin == "tightfit-example-backend 0.1.0 (tightfit_example_backend:NPUBackend)", entry.origin
     backend = entry.backend
     assert isinstance(backend, tightfit.backends.Backend)
     assert (backend.name, backend.device_type, backend.priority) == ("npu", "npu", 50)
+    assert backend.device(1) == torch.device("npu", 1)
 
-    assert entry.available is False
-    assert entry.error is None  # unavailable is not an error
+    assert not hasattr(torch, "npu")  # no vendor extension here, so
+    assert entry.available is False and entry.error is None  # unavailable, and that is no error
     assert backend not in tightfit.backends.available()
-    with pytest.raises(RuntimeError, match="'npu' is installed but not available on this machine"):
-        tightfit.backends.get("npu")
-    with pytest.raises(RuntimeError, match="not available"):
-        with tightfit.backends.use("npu"):
-            pass
+    for name in ("npu", "npu:0"):
+        try:
+            tightfit.backends.get(name)
+        except RuntimeError as error:
+            assert "'npu' is installed but not available on this machine" in str(error), error
+        else:
+            raise AssertionError(f"get({name!r}) returned a backend that is not available")
 
     for op in ("cast", "cast_into"):
         kernel = tightfit.ops.get_op(op).kernels["npu"]
-        assert (kernel.device_type, kernel.label, kernel.source) == ("npu", "npu copy_", MODULE)
+        assert (kernel.device_type, kernel.label, kernel.source) == ("npu", "npu copy_", MODULE), kernel
+    print("discovery ok")
+
+
+def test_example_plugin_is_discovered_and_registers_kernels(plugin_site: Path) -> None:
+    done = _run_fresh(["-c", "import test_docs_backends as t; t.check_discovery()"], plugin_site)
+    assert done.returncode == 0 and "discovery ok" in done.stdout, done.stdout + done.stderr
 
 
 def test_cli_lists_example_plugin(plugin_site: Path) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(plugin_site), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-m", "tightfit.cli", "backends", "--json"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    done = _run_fresh(["-m", "tightfit.cli", "backends", "--json"], plugin_site)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)
     assert report["conflict"] is None
     rows = {row["name"]: row for row in report["backends"]}
+    assert "npu" in rows, f"not listed: {sorted(rows)}"
     assert rows["npu"]["device"] == "npu"
     assert rows["npu"]["available"] is False
     assert rows["npu"]["error"] is None
-    assert rows["npu"]["from"].startswith("tightfit-example-backend 0.1.0")
+    assert rows["npu"]["from"] == "tightfit-example-backend 0.1.0 (tightfit_example_backend:NPUBackend)"
+
+
+def test_page_shows_the_example_verbatim() -> None:
+    """docs/backends.md embeds the example's files; they must not drift apart."""
+    blocks = re.findall(r"```[a-z]*\n(.*?)```", PAGE.read_text(), flags=re.DOTALL)
+    for path in ("pyproject.toml", f"{MODULE}/__init__.py"):
+        assert (EXAMPLE / path).read_text() in blocks, f"docs/backends.md does not show {path} as it is"

@@ -46,10 +46,10 @@ def _backend_row(entry) -> dict:
 
 
 def _backends_command(args: argparse.Namespace, console: Console) -> int:
-    from tightfit.backends import all_backends, registry
+    from tightfit.backends import all_backends, conflict as find_conflict
 
     rows = [_backend_row(entry) for entry in all_backends()]
-    conflict = registry._conflict
+    conflict = find_conflict()
     if args.json:
         print(json.dumps({"backends": rows, "conflict": str(conflict) if conflict else None}, indent=2))
         return 1 if conflict else 0

@@ -119,6 +119,7 @@ def test_unsupported_device_runs_on_cpu_with_copies_and_mutations_back(monkeypat
         (lambda: register_kernel("cast", "cuda:0", lambda x, d: x), ValueError, "device_type must be a device type"),
         (lambda: register_kernel("cast", "", lambda x, d: x), ValueError, "device_type must be a device type"),
         (lambda: register_kernel("cast", "cuda", "not callable"), TypeError, "fn must be callable"),
+        (lambda: register_kernel("cast", "warpdrive", lambda x, d: x), ValueError, "not a device type torch knows.*PrivateUse1"),
         (lambda: define_op("test_double", _double, fake=_double_fake, cases=CASES), ValueError, "op 'test_double' is already defined"),
     ],
 )

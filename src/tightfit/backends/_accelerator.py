@@ -24,10 +24,6 @@ class AcceleratorBackend(Backend):
         module = self._module()
         return bool(module is not None and module.is_available())
 
-    def _device_count(self) -> int:
-        module = self._module()
-        return module.device_count() if module is not None and module.is_available() else 0
-
     def _compute_dtypes(self) -> frozenset[torch.dtype]:
         return _BASE_COMPUTE
 

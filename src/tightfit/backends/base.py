@@ -78,9 +78,6 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def _synchronize(self, device: torch.device) -> None: ...
 
-    def _device_count(self) -> int:
-        return 1
-
     # -- public surface --------------------------------------------------------------
     def is_available(self) -> bool:
         """Whether this machine can run the backend now (may initialize the driver)."""

@@ -17,7 +17,7 @@ import torch
 from tightfit._errors import BackendConflictError
 from tightfit.backends.base import Backend
 
-__all__ = ["ENTRY_POINT_GROUP", "BackendEntry", "all_backends", "available", "get", "default", "use"]
+__all__ = ["ENTRY_POINT_GROUP", "BackendEntry", "all_backends", "available", "conflict", "get", "default", "use"]
 
 ENTRY_POINT_GROUP = "tightfit.backends"
 _ENV_BACKEND = "TIGHTFIT_BACKEND"
@@ -80,8 +80,8 @@ def _load_entry(entry_point: EntryPoint) -> BackendEntry:
         _check_declaration(backend)
         entry.backend = backend
     except Exception as error:  # a broken plugin is reported, never fatal
-        last = traceback.extract_tb(error.__traceback__)[-1:] if error.__traceback__ else []
-        where = f" at {last[0].filename}:{last[0].lineno}" if last else ""
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith("<frozen")]
+        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
         entry.error = f"{type(error).__name__}: {error}{where}"
     return entry
 
@@ -126,6 +126,12 @@ def _clear_cache() -> None:
     with _lock:
         _entries = None
         _conflict = None
+
+
+def conflict() -> BackendConflictError | None:
+    """The duplicate device claim found while loading plugins, if any (for reports)."""
+    _load()
+    return _conflict
 
 
 def all_backends() -> list[BackendEntry]:

@@ -64,23 +64,20 @@ class OpDef:
 
     def __call__(self, *args: Any) -> Any:
         """Dispatch on the arguments' device (callers validate first)."""
-        _ensure_plugins_loaded()
+        if not torch.compiler.is_compiling():  # when tracing, the fake kernel loads them
+            _ensure_plugins_loaded()
         return self.custom_op(*args)
 
 
 _ops: dict[str, OpDef] = {}
 _ops_lock = threading.Lock()
-_plugins_loaded = False
 
 
 def _ensure_plugins_loaded() -> None:
-    """Import backend plugins before the first dispatch, so their kernels are in place."""
-    global _plugins_loaded
-    if not _plugins_loaded:
-        from tightfit.backends.registry import all_backends
+    """Import backend plugins before dispatch, so their kernels are in place (cached after once)."""
+    from tightfit.backends.registry import all_backends
 
-        all_backends()
-        _plugins_loaded = True
+    all_backends()
 
 
 def _first_device(args: tuple[Any, ...]) -> torch.device:
@@ -148,7 +145,12 @@ def define_op(
         return _default_kernel(opdef, args)
 
     opdef.custom_op = torch.library.custom_op(f"{NAMESPACE}::{name}", default, mutates_args=mutates_args)
-    opdef.custom_op.register_fake(fake)
+    @functools.wraps(fake)
+    def traced(*args: Any) -> Any:
+        _ensure_plugins_loaded()  # runs while compiling, before the compiled graph ever dispatches
+        return fake(*args)
+
+    opdef.custom_op.register_fake(traced)
     with _ops_lock:
         if name in _ops:
             raise ValueError(f"op {name!r} is already defined")
@@ -180,6 +182,13 @@ def register_kernel(op: str, device_type: str, fn: Callable[..., Any], *, label:
     opdef = get_op(op)
     if not isinstance(device_type, str) or not device_type or ":" in device_type:
         raise ValueError(f"device_type must be a device type such as 'cuda' (no index), got {device_type!r}")
+    try:
+        torch.device(device_type)
+    except RuntimeError:
+        raise ValueError(
+            f"device_type={device_type!r} is not a device type torch knows; a new device must first take "
+            "torch's PrivateUse1 slot (torch.utils.rename_privateuse1_backend), as its torch extension does"
+        ) from None
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}: {fn!r}")
     opdef.custom_op.register_kernel(device_type)(fn)
