@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tightfit._hugepages import empty_with_huge_pages
 from tightfit._strict import report_fallback
 from tightfit.backends.base import FLOAT8_DTYPES
 from tightfit.ops._numba import load_numba, match_torch_threads
@@ -182,7 +183,7 @@ def cast_into_cpu(x: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def cast_cpu(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """CPU kernel of ``tightfit::cast``."""
-    out = torch.empty(x.shape, dtype=dtype)
+    """CPU kernel of ``tightfit::cast``; a large result is backed by huge pages."""
+    out = empty_with_huge_pages(x.shape, dtype)
     cast_into_cpu(x, out)
     return out
