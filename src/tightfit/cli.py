@@ -117,9 +117,9 @@ def _run_command(args: argparse.Namespace, console: Console) -> int:
     figures.add_column("value", justify="right")
     figures.add_row("weights", human_bytes(report.weights_bytes))
     figures.add_row(f"latency (median of {len(measured.seconds)})", f"{measured.median_seconds * 1e3:.1f} ms")
-    figures.add_row(f"peak memory ({measured.source})", human_bytes(measured.peak_bytes))
+    figures.add_row(f"peak memory, {measured.source}", human_bytes(measured.peak_bytes))
     if measured.peak_rss_bytes is not None:
-        figures.add_row("peak RSS of the process", human_bytes(measured.peak_rss_bytes))
+        figures.add_row("peak RSS, whole process (code and libraries too)", human_bytes(measured.peak_rss_bytes))
     console.print(figures)
     return 0
 

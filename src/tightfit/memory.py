@@ -102,7 +102,7 @@ def measure(fn: Callable[[], Any], device: torch.device | str, *, repeat: int = 
                 fn()
                 seconds.append(time.perf_counter() - start)
         return Measurement(str(device), seconds, baseline_bytes, baseline_bytes + tracker.peak, read_process_memory()[1],
-                           "live tensor bytes (weights + tensors created during the run)")
+                           "live tensors: weights + created by the run")
     backend.reset_peak_memory(device)
     for _ in range(repeat):
         start = time.perf_counter()
