@@ -8,12 +8,15 @@ specific to its device.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import torch
 
 __all__ = ["Backend", "Capabilities", "MemoryInfo", "FLOAT8_DTYPES"]
+
+T = TypeVar("T")
 
 #: Every float8 kind this build of torch knows.
 FLOAT8_DTYPES: frozenset[torch.dtype] = frozenset(
@@ -97,27 +100,23 @@ class Backend(abc.ABC):
 
     def memory(self, device: torch.device | str | None = None) -> MemoryInfo:
         """Total, free, allocated and peak bytes of one device of this backend."""
-        target = self._own_device(device)
-        try:
-            return self._memory(target)
-        except Exception as error:  # add context, keep the cause
-            raise RuntimeError(f"reading memory of {target} (backend {self.name}) failed: {error}") from error
+        return self._on_device("reading memory of", device, self._memory)
 
     def reset_peak_memory(self, device: torch.device | str | None = None) -> None:
         """Start a new peak measurement on one device."""
-        target = self._own_device(device)
-        try:
-            self._reset_peak_memory(target)
-        except Exception as error:
-            raise RuntimeError(f"resetting peak memory of {target} (backend {self.name}) failed: {error}") from error
+        self._on_device("resetting peak memory of", device, self._reset_peak_memory)
 
     def synchronize(self, device: torch.device | str | None = None) -> None:
         """Wait for all queued work on one device."""
+        self._on_device("synchronizing", device, self._synchronize)
+
+    def _on_device(self, action: str, device: torch.device | str | None, method: Callable[[torch.device], T]) -> T:
+        """Run a backend method on a validated device; errors gain the device and backend."""
         target = self._own_device(device)
         try:
-            self._synchronize(target)
-        except Exception as error:
-            raise RuntimeError(f"synchronizing {target} (backend {self.name}) failed: {error}") from error
+            return method(target)
+        except Exception as error:  # add context, keep the cause
+            raise RuntimeError(f"{action} {target} (backend {self.name}) failed: {error}") from error
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} device_type={self.device_type!r} priority={self.priority}>"

@@ -1,0 +1,24 @@
+"""The Python examples in the README and docs/ops.md run as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = ["README.md", "docs/ops.md"]
+
+
+def python_blocks(page: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_python_examples_run(page, capsys):
+    blocks = python_blocks(page)
+    assert blocks, f"{page} has no python example"
+    for block in blocks:
+        exec(compile(block, page, "exec"), {})
+    assert capsys.readouterr().out  # the examples print what they show
