@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import tightfit
 from tightfit.backends import FLOAT8_DTYPES
 from tightfit.ops import _cpu_cast, _numba
-from tightfit.ops._cpu_cast import MIN_FAST_NUMEL, float32_probe_values
+from tightfit.ops._cpu_cast import MIN_FAST_NUMEL
+from tightfit.ops.cast import float32_probe_values
 
 WIDE = [torch.float32, torch.float16, torch.bfloat16]
 FLOAT8 = sorted(FLOAT8_DTYPES, key=str)

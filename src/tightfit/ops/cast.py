@@ -10,7 +10,7 @@ import torch
 
 from tightfit._validate import check_choice, check_same_device, check_type
 from tightfit.backends.base import FLOAT8_DTYPES
-from tightfit.ops._cpu_cast import MIN_FAST_NUMEL, cast_cpu, cast_into_cpu, float32_probe_values
+from tightfit.ops._cpu_cast import MIN_FAST_NUMEL, cast_cpu, cast_into_cpu
 from tightfit.ops._registry import Case, define_op, register_kernel
 
 __all__ = ["cast", "CAST_DTYPES"]
@@ -56,6 +56,20 @@ def _every_pattern(dtype: torch.dtype) -> torch.Tensor:
     if width == 1:
         return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
     return torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+def float32_probe_values() -> torch.Tensor:
+    """float32 values on and next to every float8 rounding boundary, specials, random bits."""
+    bf16_exact = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int64) << 16
+    neighbours = [bf16_exact + delta for delta in (0, -1, 1, 1 << 14, (1 << 15) - 1, 1 << 15, (1 << 15) + 1)]
+    generator = torch.Generator().manual_seed(0)
+    random = torch.randint(0, 1 << 32, (1 << 16,), generator=generator, dtype=torch.int64)
+    bits = (torch.cat([*neighbours, random]) & 0xFFFFFFFF).to(torch.int32)  # wraps to the bit pattern
+    specials = torch.tensor(
+        [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 448.0, 464.0, 480.0, 57344.0, 61440.0]
+        + [2.0**-9, 2.0**-10, 2.0**-16, 2.0**-17, 1e-45]
+    )
+    return torch.cat([bits.view(torch.float32), specials])
 
 
 def _source(dtype: torch.dtype, numel: int, seed: int) -> torch.Tensor:
