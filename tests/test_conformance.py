@@ -72,3 +72,16 @@ def test_cli_check_prints_table_and_count():
     summary = done.stdout.strip().splitlines()[-1]
     passed, total = summary.split()[0].split("/")
     assert int(passed) == int(total) > 0 and "0 failed" in summary
+
+
+def test_run_checks_rejects_a_bare_string_and_non_backends():
+    with pytest.raises(TypeError, match="ops must be a list of op names"):
+        run_checks(ops="cast")
+    with pytest.raises(TypeError, match="backends must hold tightfit Backend objects"):
+        run_checks(ops=["cast"], backends=["cpu"])
+
+
+def test_run_checks_with_no_backends_still_checks_the_cpu_kernel():
+    results = run_checks(ops=["cast"], backends=[])
+    assert results and {r.kernel.split()[0] for r in results} == {"direct"}
+    assert all(r.status == "OK" for r in results)

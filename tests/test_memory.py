@@ -58,3 +58,30 @@ def test_measure_rejects_non_callable_and_bad_device():
         measure(42, "cpu")
     with pytest.raises(ValueError, match="device_type must be"):
         LiveTensorBytes("")
+
+
+def test_tracker_ignores_pre_existing_storages_returned_by_views_and_in_place_ops():
+    weight = torch.ones(1 << 20)  # 4 MiB, exists before tracking
+    activations = torch.ones(2, 1 << 20)  # 8 MiB, likewise
+    with LiveTensorBytes() as tracker:
+        weight.t()
+        weight.add_(0)
+        torch.nn.functional.linear(activations, weight.view(1, -1))  # transposes weight inside
+    assert tracker.peak < 1 << 10  # only the 2x1 result is new
+
+
+def test_tensor_bytes_tells_meta_tensors_apart():
+    a = torch.empty(100, device="meta")
+    b = torch.empty(100, device="meta")
+    assert tensor_bytes([a, b]) == 800
+
+
+def test_median_of_an_even_count():
+    from tightfit.memory import Measurement
+
+    assert Measurement("cpu", [1.0, 2.0, 3.0, 10.0], 0, 0, None, "").median_seconds == 2.5
+
+
+def test_measure_rejects_unknown_device():
+    with pytest.raises(ValueError, match="backend 'bogus' is not known"):
+        measure(lambda: None, "bogus")

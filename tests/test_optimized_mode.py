@@ -15,7 +15,7 @@ checks = [
     (lambda: tightfit.ops.cast(torch.ones(2), "bf16"), TypeError),
     (lambda: tightfit.ops.cast(torch.ones(2, dtype=torch.int32), torch.float8_e4m3fn), ValueError),
     (lambda: tightfit.ops.cast(torch.ones(2), torch.bfloat16, out=torch.empty(3, dtype=torch.bfloat16)), ValueError),
-    (lambda: tightfit.ops.cast(torch.ones(2), torch.bfloat16, out=torch.empty(2)), TypeError),
+    (lambda: tightfit.ops.cast(torch.ones(2), torch.bfloat16, out=torch.empty(2)), ValueError),
     (lambda: tightfit.backends.get(3), TypeError),
     (lambda: tightfit.backends.get("nonesuch"), ValueError),
     (lambda: tightfit.backends.get("cpu").memory("cuda:0"), ValueError),

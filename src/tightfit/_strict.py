@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -14,6 +15,9 @@ from tightfit._errors import FallbackWarning, StrictModeError
 __all__ = ["strict", "is_strict", "report_fallback"]
 
 _STRICT = contextvars.ContextVar("tightfit_strict", default=None)
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _warned: set[tuple[str, str, str]] = set()
 _warned_lock = threading.Lock()
 
@@ -35,7 +39,12 @@ def is_strict() -> bool:
     scoped = _STRICT.get()
     if scoped is not None:
         return scoped
-    return os.environ.get("TIGHTFIT_STRICT", "0").strip().lower() in {"1", "true", "yes", "on"}
+    value = os.environ.get("TIGHTFIT_STRICT", "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"TIGHTFIT_STRICT={value!r} is not accepted; accepted: {', '.join(sorted(_TRUE | _FALSE - {''}))}")
 
 
 def report_fallback(op: str, device: str, kind: str, detail: str) -> None:
@@ -52,7 +61,18 @@ def report_fallback(op: str, device: str, kind: str, detail: str) -> None:
         if key in _warned:
             return
         _warned.add(key)
-    warnings.warn(message, FallbackWarning, stacklevel=3)
+    warnings.warn(message, FallbackWarning, stacklevel=_caller_stacklevel())
+
+
+def _caller_stacklevel() -> int:
+    """The stacklevel of the first frame outside tightfit and torch: the user's line."""
+    import torch
+
+    internal = (_PACKAGE_DIR, os.path.dirname(os.path.abspath(torch.__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(internal):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _forget_warnings() -> None:

@@ -25,23 +25,6 @@ def check_type(name: str, value: Any, expected: type | tuple[type, ...]) -> None
         raise TypeError(f"{name} must be {names}, got {type(value).__name__}: {_describe(value)}")
 
 
-def check_tensor(
-    name: str,
-    value: Any,
-    *,
-    dtypes: Collection[torch.dtype] | None = None,
-    allow_empty: bool = True,
-) -> torch.Tensor:
-    """Check that ``value`` is a tensor with one of ``dtypes``; return it."""
-    check_type(name, value, torch.Tensor)
-    if dtypes is not None and value.dtype not in dtypes:
-        accepted = ", ".join(sorted(str(d) for d in dtypes))
-        raise TypeError(f"{name} has dtype {value.dtype}; accepted: {accepted}")
-    if not allow_empty and value.numel() == 0:
-        raise ValueError(f"{name} must not be empty, got {_describe(value)}")
-    return value
-
-
 def check_choice(name: str, value: Any, choices: Collection[Any]) -> None:
     """Raise ValueError unless ``value`` is one of ``choices``."""
     if value not in choices:
@@ -53,12 +36,3 @@ def check_same_device(name: str, value: torch.Tensor, other_name: str, other: to
     """Raise ValueError when two tensors live on different devices."""
     if value.device != other.device:
         raise ValueError(f"{name} is on {value.device} but {other_name} is on {other.device}; both must be on one device")
-
-
-def check_positive_int(name: str, value: Any) -> int:
-    """Check an integer >= 1 (bool is rejected); return it."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be int, got {type(value).__name__}: {_describe(value)}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from tightfit.backends import Backend, available
+from tightfit.backends import Backend, available, get
 from tightfit.ops._registry import Case, OpDef, registered_ops
 
 __all__ = ["CheckResult", "run_checks", "SENTINEL_BYTE", "SENTINEL_BYTES"]
@@ -32,10 +32,6 @@ class CheckResult:
     case: str
     status: str  # "OK", "FAIL" or "not supported"
     detail: str = ""
-
-    @property
-    def passed(self) -> bool:
-        return self.status != "FAIL"
 
 
 def _with_sentinel(template: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +85,7 @@ def _run_case(opdef: OpDef, case: Case, fn: Callable[..., Any], device: torch.de
     guards = {}
     for index in opdef.mutated:
         args[index], guards[index] = _with_sentinel(case.args[index], device)
+        args[index].copy_(case.args[index])  # start from what the reference starts from
     actual = fn(*args)
     for index, guard in guards.items():
         if bool((guard != SENTINEL_BYTE).any()):
@@ -99,49 +96,59 @@ def _run_case(opdef: OpDef, case: Case, fn: Callable[..., Any], device: torch.de
     return _compare(expected, actual, opdef.metric)
 
 
-def _targets(opdef: OpDef, backends: Iterable[Backend]) -> list[tuple[str, str, Callable[..., Any], torch.device]]:
-    """(backend, kernel label, callable, device): dispatch per backend, plus every CPU kernel directly."""
+def _targets(opdef: OpDef, backends: Iterable[Backend]) -> list[tuple[Backend, str, Callable[..., Any]]]:
+    """(backend, kernel label, callable): dispatch per backend, plus the CPU kernel called directly."""
     targets = []
     for backend in backends:
         kernel = opdef.kernels.get(backend.device_type)
         label = f"dispatch -> {kernel.label}" if kernel else "dispatch -> reference"
-        targets.append((backend.name, label, opdef, backend.device(0 if backend.device_type != "cpu" else None)))
+        targets.append((backend, label, opdef))
     cpu_kernel = opdef.kernels.get("cpu")
     if cpu_kernel is not None:
-        targets.append(("cpu", f"direct {cpu_kernel.label}", cpu_kernel.fn, torch.device("cpu")))
+        targets.append((get("cpu"), f"direct {cpu_kernel.label}", cpu_kernel.fn))
     return targets
+
+
+def _check_target(opdef: OpDef, cases: list[Case], backend: Backend, label: str, fn: Callable[..., Any]) -> list[CheckResult]:
+    def result(case: str, status: str, detail: str = "") -> CheckResult:
+        return CheckResult(opdef.name, backend.name, label, case, status, detail)
+
+    try:
+        storage = backend.capabilities().storage_dtypes
+        device = backend.resolve_device(None)
+    except RuntimeError as error:
+        return [result("(backend)", "FAIL", str(error))]
+    results = []
+    for case in cases:
+        missing = _required_dtypes(case) - storage
+        if missing:
+            results.append(result(case.name, "not supported", f"no storage for {sorted(map(str, missing))}"))
+            continue
+        try:
+            problem = _run_case(opdef, case, fn, device)
+        except Exception as error:  # a crash in a kernel is a failed check, not a crashed harness
+            problem = f"raised {type(error).__name__}: {error}"
+        results.append(result(case.name, "OK" if problem is None else "FAIL", problem or ""))
+    return results
 
 
 def run_checks(ops: Iterable[str] | None = None, backends: Iterable[Backend] | None = None) -> list[CheckResult]:
     """Check the named ops (default: all) on the given backends (default: all available)."""
+    if isinstance(ops, str):
+        raise TypeError(f"ops must be a list of op names or None, got the str {ops!r}; pass [{ops!r}]")
     all_ops = registered_ops()
     names = sorted(all_ops) if ops is None else list(ops)
     for name in names:
         if name not in all_ops:
             raise ValueError(f"op {name!r} is not registered; registered ops: {', '.join(sorted(all_ops))}")
     chosen = list(available() if backends is None else backends)
+    for backend in chosen:
+        if not isinstance(backend, Backend):
+            raise TypeError(f"backends must hold tightfit Backend objects, got {type(backend).__name__}: {backend!r}")
     results = []
     for name in names:
         opdef = all_ops[name]
         cases = list(opdef.cases())
-        for backend_name, label, fn, device in _targets(opdef, chosen):
-            storage = _backend_storage_dtypes(backend_name, chosen)
-            for case in cases:
-                missing = _required_dtypes(case) - storage
-                if missing:
-                    results.append(CheckResult(name, backend_name, label, case.name, "not supported", f"no storage for {sorted(map(str, missing))}"))
-                    continue
-                try:
-                    problem = _run_case(opdef, case, fn, device)
-                except Exception as error:  # a crash in a kernel is a failed check, not a crashed harness
-                    problem = f"raised {type(error).__name__}: {error}"
-                status = "OK" if problem is None else "FAIL"
-                results.append(CheckResult(name, backend_name, label, case.name, status, problem or ""))
+        for backend, label, fn in _targets(opdef, chosen):
+            results.extend(_check_target(opdef, cases, backend, label, fn))
     return results
-
-
-def _backend_storage_dtypes(name: str, backends: list[Backend]) -> frozenset[torch.dtype]:
-    for backend in backends:
-        if backend.name == name:
-            return backend.capabilities().storage_dtypes
-    raise ValueError(f"backend {name!r} is not among the checked backends")

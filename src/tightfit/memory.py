@@ -4,6 +4,7 @@ storages itself and also reads the process's peak resident set size."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -22,10 +23,10 @@ __all__ = ["LiveTensorBytes", "Measurement", "measure", "tensor_bytes"]
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views and ties counted once)."""
-    seen: dict[tuple[str, int], int] = {}
+    seen: dict[int, int] = {}
     for tensor in tensors:
         storage = tensor.untyped_storage()
-        seen[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
+        seen[storage._cdata] = storage.nbytes()  # identity of the storage, also for meta tensors
     return sum(seen.values())
 
 
@@ -33,8 +34,8 @@ class LiveTensorBytes(TorchDispatchMode):
     """Counts the bytes of storages on one device type created while the mode is active.
 
     ``current`` is what is still alive now and ``peak`` the most seen alive at once,
-    sampled after every aten op. Tensors that existed before entry (weights) are not
-    counted: add them yourself.
+    sampled after every aten op. Storages that existed before entry (weights) are not
+    counted, even when a view or an in-place op returns them: add them yourself.
     """
 
     def __init__(self, device_type: str = "cpu") -> None:
@@ -43,18 +44,31 @@ class LiveTensorBytes(TorchDispatchMode):
             raise ValueError(f"device_type must be a non-empty str, got {device_type!r}")
         self.device_type = device_type
         self._live: dict[StorageWeakRef, int] = {}
+        self._foreign: set[StorageWeakRef] = set()  # seen first as an input: existed before entry
         self.current = 0
         self.peak = 0
 
+    def _storages(self, tree: Any) -> list[torch.UntypedStorage]:
+        return [
+            leaf.untyped_storage()
+            for leaf in tree_flatten(tree)[0]
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == self.device_type
+        ]
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        for storage in self._storages((args, kwargs)):
+            ref = StorageWeakRef(storage)
+            if ref not in self._live:
+                self._foreign.add(ref)
         result = func(*args, **(kwargs or {}))
         for ref in [ref for ref in self._live if ref.expired()]:
-            del self._live[ref]
-        for leaf in tree_flatten(result)[0]:
-            if isinstance(leaf, torch.Tensor) and leaf.device.type == self.device_type:
-                storage = leaf.untyped_storage()
-                self._live.setdefault(StorageWeakRef(storage), storage.nbytes())
-        self.current = sum(self._live.values())
+            self.current -= self._live.pop(ref)
+        self._foreign = {ref for ref in self._foreign if not ref.expired()}
+        for storage in self._storages(result):
+            ref = StorageWeakRef(storage)
+            if ref not in self._live and ref not in self._foreign:
+                self._live[ref] = storage.nbytes()
+                self.current += self._live[ref]
         self.peak = max(self.peak, self.current)
         return result
 
@@ -77,36 +91,39 @@ class Measurement:
 
     @property
     def median_seconds(self) -> float:
-        ordered = sorted(self.seconds)
-        return ordered[len(ordered) // 2]
+        return statistics.median(self.seconds)
 
 
 def measure(fn: Callable[[], Any], device: torch.device | str, *, repeat: int = 5, warmup: int = 1, baseline_bytes: int = 0) -> Measurement:
-    """Time ``fn`` ``repeat`` times after ``warmup`` calls and record its peak memory."""
+    """Time ``fn`` ``repeat`` times after ``warmup`` calls, then record its peak memory.
+
+    Timing runs untracked; on the CPU one more call runs under :class:`LiveTensorBytes`,
+    whose per-op bookkeeping would otherwise inflate the latency.
+    """
     for name, value, low in (("repeat", repeat, 1), ("warmup", warmup, 0), ("baseline_bytes", baseline_bytes, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    device = torch.device(device)
     backend = get(device)
+    device = backend.resolve_device(device)
     for _ in range(warmup):
         fn()
     backend.synchronize(device)
+    if device.type != "cpu":
+        backend.reset_peak_memory(device)
     seconds = []
-    if device.type == "cpu":
-        reset_process_peak()
-        with LiveTensorBytes("cpu") as tracker:
-            for _ in range(repeat):
-                start = time.perf_counter()
-                fn()
-                seconds.append(time.perf_counter() - start)
-        return Measurement(str(device), seconds, baseline_bytes, baseline_bytes + tracker.peak, read_process_memory()[1],
-                           "live tensors: weights + created by the run")
-    backend.reset_peak_memory(device)
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
         backend.synchronize(device)
         seconds.append(time.perf_counter() - start)
-    return Measurement(str(device), seconds, baseline_bytes, backend.memory(device).peak, None, backend.memory(device).source)
+    if device.type != "cpu":
+        info = backend.memory(device)
+        return Measurement(str(device), seconds, baseline_bytes, info.peak, None, info.source)
+    rss_reset = reset_process_peak()
+    with LiveTensorBytes("cpu") as tracker:
+        fn()
+    peak_rss = read_process_memory()[1] if rss_reset else None  # without a reset it is the lifetime peak
+    return Measurement(str(device), seconds, baseline_bytes, baseline_bytes + tracker.peak, peak_rss,
+                       "live tensors: weights + created by the run")

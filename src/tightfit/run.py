@@ -77,7 +77,7 @@ def run(options: RunOptions | None = None) -> RunReport:
     if not isinstance(options, RunOptions):
         raise TypeError(f"options must be RunOptions, got {type(options).__name__}")
     backend = backends.get(options.backend) if options.backend else backends.default()
-    device = backend.device(0 if backend.device_type != "cpu" else None)
+    device = backend.resolve_device(options.backend if options.backend and ":" in options.backend else None)
     folder = Path(options.model) if options.model is not None else default_model_dir()
     model, tokenizer = load_encoder(folder, device)
     weights = tensor_bytes(list(model.parameters()) + list(model.buffers()))

@@ -49,8 +49,10 @@ def test_backend_methods_reject_foreign_devices(device, error, match):
 
 def test_device_index_is_validated():
     cpu = tightfit.backends.get("cpu")
-    with pytest.raises(ValueError, match="index must be a non-negative int"):
+    with pytest.raises(ValueError, match="index must be >= 0, got -1"):
         cpu.device(-1)
+    with pytest.raises(TypeError, match="index must be an int or None, got str"):
+        cpu.device("0")
     assert cpu.device() == torch.device("cpu")
 
 

@@ -190,3 +190,27 @@ def test_use_validates_eagerly():
     with pytest.raises(ValueError, match="not known"):
         with tightfit.backends.use("nonesuch"):
             pass
+
+
+def test_plugin_that_uses_tightfit_while_loading_is_recorded(tmp_path, monkeypatch):
+    body = "import tightfit\ntightfit.backends.available()\n" + fake_body()
+    install_plugin(tmp_path, monkeypatch, "eager-vendor", "eager_vendor", body=body)
+    entry = next(e for e in tightfit.backends.all_backends() if e.entry_point == "eager_vendor")
+    assert entry.backend is None and "while it was being loaded" in entry.error
+    assert tightfit.backends.get("cpu").name == "cpu"
+
+
+def test_backend_whose_capabilities_fail_is_reported_not_fatal(tmp_path, monkeypatch):
+    body = fake_body().replace("def _capabilities(self):\n        return", "def _capabilities(self):\n        raise AttributeError('no such register')\n        return")
+    install_plugin(tmp_path, monkeypatch, "flaky-vendor", "flaky_vendor", body=body)
+    backend = tightfit.backends.get("fakeaccel")
+    with pytest.raises(RuntimeError, match="reading capabilities of backend fakeaccel failed: no such register"):
+        backend.capabilities()
+    from tightfit.cli import _backend_row
+
+    entry = next(e for e in tightfit.backends.all_backends() if e.entry_point == "flaky_vendor")
+    assert "no such register" in _backend_row(entry)["error"]
+    from tightfit.conformance import run_checks
+
+    rows = run_checks(ops=["cast"], backends=[backend])
+    assert any(r.status == "FAIL" and "no such register" in r.detail for r in rows)

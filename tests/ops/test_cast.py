@@ -14,7 +14,7 @@ import tightfit
 from tightfit.backends import FLOAT8_DTYPES
 from tightfit.ops import _cpu_cast, _numba
 from tightfit.ops._cpu_cast import MIN_FAST_NUMEL
-from tightfit.ops.cast import float32_probe_values
+from tightfit.ops.cast import _float32_probe_values as float32_probe_values
 
 WIDE = [torch.float32, torch.float16, torch.bfloat16]
 FLOAT8 = sorted(FLOAT8_DTYPES, key=str)
@@ -187,7 +187,7 @@ def test_cast_under_torch_compile():
         (lambda: tightfit.ops.cast(torch.ones(2), torch.int8), ValueError, "dtype=torch.int8 is not accepted"),
         (lambda: tightfit.ops.cast(torch.ones(2), torch.float64), ValueError, "accepted: "),
         (lambda: tightfit.ops.cast(torch.ones(2), torch.bfloat16, out=[0, 0]), TypeError, "out must be Tensor"),
-        (lambda: tightfit.ops.cast(torch.ones(2), torch.bfloat16, out=torch.empty(2)), TypeError, "out has dtype torch.float32 but dtype=torch.bfloat16"),
+        (lambda: tightfit.ops.cast(torch.ones(2), torch.bfloat16, out=torch.empty(2)), ValueError, "out has dtype torch.float32 but dtype=torch.bfloat16"),
         (lambda: tightfit.ops.cast(torch.ones(2), torch.bfloat16, out=torch.empty(3, dtype=torch.bfloat16)), ValueError, r"out has shape \(3,\) but x has shape \(2,\)"),
         (lambda: tightfit.ops.cast(torch.ones(2), torch.bfloat16, out=torch.empty(2, dtype=torch.bfloat16, device="meta")), ValueError, "out is on meta but x is on cpu"),
     ],
@@ -202,3 +202,72 @@ def test_cast_rejects_out_sharing_storage_with_input():
     with pytest.raises(ValueError, match="out shares its storage with x"):
         tightfit.ops.cast(buffer.view(torch.float8_e4m3fn)[:8], torch.float16, out=buffer)
     assert torch.equal(buffer, torch.zeros(8, dtype=torch.float16))  # untouched
+
+
+RAW_CAST_INTO_MISMATCH = """
+import torch, tightfit
+x = torch.zeros(1 << 16).to(torch.float8_e4m3fn)
+out = torch.empty(16, dtype=torch.bfloat16)
+try:
+    torch.ops.tightfit.cast_into(x, out)
+except ValueError as error:
+    print("rejected:", error)
+"""
+
+
+def test_raw_op_with_a_short_out_is_rejected_not_a_crash():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", RAW_CAST_INTO_MISMATCH], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "rejected: out has shape (16,) but x has shape (65536,)" in done.stdout
+
+
+CONCURRENT_CASTS = """
+import threading, torch, tightfit
+x = torch.randn(1 << 20).to(torch.float8_e4m3fn)
+expected = x.to(torch.bfloat16).view(torch.int16)
+ok = []
+def work():
+    for _ in range(5):
+        ok.append(torch.equal(tightfit.ops.cast(x, torch.bfloat16).view(torch.int16), expected))
+threads = [threading.Thread(target=work) for _ in range(4)]
+[t.start() for t in threads]; [t.join() for t in threads]
+print(sum(ok), len(ok))
+"""
+
+
+def test_concurrent_casts_under_numbas_workqueue_layer():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue")
+    done = subprocess.run([sys.executable, "-c", CONCURRENT_CASTS], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["20", "20"]
+
+
+def test_gradients_pass_straight_through():
+    x = torch.randn(64, requires_grad=True)
+    y = tightfit.ops.cast(tightfit.ops.cast(x, torch.float8_e4m3fn), torch.float32)
+    (y * 3).sum().backward()
+    assert x.grad.dtype == torch.float32 and torch.equal(x.grad, torch.full((64,), 3.0))
+
+
+def test_out_that_requires_grad_is_rejected():
+    with pytest.raises(ValueError, match="out requires grad"):
+        tightfit.ops.cast(torch.ones(2), torch.float32, out=torch.zeros(2, requires_grad=True))
+
+
+def test_fallback_warning_points_at_the_callers_line():
+    x = torch.randn(MIN_FAST_NUMEL).to(torch.float8_e4m3fn)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_cpu_cast, "load_numba", lambda: (None, "numba is not usable (test)"))
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            tightfit.ops.cast(x, torch.bfloat16, out=torch.empty(x.shape, dtype=torch.bfloat16))
+    found = [w for w in record if issubclass(w.category, tightfit.FallbackWarning)]
+    assert len(found) == 1 and "'cast_into'" in str(found[0].message)
+    assert found[0].filename == __file__

@@ -126,3 +126,15 @@ def test_unsupported_device_runs_on_cpu_with_copies_and_mutations_back(monkeypat
 def test_registry_rejects_bad_input(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+@pytest.mark.parametrize("value", ["2", "maybe"])
+def test_strict_environment_rejects_unknown_values(monkeypatch, value):
+    monkeypatch.setenv("TIGHTFIT_STRICT", value)
+    with pytest.raises(ValueError, match=f"TIGHTFIT_STRICT='{value}' is not accepted; accepted: 0, 1, false"):
+        tightfit.is_strict()
+
+
+def test_define_op_rejects_mutated_argument_that_does_not_exist():
+    with pytest.raises(ValueError, match="mutates_args names 'out', which is not a parameter"):
+        define_op("test_no_out", _double, fake=_double_fake, cases=CASES, mutates_args=("out",))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -61,9 +61,9 @@ class Backend(abc.ABC):
     tightfit first looks for backends.
     """
 
-    name: ClassVar[str]
-    device_type: ClassVar[str]
-    priority: ClassVar[int] = 0
+    name: str
+    device_type: str
+    priority: int = 0
 
     # -- what a backend implements -------------------------------------------------
     @abc.abstractmethod
@@ -88,14 +88,19 @@ class Backend(abc.ABC):
 
     def capabilities(self) -> Capabilities:
         """Dtypes and features; may query the device, so call after ``is_available()``."""
-        return self._capabilities()
+        try:
+            return self._capabilities()
+        except Exception as error:  # add context, keep the cause
+            raise RuntimeError(f"reading capabilities of backend {self.name} failed: {error}") from error
 
     def device(self, index: int | None = None) -> torch.device:
         """The torch device for this backend (``index`` picks one of several)."""
         if index is None:
             return torch.device(self.device_type)
-        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            raise ValueError(f"index must be a non-negative int or None, got {index!r}")
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"index must be an int or None, got {type(index).__name__}: {index!r}")
+        if index < 0:
+            raise ValueError(f"index must be >= 0, got {index}")
         return torch.device(self.device_type, index)
 
     def memory(self, device: torch.device | str | None = None) -> MemoryInfo:
@@ -112,7 +117,7 @@ class Backend(abc.ABC):
 
     def _on_device(self, action: str, device: torch.device | str | None, method: Callable[[torch.device], T]) -> T:
         """Run a backend method on a validated device; errors gain the device and backend."""
-        target = self._own_device(device)
+        target = self.resolve_device(device)
         try:
             return method(target)
         except Exception as error:  # add context, keep the cause
@@ -121,7 +126,8 @@ class Backend(abc.ABC):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} device_type={self.device_type!r} priority={self.priority}>"
 
-    def _own_device(self, device: torch.device | str | None) -> torch.device:
+    def resolve_device(self, device: torch.device | str | None) -> torch.device:
+        """The torch device this backend means by ``device`` (None: its first device)."""
         if device is None:
             return self.device(0 if self.device_type != "cpu" else None)
         if not isinstance(device, (str, torch.device)):

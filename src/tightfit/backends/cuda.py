@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from tightfit.backends._accelerator import AcceleratorBackend
@@ -30,12 +32,4 @@ class CUDABackend(AcceleratorBackend):
         return frozenset(compute)
 
     def _capabilities(self) -> Capabilities:
-        base = super()._capabilities()
-        return Capabilities(
-            storage_dtypes=base.storage_dtypes,
-            compute_dtypes=base.compute_dtypes,
-            async_copy=True,
-            unified_memory=False,
-            paged_memory=True,  # cudaMallocManaged / hipMallocManaged
-            hints=base.hints,
-        )
+        return dataclasses.replace(super()._capabilities(), paged_memory=True)  # cudaMallocManaged / hipMallocManaged

@@ -9,7 +9,7 @@ import os
 import threading
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 
 import torch
@@ -17,7 +17,7 @@ import torch
 from tightfit._errors import BackendConflictError
 from tightfit.backends.base import Backend
 
-__all__ = ["ENTRY_POINT_GROUP", "BackendEntry", "all_backends", "available", "conflict", "get", "default", "use"]
+__all__ = ["ENTRY_POINT_GROUP", "BackendEntry", "all_backends", "available", "conflict", "get", "default", "load_plugins", "use"]
 
 ENTRY_POINT_GROUP = "tightfit.backends"
 _ENV_BACKEND = "TIGHTFIT_BACKEND"
@@ -31,7 +31,7 @@ class BackendEntry:
     origin: str
     backend: Backend | None = None
     error: str | None = None
-    _available: bool | None = None
+    _available: bool | None = field(default=None, init=False, repr=False)
 
     @property
     def available(self) -> bool:
@@ -50,6 +50,7 @@ class BackendEntry:
 
 
 _lock = threading.RLock()
+_loading = threading.local()
 _entries: list[BackendEntry] | None = None
 _conflict: BackendConflictError | None = None
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("tightfit_backend", default=None)
@@ -100,23 +101,32 @@ def _find_conflict(entries: list[BackendEntry]) -> BackendConflictError | None:
     return None
 
 
-def _load() -> list[BackendEntry]:
-    """Load every entry point once; later calls return the cached list."""
+def _load() -> tuple[list[BackendEntry], BackendConflictError | None]:
+    """Load every entry point once; later calls return the cached (entries, conflict)."""
     global _entries, _conflict
-    if _entries is None:
-        with _lock:
-            if _entries is None:
+    entries, conflict = _entries, _conflict
+    if entries is not None:
+        return entries, conflict
+    with _lock:
+        if _entries is None:
+            if getattr(_loading, "active", False):
+                raise RuntimeError("a backend plugin used tightfit.backends or an op while it was being loaded; "
+                                   "plugins must not touch tightfit at import or construction")
+            _loading.active = True
+            try:
                 found = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
                 loaded = [_load_entry(ep) for ep in found]
-                _conflict = _find_conflict(loaded)
-                _entries = loaded
-    return _entries
+            finally:
+                _loading.active = False
+            _conflict = _find_conflict(loaded)
+            _entries = loaded
+        return _entries, _conflict
 
 
 def _checked_entries() -> list[BackendEntry]:
-    entries = _load()
-    if _conflict is not None:
-        raise _conflict
+    entries, conflict = _load()
+    if conflict is not None:
+        raise conflict
     return entries
 
 
@@ -130,13 +140,17 @@ def _clear_cache() -> None:
 
 def conflict() -> BackendConflictError | None:
     """The duplicate device claim found while loading plugins, if any (for reports)."""
-    _load()
-    return _conflict
+    return _load()[1]
 
 
 def all_backends() -> list[BackendEntry]:
     """Every entry point, loaded or failed, in name order (for reports; never raises)."""
-    return list(_load())
+    return list(_load()[0])
+
+
+def load_plugins() -> None:
+    """Import every backend plugin now (once), so the kernels they register are in place."""
+    _load()
 
 
 def available() -> list[Backend]:

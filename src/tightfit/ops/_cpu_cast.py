@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ __all__ = ["cast_cpu", "cast_into_cpu"]
 #: Below this many elements torch's own cast is faster than a parallel kernel launch.
 MIN_FAST_NUMEL = 1 << 15
 
+_kernel_lock = threading.Lock()
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 _TORCH_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
@@ -42,16 +44,12 @@ def _kernels():
     return gather
 
 
-def _bits(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 @functools.lru_cache(maxsize=None)
 def _table(src: torch.dtype, dst: torch.dtype, pairs: bool) -> np.ndarray:
     """Every source bit pattern cast by torch; with ``pairs``, two 8-bit inputs per entry."""
-    width = _bits(src)
+    width = src.itemsize
     patterns = torch.from_numpy(np.arange(1 << (8 * width), dtype=_UNSIGNED[width]).view(f"i{width}" if width > 1 else "u1"))
-    converted = patterns.view(src).to(dst).view(_TORCH_SAME_WIDTH[_bits(dst)]).numpy().view(_UNSIGNED[_bits(dst)])
+    converted = patterns.view(src).to(dst).view(_TORCH_SAME_WIDTH[dst.itemsize]).numpy().view(_UNSIGNED[dst.itemsize])
     if not pairs:
         return np.ascontiguousarray(converted)
     low = converted.astype(np.uint32)
@@ -66,14 +64,14 @@ def _as_unsigned(tensor: torch.Tensor) -> np.ndarray:
 
 def _has_table(src: torch.dtype, dst: torch.dtype) -> bool:
     """A float8 cast from an 8- or 16-bit type: what the lookup kernel does."""
-    return _bits(src) <= 2 and (src in FLOAT8_DTYPES or dst in FLOAT8_DTYPES)
+    return src.itemsize <= 2 and dst.itemsize in _UNSIGNED and (src in FLOAT8_DTYPES or dst in FLOAT8_DTYPES)
 
 
 def _lookup_into(x: torch.Tensor, out: torch.Tensor) -> None:
     """Cast contiguous 1-D ``x`` into contiguous 1-D ``out`` by table lookup."""
     gather = _kernels()
     src, dst = x.dtype, out.dtype
-    if _bits(src) == 1 and _bits(dst) == 2 and sys.byteorder == "little":
+    if src.itemsize == 1 and dst.itemsize == 2 and sys.byteorder == "little":
         even = x.numel() - (x.numel() % 2)
         gather(_as_unsigned(x[:even]).view(np.uint16), _table(src, dst, True), _as_unsigned(out[:even]).view(np.uint32))
         if even < x.numel():
@@ -82,25 +80,32 @@ def _lookup_into(x: torch.Tensor, out: torch.Tensor) -> None:
     gather(_as_unsigned(x), _table(src, dst, False), _as_unsigned(out))
 
 
-def cast_into_cpu(x: torch.Tensor, out: torch.Tensor) -> None:
-    """CPU kernel of ``tightfit::cast_into``."""
+def _cast_into(x: torch.Tensor, out: torch.Tensor, op: str) -> None:
+    if x.shape != out.shape:  # the raw op is callable directly: never let numba write out of bounds
+        raise ValueError(f"out has shape {tuple(out.shape)} but x has shape {tuple(x.shape)}; they must match")
     if x.numel() < MIN_FAST_NUMEL or not _has_table(x.dtype, out.dtype):
         out.copy_(x)
         return
     numba, why_not = load_numba()
     if numba is None:
-        report_fallback("cast", "cpu", "reference", f"{why_not}; using torch's cast")
+        report_fallback(op, "cpu", "reference", f"{why_not}; using torch's cast")
         out.copy_(x)
         return
-    match_torch_threads(numba)
     target = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
-    _lookup_into(x.contiguous().view(-1), target.view(-1))
+    with _kernel_lock:  # numba's workqueue threading layer aborts on concurrent parallel calls
+        match_torch_threads(numba)
+        _lookup_into(x.contiguous().view(-1), target.view(-1))
     if target is not out:
         out.copy_(target)
+
+
+def cast_into_cpu(x: torch.Tensor, out: torch.Tensor) -> None:
+    """CPU kernel of ``tightfit::cast_into``."""
+    _cast_into(x, out, "cast_into")
 
 
 def cast_cpu(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """CPU kernel of ``tightfit::cast``; a large result is backed by huge pages."""
     out = empty_with_huge_pages(x.shape, dtype)
-    cast_into_cpu(x, out)
+    _cast_into(x, out, "cast")
     return out

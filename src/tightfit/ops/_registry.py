@@ -58,10 +58,6 @@ class OpDef:
     unsupported: Callable[[torch.device, tuple[Any, ...]], str | None] | None = None
     kernels: dict[str, KernelInfo] = field(default_factory=dict)
 
-    @property
-    def qualname(self) -> str:
-        return f"{NAMESPACE}::{self.name}"
-
     def __call__(self, *args: Any) -> Any:
         """Dispatch on the arguments' device (callers validate first)."""
         if not torch.compiler.is_compiling():  # when tracing, the fake kernel loads them
@@ -75,9 +71,9 @@ _ops_lock = threading.Lock()
 
 def _ensure_plugins_loaded() -> None:
     """Import backend plugins before dispatch, so their kernels are in place (cached after once)."""
-    from tightfit.backends.registry import all_backends
+    from tightfit.backends.registry import load_plugins
 
-    all_backends()
+    load_plugins()
 
 
 def _first_device(args: tuple[Any, ...]) -> torch.device:
@@ -99,6 +95,10 @@ def _run_on_cpu(opdef: OpDef, args: tuple[Any, ...], device: torch.device) -> An
 
 def _default_kernel(opdef: OpDef, args: tuple[Any, ...]) -> Any:
     device = _first_device(args)
+    _ensure_plugins_loaded()  # the raw torch.ops entry point may get here before any plugin loaded
+    kernel = opdef.kernels.get(device.type)
+    if kernel is not None:
+        return kernel.fn(*args)
     reason = opdef.unsupported(device, args) if opdef.unsupported is not None else None
     if reason is None:
         report_fallback(opdef.name, device.type, "reference", f"no {device.type} kernel is registered; running the pure-torch reference kernel")
@@ -130,6 +130,9 @@ def define_op(
     if name in _ops:
         raise ValueError(f"op {name!r} is already defined")
     parameters = list(inspect.signature(reference).parameters)
+    for arg in mutates_args:
+        if arg not in parameters:
+            raise ValueError(f"mutates_args names {arg!r}, which is not a parameter of the reference; parameters: {', '.join(parameters)}")
     opdef = OpDef(
         name=name,
         reference=reference,

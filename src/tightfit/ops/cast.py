@@ -35,30 +35,30 @@ def _cast_into_fake(x: torch.Tensor, out: torch.Tensor) -> None:
     return None
 
 
-def _native_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Accelerators' own cast kernels are vectorized already."""
-    return _cast_reference(x, dtype)
+def _cast_backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """Straight through: the gradient goes back in the input's dtype."""
+    return grad.to(ctx.input_dtype), None
 
 
-def _native_cast_into(x: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(x)
+def _cast_setup_context(ctx: object, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.input_dtype = inputs[0].dtype
 
 
 # -- conformance cases ---------------------------------------------------------------
 
-_MAIN_FLOAT8 = [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d is not None]
+_MAIN_FLOAT8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+_OTHER_FLOAT8 = sorted(FLOAT8_DTYPES - set(_MAIN_FLOAT8), key=str)
 _WIDE = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def _every_pattern(dtype: torch.dtype) -> torch.Tensor:
     """All bit patterns of an 8- or 16-bit dtype (NaN, inf, subnormals, both zeros)."""
-    width = torch.empty((), dtype=dtype).element_size()
-    if width == 1:
+    if dtype.itemsize == 1:
         return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
     return torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
 
 
-def float32_probe_values() -> torch.Tensor:
+def _float32_probe_values() -> torch.Tensor:
     """float32 values on and next to every float8 rounding boundary, specials, random bits."""
     bf16_exact = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int64) << 16
     neighbours = [bf16_exact + delta for delta in (0, -1, 1, 1 << 14, (1 << 15) - 1, 1 << 15, (1 << 15) + 1)]
@@ -81,13 +81,15 @@ def _cast_cases() -> list[Case]:
     cases = []
     for target in _MAIN_FLOAT8:
         for source in _WIDE:
-            values = float32_probe_values() if source == torch.float32 else _every_pattern(source)
+            values = _float32_probe_values() if source == torch.float32 else _every_pattern(source)
             cases.append(Case(f"{source}->{target} all-edges", (values, target)))
         for source in _MAIN_FLOAT8:
             cases.append(Case(f"{source}->{target} all-patterns", (_every_pattern(source), target)))
-    for source in _MAIN_FLOAT8:
+    for source in _MAIN_FLOAT8 + _OTHER_FLOAT8:
         for target in _WIDE:
             cases.append(Case(f"{source}->{target} all-patterns", (_every_pattern(source), target)))
+    for target in _OTHER_FLOAT8:
+        cases.append(Case(f"torch.bfloat16->{target} all-patterns", (_every_pattern(torch.bfloat16), target)))
     shapes = {"empty": (0,), "scalar": (), "one": (1,), "odd": (MIN_FAST_NUMEL + 3,), "3d": (7, 5, 3)}
     for label, shape in shapes.items():
         numel = int(torch.Size(shape).numel())
@@ -103,15 +105,17 @@ def _cast_into_cases() -> list[Case]:
     return [Case(case.name, (case.args[0], torch.empty(case.args[0].shape, dtype=case.args[1]))) for case in _cast_cases()]
 
 
-CAST_OP = define_op("cast", _cast_reference, fake=_cast_fake, cases=_cast_cases)
-CAST_INTO_OP = define_op(
+_CAST = define_op("cast", _cast_reference, fake=_cast_fake, cases=_cast_cases)
+_CAST.custom_op.register_autograd(_cast_backward, setup_context=_cast_setup_context)
+_CAST_INTO = define_op(
     "cast_into", _cast_into_reference, fake=_cast_into_fake, cases=_cast_into_cases, mutates_args=("out",)
 )
 register_kernel("cast", "cpu", cast_cpu, label="table lookup (numba)")
 register_kernel("cast_into", "cpu", cast_into_cpu, label="table lookup (numba)")
-for _device_type in ("cuda", "xpu", "hpu"):
-    register_kernel("cast", _device_type, _native_cast, label="torch native cast")
-    register_kernel("cast_into", _device_type, _native_cast_into, label="torch native cast")
+# Accelerators' own cast kernels are vectorized already: the reference is their fast kernel.
+for _device_type in ("cuda", "xpu", "hpu", "mps"):
+    register_kernel("cast", _device_type, _cast_reference, label="torch native cast")
+    register_kernel("cast_into", _device_type, _cast_into_reference, label="torch native cast")
 
 
 def cast(x: torch.Tensor, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -119,21 +123,24 @@ def cast(x: torch.Tensor, dtype: torch.dtype, *, out: torch.Tensor | None = None
 
     Accepts float32, float16, bfloat16 and every float8 kind of this torch. With ``out``
     (same shape, dtype ``dtype``, same device) the result is written there and returned,
-    so a layer can reuse one buffer. The result is contiguous.
+    so a layer can reuse one buffer. The result is contiguous. Gradients pass straight
+    through, back in ``x``'s dtype.
     """
     check_type("x", x, torch.Tensor)
     check_type("dtype", dtype, torch.dtype)
     check_choice("x.dtype", x.dtype, CAST_DTYPES)
     check_choice("dtype", dtype, CAST_DTYPES)
     if out is None:
-        return CAST_OP(x, dtype)
+        return _CAST(x, dtype)
     check_type("out", out, torch.Tensor)
     if out.dtype != dtype:
-        raise TypeError(f"out has dtype {out.dtype} but dtype={dtype}; they must match")
+        raise ValueError(f"out has dtype {out.dtype} but dtype={dtype}; they must match")
     if out.shape != x.shape:
         raise ValueError(f"out has shape {tuple(out.shape)} but x has shape {tuple(x.shape)}; they must match")
     check_same_device("out", out, "x", x)
     if not torch.compiler.is_compiling() and out.numel() and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         raise ValueError("out shares its storage with x; pass a separate buffer")
-    CAST_INTO_OP(x, out)
+    if out.requires_grad:
+        raise ValueError("out requires grad; cast(..., out=) writes in place, which autograd cannot follow")
+    _CAST_INTO(x, out)
     return out
