@@ -6,6 +6,23 @@ Backend plugins add kernels with :func:`register_kernel`.
 """
 
 from tightfit.ops._registry import Case, KernelInfo, OpDef, get_op, register_kernel, registered_ops
+from tightfit.ops.blockwise import dequantize_4bit, dequantize_blockwise, quantize_4bit, quantize_blockwise
 from tightfit.ops.cast import CAST_DTYPES, cast
+from tightfit.ops.codes import code_4bit, dynamic_map
 
-__all__ = ["CAST_DTYPES", "Case", "KernelInfo", "OpDef", "cast", "get_op", "register_kernel", "registered_ops"]
+__all__ = [
+    "CAST_DTYPES",
+    "Case",
+    "KernelInfo",
+    "OpDef",
+    "cast",
+    "code_4bit",
+    "dequantize_4bit",
+    "dequantize_blockwise",
+    "dynamic_map",
+    "get_op",
+    "quantize_4bit",
+    "quantize_blockwise",
+    "register_kernel",
+    "registered_ops",
+]

@@ -1,0 +1,197 @@
+"""Fast CPU kernels for blockwise 8-bit and 4-bit quantization (numba, compiled at first use).
+
+They follow the reference kernels in ``ops/blockwise.py`` operation for operation in
+float32 (reciprocal-multiply for full blocks, division for the partial last block, the
+same clamps), so codes and absmax are bit-identical. The nearest code is found
+exactly: a coarse table over [-1, 1] gives a lower bound on the answer, and a short
+forward scan over the midpoints finishes it, which is bucketize's answer.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+import torch
+
+from tightfit._strict import report_fallback
+from tightfit.ops._numba import load_numba, match_torch_threads
+
+__all__: list[str] = []
+
+_SEARCH_BUCKETS = 1 << 16
+_kernel_lock = threading.Lock()  # numba's workqueue threading layer aborts on concurrent parallel calls
+
+
+def midpoints(code: torch.Tensor) -> torch.Tensor:
+    """The decision boundaries between neighbouring entries of a sorted code (float32)."""
+    return (code[:-1] + code[1:]) / 2
+
+
+@functools.lru_cache(maxsize=16)
+def _search_table(bounds_bytes: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """(bounds, table): table[k] = how many bounds lie below bucket k-1's lower edge."""
+    bounds = np.frombuffer(bounds_bytes, dtype=np.float32).copy()
+    edges = -1.0 + 2.0 * np.arange(-1, _SEARCH_BUCKETS - 1, dtype=np.float64) / _SEARCH_BUCKETS
+    table = np.searchsorted(bounds.astype(np.float64), edges, side="left").astype(np.int32)
+    return bounds, table
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    numba, _ = load_numba()
+    buckets = _SEARCH_BUCKETS
+
+    @numba.njit(inline="always")
+    def nearest(scaled, bounds, table):
+        k = np.int64((scaled + np.float32(1.0)) * np.float32(buckets // 2))
+        k = min(max(k, 0), buckets - 1)
+        index = table[k]
+        while index < bounds.shape[0] and scaled > bounds[index]:
+            index += 1
+        return index
+
+    @numba.njit(inline="always")
+    def block_scale(x, start, end, blocksize):
+        """(multiplier, divisor, stored absmax, has NaN) of one block, as the reference does."""
+        amax = np.float32(0.0)
+        has_nan = False
+        for i in range(start, end):
+            magnitude = abs(x[i])
+            if magnitude != magnitude:
+                has_nan = True
+            elif magnitude > amax:
+                amax = magnitude
+        clamped = max(amax, np.float32(1e-38))
+        if end - start == blocksize:
+            return np.float32(1.0) / clamped, np.float32(1.0), amax, has_nan
+        return np.float32(1.0), clamped, clamped, has_nan
+
+    @numba.njit(inline="always")
+    def scale_one(value, multiplier, divisor):
+        scaled = value * multiplier / divisor
+        return min(max(scaled, np.float32(-1.0)), np.float32(1.0))
+
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def quantize_8bit(x, blocksize, bounds, table, q, absmax):
+        n = x.shape[0]
+        for block in numba.prange(absmax.shape[0]):
+            start = block * blocksize
+            end = min(start + blocksize, n)
+            multiplier, divisor, stored, has_nan = block_scale(x, start, end, blocksize)
+            absmax[block] = np.float32(np.nan) if has_nan else stored
+            for i in range(start, end):
+                q[i] = nearest(scale_one(x[i], multiplier, divisor), bounds, table)
+
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def quantize_4bit(x, blocksize, bounds, table, order, packed, absmax):
+        n = x.shape[0]
+        pad = np.int64(order[nearest(np.float32(0.0), bounds, table)])
+        for block in numba.prange(absmax.shape[0]):
+            start = block * blocksize
+            end = min(start + blocksize, n)
+            multiplier, divisor, stored, has_nan = block_scale(x, start, end, blocksize)
+            absmax[block] = np.float32(np.nan) if has_nan else stored
+            for i in range(start, end, 2):
+                high = np.int64(order[nearest(scale_one(x[i], multiplier, divisor), bounds, table)])
+                low = np.int64(order[nearest(scale_one(x[i + 1], multiplier, divisor), bounds, table)]) if i + 1 < end else pad
+                packed[i // 2] = (high << 4) | low
+
+    @numba.njit(inline="always")
+    def store(values, out, i, value, as_bf16):
+        if as_bf16:
+            values[0] = value
+            bits = values.view(np.uint32)[0]
+            if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                out[i] = np.uint16(0x7FC0)  # torch's NaN
+            else:
+                out[i] = np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        else:
+            out[i] = value
+
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def dequantize_8bit(q, absmax, code, blocksize, out, as_bf16):
+        n = q.shape[0]
+        for block in numba.prange(absmax.shape[0]):
+            scratch = np.empty(1, np.float32)
+            scale = absmax[block]
+            for i in range(block * blocksize, min(block * blocksize + blocksize, n)):
+                store(scratch, out, i, code[q[i]] * scale, as_bf16)
+
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def dequantize_4bit(packed, absmax, code, blocksize, n, out, as_bf16):
+        for block in numba.prange(absmax.shape[0]):
+            scratch = np.empty(1, np.float32)
+            scale = absmax[block]
+            for i in range(block * blocksize, min(block * blocksize + blocksize, n)):
+                byte = np.int64(packed[i // 2])
+                nibble = (byte >> 4) if i % 2 == 0 else (byte & 15)
+                store(scratch, out, i, code[nibble] * scale, as_bf16)
+
+    return quantize_8bit, quantize_4bit, dequantize_8bit, dequantize_4bit
+
+
+def _numba_or_none(op: str):
+    numba, why_not = load_numba()
+    if numba is None:
+        report_fallback(op, "cpu", "reference", f"{why_not}; running the reference kernel")
+        return None
+    match_torch_threads(numba)
+    return numba
+
+
+def _search(code_sorted: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    return _search_table(midpoints(code_sorted).contiguous().numpy().tobytes())
+
+
+def quantize_8bit_cpu(A: torch.Tensor, code: torch.Tensor, blocksize: int, reference) -> tuple[torch.Tensor, torch.Tensor]:
+    if _numba_or_none("quantize_blockwise") is None:
+        return reference(A, code, blocksize)
+    x = A.reshape(-1).float().contiguous()
+    q = torch.empty(A.shape, dtype=torch.uint8)
+    absmax = torch.empty(-(-x.numel() // blocksize), dtype=torch.float32)
+    bounds, table = _search(code)
+    with _kernel_lock:
+        _kernels()[0](x.numpy(), blocksize, bounds, table, q.view(-1).numpy(), absmax.numpy())
+    return q, absmax
+
+
+def quantize_4bit_cpu(A: torch.Tensor, blocksize: int, sorted_code: torch.Tensor, order: torch.Tensor, reference) -> tuple[torch.Tensor, torch.Tensor]:
+    if _numba_or_none("quantize_4bit") is None:
+        return reference()
+    x = A.reshape(-1).float().contiguous()
+    packed = torch.empty((x.numel() + 1) // 2, dtype=torch.uint8)
+    absmax = torch.empty(-(-x.numel() // blocksize), dtype=torch.float32)
+    bounds, table = _search(sorted_code)
+    with _kernel_lock:
+        _kernels()[1](x.numpy(), blocksize, bounds, table, order.to(torch.uint8).numpy(), packed.numpy(), absmax.numpy())
+    return packed, absmax
+
+
+def _dequantize_into(kernel_index: int, op: str, data: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+                     blocksize: int, numel: int, dtype: torch.dtype, reference) -> torch.Tensor | None:
+    if _numba_or_none(op) is None:
+        return reference()
+    as_bf16 = dtype == torch.bfloat16
+    out = torch.empty(numel, dtype=torch.bfloat16 if as_bf16 else torch.float32)
+    target = out.view(torch.int16).numpy().view(np.uint16) if as_bf16 else out.numpy()
+    absmax32 = absmax.float().contiguous().numpy()
+    code32 = code.float().contiguous().numpy()
+    with _kernel_lock:
+        if kernel_index == 2:
+            _kernels()[2](data.numpy(), absmax32, code32, blocksize, target, as_bf16)
+        else:
+            _kernels()[3](data.numpy(), absmax32, code32, blocksize, numel, target, as_bf16)
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def dequantize_8bit_cpu(A, absmax, code, blocksize, dtype, reference) -> torch.Tensor:
+    out = _dequantize_into(2, "dequantize_blockwise", A.reshape(-1).contiguous(), absmax, code, blocksize, A.numel(), dtype, reference)
+    return out.reshape(A.shape)
+
+
+def dequantize_4bit_cpu(A, absmax, code, blocksize, shape, dtype, reference) -> torch.Tensor:
+    numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+    out = _dequantize_into(3, "dequantize_4bit", A.reshape(-1).view(torch.uint8).contiguous(), absmax, code, blocksize, numel, dtype, reference)
+    return out.reshape(shape)

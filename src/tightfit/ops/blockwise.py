@@ -1,0 +1,329 @@
+"""Blockwise 8-bit and 4-bit (NF4 / FP4) quantization ops, bit-compatible with bitsandbytes.
+
+A tensor is cut into contiguous blocks of ``blocksize`` values (the last may be
+partial); each block is scaled by its absolute maximum and every value becomes the
+index of the nearest entry of a code (ties go to the lower entry). The reference
+kernels below are the specification; see docs/quantization.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from tightfit._validate import check_choice, check_type
+from tightfit.ops import _cpu_blockwise as cpu
+from tightfit.ops._registry import Case, define_op, register_kernel
+from tightfit.ops.codes import QUANT_TYPES_4BIT, code_4bit, dynamic_map
+
+__all__ = [
+    "BLOCKSIZES_4BIT",
+    "BLOCKSIZES_8BIT",
+    "FLOAT_DTYPES",
+    "dequantize_4bit",
+    "dequantize_blockwise",
+    "quantize_4bit",
+    "quantize_blockwise",
+]
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+BLOCKSIZES_8BIT = (64, 128, 256, 512, 1024, 2048, 4096)
+BLOCKSIZES_4BIT = (32, *BLOCKSIZES_8BIT)
+
+
+# -- reference kernels (the specification) ----------------------------------------------
+
+
+def _scale_blocks(A: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values scaled into [-1, 1], absmax per block), exactly as bitsandbytes computes them."""
+    flat = A.reshape(-1).float()
+    full = flat.numel() - flat.numel() % blocksize
+    blocks = flat[:full].reshape(-1, blocksize)
+    absmax = blocks.abs().amax(dim=1) if blocks.numel() else torch.zeros(0, device=A.device)
+    scaled = torch.clamp(blocks * (1.0 / absmax.clamp(min=1e-38).unsqueeze(1)), -1, 1).reshape(-1)
+    if full < flat.numel():
+        tail_max = flat[full:].abs().max().clamp(min=1e-38)
+        absmax = torch.cat([absmax, tail_max.unsqueeze(0)])
+        scaled = torch.cat([scaled, torch.clamp(flat[full:] / tail_max, -1, 1)])
+    return scaled, absmax
+
+
+def _block_scales(absmax: torch.Tensor, numel: int, blocksize: int) -> torch.Tensor:
+    return absmax.float().repeat_interleave(blocksize)[:numel]
+
+
+def _quantize_blockwise_reference(A: torch.Tensor, code: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
+    scaled, absmax = _scale_blocks(A, blocksize)
+    q = torch.bucketize(scaled, cpu.midpoints(code), out_int32=True).to(torch.uint8)
+    return q.reshape(A.shape), absmax
+
+
+def _dequantize_blockwise_reference(A: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int, dtype: torch.dtype) -> torch.Tensor:
+    values = code.float()[A.reshape(-1).long()] * _block_scales(absmax, A.numel(), blocksize)
+    return values.reshape(A.shape).to(dtype)
+
+
+def _sorted_code(quant_type: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    code = code_4bit(quant_type).to(device)
+    order = torch.argsort(code)  # the same call bitsandbytes makes, so FP4's +0/-0 tie resolves alike
+    return code[order], order
+
+
+def _pack(nibbles: torch.Tensor) -> torch.Tensor:
+    if nibbles.numel() % 2:
+        raise ValueError("internal: an odd number of nibbles reached _pack")  # callers pad first
+    pairs = nibbles.to(torch.uint8).reshape(-1, 2)
+    return (pairs[:, 0] << 4) | pairs[:, 1]
+
+
+def _as_storage(packed: torch.Tensor, quant_storage: torch.dtype) -> torch.Tensor:
+    return packed.view(quant_storage).unsqueeze(1)
+
+
+def _quantize_4bit_reference(A: torch.Tensor, blocksize: int, quant_type: str, quant_storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    scaled, absmax = _scale_blocks(A, blocksize)
+    if scaled.numel() % 2:
+        scaled = torch.nn.functional.pad(scaled, (0, 1))  # a scaled zero
+    sorted_code, order = _sorted_code(quant_type, A.device)
+    q = order[torch.bucketize(scaled, cpu.midpoints(sorted_code), out_int32=True)]
+    return _as_storage(_pack(q), quant_storage), absmax
+
+
+def _unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    flat = packed.reshape(-1).view(torch.uint8)
+    return torch.stack([flat >> 4, flat & 15], dim=1).reshape(-1)[:numel].long()
+
+
+def _dequantize_4bit_reference(A: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant_type: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    numel = math.prod(shape)
+    code = code_4bit(quant_type).to(A.device)
+    values = code[_unpack(A, numel)] * _block_scales(absmax, numel, blocksize)
+    return values.reshape(shape).to(dtype)
+
+
+# -- fake kernels ---------------------------------------------------------------------------
+
+
+def _blocks(numel: int, blocksize: int) -> int:
+    return -(-numel // blocksize)
+
+
+def _quantize_blockwise_fake(A, code, blocksize):
+    return torch.empty(A.shape, dtype=torch.uint8, device=A.device), torch.empty(_blocks(A.numel(), blocksize), device=A.device)
+
+
+def _dequantize_blockwise_fake(A, absmax, code, blocksize, dtype):
+    return torch.empty(A.shape, dtype=dtype, device=A.device)
+
+
+def _quantize_4bit_fake(A, blocksize, quant_type, quant_storage):
+    packed_bytes = (A.numel() + 1) // 2
+    packed = torch.empty(packed_bytes // quant_storage.itemsize, 1, dtype=quant_storage, device=A.device)
+    return packed, torch.empty(_blocks(A.numel(), blocksize), device=A.device)
+
+
+def _dequantize_4bit_fake(A, absmax, blocksize, quant_type, shape, dtype):
+    return torch.empty(shape, dtype=dtype, device=A.device)
+
+
+# -- CPU kernels ----------------------------------------------------------------------------
+
+
+def _quantize_blockwise_cpu(A, code, blocksize):
+    return cpu.quantize_8bit_cpu(A, code, blocksize, _quantize_blockwise_reference)
+
+
+def _dequantize_blockwise_cpu(A, absmax, code, blocksize, dtype):
+    return cpu.dequantize_8bit_cpu(A, absmax, code, blocksize, dtype,
+                                   lambda: _dequantize_blockwise_reference(A, absmax, code, blocksize, dtype))
+
+
+def _quantize_4bit_cpu(A, blocksize, quant_type, quant_storage):
+    sorted_code, order = _sorted_code(quant_type, A.device)
+    packed, absmax = cpu.quantize_4bit_cpu(A, blocksize, sorted_code, order,
+                                           lambda: _quantize_4bit_reference(A, blocksize, quant_type, torch.uint8))
+    return _as_storage(packed.reshape(-1), quant_storage), absmax
+
+
+def _dequantize_4bit_cpu(A, absmax, blocksize, quant_type, shape, dtype):
+    return cpu.dequantize_4bit_cpu(A, absmax, code_4bit(quant_type), blocksize, shape, dtype,
+                                   lambda: _dequantize_4bit_reference(A, absmax, blocksize, quant_type, shape, dtype))
+
+
+# -- conformance cases ----------------------------------------------------------------------
+
+
+def _inputs(seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    normal = torch.randn(3 * 4096 + 1001, generator=generator)
+    spiky = normal.clone()
+    spiky[::97] *= 50
+    return {
+        "randn full+partial": normal,
+        "outliers": spiky,
+        "zeros block": torch.cat([torch.zeros(4096), normal[:100]]),
+        "tiny": normal[:3] * 1e-30,
+        "odd 2d": normal[: 33 * 17].reshape(33, 17),
+        "empty": normal[:0],
+    }
+
+
+def _blockwise_cases() -> list[Case]:
+    code = dynamic_map()
+    cases = []
+    for dtype in FLOAT_DTYPES:
+        for name, values in _inputs().items():
+            for blocksize in (64, 4096):
+                cases.append(Case(f"{name} {dtype} bs{blocksize}", (values.to(dtype), code, blocksize)))
+    return cases
+
+
+def _dequantize_blockwise_cases() -> list[Case]:
+    cases = []
+    for case in _blockwise_cases():
+        A, code, blocksize = case.args
+        q, absmax = _quantize_blockwise_reference(A, code, blocksize)
+        cases.append(Case(case.name, (q, absmax, code, blocksize, A.dtype)))
+    return cases
+
+
+def _4bit_cases() -> list[Case]:
+    cases = []
+    for quant_type in QUANT_TYPES_4BIT:
+        for dtype in FLOAT_DTYPES:
+            for name, values in _inputs(1).items():
+                for blocksize in (32, 64, 4096):
+                    cases.append(Case(f"{quant_type} {name} {dtype} bs{blocksize}", (values.to(dtype), blocksize, quant_type, torch.uint8)))
+    return cases
+
+
+def _dequantize_4bit_cases() -> list[Case]:
+    cases = []
+    for case in _4bit_cases():
+        A, blocksize, quant_type, storage = case.args
+        packed, absmax = _quantize_4bit_reference(A, blocksize, quant_type, storage)
+        cases.append(Case(case.name, (packed, absmax, blocksize, quant_type, list(A.shape), A.dtype)))
+    return cases
+
+
+_QUANTIZE_BLOCKWISE = define_op("quantize_blockwise", _quantize_blockwise_reference, fake=_quantize_blockwise_fake, cases=_blockwise_cases)
+_DEQUANTIZE_BLOCKWISE = define_op("dequantize_blockwise", _dequantize_blockwise_reference, fake=_dequantize_blockwise_fake, cases=_dequantize_blockwise_cases)
+_QUANTIZE_4BIT = define_op("quantize_4bit", _quantize_4bit_reference, fake=_quantize_4bit_fake, cases=_4bit_cases)
+_DEQUANTIZE_4BIT = define_op("dequantize_4bit", _dequantize_4bit_reference, fake=_dequantize_4bit_fake, cases=_dequantize_4bit_cases)
+register_kernel("quantize_blockwise", "cpu", _quantize_blockwise_cpu, label="block scan (numba)")
+register_kernel("dequantize_blockwise", "cpu", _dequantize_blockwise_cpu, label="block scan (numba)")
+register_kernel("quantize_4bit", "cpu", _quantize_4bit_cpu, label="block scan (numba)")
+register_kernel("dequantize_4bit", "cpu", _dequantize_4bit_cpu, label="block scan (numba)")
+
+
+# -- public functions: validation, then dispatch ----------------------------------------------
+
+
+def _check_float_input(A: object) -> torch.Tensor:
+    check_type("A", A, torch.Tensor)
+    check_choice("A.dtype", A.dtype, FLOAT_DTYPES)
+    return A
+
+
+def _check_blocksize(blocksize: object, accepted: tuple[int, ...]) -> int:
+    if isinstance(blocksize, bool) or not isinstance(blocksize, int):
+        raise TypeError(f"blocksize must be int, got {type(blocksize).__name__}: {blocksize!r}")
+    check_choice("blocksize", blocksize, accepted)
+    return blocksize
+
+
+def _check_code(code: object, device: torch.device) -> torch.Tensor:
+    check_type("code", code, torch.Tensor)
+    if code.dtype != torch.float32 or code.dim() != 1 or code.numel() != 256:
+        raise ValueError(f"code must be a 1-D float32 tensor of 256 values, got dtype {code.dtype}, shape {tuple(code.shape)}")
+    if code.device != device:
+        raise ValueError(f"code is on {code.device} but A is on {device}; both must be on one device")
+    if not torch.compiler.is_compiling() and not bool((code[1:] >= code[:-1]).all()):
+        raise ValueError("code must be sorted ascending (nearest-entry search assumes it)")
+    return code
+
+
+def _check_absmax(absmax: object, numel: int, blocksize: int, device: torch.device) -> torch.Tensor:
+    check_type("absmax", absmax, torch.Tensor)
+    expected = _blocks(numel, blocksize)
+    if absmax.dim() != 1 or absmax.numel() != expected:
+        raise ValueError(f"absmax has shape {tuple(absmax.shape)}; {numel} values in blocks of {blocksize} need {expected} (1-D)")
+    if not absmax.is_floating_point():
+        raise TypeError(f"absmax must be a floating-point tensor, got dtype {absmax.dtype}")
+    if absmax.device != device:
+        raise ValueError(f"absmax is on {absmax.device} but A is on {device}; both must be on one device")
+    return absmax
+
+
+def _reject_non_finite(absmax: torch.Tensor) -> None:
+    """Inputs with NaN or inf have no meaningful scale: refuse them rather than emit garbage."""
+    if not torch.compiler.is_compiling() and absmax.numel() and not bool(torch.isfinite(absmax).all()):
+        block = int((~torch.isfinite(absmax)).nonzero()[0])
+        raise ValueError(f"A has NaN or inf values (first in block {block}); quantization needs finite values")
+
+
+def quantize_blockwise(A: torch.Tensor, code: torch.Tensor | None = None, blocksize: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """8-bit blockwise quantization: (codes as uint8 shaped like ``A``, float32 absmax per block).
+
+    ``code`` defaults to the dynamic map; ``blocksize`` is 64..4096, a power of two.
+    Raises ValueError for NaN or inf in ``A``.
+    """
+    _check_float_input(A)
+    _check_blocksize(blocksize, BLOCKSIZES_8BIT)
+    code = dynamic_map().to(A.device) if code is None else _check_code(code, A.device)
+    q, absmax = _QUANTIZE_BLOCKWISE(A, code, blocksize)
+    _reject_non_finite(absmax)
+    return q, absmax
+
+
+def dequantize_blockwise(A: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor | None = None, blocksize: int = 4096, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode 8-bit blockwise codes: ``code[A] * absmax[block]`` in float32, returned as ``dtype``."""
+    check_type("A", A, torch.Tensor)
+    if A.dtype != torch.uint8:
+        raise TypeError(f"A must be uint8 codes, got dtype {A.dtype}")
+    _check_blocksize(blocksize, BLOCKSIZES_8BIT)
+    _check_absmax(absmax, A.numel(), blocksize, A.device)
+    code = dynamic_map().to(A.device) if code is None else _check_code(code, A.device)
+    check_type("dtype", dtype, torch.dtype)
+    check_choice("dtype", dtype, FLOAT_DTYPES)
+    return _DEQUANTIZE_BLOCKWISE(A, absmax, code, blocksize, dtype)
+
+
+def quantize_4bit(A: torch.Tensor, blocksize: int = 64, quant_type: str = "fp4", quant_storage: torch.dtype = torch.uint8) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit blockwise quantization: (packed codes shaped ``(bytes / itemsize, 1)``, float32 absmax).
+
+    Two codes per byte, the first value in the high nibble; an odd count is padded
+    with the code of a scaled zero. ``quant_storage`` reinterprets the packed bytes
+    (their count must divide evenly). Raises ValueError for NaN or inf in ``A``.
+    """
+    _check_float_input(A)
+    _check_blocksize(blocksize, BLOCKSIZES_4BIT)
+    check_choice("quant_type", quant_type, QUANT_TYPES_4BIT)
+    check_type("quant_storage", quant_storage, torch.dtype)
+    packed_bytes = (A.numel() + 1) // 2
+    if quant_storage.is_complex or packed_bytes % quant_storage.itemsize:
+        raise ValueError(f"quant_storage={quant_storage} cannot hold {packed_bytes} packed bytes (itemsize {quant_storage.itemsize}); use torch.uint8")
+    packed, absmax = _QUANTIZE_4BIT(A, blocksize, quant_type, quant_storage)
+    _reject_non_finite(absmax)
+    return packed, absmax
+
+
+def dequantize_4bit(A: torch.Tensor, absmax: torch.Tensor, blocksize: int = 64, quant_type: str = "fp4", shape: Sequence[int] | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode packed 4-bit codes into a tensor of ``shape`` and ``dtype``."""
+    check_type("A", A, torch.Tensor)
+    _check_blocksize(blocksize, BLOCKSIZES_4BIT)
+    check_choice("quant_type", quant_type, QUANT_TYPES_4BIT)
+    if shape is None or isinstance(shape, (str, bytes)) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise TypeError(f"shape must be a sequence of non-negative ints, got {shape!r}")
+    numel = math.prod(shape)
+    packed_bytes = A.numel() * A.element_size()
+    if packed_bytes != (numel + 1) // 2:
+        raise ValueError(f"A holds {packed_bytes} packed bytes but shape {tuple(shape)} needs {(numel + 1) // 2}")
+    if not A.is_contiguous():
+        raise ValueError("A must be contiguous (packed bytes are read in memory order)")
+    _check_absmax(absmax, numel, blocksize, A.device)
+    check_type("dtype", dtype, torch.dtype)
+    check_choice("dtype", dtype, FLOAT_DTYPES)
+    return _DEQUANTIZE_4BIT(A, absmax, blocksize, quant_type, list(shape), dtype)

@@ -1,0 +1,60 @@
+"""The quantization maps that bitsandbytes defines, built the same way so codes match.
+
+``dynamic_map()`` is the signed 8-bit dynamic map (256 float32 values, sorted);
+``code_4bit("nf4" | "fp4")`` the 16 values of a 4-bit type, in code order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["DYNAMIC_MAP_SHA256", "QUANT_TYPES_4BIT", "code_4bit", "dynamic_map"]
+
+#: SHA-256 of the dynamic map's float32 bytes, as bitsandbytes 0.50 builds it.
+DYNAMIC_MAP_SHA256 = "e732639a65f497b4ad684bb166a4467708255edd5207757de8b8f0c7e1fda89c"
+QUANT_TYPES_4BIT = ("nf4", "fp4")
+
+_NF4 = [
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0,
+]
+# FP4 (bit 3 is the sign): magnitudes in code order, scaled so the largest is 1.
+_FP4_MAGNITUDES = [0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0]
+
+
+@functools.lru_cache(maxsize=1)
+def _dynamic_map() -> torch.Tensor:
+    values: list[float] = []
+    for exponent in range(7):
+        bounds = torch.linspace(0.1, 1, 2**exponent + 1, dtype=torch.float32)
+        means = (bounds[:-1] + bounds[1:]) / 2.0
+        scale = 10 ** (exponent - 6)
+        values += (scale * means).tolist()
+        values += (-scale * means).tolist()
+    values += [0.0, 1.0]
+    return torch.tensor(sorted(values), dtype=torch.float32)
+
+
+def dynamic_map() -> torch.Tensor:
+    """The signed 8-bit dynamic map: 256 sorted float32 values from -0.99297 to 1 (a copy)."""
+    return _dynamic_map().clone()
+
+
+@functools.lru_cache(maxsize=None)
+def _code_4bit(quant_type: str) -> torch.Tensor:
+    if quant_type == "nf4":
+        return torch.tensor(_NF4, dtype=torch.float32)
+    # code 8 is +0.0, not -0.0, as bitsandbytes has it: decoding stays bit-identical
+    table = torch.tensor(_FP4_MAGNITUDES + [-m or 0.0 for m in _FP4_MAGNITUDES], dtype=torch.float32)
+    return table / table.abs().max()
+
+
+def code_4bit(quant_type: str) -> torch.Tensor:
+    """The 16 float32 values of ``quant_type`` ("nf4" or "fp4"), indexed by code (a copy)."""
+    if quant_type not in QUANT_TYPES_4BIT:
+        raise ValueError(f"quant_type={quant_type!r} is not accepted; accepted: nf4, fp4")
+    return _code_4bit(quant_type).clone()
