@@ -15,6 +15,7 @@ import threading
 import numpy as np
 import torch
 
+from tightfit._hugepages import empty_with_huge_pages
 from tightfit._strict import report_fallback
 from tightfit.ops._numba import load_numba, match_torch_threads
 
@@ -53,25 +54,21 @@ def _kernels():
         return index
 
     @numba.njit(inline="always")
-    def block_scale(x, start, end, blocksize):
-        """(multiplier, divisor, stored absmax, has NaN) of one block, as the reference does."""
+    def block_absmax(x, start, end):
+        """The block's absolute maximum, NaN if the block holds one."""
         amax = np.float32(0.0)
-        has_nan = False
         for i in range(start, end):
             magnitude = abs(x[i])
             if magnitude != magnitude:
-                has_nan = True
-            elif magnitude > amax:
-                amax = magnitude
-        clamped = max(amax, np.float32(1e-38))
-        if end - start == blocksize:
-            return np.float32(1.0) / clamped, np.float32(1.0), amax, has_nan
-        return np.float32(1.0), clamped, clamped, has_nan
+                return magnitude
+            amax = magnitude if magnitude > amax else amax
+        return amax
 
     @numba.njit(inline="always")
-    def scale_one(value, multiplier, divisor):
-        scaled = value * multiplier / divisor
-        return min(max(scaled, np.float32(-1.0)), np.float32(1.0))
+    def scaled_value(x, i, inverse, divisor, full):
+        """Full blocks multiply by the reciprocal, the partial block divides: as the reference."""
+        value = x[i] * inverse if full else x[i] / divisor
+        return min(max(value, np.float32(-1.0)), np.float32(1.0))
 
     @numba.njit(parallel=True, nogil=True, cache=True)
     def quantize_8bit(x, blocksize, bounds, table, q, absmax):
@@ -79,10 +76,13 @@ def _kernels():
         for block in numba.prange(absmax.shape[0]):
             start = block * blocksize
             end = min(start + blocksize, n)
-            multiplier, divisor, stored, has_nan = block_scale(x, start, end, blocksize)
-            absmax[block] = np.float32(np.nan) if has_nan else stored
+            amax = block_absmax(x, start, end)
+            clamped = max(amax, np.float32(1e-38))
+            full = end - start == blocksize
+            absmax[block] = amax if full or amax != amax else clamped
+            inverse = np.float32(1.0) / clamped
             for i in range(start, end):
-                q[i] = nearest(scale_one(x[i], multiplier, divisor), bounds, table)
+                q[i] = nearest(scaled_value(x, i, inverse, clamped, full), bounds, table)
 
     @numba.njit(parallel=True, nogil=True, cache=True)
     def quantize_4bit(x, blocksize, bounds, table, order, packed, absmax):
@@ -91,43 +91,55 @@ def _kernels():
         for block in numba.prange(absmax.shape[0]):
             start = block * blocksize
             end = min(start + blocksize, n)
-            multiplier, divisor, stored, has_nan = block_scale(x, start, end, blocksize)
-            absmax[block] = np.float32(np.nan) if has_nan else stored
+            amax = block_absmax(x, start, end)
+            clamped = max(amax, np.float32(1e-38))
+            full = end - start == blocksize
+            absmax[block] = amax if full or amax != amax else clamped
+            inverse = np.float32(1.0) / clamped
             for i in range(start, end, 2):
-                high = np.int64(order[nearest(scale_one(x[i], multiplier, divisor), bounds, table)])
-                low = np.int64(order[nearest(scale_one(x[i + 1], multiplier, divisor), bounds, table)]) if i + 1 < end else pad
+                high = np.int64(order[nearest(scaled_value(x, i, inverse, clamped, full), bounds, table)])
+                low = pad
+                if i + 1 < end:
+                    low = np.int64(order[nearest(scaled_value(x, i + 1, inverse, clamped, full), bounds, table)])
                 packed[i // 2] = (high << 4) | low
 
     @numba.njit(inline="always")
-    def store(values, out, i, value, as_bf16):
-        if as_bf16:
-            values[0] = value
-            bits = values.view(np.uint32)[0]
-            if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-                out[i] = np.uint16(0x7FC0)  # torch's NaN
+    def scaled_code(code, scale, values, as_bf16):
+        """code * scale in float32 (as the reference), as float32 or as bf16 bits (torch's rounding)."""
+        for j in range(code.shape[0]):
+            values[j] = code[j] * scale
+        if not as_bf16:
+            return values.view(np.uint32)
+        bits = values.view(np.uint32)
+        rounded = np.empty(code.shape[0], np.uint32)
+        for j in range(code.shape[0]):
+            b = bits[j]
+            if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                rounded[j] = np.uint32(0x7FC0)  # torch's NaN
             else:
-                out[i] = np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-        else:
-            out[i] = value
+                rounded[j] = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+        return rounded
 
     @numba.njit(parallel=True, nogil=True, cache=True)
     def dequantize_8bit(q, absmax, code, blocksize, out, as_bf16):
         n = q.shape[0]
         for block in numba.prange(absmax.shape[0]):
-            scratch = np.empty(1, np.float32)
-            scale = absmax[block]
+            table = scaled_code(code, absmax[block], np.empty(code.shape[0], np.float32), as_bf16)
             for i in range(block * blocksize, min(block * blocksize + blocksize, n)):
-                store(scratch, out, i, code[q[i]] * scale, as_bf16)
+                out[i] = table[q[i]]
 
     @numba.njit(parallel=True, nogil=True, cache=True)
     def dequantize_4bit(packed, absmax, code, blocksize, n, out, as_bf16):
         for block in numba.prange(absmax.shape[0]):
-            scratch = np.empty(1, np.float32)
-            scale = absmax[block]
-            for i in range(block * blocksize, min(block * blocksize + blocksize, n)):
+            table = scaled_code(code, absmax[block], np.empty(code.shape[0], np.float32), as_bf16)
+            start = block * blocksize
+            end = min(start + blocksize, n)
+            for i in range(start, end - 1, 2):
                 byte = np.int64(packed[i // 2])
-                nibble = (byte >> 4) if i % 2 == 0 else (byte & 15)
-                store(scratch, out, i, code[nibble] * scale, as_bf16)
+                out[i] = table[byte >> 4]
+                out[i + 1] = table[byte & 15]
+            if (end - start) % 2:
+                out[end - 1] = table[np.int64(packed[(end - 1) // 2]) >> 4]
 
     return quantize_8bit, quantize_4bit, dequantize_8bit, dequantize_4bit
 
@@ -174,8 +186,8 @@ def _dequantize_into(kernel_index: int, op: str, data: torch.Tensor, absmax: tor
     if _numba_or_none(op) is None:
         return reference()
     as_bf16 = dtype == torch.bfloat16
-    out = torch.empty(numel, dtype=torch.bfloat16 if as_bf16 else torch.float32)
-    target = out.view(torch.int16).numpy().view(np.uint16) if as_bf16 else out.numpy()
+    out = empty_with_huge_pages((numel,), torch.bfloat16 if as_bf16 else torch.float32)
+    target = out.view(torch.int16).numpy().view(np.uint16) if as_bf16 else out.view(torch.int32).numpy().view(np.uint32)
     absmax32 = absmax.float().contiguous().numpy()
     code32 = code.float().contiguous().numpy()
     with _kernel_lock:
