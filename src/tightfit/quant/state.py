@@ -1,0 +1,147 @@
+"""``QuantState``: what it takes to decode a quantized tensor, and its serialized form.
+
+The serialized form is the dict bitsandbytes and transformers write into safetensors,
+so checkpoints move between the two libraries: tensors ``absmax``, ``quant_map``
+(and ``nested_absmax``, ``nested_quant_map`` with double quantization) plus one uint8
+tensor ``quant_state.bitsandbytes__nf4`` (or ``__fp4``) holding UTF-8 JSON with
+quant_type, blocksize, dtype, shape, nested_blocksize, nested_dtype, nested_offset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tightfit.ops.blockwise import BLOCKSIZES_4BIT, BLOCKSIZES_8BIT, FLOAT_DTYPES
+from tightfit.ops.codes import QUANT_TYPES_4BIT
+
+__all__ = ["QuantState", "PACKED_KEY_PREFIX"]
+
+PACKED_KEY_PREFIX = "quant_state.bitsandbytes__"
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_DTYPES_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+
+
+@dataclass(frozen=True)
+class QuantState:
+    """Scales and metadata of a blockwise-quantized tensor.
+
+    ``absmax`` holds one scale per block; with double quantization (``state2`` set) it
+    holds the 8-bit codes of ``absmax - offset`` and ``state2`` decodes them.
+    ``quant_type`` is "nf4" / "fp4" for 4-bit, None for 8-bit.
+    """
+
+    absmax: torch.Tensor
+    code: torch.Tensor
+    blocksize: int
+    dtype: torch.dtype
+    shape: torch.Size | None = None
+    quant_type: str | None = None
+    offset: torch.Tensor | None = None
+    state2: QuantState | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("absmax", "code"):
+            value = getattr(self, name)
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"QuantState.{name} must be a Tensor, got {type(value).__name__}")
+        if self.quant_type is not None and self.quant_type not in QUANT_TYPES_4BIT:
+            raise ValueError(f"QuantState.quant_type={self.quant_type!r} is not accepted; accepted: nf4, fp4, None")
+        accepted = BLOCKSIZES_4BIT if self.quant_type else BLOCKSIZES_8BIT
+        if isinstance(self.blocksize, bool) or self.blocksize not in accepted:
+            raise ValueError(f"QuantState.blocksize={self.blocksize!r} is not accepted; accepted: {', '.join(map(str, accepted))}")
+        if self.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"QuantState.dtype={self.dtype!r} is not accepted; accepted: float32, float16, bfloat16")
+        if self.shape is not None:
+            object.__setattr__(self, "shape", torch.Size(self.shape))
+        if (self.offset is None) != (self.state2 is None):
+            raise ValueError("QuantState.offset and QuantState.state2 go together (double quantization) or not at all")
+        if self.state2 is not None and not isinstance(self.state2, QuantState):
+            raise TypeError(f"QuantState.state2 must be a QuantState, got {type(self.state2).__name__}")
+
+    @property
+    def nested(self) -> bool:
+        """Whether ``absmax`` is itself quantized (double quantization)."""
+        return self.state2 is not None
+
+    def to(self, device: torch.device | str) -> QuantState:
+        """A copy with every tensor on ``device``."""
+        return dataclasses.replace(
+            self,
+            absmax=self.absmax.to(device),
+            code=self.code.to(device),
+            offset=None if self.offset is None else self.offset.to(device),
+            state2=None if self.state2 is None else self.state2.to(device),
+        )
+
+    def as_dict(self, packed: bool = False) -> dict[str, Any]:
+        """The bitsandbytes dict; ``packed=True`` gives only tensors, ready for safetensors."""
+        items: dict[str, Any] = {
+            "quant_type": self.quant_type,
+            "absmax": self.absmax,
+            "blocksize": self.blocksize,
+            "quant_map": self.code,
+            "dtype": _DTYPE_NAMES[self.dtype],
+            "shape": tuple(self.shape) if self.shape is not None else None,
+        }
+        if self.nested:
+            items.update(
+                nested_absmax=self.state2.absmax,
+                nested_blocksize=self.state2.blocksize,
+                nested_quant_map=self.state2.code.clone(),  # a separate tensor: safetensors drops shared ones
+                nested_dtype=_DTYPE_NAMES[self.state2.dtype],
+                nested_offset=float(self.offset),
+            )
+        if not packed or self.quant_type is None:
+            return items
+        tensors = {key: value for key, value in items.items() if isinstance(value, torch.Tensor)}
+        metadata = {key: value for key, value in items.items() if not isinstance(value, torch.Tensor)}
+        tensors[PACKED_KEY_PREFIX + self.quant_type] = torch.tensor(list(json.dumps(metadata).encode("utf-8")), dtype=torch.uint8)
+        return tensors
+
+    @classmethod
+    def from_dict(cls, items: dict[str, Any], device: torch.device | str = "cpu") -> QuantState:
+        """Rebuild a state from :meth:`as_dict` output, packed or not, keys with or without prefixes."""
+        if not isinstance(items, dict):
+            raise TypeError(f"items must be a dict, got {type(items).__name__}")
+        plain = {key.split(".")[-1]: value for key, value in items.items() if not key.split(".")[-1].startswith("bitsandbytes__")}
+        packed = [key for key in items if key.split(".")[-1].startswith("bitsandbytes__")]
+        if len(packed) > 1:
+            raise ValueError(f"expected at most one packed quant_state entry, found {packed}")
+        if packed:
+            blob = items[packed[0]]
+            if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8:
+                raise TypeError(f"{packed[0]} must be a uint8 tensor of JSON bytes")
+            try:
+                plain.update(json.loads(bytes(blob.cpu().numpy()).decode("utf-8")))
+            except (UnicodeDecodeError, json.JSONDecodeError) as error:
+                raise ValueError(f"{packed[0]} does not hold valid JSON: {error}") from None
+        missing = {"absmax", "quant_map", "blocksize", "dtype"} - set(plain)
+        if missing:
+            raise ValueError(f"quant state is missing {sorted(missing)}; found keys {sorted(plain)}")
+
+        def dtype_of(name: str) -> torch.dtype:
+            if name not in _DTYPES_BY_NAME:
+                raise ValueError(f"dtype {name!r} is not accepted; accepted: {', '.join(_DTYPES_BY_NAME)}")
+            return _DTYPES_BY_NAME[name]
+
+        state2 = offset = None
+        if "nested_absmax" in plain:
+            state2 = cls(absmax=plain["nested_absmax"].to(device), code=plain["nested_quant_map"].to(device),
+                         blocksize=plain["nested_blocksize"], dtype=dtype_of(plain["nested_dtype"]))
+            offset = torch.tensor(float(plain["nested_offset"]), device=device)
+        shape = plain.get("shape")
+        return cls(
+            absmax=plain["absmax"].to(device),
+            code=plain["quant_map"].to(device),
+            blocksize=plain["blocksize"],
+            dtype=dtype_of(plain["dtype"]),
+            shape=torch.Size(shape) if shape is not None else None,
+            quant_type=plain.get("quant_type"),
+            offset=offset,
+            state2=state2,
+        )
