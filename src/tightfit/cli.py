@@ -93,7 +93,7 @@ def _run_command(args: argparse.Namespace, console: Console) -> int:
     from tightfit._format import human_bytes
     from tightfit.run import RunOptions, run
 
-    report = run(RunOptions(model=args.model, backend=args.backend, repeat=args.repeat))
+    report = run(RunOptions(model=args.model, backend=args.backend, quant=args.quant, repeat=args.repeat))
     measured = report.measurement
     if args.json:
         print(json.dumps({
@@ -102,6 +102,8 @@ def _run_command(args: argparse.Namespace, console: Console) -> int:
             "latency_ms_median": measured.median_seconds * 1e3, "peak_bytes": measured.peak_bytes,
             "peak_rss_bytes": measured.peak_rss_bytes, "memory_source": measured.source,
             "pairs": [{"a": a, "b": b, "cosine": score} for a, b, score in report.pairs],
+            "quant": report.quant, "full_weights_bytes": report.full_weights_bytes,
+            "min_cosine_to_full": report.min_cosine_to_full,
         }, indent=2))
         return 0
     console.print(f"model    {report.model}", highlight=False)
@@ -115,7 +117,12 @@ def _run_command(args: argparse.Namespace, console: Console) -> int:
     figures = Table(title="measured")
     figures.add_column("figure")
     figures.add_column("value", justify="right")
-    figures.add_row("weights", human_bytes(report.weights_bytes))
+    if report.quant is not None:
+        figures.add_row("weights, full precision", human_bytes(report.full_weights_bytes))
+        figures.add_row(f"weights, {report.quant}", human_bytes(report.weights_bytes))
+        figures.add_row(f"embedding cosine, {report.quant} vs full (lowest)", f"{report.min_cosine_to_full:.4f}")
+    else:
+        figures.add_row("weights", human_bytes(report.weights_bytes))
     figures.add_row(f"latency (median of {len(measured.seconds)})", f"{measured.median_seconds * 1e3:.1f} ms")
     figures.add_row(f"peak memory, {measured.source}", human_bytes(measured.peak_bytes))
     if measured.peak_rss_bytes is not None:
@@ -135,6 +142,7 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run a model (default: the built-in all-MiniLM-L6-v2) and measure it")
     run.add_argument("--model", help="a local Hugging Face model folder (default: the built-in model)")
     run.add_argument("--backend", help="backend name or device, e.g. cpu, cuda, cuda:1 (default: best available)")
+    run.add_argument("--quant", choices=["nf4", "fp4", "int8", "8bit"], help="quantize every Linear layer first and compare with full precision")
     run.add_argument("--repeat", type=int, default=5, help="timed repetitions (default: 5)")
     run.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return parser

@@ -12,8 +12,17 @@ import torch
 from tightfit import backends
 from tightfit.memory import Measurement, measure, tensor_bytes
 from tightfit.models import default_model_dir, embed, load_encoder
+from tightfit.quant import Blockwise8Config, FP4Config, Int8Config, NF4Config, QuantConfig, quantize_
 
-__all__ = ["DEFAULT_SENTENCES", "RunOptions", "RunReport", "run"]
+__all__ = ["DEFAULT_SENTENCES", "QUANT_CONFIGS", "RunOptions", "RunReport", "run"]
+
+#: ``--quant`` choices and the config each applies to every ``nn.Linear``.
+QUANT_CONFIGS: dict[str, QuantConfig] = {
+    "nf4": NF4Config(),
+    "fp4": FP4Config(),
+    "int8": Int8Config(),
+    "8bit": Blockwise8Config(),
+}
 
 DEFAULT_SENTENCES: tuple[str, ...] = (
     "A man is eating food.",
@@ -33,6 +42,7 @@ class RunOptions:
 
     model: str | None = None
     backend: str | None = None
+    quant: str | None = None
     repeat: int = 5
     sentences: tuple[str, ...] = DEFAULT_SENTENCES
     top_pairs: int = 3
@@ -42,6 +52,8 @@ class RunOptions:
             raise TypeError(f"model must be a folder path or None, got {type(self.model).__name__}: {self.model!r}")
         if self.backend is not None and not isinstance(self.backend, str):
             raise TypeError(f"backend must be a str or None, got {type(self.backend).__name__}: {self.backend!r}")
+        if self.quant is not None and self.quant not in QUANT_CONFIGS:
+            raise ValueError(f"quant={self.quant!r} is not accepted; accepted: {', '.join(QUANT_CONFIGS)} or None")
         for name in ("repeat", "top_pairs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -61,6 +73,9 @@ class RunReport:
     embedding_dim: int
     measurement: Measurement
     pairs: list[tuple[str, str, float]] = field(default_factory=list)
+    quant: str | None = None
+    full_weights_bytes: int | None = None  # before quantization
+    min_cosine_to_full: float | None = None  # embeddings after quantization against before
 
 
 def _most_similar(embeddings: torch.Tensor, sentences: tuple[str, ...], count: int) -> list[tuple[str, str, float]]:
@@ -80,8 +95,13 @@ def run(options: RunOptions | None = None) -> RunReport:
     device = backend.resolve_device(options.backend if options.backend and ":" in options.backend else None)
     folder = Path(options.model) if options.model is not None else default_model_dir()
     model, tokenizer = load_encoder(folder, device)
-    weights = tensor_bytes(list(model.parameters()) + list(model.buffers()))
     sentences = list(options.sentences)
+    full_weights = reference = None
+    if options.quant is not None:
+        full_weights = _weights_bytes(model)
+        reference = embed(model, tokenizer, sentences, device).cpu()
+        quantize_(model, QUANT_CONFIGS[options.quant])
+    weights = _weights_bytes(model)
     measurement = measure(lambda: embed(model, tokenizer, sentences, device), device, repeat=options.repeat, baseline_bytes=weights)
     embeddings = embed(model, tokenizer, sentences, device).cpu()
     return RunReport(
@@ -92,4 +112,11 @@ def run(options: RunOptions | None = None) -> RunReport:
         embedding_dim=int(embeddings.shape[-1]),
         measurement=measurement,
         pairs=_most_similar(embeddings, options.sentences, options.top_pairs),
+        quant=options.quant,
+        full_weights_bytes=full_weights,
+        min_cosine_to_full=None if reference is None else float((embeddings * reference).sum(-1).min()),
     )
+
+
+def _weights_bytes(model: torch.nn.Module) -> int:
+    return tensor_bytes(list(model.parameters()) + list(model.buffers()))

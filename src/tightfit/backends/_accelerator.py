@@ -7,7 +7,7 @@ from types import ModuleType
 
 import torch
 
-from tightfit.backends.base import FLOAT8_DTYPES, Backend, Capabilities, MemoryInfo
+from tightfit.backends.base import FLOAT8_DTYPES, INTEGER_DTYPES, Backend, Capabilities, MemoryInfo
 
 __all__: list[str] = []
 
@@ -30,7 +30,7 @@ class AcceleratorBackend(Backend):
     def _capabilities(self) -> Capabilities:
         compute = self._compute_dtypes()
         return Capabilities(
-            storage_dtypes=frozenset(compute | {torch.float32, torch.int8, torch.uint8} | FLOAT8_DTYPES),
+            storage_dtypes=frozenset(compute | {torch.float32} | INTEGER_DTYPES | FLOAT8_DTYPES),
             compute_dtypes=compute,
             async_copy=True,
             unified_memory=False,

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["Backend", "Capabilities", "MemoryInfo", "FLOAT8_DTYPES"]
+__all__ = ["Backend", "Capabilities", "MemoryInfo", "FLOAT8_DTYPES", "INTEGER_DTYPES"]
 
 T = TypeVar("T")
 
@@ -24,6 +24,10 @@ FLOAT8_DTYPES: frozenset[torch.dtype] = frozenset(
     for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
     if hasattr(torch, name)
 )
+
+
+#: Integer dtypes every backend stores (codes, indices, int8 products).
+INTEGER_DTYPES: frozenset[torch.dtype] = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 
 
 @dataclass(frozen=True)

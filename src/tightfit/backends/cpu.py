@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tightfit.backends.base import FLOAT8_DTYPES, Backend, Capabilities, MemoryInfo
+from tightfit.backends.base import FLOAT8_DTYPES, INTEGER_DTYPES, Backend, Capabilities, MemoryInfo
 
 __all__ = ["CPUBackend", "read_process_memory", "reset_process_peak"]
 
@@ -65,7 +65,7 @@ class CPUBackend(Backend):
 
     def _capabilities(self) -> Capabilities:
         compute = {torch.float32, torch.float64, torch.bfloat16, torch.float16}
-        storage = compute | {torch.int8, torch.uint8} | FLOAT8_DTYPES
+        storage = compute | INTEGER_DTYPES | FLOAT8_DTYPES
         return Capabilities(
             storage_dtypes=frozenset(storage),
             compute_dtypes=frozenset(compute),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tightfit.backends._accelerator import AcceleratorBackend
-from tightfit.backends.base import Capabilities, MemoryInfo
+from tightfit.backends.base import INTEGER_DTYPES, Capabilities, MemoryInfo
 
 __all__ = ["MPSBackend"]
 
@@ -18,7 +18,7 @@ class MPSBackend(AcceleratorBackend):
     def _capabilities(self) -> Capabilities:
         compute = frozenset({torch.float32, torch.float16, torch.bfloat16})
         return Capabilities(
-            storage_dtypes=compute | {torch.int8, torch.uint8},
+            storage_dtypes=compute | INTEGER_DTYPES,
             compute_dtypes=compute,
             async_copy=False,
             unified_memory=True,

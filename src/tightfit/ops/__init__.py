@@ -9,6 +9,7 @@ from tightfit.ops._registry import Case, KernelInfo, OpDef, get_op, register_ker
 from tightfit.ops.blockwise import dequantize_4bit, dequantize_blockwise, quantize_4bit, quantize_blockwise
 from tightfit.ops.cast import CAST_DTYPES, cast
 from tightfit.ops.codes import code_4bit, dynamic_map
+from tightfit.ops.int8 import int8_linear_matmul, int8_mm_dequant, int8_vectorwise_dequant, int8_vectorwise_quant
 
 __all__ = [
     "CAST_DTYPES",
@@ -21,6 +22,10 @@ __all__ = [
     "dequantize_blockwise",
     "dynamic_map",
     "get_op",
+    "int8_linear_matmul",
+    "int8_mm_dequant",
+    "int8_vectorwise_dequant",
+    "int8_vectorwise_quant",
     "quantize_4bit",
     "quantize_blockwise",
     "register_kernel",

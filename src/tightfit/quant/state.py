@@ -19,9 +19,11 @@ import torch
 from tightfit.ops.blockwise import BLOCKSIZES_4BIT, BLOCKSIZES_8BIT, FLOAT_DTYPES
 from tightfit.ops.codes import QUANT_TYPES_4BIT
 
-__all__ = ["QuantState", "PACKED_KEY_PREFIX"]
+__all__ = ["QuantState", "PACKED_KEY_8BIT", "PACKED_KEY_PREFIX"]
 
 PACKED_KEY_PREFIX = "quant_state.bitsandbytes__"
+#: bitsandbytes has no format for blockwise 8-bit weights; tightfit packs them under this key.
+PACKED_KEY_8BIT = "quant_state.tightfit__blockwise8"
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _DTYPES_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 
@@ -79,7 +81,8 @@ class QuantState:
         )
 
     def as_dict(self, packed: bool = False) -> dict[str, Any]:
-        """The bitsandbytes dict; ``packed=True`` gives only tensors, ready for safetensors."""
+        """The bitsandbytes dict; ``packed=True`` gives only tensors, ready for safetensors
+        (4-bit under bitsandbytes' key, 8-bit under ``quant_state.tightfit__blockwise8``)."""
         items: dict[str, Any] = {
             "quant_type": self.quant_type,
             "absmax": self.absmax,
@@ -96,11 +99,12 @@ class QuantState:
                 nested_dtype=_DTYPE_NAMES[self.state2.dtype],
                 nested_offset=float(self.offset),
             )
-        if not packed or self.quant_type is None:
+        if not packed:
             return items
         tensors = {key: value for key, value in items.items() if isinstance(value, torch.Tensor)}
         metadata = {key: value for key, value in items.items() if not isinstance(value, torch.Tensor)}
-        tensors[PACKED_KEY_PREFIX + self.quant_type] = torch.tensor(list(json.dumps(metadata).encode("utf-8")), dtype=torch.uint8)
+        key = PACKED_KEY_PREFIX + self.quant_type if self.quant_type else PACKED_KEY_8BIT
+        tensors[key] = torch.tensor(list(json.dumps(metadata).encode("utf-8")), dtype=torch.uint8)
         return tensors
 
     @classmethod
@@ -108,8 +112,11 @@ class QuantState:
         """Rebuild a state from :meth:`as_dict` output, packed or not, keys with or without prefixes."""
         if not isinstance(items, dict):
             raise TypeError(f"items must be a dict, got {type(items).__name__}")
-        plain = {key.split(".")[-1]: value for key, value in items.items() if not key.split(".")[-1].startswith("bitsandbytes__")}
-        packed = [key for key in items if key.split(".")[-1].startswith("bitsandbytes__")]
+        def is_packed(key: str) -> bool:
+            return key.split(".")[-1].startswith(("bitsandbytes__", "tightfit__"))
+
+        plain = {key.split(".")[-1]: value for key, value in items.items() if not is_packed(key)}
+        packed = [key for key in items if is_packed(key)]
         if len(packed) > 1:
             raise ValueError(f"expected at most one packed quant_state entry, found {packed}")
         if packed:

@@ -1,0 +1,144 @@
+"""Quantization configs and ``quantize_(model, config)``.
+
+Each config is a frozen dataclass validated when built; ``quantize_`` finds the
+handler for a config's type in a registry that ``@register_handler`` fills, so a new
+format adds a config and a handler without touching ``quantize_``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tightfit._validate import check_type
+from tightfit.ops.blockwise import BLOCKSIZES_4BIT, BLOCKSIZES_8BIT
+from tightfit.quant.modules import Linear4bit, Linear8bit, LinearInt8
+
+__all__ = ["Blockwise8Config", "FP4Config", "Int8Config", "NF4Config", "QuantConfig", "quantize_", "register_handler"]
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Options every format shares. ``skip`` holds module-name patterns (fnmatch) left as they are."""
+
+    skip: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.skip, str) or not isinstance(self.skip, tuple) or not all(isinstance(p, str) for p in self.skip):
+            raise TypeError(f"skip must be a tuple of name patterns, got {self.skip!r}")
+
+
+def _check_blocksize(blocksize: object, accepted: tuple[int, ...]) -> None:
+    if isinstance(blocksize, bool) or blocksize not in accepted:
+        raise ValueError(f"blocksize={blocksize!r} is not accepted; accepted: {', '.join(map(str, accepted))}")
+
+
+@dataclass(frozen=True)
+class NF4Config(QuantConfig):
+    """4-bit NormalFloat weights, the QLoRA format."""
+
+    blocksize: int = 64
+    double_quant: bool = False
+    quant_storage: torch.dtype = torch.uint8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_blocksize(self.blocksize, BLOCKSIZES_4BIT)
+        check_type("double_quant", self.double_quant, bool)
+        check_type("quant_storage", self.quant_storage, torch.dtype)
+
+
+@dataclass(frozen=True)
+class FP4Config(NF4Config):
+    """4-bit floating-point weights."""
+
+
+@dataclass(frozen=True)
+class Blockwise8Config(QuantConfig):
+    """8-bit weights on the dynamic map, one scale per block."""
+
+    blocksize: int = 4096
+    double_quant: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_blocksize(self.blocksize, BLOCKSIZES_8BIT)
+        check_type("double_quant", self.double_quant, bool)
+
+
+@dataclass(frozen=True)
+class Int8Config(QuantConfig):
+    """LLM.int8(): int8 weights and activations, outlier columns in full precision."""
+
+    threshold: float = 6.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not self.threshold >= 0.0:
+            raise ValueError(f"threshold must be a number >= 0, got {self.threshold!r}")
+
+
+_HANDLERS: dict[type, Callable[[nn.Linear, QuantConfig], nn.Module]] = {}
+
+
+def register_handler(config_type: type) -> Callable:
+    """Decorator: ``handler(linear, config) -> module`` quantizes one ``nn.Linear`` for ``config_type``."""
+    if not (isinstance(config_type, type) and issubclass(config_type, QuantConfig)):
+        raise TypeError(f"config_type must be a QuantConfig subclass, got {config_type!r}")
+
+    def decorate(handler: Callable[[nn.Linear, QuantConfig], nn.Module]) -> Callable:
+        _HANDLERS[config_type] = handler
+        return handler
+
+    return decorate
+
+
+@register_handler(NF4Config)
+def _nf4(linear: nn.Linear, config: NF4Config) -> nn.Module:
+    return Linear4bit.from_linear(linear, quant_type="nf4", blocksize=config.blocksize, compress_statistics=config.double_quant, quant_storage=config.quant_storage)
+
+
+@register_handler(FP4Config)
+def _fp4(linear: nn.Linear, config: FP4Config) -> nn.Module:
+    return Linear4bit.from_linear(linear, quant_type="fp4", blocksize=config.blocksize, compress_statistics=config.double_quant, quant_storage=config.quant_storage)
+
+
+@register_handler(Blockwise8Config)
+def _blockwise8(linear: nn.Linear, config: Blockwise8Config) -> nn.Module:
+    return Linear8bit.from_linear(linear, blocksize=config.blocksize, nested=config.double_quant)
+
+
+@register_handler(Int8Config)
+def _int8(linear: nn.Linear, config: Int8Config) -> nn.Module:
+    return LinearInt8.from_linear(linear, threshold=config.threshold)
+
+
+def quantize_(model: nn.Module, config: QuantConfig) -> nn.Module:
+    """Replace every ``nn.Linear`` in ``model`` (in place) by its quantized form; returns ``model``.
+
+    Modules whose qualified name matches a pattern in ``config.skip`` stay as they are.
+    """
+    check_type("model", model, nn.Module)
+    check_type("config", config, QuantConfig)
+    handler = _HANDLERS.get(type(config))
+    if handler is None:
+        raise ValueError(f"no handler is registered for {type(config).__name__}; registered: {', '.join(t.__name__ for t in _HANDLERS)}")
+    if isinstance(model, nn.Linear):
+        raise ValueError("model is itself an nn.Linear; quantize_ replaces children, so wrap it or use Linear4bit.from_linear")
+    _quantize_children(model, config, handler, prefix="")
+    return model
+
+
+def _quantize_children(module: nn.Module, config: QuantConfig, handler: Callable, prefix: str) -> None:
+    for name, child in module.named_children():
+        qualified = f"{prefix}{name}"
+        if any(fnmatch.fnmatchcase(qualified, pattern) for pattern in config.skip):
+            continue
+        if type(child) is nn.Linear:
+            setattr(module, name, handler(child, config))
+        else:
+            _quantize_children(child, config, handler, prefix=f"{qualified}.")

@@ -1,0 +1,157 @@
+"""Quantized ``nn.Linear`` replacements for inference: weights stay compact on their
+device and are decoded per call into the activation's dtype.
+
+State dicts use the bitsandbytes / transformers layout (``weight`` plus
+``weight.absmax``, ``weight.quant_map``, ... and the packed ``quant_state`` entry), so
+a checkpoint saved by one loads in the other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tightfit import ops
+from tightfit._validate import check_type
+from tightfit.quant import functional as F
+from tightfit.quant.state import QuantState
+
+__all__ = ["Linear4bit", "Linear8bit", "LinearInt8", "QuantizedLinear"]
+
+
+class QuantizedLinear(nn.Module):
+    """Shared machinery: a packed weight buffer, its QuantState, an optional bias."""
+
+    def __init__(self, in_features: int, out_features: int, packed: torch.Tensor, state: QuantState, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("weight", packed)
+        self.quant_state = state
+        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
+
+    def _decode(self) -> torch.Tensor:
+        raise NotImplementedError  # abstract: each subclass decodes its own format
+
+    def dequantize(self) -> torch.Tensor:
+        """The full-precision weight (``out_features x in_features``) in the original dtype."""
+        return self._decode().reshape(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features in its last dimension; this layer takes {self.in_features}")
+        weight = self.dequantize().to(x.dtype)
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> QuantizedLinear:
+        super()._apply(fn, recurse)
+        self.quant_state = self.quant_state.to(self.weight.device)
+        return self
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for key, value in self.quant_state.as_dict(packed=True).items():
+            destination[f"{prefix}weight.{key}"] = value if keep_vars else value.detach()
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        state_prefix = f"{prefix}weight."
+        items = {key[len(state_prefix):]: state_dict[key] for key in list(state_dict) if key.startswith(state_prefix)}
+        if items:
+            self.quant_state = QuantState.from_dict(items, device=self.weight.device)
+            for key in items:
+                state_dict.pop(state_prefix + key)
+            if prefix + "weight" in state_dict:
+                self.weight = state_dict[prefix + "weight"].to(self.weight.device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    def extra_repr(self) -> str:
+        state = self.quant_state
+        kind = state.quant_type or "8-bit blockwise"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}, blocksize={state.blocksize}, nested={state.nested}, bias={self.bias is not None}"
+
+
+def _check_linear(linear: object) -> nn.Linear:
+    check_type("linear", linear, nn.Linear)
+    if linear.weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"linear.weight has dtype {linear.weight.dtype}; accepted: float32, float16, bfloat16")
+    return linear
+
+
+class Linear4bit(QuantizedLinear):
+    """``nn.Linear`` with an NF4 or FP4 weight (4 bits per value plus one scale per block)."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, quant_type: str = "nf4", blocksize: int = 64, compress_statistics: bool = False,
+                    quant_storage: torch.dtype = torch.uint8) -> Linear4bit:
+        _check_linear(linear)
+        packed, state = F.quantize_4bit(linear.weight.detach(), blocksize=blocksize, compress_statistics=compress_statistics,
+                                        quant_type=quant_type, quant_storage=quant_storage)
+        return cls(linear.in_features, linear.out_features, packed, state, linear.bias)
+
+    def _decode(self) -> torch.Tensor:
+        return F.dequantize_4bit(self.weight, self.quant_state)
+
+
+class Linear8bit(QuantizedLinear):
+    """``nn.Linear`` with a blockwise 8-bit weight (dynamic map, one scale per block)."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, blocksize: int = 4096, nested: bool = False) -> Linear8bit:
+        _check_linear(linear)
+        q, state = F.quantize_blockwise(linear.weight.detach(), blocksize=blocksize, nested=nested)
+        return cls(linear.in_features, linear.out_features, q, state, linear.bias)
+
+    def _decode(self) -> torch.Tensor:
+        return F.dequantize_blockwise(self.weight, self.quant_state)
+
+
+class LinearInt8(nn.Module):
+    """LLM.int8(): int8 weights with one scale per output row; activations are quantized
+    per row at run time and multiplied in int8, except columns holding an activation of
+    magnitude >= ``threshold``, which are multiplied in the activation's dtype.
+
+    The state dict holds ``weight`` (int8) and ``SCB`` (the row scales), as bitsandbytes'
+    ``Linear8bitLt`` does.
+    """
+
+    def __init__(self, in_features: int, out_features: int, weight: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None, threshold: float) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.threshold = threshold
+        self.register_buffer("weight", weight)
+        self.register_buffer("SCB", scales)
+        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, threshold: float = 6.0) -> LinearInt8:
+        _check_linear(linear)
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0.0:
+            raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
+        weight, scales, _ = ops.int8_vectorwise_quant(linear.weight.detach())
+        return cls(linear.in_features, linear.out_features, weight, scales, linear.bias, float(threshold))
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight in float32."""
+        return ops.int8_vectorwise_dequant(self.weight, self.SCB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features in its last dimension; this layer takes {self.in_features}")
+        rows = x.reshape(-1, self.in_features)
+        q, row_scales, outlier_cols = ops.int8_vectorwise_quant(rows, self.threshold)
+        product = ops.int8_linear_matmul(q, self.weight)
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        out = ops.int8_mm_dequant(product, row_scales, self.SCB, x.dtype, bias)
+        if outlier_cols is not None and outlier_cols.numel():
+            weight_cols = ops.int8_vectorwise_dequant(self.weight[:, outlier_cols].contiguous(), self.SCB).to(x.dtype)
+            out = out.addmm(rows[:, outlier_cols], weight_cols.t())
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8, threshold={self.threshold}, bias={self.bias is not None}"
