@@ -17,11 +17,13 @@ import warnings
 import torch
 
 import tightfit.ops as ops
+import tightfit.quant.functional as quant
 
 try:
+    import bitsandbytes as bnb_root
     import bitsandbytes.functional as bnb
 except ImportError:  # the comparison is optional; tightfit's own figures still print
-    bnb = None
+    bnb = bnb_root = None
 
 
 def best_ms(fn, repeat: int) -> float:
@@ -66,6 +68,13 @@ def main() -> None:
             (f"dequantize_4bit nf4 bs64 -> {dtype}", n // 2 + n * size, lambda: ops.dequantize_4bit(q4, absmax4, 64, "nf4", [n], dtype),
              (lambda: bnb.dequantize_4bit(q4, bnb.QuantState(absmax=absmax4, shape=A.shape, code=bnb.get_4bit_type("nf4", "cpu"), blocksize=64, quant_type="nf4", dtype=dtype))) if bnb else None),
         ]
+        if dtype == torch.bfloat16:
+            side = 4096
+            W = torch.randn(side, side, generator=torch.Generator().manual_seed(1))
+            packed, state = quant.quantize_4bit(W, quant_type="nf4")
+            x = torch.randn(1, side).to(dtype)
+            rows.append((f"matmul_4bit 1x{side} @ nf4 {side}x{side} {dtype}", side * side // 2, lambda: quant.matmul_4bit(x, packed, state),
+                         (lambda: bnb_root.matmul_4bit(x, packed.t(), bnb.QuantState(absmax=state.absmax, shape=W.shape, code=bnb.get_4bit_type("nf4", "cpu"), blocksize=64, quant_type="nf4", dtype=torch.float32))) if bnb else None))
         for name, nbytes, ours, theirs in rows:
             ours_ms = best_ms(ours, args.repeat)
             theirs_ms = best_ms(theirs, args.repeat) if theirs else float("nan")

@@ -109,3 +109,27 @@ def test_unpacked_dict_roundtrip():
 def test_bad_input(build, error, match):
     with pytest.raises(error, match=match):
         build()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_matmul_4bit_single_token_and_batch_agree_with_decoded_weight(dtype):
+    W = weight((200, 128), torch.float32, seed=9)
+    packed, state = F.quantize_4bit(W, quant_type="nf4", compress_statistics=True)
+    decoded = F.dequantize_4bit(packed, state)
+    bias = torch.randn(200)
+    for x in (torch.randn(1, 1, 128), torch.randn(4, 128)):
+        x = x.to(dtype)
+        got = F.matmul_4bit(x, packed, state, bias=bias)
+        expected = torch.nn.functional.linear(x.float(), decoded, bias)
+        assert got.dtype == dtype and got.shape == (*x.shape[:-1], 200)
+        assert ((got.float() - expected) ** 2).sum() / (expected**2).sum() < 1e-4
+
+
+def test_gemv_4bit_signature_checks():
+    packed, state = F.quantize_4bit(weight((8, 64), torch.float32), quant_type="fp4")
+    with pytest.raises(ValueError, match="transposed_A and transposed_B are not supported"):
+        F.gemv_4bit(torch.randn(1, 64), packed, transposed_B=True, state=state)
+    with pytest.raises(ValueError, match="A has 63 features"):
+        F.gemv_4bit(torch.randn(1, 63), packed, state=state)
+    with pytest.raises(ValueError, match="quant_state must describe a 4-bit weight"):
+        F.matmul_4bit(torch.randn(1, 64), packed, F.quantize_blockwise(torch.randn(64))[1])

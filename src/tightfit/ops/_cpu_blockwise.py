@@ -141,7 +141,36 @@ def _kernels():
             if (end - start) % 2:
                 out[end - 1] = table[np.int64(packed[(end - 1) // 2]) >> 4]
 
-    return quantize_8bit, quantize_4bit, dequantize_8bit, dequantize_4bit
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def gemv_4bit(x, packed, absmax, code, blocksize, rows, cols, out):
+        """out[m, j] = sum_k x[m, k] * W[j, k], decoding W one block at a time (never whole)."""
+        for j in numba.prange(rows):
+            table = np.empty(16, np.float32)
+            for m in range(x.shape[0]):
+                acc = np.float32(0.0)
+                i = j * cols
+                end = i + cols
+                while i < end:
+                    block = i // blocksize
+                    stop = min(end, (block + 1) * blocksize)
+                    scale = absmax[block]
+                    for c in range(16):
+                        table[c] = code[c] * scale
+                    k = i - j * cols
+                    if (i & 1) == 0 and ((stop - i) & 1) == 0:  # whole bytes: two values per byte, no parity test
+                        for byte_index in range(i >> 1, stop >> 1):
+                            byte = np.int64(packed[byte_index])
+                            acc += x[m, k] * table[byte >> 4] + x[m, k + 1] * table[byte & 15]
+                            k += 2
+                        i = stop
+                    while i < stop:
+                        byte = np.int64(packed[i >> 1])
+                        acc += x[m, k] * table[(byte >> 4) if (i & 1) == 0 else (byte & 15)]
+                        i += 1
+                        k += 1
+                out[m, j] = acc
+
+    return quantize_8bit, quantize_4bit, dequantize_8bit, dequantize_4bit, gemv_4bit
 
 
 def _numba_or_none(op: str):
@@ -207,3 +236,15 @@ def dequantize_4bit_cpu(A, absmax, code, blocksize, shape, dtype, reference) -> 
     numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
     out = _dequantize_into(3, "dequantize_4bit", A.reshape(-1).view(torch.uint8).contiguous(), absmax, code, blocksize, numel, dtype, reference)
     return out.reshape(shape)
+
+
+def gemv_4bit_cpu(A, B, shape, absmax, code, blocksize, reference) -> torch.Tensor:
+    if _numba_or_none("gemv_4bit") is None:
+        return reference()
+    rows, cols = shape
+    x = A.reshape(-1, cols).float().contiguous()
+    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    with _kernel_lock:
+        _kernels()[4](x.numpy(), B.reshape(-1).view(torch.uint8).contiguous().numpy(), absmax.float().contiguous().numpy(),
+                      code.float().contiguous().numpy(), blocksize, rows, cols, out.numpy())
+    return out.to(A.dtype).reshape(*A.shape[:-1], rows)

@@ -24,6 +24,7 @@ __all__ = [
     "FLOAT_DTYPES",
     "dequantize_4bit",
     "dequantize_blockwise",
+    "gemv_4bit",
     "quantize_4bit",
     "quantize_blockwise",
 ]
@@ -103,6 +104,11 @@ def _dequantize_4bit_reference(A: torch.Tensor, absmax: torch.Tensor, blocksize:
     return values.reshape(shape).to(dtype)
 
 
+def _gemv_4bit_reference(A: torch.Tensor, B: torch.Tensor, shape: list[int], absmax: torch.Tensor, blocksize: int, quant_type: str) -> torch.Tensor:
+    weight = _dequantize_4bit_reference(B, absmax, blocksize, quant_type, shape, A.dtype)
+    return torch.nn.functional.linear(A, weight)
+
+
 # -- fake kernels ---------------------------------------------------------------------------
 
 
@@ -128,6 +134,10 @@ def _dequantize_4bit_fake(A, absmax, blocksize, quant_type, shape, dtype):
     return torch.empty(shape, dtype=dtype, device=A.device)
 
 
+def _gemv_4bit_fake(A, B, shape, absmax, blocksize, quant_type):
+    return torch.empty(*A.shape[:-1], shape[0], dtype=A.dtype, device=A.device)
+
+
 # -- CPU kernels ----------------------------------------------------------------------------
 
 
@@ -150,6 +160,11 @@ def _quantize_4bit_cpu(A, blocksize, quant_type, quant_storage):
 def _dequantize_4bit_cpu(A, absmax, blocksize, quant_type, shape, dtype):
     return cpu.dequantize_4bit_cpu(A, absmax, code_4bit(quant_type), blocksize, shape, dtype,
                                    lambda: _dequantize_4bit_reference(A, absmax, blocksize, quant_type, shape, dtype))
+
+
+def _gemv_4bit_cpu(A, B, shape, absmax, blocksize, quant_type):
+    return cpu.gemv_4bit_cpu(A, B, shape, absmax, code_4bit(quant_type), blocksize,
+                             lambda: _gemv_4bit_reference(A, B, shape, absmax, blocksize, quant_type))
 
 
 # -- conformance cases ----------------------------------------------------------------------
@@ -208,10 +223,25 @@ def _dequantize_4bit_cases() -> list[Case]:
     return cases
 
 
+def _gemv_4bit_cases() -> list[Case]:
+    generator = torch.Generator().manual_seed(5)
+    cases = []
+    for quant_type in QUANT_TYPES_4BIT:
+        for dtype in FLOAT_DTYPES:
+            for rows, cols, tokens in ((96, 64, 1), (33, 65, 1), (40, 256, 3)):
+                weight = torch.randn(rows, cols, generator=generator)
+                packed, absmax = _quantize_4bit_reference(weight, 64, quant_type, torch.uint8)
+                x = torch.randn(tokens, cols, generator=generator).to(dtype)
+                cases.append(Case(f"{quant_type} {dtype} {tokens}x{cols} @ {rows}x{cols}", (x, packed, [rows, cols], absmax, 64, quant_type)))
+    return cases
+
+
 _QUANTIZE_BLOCKWISE = define_op("quantize_blockwise", _quantize_blockwise_reference, fake=_quantize_blockwise_fake, cases=_blockwise_cases)
 _DEQUANTIZE_BLOCKWISE = define_op("dequantize_blockwise", _dequantize_blockwise_reference, fake=_dequantize_blockwise_fake, cases=_dequantize_blockwise_cases)
 _QUANTIZE_4BIT = define_op("quantize_4bit", _quantize_4bit_reference, fake=_quantize_4bit_fake, cases=_4bit_cases)
 _DEQUANTIZE_4BIT = define_op("dequantize_4bit", _dequantize_4bit_reference, fake=_dequantize_4bit_fake, cases=_dequantize_4bit_cases)
+_GEMV_4BIT = define_op("gemv_4bit", _gemv_4bit_reference, fake=_gemv_4bit_fake, cases=_gemv_4bit_cases, metric=1e-4)
+register_kernel("gemv_4bit", "cpu", _gemv_4bit_cpu, label="fused decode + dot (numba)")
 register_kernel("quantize_blockwise", "cpu", _quantize_blockwise_cpu, label="block scan (numba)")
 register_kernel("dequantize_blockwise", "cpu", _dequantize_blockwise_cpu, label="block scan (numba)")
 register_kernel("quantize_4bit", "cpu", _quantize_4bit_cpu, label="block scan (numba)")
@@ -327,3 +357,26 @@ def dequantize_4bit(A: torch.Tensor, absmax: torch.Tensor, blocksize: int = 64, 
     check_type("dtype", dtype, torch.dtype)
     check_choice("dtype", dtype, FLOAT_DTYPES)
     return _DEQUANTIZE_4BIT(A, absmax, blocksize, quant_type, list(shape), dtype)
+
+
+def gemv_4bit(A: torch.Tensor, B: torch.Tensor, shape: Sequence[int], absmax: torch.Tensor, blocksize: int = 64, quant_type: str = "nf4") -> torch.Tensor:
+    """``A @ dequantize(B).T`` for a packed 4-bit weight of ``shape`` (out x in), decoding
+    the weight block by block instead of materializing it: the single-token case.
+
+    ``A`` has shape (..., in); the result (..., out) has ``A``'s dtype. The CPU kernel
+    accumulates in float32, so results agree with the reference to rounding."""
+    _check_float_input(A)
+    check_type("B", B, torch.Tensor)
+    _check_blocksize(blocksize, BLOCKSIZES_4BIT)
+    check_choice("quant_type", quant_type, QUANT_TYPES_4BIT)
+    if isinstance(shape, (str, bytes)) or len(shape) != 2 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+        raise ValueError(f"shape must be (out_features, in_features) with positive ints, got {shape!r}")
+    if A.dim() < 1 or A.shape[-1] != shape[1]:
+        raise ValueError(f"A has {A.shape[-1] if A.dim() else 0} features in its last dimension; the weight takes {shape[1]}")
+    numel = shape[0] * shape[1]
+    if B.numel() * B.element_size() != (numel + 1) // 2 or not B.is_contiguous():
+        raise ValueError(f"B must be contiguous and hold {(numel + 1) // 2} packed bytes for shape {tuple(shape)}")
+    _check_absmax(absmax, numel, blocksize, A.device)
+    if B.device != A.device:
+        raise ValueError(f"B is on {B.device} but A is on {A.device}; both must be on one device")
+    return _GEMV_4BIT(A, B, list(shape), absmax.float(), blocksize, quant_type)

@@ -14,8 +14,8 @@ from tightfit import ops
 from tightfit._validate import check_type
 from tightfit.quant.state import QuantState
 
-__all__ = ["QuantState", "dequantize_4bit", "dequantize_blockwise", "dequantize_fp4", "dequantize_nf4", "quantize_4bit",
-           "quantize_blockwise", "quantize_fp4", "quantize_nf4"]
+__all__ = ["QuantState", "dequantize_4bit", "dequantize_blockwise", "dequantize_fp4", "dequantize_nf4", "gemv_4bit", "matmul_4bit",
+           "quantize_4bit", "quantize_blockwise", "quantize_fp4", "quantize_nf4"]
 
 NESTED_BLOCKSIZE_4BIT = 256
 
@@ -119,3 +119,38 @@ def dequantize_nf4(A: torch.Tensor, quant_state: QuantState | None = None, absma
 def dequantize_fp4(A: torch.Tensor, quant_state: QuantState | None = None, absmax: torch.Tensor | None = None,
                    out: torch.Tensor | None = None, blocksize: int | None = None) -> torch.Tensor:
     return dequantize_4bit(A, quant_state, absmax, out, blocksize, "fp4")
+
+
+def _check_4bit_weight_state(state: object) -> QuantState:
+    check_type("quant_state", state, QuantState)
+    if state.quant_type is None or state.shape is None or len(state.shape) != 2:
+        raise ValueError("quant_state must describe a 4-bit weight of shape (out_features, in_features)")
+    return state
+
+
+def gemv_4bit(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor | None = None, transposed_A: bool = False,
+              transposed_B: bool = False, state: QuantState | None = None) -> torch.Tensor:
+    """``A @ dequantize(B).T`` without materializing the weight (bitsandbytes' signature;
+    the transposed flags are accepted for compatibility and must be False)."""
+    if transposed_A or transposed_B:
+        raise ValueError("transposed_A and transposed_B are not supported; pass A and B as stored")
+    state = _check_4bit_weight_state(state)
+    result = ops.gemv_4bit(A, B, list(state.shape), _absmax_of(state).float(), state.blocksize, state.quant_type)
+    return _copy_into("out", out, result)
+
+
+def matmul_4bit(A: torch.Tensor, B: torch.Tensor, quant_state: QuantState, out: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``A @ dequantize(B).T + bias`` in ``A``'s dtype. One token at a time (decode) runs
+    the fused kernel and never holds the decoded weight; larger batches decode the weight
+    once and use torch's matmul."""
+    state = _check_4bit_weight_state(quant_state)
+    check_type("A", A, torch.Tensor)
+    if A.numel() == A.shape[-1] if A.dim() else False:
+        result = ops.gemv_4bit(A, B, list(state.shape), _absmax_of(state).float(), state.blocksize, state.quant_type)
+        if bias is not None:
+            result = result + bias.to(result.dtype)
+    else:
+        weight = dequantize_4bit(B, state).to(A.dtype)
+        result = torch.nn.functional.linear(A, weight, None if bias is None else bias.to(A.dtype))
+    return _copy_into("out", out, result)

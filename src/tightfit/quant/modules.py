@@ -95,6 +95,11 @@ class Linear4bit(QuantizedLinear):
     def _decode(self) -> torch.Tensor:
         return F.dequantize_4bit(self.weight, self.quant_state)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features in its last dimension; this layer takes {self.in_features}")
+        return F.matmul_4bit(x, self.weight, self.quant_state, bias=self.bias)
+
 
 class Linear8bit(QuantizedLinear):
     """``nn.Linear`` with a blockwise 8-bit weight (dynamic map, one scale per block)."""
