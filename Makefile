@@ -27,6 +27,7 @@ backends: $(VENV)/.installed-hf
 
 bench: $(VENV)/.installed-test
 	$(PY) benchmarks/casts.py
+	$(PY) benchmarks/quant.py
 
 clean:
 	rm -rf $(VENV)

@@ -1,4 +1,4 @@
-"""The Python examples in the README and docs/ops.md run as written."""
+"""The Python examples in the README and the docs pages run as written."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ["README.md", "docs/ops.md"]
+PAGES = ["README.md", "docs/ops.md", "docs/quantization.md"]
 
 
 def python_blocks(page: str) -> list[str]:
