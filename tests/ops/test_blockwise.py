@@ -187,3 +187,16 @@ def test_every_4bit_blocksize_matches_reference(blocksize):
     packed, absmax = quantize_4bit(A, blocksize, "nf4")
     bnb_packed, bnb_absmax = bnb_reference("quantize_4bit", A, blocksize, "nf4", torch.uint8)
     assert torch.equal(packed, bnb_packed) and torch.equal(absmax, bnb_absmax)
+
+
+def test_custom_code_with_crowded_entries_takes_the_scanning_path():
+    crowded = 0.5 + torch.arange(56, dtype=torch.float32) * 1e-6  # many entries inside one search bucket
+    code = torch.cat([torch.linspace(-1, 1, 200), crowded]).sort().values
+    from tightfit.ops._cpu_blockwise import _search
+
+    assert _search(code)[2] is False
+    A = torch.cat([torch.randn(5000), 0.5 + torch.rand(3000) * 6e-5])
+    A[0] = 1.0  # fix the scale of the first block
+    q, absmax = quantize_blockwise(A, code=code, blocksize=4096)
+    bnb_q, bnb_absmax = bnb_reference("quantize_blockwise", A, code, 4096)
+    assert torch.equal(q, bnb_q) and torch.equal(absmax, bnb_absmax)

@@ -3,8 +3,9 @@
 They follow the reference kernels in ``ops/blockwise.py`` operation for operation in
 float32 (reciprocal-multiply for full blocks, division for the partial last block, the
 same clamps), so codes and absmax are bit-identical. The nearest code is found
-exactly: a coarse table over [-1, 1] gives a lower bound on the answer, and a short
-forward scan over the midpoints finishes it, which is bucketize's answer.
+exactly: a table indexed by the top 16 bits of the scaled float32 gives a lower bound
+on the answer, and one comparison (a short scan for unusual codes) finishes it, which
+is bucketize's answer.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from tightfit.ops._numba import load_numba, match_torch_threads
 
 __all__: list[str] = []
 
-_SEARCH_BUCKETS = 1 << 16
 _kernel_lock = threading.Lock()  # numba's workqueue threading layer aborts on concurrent parallel calls
 
 
@@ -31,77 +31,104 @@ def midpoints(code: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=16)
-def _search_table(bounds_bytes: bytes) -> tuple[np.ndarray, np.ndarray]:
-    """(bounds, table): table[k] = how many bounds lie below bucket k-1's lower edge."""
-    bounds = np.frombuffer(bounds_bytes, dtype=np.float32).copy()
-    edges = -1.0 + 2.0 * np.arange(-1, _SEARCH_BUCKETS - 1, dtype=np.float64) / _SEARCH_BUCKETS
-    table = np.searchsorted(bounds.astype(np.float64), edges, side="left").astype(np.int32)
-    return bounds, table
+def _search_table(bounds_bytes: bytes) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(bounds + inf, table, single_step) for finding codes from a float32's top 16 bits.
+
+    table[t] counts the bounds below the smallest float whose top 16 bits are t, a lower
+    bound on bucketize's answer for every value in that bucket. When no bucket holds
+    more than one bound (true for the dynamic map, NF4 and FP4), one comparison
+    finishes the search; otherwise a short scan does.
+    """
+    bounds = np.frombuffer(bounds_bytes, dtype=np.float32)
+    top = np.arange(1 << 16, dtype=np.uint32)
+    negative = (top & 0x8000) != 0
+    smallest = ((top << 16) | np.where(negative, 0xFFFF, 0).astype(np.uint32)).view(np.float32)
+    largest = ((top << 16) | np.where(negative, 0, 0xFFFF).astype(np.uint32)).view(np.float32)
+    finite = np.isfinite(smallest) & np.isfinite(largest)
+    below_smallest = np.where(finite, np.searchsorted(bounds, smallest, side="left"), 0)
+    below_largest = np.where(finite, np.searchsorted(bounds, largest, side="left"), 0)
+    single_step = bool((below_largest - below_smallest).max() <= 1)
+    padded = np.append(bounds, np.float32(np.inf)).astype(np.float32)
+    return padded, below_smallest.astype(np.uint8 if bounds.size < 256 else np.uint16), single_step
 
 
 @functools.lru_cache(maxsize=1)
 def _kernels():
     numba, _ = load_numba()
-    buckets = _SEARCH_BUCKETS
 
     @numba.njit(inline="always")
-    def nearest(scaled, bounds, table):
-        k = np.int64((scaled + np.float32(1.0)) * np.float32(buckets // 2))
-        k = min(max(k, 0), buckets - 1)
-        index = table[k]
-        while index < bounds.shape[0] and scaled > bounds[index]:
+    def scale_block(x32, x16, from_bf16, start, end, full, scratch):
+        """Load a block into float32 scratch, scale it into [-1, 1] as the reference does;
+        returns the absmax to store (NaN if the block holds one)."""
+        count = end - start
+        if from_bf16:
+            bits = scratch.view(np.uint32)
+            for i in range(count):
+                bits[i] = np.uint32(x16[start + i]) << np.uint32(16)
+        else:
+            for i in range(count):
+                scratch[i] = x32[start + i]
+        amax = np.float32(0.0)
+        has_nan = False
+        for i in range(count):
+            magnitude = abs(scratch[i])
+            has_nan |= magnitude != magnitude
+            amax = magnitude if magnitude > amax else amax
+        if has_nan:
+            return np.float32(np.nan)
+        clamped = max(amax, np.float32(1e-38))
+        if full:  # full blocks multiply by the reciprocal, the partial block divides
+            inverse = np.float32(1.0) / clamped
+            for i in range(count):
+                scratch[i] = min(max(scratch[i] * inverse, np.float32(-1.0)), np.float32(1.0))
+            return amax
+        for i in range(count):
+            scratch[i] = min(max(scratch[i] / clamped, np.float32(-1.0)), np.float32(1.0))
+        return clamped
+
+    @numba.njit(inline="always")
+    def code_of(value, bits, bounds, table, single_step):
+        index = np.int64(table[bits >> np.uint32(16)])
+        if single_step:
+            return index + np.int64(value > bounds[index])
+        while value > bounds[index]:
             index += 1
         return index
 
-    @numba.njit(inline="always")
-    def block_absmax(x, start, end):
-        """The block's absolute maximum, NaN if the block holds one."""
-        amax = np.float32(0.0)
-        for i in range(start, end):
-            magnitude = abs(x[i])
-            if magnitude != magnitude:
-                return magnitude
-            amax = magnitude if magnitude > amax else amax
-        return amax
-
-    @numba.njit(inline="always")
-    def scaled_value(x, i, inverse, divisor, full):
-        """Full blocks multiply by the reciprocal, the partial block divides: as the reference."""
-        value = x[i] * inverse if full else x[i] / divisor
-        return min(max(value, np.float32(-1.0)), np.float32(1.0))
-
     @numba.njit(parallel=True, nogil=True, cache=True)
-    def quantize_8bit(x, blocksize, bounds, table, q, absmax):
-        n = x.shape[0]
+    def quantize_8bit(x32, x16, from_bf16, n, blocksize, bounds, table, single_step, q, absmax):
         for block in numba.prange(absmax.shape[0]):
             start = block * blocksize
             end = min(start + blocksize, n)
-            amax = block_absmax(x, start, end)
-            clamped = max(amax, np.float32(1e-38))
-            full = end - start == blocksize
-            absmax[block] = amax if full or amax != amax else clamped
-            inverse = np.float32(1.0) / clamped
-            for i in range(start, end):
-                q[i] = nearest(scaled_value(x, i, inverse, clamped, full), bounds, table)
+            scratch = np.empty(blocksize, np.float32)
+            stored = scale_block(x32, x16, from_bf16, start, end, end - start == blocksize, scratch)
+            absmax[block] = stored
+            if stored != stored:
+                continue  # NaN: reported by the caller, codes left unwritten
+            bits = scratch.view(np.uint32)
+            for i in range(end - start):
+                q[start + i] = code_of(scratch[i], bits[i], bounds, table, single_step)
 
     @numba.njit(parallel=True, nogil=True, cache=True)
-    def quantize_4bit(x, blocksize, bounds, table, order, packed, absmax):
-        n = x.shape[0]
-        pad = np.int64(order[nearest(np.float32(0.0), bounds, table)])
+    def quantize_4bit(x32, x16, from_bf16, n, blocksize, bounds, table, single_step, order, packed, absmax):
+        zero = np.zeros(1, np.float32)
+        pad = np.int64(order[code_of(zero[0], zero.view(np.uint32)[0], bounds, table, single_step)])
         for block in numba.prange(absmax.shape[0]):
             start = block * blocksize
             end = min(start + blocksize, n)
-            amax = block_absmax(x, start, end)
-            clamped = max(amax, np.float32(1e-38))
-            full = end - start == blocksize
-            absmax[block] = amax if full or amax != amax else clamped
-            inverse = np.float32(1.0) / clamped
-            for i in range(start, end, 2):
-                high = np.int64(order[nearest(scaled_value(x, i, inverse, clamped, full), bounds, table)])
+            scratch = np.empty(blocksize, np.float32)
+            stored = scale_block(x32, x16, from_bf16, start, end, end - start == blocksize, scratch)
+            absmax[block] = stored
+            if stored != stored:
+                continue
+            bits = scratch.view(np.uint32)
+            count = end - start
+            for i in range(0, count, 2):
+                high = np.int64(order[code_of(scratch[i], bits[i], bounds, table, single_step)])
                 low = pad
-                if i + 1 < end:
-                    low = np.int64(order[nearest(scaled_value(x, i + 1, inverse, clamped, full), bounds, table)])
-                packed[i // 2] = (high << 4) | low
+                if i + 1 < count:
+                    low = np.int64(order[code_of(scratch[i + 1], bits[i + 1], bounds, table, single_step)])
+                packed[(start + i) // 2] = (high << 4) | low
 
     @numba.njit(inline="always")
     def scaled_code(code, scale, values, as_bf16):
@@ -182,31 +209,35 @@ def _numba_or_none(op: str):
     return numba
 
 
-def _search(code_sorted: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+def _search(code_sorted: torch.Tensor) -> tuple[np.ndarray, np.ndarray, bool]:
     return _search_table(midpoints(code_sorted).contiguous().numpy().tobytes())
+
+
+def _source(A: torch.Tensor) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(float32 values, bf16 bits, from_bf16): bf16 is widened inside the kernel, block by block."""
+    if A.dtype == torch.bfloat16:
+        bits = A.reshape(-1).contiguous().view(torch.int16).numpy().view(np.uint16)
+        return np.empty(0, np.float32), bits, True
+    return A.reshape(-1).float().contiguous().numpy(), np.empty(0, np.uint16), False
 
 
 def quantize_8bit_cpu(A: torch.Tensor, code: torch.Tensor, blocksize: int, reference) -> tuple[torch.Tensor, torch.Tensor]:
     if _numba_or_none("quantize_blockwise") is None:
         return reference(A, code, blocksize)
-    x = A.reshape(-1).float().contiguous()
     q = torch.empty(A.shape, dtype=torch.uint8)
-    absmax = torch.empty(-(-x.numel() // blocksize), dtype=torch.float32)
-    bounds, table = _search(code)
+    absmax = torch.empty(-(-A.numel() // blocksize), dtype=torch.float32)
     with _kernel_lock:
-        _kernels()[0](x.numpy(), blocksize, bounds, table, q.view(-1).numpy(), absmax.numpy())
+        _kernels()[0](*_source(A), A.numel(), blocksize, *_search(code), q.view(-1).numpy(), absmax.numpy())
     return q, absmax
 
 
 def quantize_4bit_cpu(A: torch.Tensor, blocksize: int, sorted_code: torch.Tensor, order: torch.Tensor, reference) -> tuple[torch.Tensor, torch.Tensor]:
     if _numba_or_none("quantize_4bit") is None:
         return reference()
-    x = A.reshape(-1).float().contiguous()
-    packed = torch.empty((x.numel() + 1) // 2, dtype=torch.uint8)
-    absmax = torch.empty(-(-x.numel() // blocksize), dtype=torch.float32)
-    bounds, table = _search(sorted_code)
+    packed = torch.empty((A.numel() + 1) // 2, dtype=torch.uint8)
+    absmax = torch.empty(-(-A.numel() // blocksize), dtype=torch.float32)
     with _kernel_lock:
-        _kernels()[1](x.numpy(), blocksize, bounds, table, order.to(torch.uint8).numpy(), packed.numpy(), absmax.numpy())
+        _kernels()[1](*_source(A), A.numel(), blocksize, *_search(sorted_code), order.to(torch.uint8).numpy(), packed.numpy(), absmax.numpy())
     return packed, absmax
 
 
