@@ -22,6 +22,8 @@ from tightfit.ops._numba import load_numba, match_torch_threads
 
 __all__: list[str] = []
 
+#: Work items per parallel launch: each allocates its scratch once and runs many blocks.
+CHUNKS = 256
 _kernel_lock = threading.Lock()  # numba's workqueue threading layer aborts on concurrent parallel calls
 
 
@@ -97,10 +99,12 @@ def _kernels():
 
     @numba.njit(parallel=True, nogil=True, cache=True)
     def quantize_8bit(x32, x16, from_bf16, n, blocksize, bounds, table, single_step, q, absmax):
-        for block in numba.prange(absmax.shape[0]):
+        blocks = absmax.shape[0]
+        for chunk in numba.prange(CHUNKS):
+          scratch = np.empty(blocksize, np.float32)
+          for block in range(chunk * blocks // CHUNKS, (chunk + 1) * blocks // CHUNKS):
             start = block * blocksize
             end = min(start + blocksize, n)
-            scratch = np.empty(blocksize, np.float32)
             stored = scale_block(x32, x16, from_bf16, start, end, end - start == blocksize, scratch)
             absmax[block] = stored
             if stored != stored:
@@ -113,10 +117,12 @@ def _kernels():
     def quantize_4bit(x32, x16, from_bf16, n, blocksize, bounds, table, single_step, order, packed, absmax):
         zero = np.zeros(1, np.float32)
         pad = np.int64(order[code_of(zero[0], zero.view(np.uint32)[0], bounds, table, single_step)])
-        for block in numba.prange(absmax.shape[0]):
+        blocks = absmax.shape[0]
+        for chunk in numba.prange(CHUNKS):
+          scratch = np.empty(blocksize, np.float32)
+          for block in range(chunk * blocks // CHUNKS, (chunk + 1) * blocks // CHUNKS):
             start = block * blocksize
             end = min(start + blocksize, n)
-            scratch = np.empty(blocksize, np.float32)
             stored = scale_block(x32, x16, from_bf16, start, end, end - start == blocksize, scratch)
             absmax[block] = stored
             if stored != stored:
@@ -131,14 +137,13 @@ def _kernels():
                 packed[(start + i) // 2] = (high << 4) | low
 
     @numba.njit(inline="always")
-    def scaled_code(code, scale, values, as_bf16):
-        """code * scale in float32 (as the reference), as float32 or as bf16 bits (torch's rounding)."""
+    def scaled_code(code, scale, values, rounded, as_bf16):
+        """code * scale in float32 (as the reference), as float32 bits or bf16 bits (torch's rounding)."""
         for j in range(code.shape[0]):
             values[j] = code[j] * scale
-        if not as_bf16:
-            return values.view(np.uint32)
         bits = values.view(np.uint32)
-        rounded = np.empty(code.shape[0], np.uint32)
+        if not as_bf16:
+            return bits
         for j in range(code.shape[0]):
             b = bits[j]
             if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
@@ -150,23 +155,31 @@ def _kernels():
     @numba.njit(parallel=True, nogil=True, cache=True)
     def dequantize_8bit(q, absmax, code, blocksize, out, as_bf16):
         n = q.shape[0]
-        for block in numba.prange(absmax.shape[0]):
-            table = scaled_code(code, absmax[block], np.empty(code.shape[0], np.float32), as_bf16)
-            for i in range(block * blocksize, min(block * blocksize + blocksize, n)):
-                out[i] = table[q[i]]
+        blocks = absmax.shape[0]
+        for chunk in numba.prange(CHUNKS):
+            values = np.empty(code.shape[0], np.float32)
+            rounded = np.empty(code.shape[0], np.uint32)
+            for block in range(chunk * blocks // CHUNKS, (chunk + 1) * blocks // CHUNKS):
+                table = scaled_code(code, absmax[block], values, rounded, as_bf16)
+                for i in range(block * blocksize, min(block * blocksize + blocksize, n)):
+                    out[i] = table[q[i]]
 
     @numba.njit(parallel=True, nogil=True, cache=True)
     def dequantize_4bit(packed, absmax, code, blocksize, n, out, as_bf16):
-        for block in numba.prange(absmax.shape[0]):
-            table = scaled_code(code, absmax[block], np.empty(code.shape[0], np.float32), as_bf16)
-            start = block * blocksize
-            end = min(start + blocksize, n)
-            for i in range(start, end - 1, 2):
-                byte = np.int64(packed[i // 2])
-                out[i] = table[byte >> 4]
-                out[i + 1] = table[byte & 15]
-            if (end - start) % 2:
-                out[end - 1] = table[np.int64(packed[(end - 1) // 2]) >> 4]
+        blocks = absmax.shape[0]
+        for chunk in numba.prange(CHUNKS):
+            values = np.empty(code.shape[0], np.float32)
+            rounded = np.empty(code.shape[0], np.uint32)
+            for block in range(chunk * blocks // CHUNKS, (chunk + 1) * blocks // CHUNKS):
+                table = scaled_code(code, absmax[block], values, rounded, as_bf16)
+                start = block * blocksize
+                end = min(start + blocksize, n)
+                for i in range(start, end - 1, 2):
+                    byte = np.int64(packed[i // 2])
+                    out[i] = table[byte >> 4]
+                    out[i + 1] = table[byte & 15]
+                if (end - start) % 2:
+                    out[end - 1] = table[np.int64(packed[(end - 1) // 2]) >> 4]
 
     @numba.njit(parallel=True, nogil=True, cache=True)
     def gemv_4bit(x, packed, absmax, code, blocksize, rows, cols, out):
