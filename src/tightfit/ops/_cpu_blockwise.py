@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from tightfit.ops._numba import load_numba, match_torch_threads
 
 __all__: list[str] = []
 
+_IDENTITY = np.arange(256, dtype=np.uint8)  # 8-bit codes need no reordering
 #: Work items per parallel launch: each allocates its scratch once and runs many blocks.
 CHUNKS = 256
 _kernel_lock = threading.Lock()  # numba's workqueue threading layer aborts on concurrent parallel calls
@@ -97,44 +99,39 @@ def _kernels():
             index += 1
         return index
 
-    @numba.njit(parallel=True, nogil=True, cache=True)
-    def quantize_8bit(x32, x16, from_bf16, n, blocksize, bounds, table, single_step, q, absmax):
-        blocks = absmax.shape[0]
-        for chunk in numba.prange(CHUNKS):
-          scratch = np.empty(blocksize, np.float32)
-          for block in range(chunk * blocks // CHUNKS, (chunk + 1) * blocks // CHUNKS):
-            start = block * blocksize
-            end = min(start + blocksize, n)
-            stored = scale_block(x32, x16, from_bf16, start, end, end - start == blocksize, scratch)
-            absmax[block] = stored
-            if stored != stored:
-                continue  # NaN: reported by the caller, codes left unwritten
-            bits = scratch.view(np.uint32)
-            for i in range(end - start):
-                q[start + i] = code_of(scratch[i], bits[i], bounds, table, single_step)
+    @numba.njit(inline="always")
+    def code_block(scratch, count, bounds, table, single_step, codes):
+        bits = scratch.view(np.uint32)
+        for i in range(count):
+            codes[i] = code_of(scratch[i], bits[i], bounds, table, single_step)
 
     @numba.njit(parallel=True, nogil=True, cache=True)
-    def quantize_4bit(x32, x16, from_bf16, n, blocksize, bounds, table, single_step, order, packed, absmax):
+    def quantize(x32, x16, from_bf16, n, blocksize, bounds, table, single_step, order, four_bit, out, absmax):
+        """Scale and code every block; 8-bit writes one code per value, 4-bit maps codes
+        through ``order`` and packs two per byte (an odd tail padded with a zero's code)."""
         zero = np.zeros(1, np.float32)
-        pad = np.int64(order[code_of(zero[0], zero.view(np.uint32)[0], bounds, table, single_step)])
+        pad = order[code_of(zero[0], zero.view(np.uint32)[0], bounds, table, single_step)]
         blocks = absmax.shape[0]
         for chunk in numba.prange(CHUNKS):
-          scratch = np.empty(blocksize, np.float32)
-          for block in range(chunk * blocks // CHUNKS, (chunk + 1) * blocks // CHUNKS):
-            start = block * blocksize
-            end = min(start + blocksize, n)
-            stored = scale_block(x32, x16, from_bf16, start, end, end - start == blocksize, scratch)
-            absmax[block] = stored
-            if stored != stored:
-                continue
-            bits = scratch.view(np.uint32)
-            count = end - start
-            for i in range(0, count, 2):
-                high = np.int64(order[code_of(scratch[i], bits[i], bounds, table, single_step)])
-                low = pad
-                if i + 1 < count:
-                    low = np.int64(order[code_of(scratch[i + 1], bits[i + 1], bounds, table, single_step)])
-                packed[(start + i) // 2] = (high << 4) | low
+            scratch = np.empty(blocksize, np.float32)
+            codes = np.empty(blocksize + 1, np.uint8)
+            for block in range(chunk * blocks // CHUNKS, (chunk + 1) * blocks // CHUNKS):
+                start = block * blocksize
+                end = min(start + blocksize, n)
+                count = end - start
+                stored = scale_block(x32, x16, from_bf16, start, end, count == blocksize, scratch)
+                absmax[block] = stored
+                if stored != stored:
+                    continue  # NaN: the caller reports it; codes are left unwritten
+                code_block(scratch, count, bounds, table, single_step, codes)
+                if not four_bit:
+                    for i in range(count):
+                        out[start + i] = codes[i]
+                    continue
+                codes[count] = pad
+                for i in range(0, count, 2):
+                    low = order[codes[i + 1]] if i + 1 < count else pad
+                    out[(start + i) // 2] = (np.int64(order[codes[i]]) << 4) | np.int64(low)
 
     @numba.njit(inline="always")
     def scaled_code(code, scale, values, rounded, as_bf16):
@@ -210,7 +207,7 @@ def _kernels():
                         k += 1
                 out[m, j] = acc
 
-    return quantize_8bit, quantize_4bit, dequantize_8bit, dequantize_4bit, gemv_4bit
+    return SimpleNamespace(quantize=quantize, dequantize_8bit=dequantize_8bit, dequantize_4bit=dequantize_4bit, gemv_4bit=gemv_4bit)
 
 
 def _numba_or_none(op: str):
@@ -240,7 +237,7 @@ def quantize_8bit_cpu(A: torch.Tensor, code: torch.Tensor, blocksize: int, refer
     q = torch.empty(A.shape, dtype=torch.uint8)
     absmax = torch.empty(-(-A.numel() // blocksize), dtype=torch.float32)
     with _kernel_lock:
-        _kernels()[0](*_source(A), A.numel(), blocksize, *_search(code), q.view(-1).numpy(), absmax.numpy())
+        _kernels().quantize(*_source(A), A.numel(), blocksize, *_search(code), _IDENTITY, False, q.view(-1).numpy(), absmax.numpy())
     return q, absmax
 
 
@@ -250,11 +247,11 @@ def quantize_4bit_cpu(A: torch.Tensor, blocksize: int, sorted_code: torch.Tensor
     packed = torch.empty((A.numel() + 1) // 2, dtype=torch.uint8)
     absmax = torch.empty(-(-A.numel() // blocksize), dtype=torch.float32)
     with _kernel_lock:
-        _kernels()[1](*_source(A), A.numel(), blocksize, *_search(sorted_code), order.to(torch.uint8).numpy(), packed.numpy(), absmax.numpy())
+        _kernels().quantize(*_source(A), A.numel(), blocksize, *_search(sorted_code), order.to(torch.uint8).numpy(), True, packed.numpy(), absmax.numpy())
     return packed, absmax
 
 
-def _dequantize_into(kernel_index: int, op: str, data: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+def _dequantize_into(op: str, data: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
                      blocksize: int, numel: int, dtype: torch.dtype, reference) -> torch.Tensor | None:
     if _numba_or_none(op) is None:
         return reference()
@@ -264,21 +261,21 @@ def _dequantize_into(kernel_index: int, op: str, data: torch.Tensor, absmax: tor
     absmax32 = absmax.float().contiguous().numpy()
     code32 = code.float().contiguous().numpy()
     with _kernel_lock:
-        if kernel_index == 2:
-            _kernels()[2](data.numpy(), absmax32, code32, blocksize, target, as_bf16)
+        if op == "dequantize_blockwise":
+            _kernels().dequantize_8bit(data.numpy(), absmax32, code32, blocksize, target, as_bf16)
         else:
-            _kernels()[3](data.numpy(), absmax32, code32, blocksize, numel, target, as_bf16)
+            _kernels().dequantize_4bit(data.numpy(), absmax32, code32, blocksize, numel, target, as_bf16)
     return out if out.dtype == dtype else out.to(dtype)
 
 
 def dequantize_8bit_cpu(A, absmax, code, blocksize, dtype, reference) -> torch.Tensor:
-    out = _dequantize_into(2, "dequantize_blockwise", A.reshape(-1).contiguous(), absmax, code, blocksize, A.numel(), dtype, reference)
+    out = _dequantize_into("dequantize_blockwise", A.reshape(-1).contiguous(), absmax, code, blocksize, A.numel(), dtype, reference)
     return out.reshape(A.shape)
 
 
 def dequantize_4bit_cpu(A, absmax, code, blocksize, shape, dtype, reference) -> torch.Tensor:
     numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
-    out = _dequantize_into(3, "dequantize_4bit", A.reshape(-1).view(torch.uint8).contiguous(), absmax, code, blocksize, numel, dtype, reference)
+    out = _dequantize_into("dequantize_4bit", A.reshape(-1).view(torch.uint8).contiguous(), absmax, code, blocksize, numel, dtype, reference)
     return out.reshape(shape)
 
 
@@ -289,6 +286,6 @@ def gemv_4bit_cpu(A, B, shape, absmax, code, blocksize, reference) -> torch.Tens
     x = A.reshape(-1, cols).float().contiguous()
     out = torch.empty(x.shape[0], rows, dtype=torch.float32)
     with _kernel_lock:
-        _kernels()[4](x.numpy(), B.reshape(-1).view(torch.uint8).contiguous().numpy(), absmax.float().contiguous().numpy(),
+        _kernels().gemv_4bit(x.numpy(), B.reshape(-1).view(torch.uint8).contiguous().numpy(), absmax.float().contiguous().numpy(),
                       code.float().contiguous().numpy(), blocksize, rows, cols, out.numpy())
     return out.to(A.dtype).reshape(*A.shape[:-1], rows)
