@@ -30,3 +30,9 @@ def test_backends_table():
 def test_unknown_command_is_a_usage_error():
     done = tightfit_cli("frobnicate")
     assert done.returncode == 2 and "invalid choice" in done.stderr
+
+
+def test_human_bytes():
+    from tightfit._format import human_bytes
+
+    assert [human_bytes(v) for v in (None, 5, 1536, 90861056, 3 * 2**40)] == ["-", "5 B", "1.5 KiB", "86.7 MiB", "3.0 TiB"]

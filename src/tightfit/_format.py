@@ -9,12 +9,14 @@ def human_bytes(value: int | None) -> str:
     """``1536`` -> ``"1.5 KiB"``; None -> ``"-"``."""
     if value is None:
         return "-"
+    if abs(value) < 1024:
+        return f"{value} B"
     size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+    for unit in ("KiB", "MiB", "GiB"):
         size /= 1024
-    raise AssertionError("unreachable")  # internal invariant: the loop always returns
+        if abs(size) < 1024:
+            return f"{size:.1f} {unit}"
+    return f"{size / 1024:.1f} TiB"
 
 
 def dtype_names(dtypes: frozenset) -> str:

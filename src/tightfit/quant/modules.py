@@ -8,6 +8,7 @@ a checkpoint saved by one loads in the other.
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from tightfit.quant.state import QuantState
 __all__ = ["Linear4bit", "Linear8bit", "LinearInt8", "QuantizedLinear"]
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(nn.Module, abc.ABC):
     """Shared machinery: a packed weight buffer, its QuantState, an optional bias."""
 
     def __init__(self, in_features: int, out_features: int, packed: torch.Tensor, state: QuantState, bias: torch.Tensor | None) -> None:
@@ -32,8 +33,9 @@ class QuantizedLinear(nn.Module):
         self.quant_state = state
         self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
 
+    @abc.abstractmethod
     def _decode(self) -> torch.Tensor:
-        raise NotImplementedError  # abstract: each subclass decodes its own format
+        """The weight decoded from ``self.weight`` and ``self.quant_state``."""
 
     def dequantize(self) -> torch.Tensor:
         """The full-precision weight (``out_features x in_features``) in the original dtype."""
