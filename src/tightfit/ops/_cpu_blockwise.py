@@ -150,19 +150,9 @@ def _kernels():
         return rounded
 
     @numba.njit(parallel=True, nogil=True, cache=True)
-    def dequantize_8bit(q, absmax, code, blocksize, out, as_bf16):
-        n = q.shape[0]
-        blocks = absmax.shape[0]
-        for chunk in numba.prange(CHUNKS):
-            values = np.empty(code.shape[0], np.float32)
-            rounded = np.empty(code.shape[0], np.uint32)
-            for block in range(chunk * blocks // CHUNKS, (chunk + 1) * blocks // CHUNKS):
-                table = scaled_code(code, absmax[block], values, rounded, as_bf16)
-                for i in range(block * blocksize, min(block * blocksize + blocksize, n)):
-                    out[i] = table[q[i]]
-
-    @numba.njit(parallel=True, nogil=True, cache=True)
-    def dequantize_4bit(packed, absmax, code, blocksize, n, out, as_bf16):
+    def dequantize(data, absmax, code, blocksize, n, out, as_bf16, four_bit):
+        """out[i] = code[c_i] * absmax[block], through one scaled table per block; codes are
+        bytes (8-bit) or nibbles, high first (4-bit)."""
         blocks = absmax.shape[0]
         for chunk in numba.prange(CHUNKS):
             values = np.empty(code.shape[0], np.float32)
@@ -171,12 +161,16 @@ def _kernels():
                 table = scaled_code(code, absmax[block], values, rounded, as_bf16)
                 start = block * blocksize
                 end = min(start + blocksize, n)
+                if not four_bit:
+                    for i in range(start, end):
+                        out[i] = table[data[i]]
+                    continue
                 for i in range(start, end - 1, 2):
-                    byte = np.int64(packed[i // 2])
+                    byte = np.int64(data[i // 2])
                     out[i] = table[byte >> 4]
                     out[i + 1] = table[byte & 15]
                 if (end - start) % 2:
-                    out[end - 1] = table[np.int64(packed[(end - 1) // 2]) >> 4]
+                    out[end - 1] = table[np.int64(data[(end - 1) // 2]) >> 4]
 
     @numba.njit(parallel=True, nogil=True, cache=True)
     def gemv_4bit(x, packed, absmax, code, blocksize, rows, cols, out):
@@ -207,7 +201,7 @@ def _kernels():
                         k += 1
                 out[m, j] = acc
 
-    return SimpleNamespace(quantize=quantize, dequantize_8bit=dequantize_8bit, dequantize_4bit=dequantize_4bit, gemv_4bit=gemv_4bit)
+    return SimpleNamespace(quantize=quantize, dequantize=dequantize, gemv_4bit=gemv_4bit)
 
 
 def _numba_or_none(op: str):
@@ -261,10 +255,7 @@ def _dequantize_into(op: str, data: torch.Tensor, absmax: torch.Tensor, code: to
     absmax32 = absmax.float().contiguous().numpy()
     code32 = code.float().contiguous().numpy()
     with _kernel_lock:
-        if op == "dequantize_blockwise":
-            _kernels().dequantize_8bit(data.numpy(), absmax32, code32, blocksize, target, as_bf16)
-        else:
-            _kernels().dequantize_4bit(data.numpy(), absmax32, code32, blocksize, numel, target, as_bf16)
+        _kernels().dequantize(data.numpy(), absmax32, code32, blocksize, numel, target, as_bf16, op == "dequantize_4bit")
     return out if out.dtype == dtype else out.to(dtype)
 
 
