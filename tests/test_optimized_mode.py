@@ -9,6 +9,7 @@ SCRIPT = r"""
 import torch, tightfit
 from tightfit.run import RunOptions
 from tightfit.memory import measure
+import tightfit.quant as quant
 assert False, "asserts must be off under -O"
 checks = [
     (lambda: tightfit.ops.cast([1.0], torch.bfloat16), TypeError),
@@ -24,6 +25,14 @@ checks = [
     (lambda: RunOptions(repeat=0), ValueError),
     (lambda: RunOptions(model=1), TypeError),
     (lambda: measure(lambda: None, "cpu", repeat=0), ValueError),
+    (lambda: tightfit.ops.quantize_blockwise(torch.ones(4), blocksize=100), ValueError),
+    (lambda: tightfit.ops.quantize_4bit(torch.tensor([float("nan"), 1.0])), ValueError),
+    (lambda: tightfit.ops.dequantize_4bit(torch.zeros(4, dtype=torch.uint8), torch.ones(1), shape=[9]), ValueError),
+    (lambda: tightfit.ops.int8_linear_matmul(torch.ones(2, 3), torch.ones(2, 3)), TypeError),
+    (lambda: torch.ops.tightfit.cast_into(torch.zeros(1 << 16).to(torch.float8_e4m3fn), torch.empty(16, dtype=torch.bfloat16)), ValueError),
+    (lambda: quant.NF4Config(blocksize=48), ValueError),
+    (lambda: quant.quantize_(torch.nn.Linear(2, 2), quant.NF4Config()), ValueError),
+    (lambda: quant.QuantState.from_dict({"absmax": torch.ones(1)}), ValueError),
 ]
 for index, (call, expected) in enumerate(checks):
     try:
@@ -40,4 +49,4 @@ print(f"{len(checks)} checks raised as documented")
 def test_bad_inputs_raise_under_python_O():
     done = subprocess.run([sys.executable, "-O", "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "13 checks raised as documented" in done.stdout
+    assert "21 checks raised as documented" in done.stdout

@@ -121,6 +121,10 @@ def test_odd_count_pads_with_a_scaled_zero():
         ("dequantize_blockwise", lambda: (torch.randint(0, 256, (5000,), dtype=torch.uint8), torch.rand(20), dynamic_map(), 256, torch.bfloat16)),
         ("quantize_4bit", lambda: (torch.randn(33, 7).bfloat16(), 64, "fp4", torch.uint8)),
         ("dequantize_4bit", lambda: (torch.randint(0, 256, (116, 1), dtype=torch.uint8), torch.rand(4), 64, "nf4", [33, 7], torch.float16)),
+        ("gemv_4bit", lambda: (torch.randn(1, 64), torch.randint(0, 256, (1536, 1), dtype=torch.uint8), [48, 64], torch.rand(48), 64, "nf4")),
+        ("int8_linear_matmul", lambda: (torch.randint(-127, 128, (5, 64), dtype=torch.int8), torch.randint(-127, 128, (7, 64), dtype=torch.int8))),
+        ("int8_mm_dequant", lambda: (torch.randint(-1000, 1000, (5, 7), dtype=torch.int32), torch.rand(5), torch.rand(7), torch.bfloat16, torch.randn(7))),
+        ("int8_vectorwise_quant", lambda: (torch.randn(5, 64), 0.0)),
     ],
 )
 def test_opcheck(op, args):
