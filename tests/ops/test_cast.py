@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import tightfit
 from tightfit.backends import FLOAT8_DTYPES
-from tightfit.ops import _cpu_cast, _numba
+from tightfit.ops import _numba
 from tightfit.ops._cpu_cast import MIN_FAST_NUMEL
 from tightfit.ops.cast import _float32_probe_values as float32_probe_values
 
@@ -102,7 +102,7 @@ def test_non_contiguous_out_buffer():
 
 
 def test_without_numba_the_cpu_kernel_warns_once_and_stays_exact(monkeypatch):
-    monkeypatch.setattr(_cpu_cast, "load_numba", lambda: (None, "numba is not usable (ImportError: test)"))
+    monkeypatch.setattr(_numba, "load_numba", lambda: (None, "numba is not usable (ImportError: test)"))
     x = torch.randn(MIN_FAST_NUMEL).to(torch.float8_e4m3fn)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -264,7 +264,7 @@ def test_out_that_requires_grad_is_rejected():
 def test_fallback_warning_points_at_the_callers_line():
     x = torch.randn(MIN_FAST_NUMEL).to(torch.float8_e4m3fn)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_cpu_cast, "load_numba", lambda: (None, "numba is not usable (test)"))
+        patch.setattr(_numba, "load_numba", lambda: (None, "numba is not usable (test)"))
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
             tightfit.ops.cast(x, torch.bfloat16, out=torch.empty(x.shape, dtype=torch.bfloat16))

@@ -11,22 +11,20 @@ is bucketize's answer.
 from __future__ import annotations
 
 import functools
-import threading
+import math
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from tightfit._hugepages import empty_with_huge_pages
-from tightfit._strict import report_fallback
-from tightfit.ops._numba import load_numba, match_torch_threads
+from tightfit.ops._numba import kernel_lock, load_numba, usable_numba
 
 __all__: list[str] = []
 
 _IDENTITY = np.arange(256, dtype=np.uint8)  # 8-bit codes need no reordering
 #: Work items per parallel launch: each allocates its scratch once and runs many blocks.
 CHUNKS = 256
-_kernel_lock = threading.Lock()  # numba's workqueue threading layer aborts on concurrent parallel calls
 
 
 def midpoints(code: torch.Tensor) -> torch.Tensor:
@@ -204,13 +202,9 @@ def _kernels():
     return SimpleNamespace(quantize=quantize, dequantize=dequantize, gemv_4bit=gemv_4bit)
 
 
-def _numba_or_none(op: str):
-    numba, why_not = load_numba()
-    if numba is None:
-        report_fallback(op, "cpu", "reference", f"{why_not}; running the reference kernel")
-        return None
-    match_torch_threads(numba)
-    return numba
+def block_count(numel: int, blocksize: int) -> int:
+    """Blocks of ``blocksize`` covering ``numel`` values (the last may be partial)."""
+    return -(-numel // blocksize)
 
 
 def _search(code_sorted: torch.Tensor) -> tuple[np.ndarray, np.ndarray, bool]:
@@ -225,36 +219,29 @@ def _source(A: torch.Tensor) -> tuple[np.ndarray, np.ndarray, bool]:
     return A.reshape(-1).float().contiguous().numpy(), np.empty(0, np.uint16), False
 
 
-def quantize_8bit_cpu(A: torch.Tensor, code: torch.Tensor, blocksize: int, reference) -> tuple[torch.Tensor, torch.Tensor]:
-    if _numba_or_none("quantize_blockwise") is None:
-        return reference(A, code, blocksize)
-    q = torch.empty(A.shape, dtype=torch.uint8)
-    absmax = torch.empty(-(-A.numel() // blocksize), dtype=torch.float32)
-    with _kernel_lock:
-        _kernels().quantize(*_source(A), A.numel(), blocksize, *_search(code), _IDENTITY, False, q.view(-1).numpy(), absmax.numpy())
-    return q, absmax
-
-
-def quantize_4bit_cpu(A: torch.Tensor, blocksize: int, sorted_code: torch.Tensor, order: torch.Tensor, reference) -> tuple[torch.Tensor, torch.Tensor]:
-    if _numba_or_none("quantize_4bit") is None:
+def quantize_cpu(op: str, A: torch.Tensor, blocksize: int, sorted_code: torch.Tensor, order: torch.Tensor | None, reference):
+    """8-bit codes shaped like ``A`` (``order`` None) or packed 4-bit codes mapped through ``order``; and absmax."""
+    if usable_numba(op, "running the reference kernel") is None:
         return reference()
-    packed = torch.empty((A.numel() + 1) // 2, dtype=torch.uint8)
-    absmax = torch.empty(-(-A.numel() // blocksize), dtype=torch.float32)
-    with _kernel_lock:
-        _kernels().quantize(*_source(A), A.numel(), blocksize, *_search(sorted_code), order.to(torch.uint8).numpy(), True, packed.numpy(), absmax.numpy())
-    return packed, absmax
+    four_bit = order is not None
+    out = torch.empty((A.numel() + 1) // 2 if four_bit else A.shape, dtype=torch.uint8)
+    absmax = torch.empty(block_count(A.numel(), blocksize), dtype=torch.float32)
+    order = order.to(torch.uint8).numpy() if four_bit else _IDENTITY
+    with kernel_lock:
+        _kernels().quantize(*_source(A), A.numel(), blocksize, *_search(sorted_code), order, four_bit, out.view(-1).numpy(), absmax.numpy())
+    return out, absmax
 
 
 def _dequantize_into(op: str, data: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
-                     blocksize: int, numel: int, dtype: torch.dtype, reference) -> torch.Tensor | None:
-    if _numba_or_none(op) is None:
+                     blocksize: int, numel: int, dtype: torch.dtype, reference) -> torch.Tensor:
+    if usable_numba(op, "running the reference kernel") is None:
         return reference()
     as_bf16 = dtype == torch.bfloat16
     out = empty_with_huge_pages((numel,), torch.bfloat16 if as_bf16 else torch.float32)
     target = out.view(torch.int16).numpy().view(np.uint16) if as_bf16 else out.view(torch.int32).numpy().view(np.uint32)
     absmax32 = absmax.float().contiguous().numpy()
     code32 = code.float().contiguous().numpy()
-    with _kernel_lock:
+    with kernel_lock:
         _kernels().dequantize(data.numpy(), absmax32, code32, blocksize, numel, target, as_bf16, op == "dequantize_4bit")
     return out if out.dtype == dtype else out.to(dtype)
 
@@ -265,18 +252,18 @@ def dequantize_8bit_cpu(A, absmax, code, blocksize, dtype, reference) -> torch.T
 
 
 def dequantize_4bit_cpu(A, absmax, code, blocksize, shape, dtype, reference) -> torch.Tensor:
-    numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+    numel = math.prod(shape)
     out = _dequantize_into("dequantize_4bit", A.reshape(-1).view(torch.uint8).contiguous(), absmax, code, blocksize, numel, dtype, reference)
     return out.reshape(shape)
 
 
 def gemv_4bit_cpu(A, B, shape, absmax, code, blocksize, reference) -> torch.Tensor:
-    if _numba_or_none("gemv_4bit") is None:
+    if usable_numba("gemv_4bit", "running the reference kernel") is None:
         return reference()
     rows, cols = shape
     x = A.reshape(-1, cols).float().contiguous()
     out = torch.empty(x.shape[0], rows, dtype=torch.float32)
-    with _kernel_lock:
+    with kernel_lock:
         _kernels().gemv_4bit(x.numpy(), B.reshape(-1).view(torch.uint8).contiguous().numpy(), absmax.float().contiguous().numpy(),
                       code.float().contiguous().numpy(), blocksize, rows, cols, out.numpy())
     return out.to(A.dtype).reshape(*A.shape[:-1], rows)

@@ -12,22 +12,19 @@ from __future__ import annotations
 
 import functools
 import sys
-import threading
 
 import numpy as np
 import torch
 
 from tightfit._hugepages import empty_with_huge_pages
-from tightfit._strict import report_fallback
 from tightfit.backends.base import FLOAT8_DTYPES
-from tightfit.ops._numba import load_numba, match_torch_threads
+from tightfit.ops._numba import kernel_lock, load_numba, usable_numba
 
 __all__ = ["cast_cpu", "cast_into_cpu"]
 
 #: Below this many elements torch's own cast is faster than a parallel kernel launch.
 MIN_FAST_NUMEL = 1 << 15
 
-_kernel_lock = threading.Lock()
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 _TORCH_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
@@ -86,14 +83,11 @@ def _cast_into(x: torch.Tensor, out: torch.Tensor, op: str) -> None:
     if x.numel() < MIN_FAST_NUMEL or not _has_table(x.dtype, out.dtype):
         out.copy_(x)
         return
-    numba, why_not = load_numba()
-    if numba is None:
-        report_fallback(op, "cpu", "reference", f"{why_not}; using torch's cast")
+    if usable_numba(op, "using torch's cast") is None:
         out.copy_(x)
         return
     target = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
-    with _kernel_lock:  # numba's workqueue threading layer aborts on concurrent parallel calls
-        match_torch_threads(numba)
+    with kernel_lock:
         _lookup_into(x.contiguous().view(-1), target.view(-1))
     if target is not out:
         out.copy_(target)

@@ -7,11 +7,17 @@ missing or broken the CPU kernels fall back to the reference, with the D1 warnin
 from __future__ import annotations
 
 import functools
+import threading
 from types import ModuleType
 
 import torch
 
+from tightfit._strict import report_fallback
+
 __all__: list[str] = []
+
+#: numba's workqueue threading layer aborts when two threads launch parallel kernels at once.
+kernel_lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=1)
@@ -27,3 +33,13 @@ def load_numba() -> tuple[ModuleType | None, str | None]:
 def match_torch_threads(numba: ModuleType) -> None:
     """Use as many threads as torch's intra-op pool, so the two never oversubscribe."""
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+
+
+def usable_numba(op: str, instead: str) -> ModuleType | None:
+    """numba set to torch's thread count, or None after reporting the fallback for ``op`` (D1)."""
+    numba, why_not = load_numba()
+    if numba is None:
+        report_fallback(op, "cpu", "reference", f"{why_not}; {instead}")
+        return None
+    match_torch_threads(numba)
+    return numba

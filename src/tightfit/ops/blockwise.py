@@ -112,12 +112,8 @@ def _gemv_4bit_reference(A: torch.Tensor, B: torch.Tensor, shape: list[int], abs
 # -- fake kernels ---------------------------------------------------------------------------
 
 
-def _blocks(numel: int, blocksize: int) -> int:
-    return -(-numel // blocksize)
-
-
 def _quantize_blockwise_fake(A, code, blocksize):
-    return torch.empty(A.shape, dtype=torch.uint8, device=A.device), torch.empty(_blocks(A.numel(), blocksize), device=A.device)
+    return torch.empty(A.shape, dtype=torch.uint8, device=A.device), torch.empty(cpu.block_count(A.numel(), blocksize), device=A.device)
 
 
 def _dequantize_blockwise_fake(A, absmax, code, blocksize, dtype):
@@ -127,7 +123,7 @@ def _dequantize_blockwise_fake(A, absmax, code, blocksize, dtype):
 def _quantize_4bit_fake(A, blocksize, quant_type, quant_storage):
     packed_bytes = (A.numel() + 1) // 2
     packed = torch.empty(packed_bytes // quant_storage.itemsize, 1, dtype=quant_storage, device=A.device)
-    return packed, torch.empty(_blocks(A.numel(), blocksize), device=A.device)
+    return packed, torch.empty(cpu.block_count(A.numel(), blocksize), device=A.device)
 
 
 def _dequantize_4bit_fake(A, absmax, blocksize, quant_type, shape, dtype):
@@ -142,7 +138,7 @@ def _gemv_4bit_fake(A, B, shape, absmax, blocksize, quant_type):
 
 
 def _quantize_blockwise_cpu(A, code, blocksize):
-    return cpu.quantize_8bit_cpu(A, code, blocksize, _quantize_blockwise_reference)
+    return cpu.quantize_cpu("quantize_blockwise", A, blocksize, code, None, lambda: _quantize_blockwise_reference(A, code, blocksize))
 
 
 def _dequantize_blockwise_cpu(A, absmax, code, blocksize, dtype):
@@ -152,8 +148,8 @@ def _dequantize_blockwise_cpu(A, absmax, code, blocksize, dtype):
 
 def _quantize_4bit_cpu(A, blocksize, quant_type, quant_storage):
     sorted_code, order = _sorted_code(quant_type, A.device)
-    packed, absmax = cpu.quantize_4bit_cpu(A, blocksize, sorted_code, order,
-                                           lambda: _quantize_4bit_reference(A, blocksize, quant_type, torch.uint8))
+    packed, absmax = cpu.quantize_cpu("quantize_4bit", A, blocksize, sorted_code, order,
+                                      lambda: _quantize_4bit_reference(A, blocksize, quant_type, torch.uint8))
     return _as_storage(packed.reshape(-1), quant_storage), absmax
 
 
@@ -277,7 +273,7 @@ def _check_code(code: object, device: torch.device) -> torch.Tensor:
 
 def _check_absmax(absmax: object, numel: int, blocksize: int, device: torch.device) -> torch.Tensor:
     check_type("absmax", absmax, torch.Tensor)
-    expected = _blocks(numel, blocksize)
+    expected = cpu.block_count(numel, blocksize)
     if absmax.dim() != 1 or absmax.numel() != expected:
         raise ValueError(f"absmax has shape {tuple(absmax.shape)}; {numel} values in blocks of {blocksize} need {expected} (1-D)")
     if not absmax.is_floating_point():
