@@ -36,3 +36,10 @@ def check_same_device(name: str, value: torch.Tensor, other_name: str, other: to
     """Raise ValueError when two tensors live on different devices."""
     if value.device != other.device:
         raise ValueError(f"{name} is on {value.device} but {other_name} is on {other.device}; both must be on one device")
+
+
+def check_non_negative_number(name: str, value: Any) -> float:
+    """A real number >= 0 (bool and NaN rejected), as float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0.0:
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    return float(value)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tightfit._validate import check_type
+from tightfit._validate import check_non_negative_number, check_type
 from tightfit.ops._registry import Case, define_op, register_kernel
 
 __all__ = ["int8_linear_matmul", "int8_mm_dequant", "int8_vectorwise_dequant", "int8_vectorwise_quant"]
@@ -114,8 +114,7 @@ def int8_vectorwise_quant(A: torch.Tensor, threshold: float = 0.0) -> tuple[torc
     |A| >= threshold are left out of the scales and their columns zeroed in ``q``
     (``outlier_cols`` lists them; None when ``threshold`` is 0). ``A`` is not modified."""
     _check_float("A", A)
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0.0:
-        raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
+    check_non_negative_number("threshold", threshold)
     if not torch.compiler.is_compiling() and A.numel() and not bool(torch.isfinite(A).all()):
         raise ValueError("A has NaN or inf values; int8 quantization needs finite values")
     q, row_stats, cols = _VECTORWISE(A, float(threshold))

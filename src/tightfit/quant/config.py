@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tightfit._validate import check_type
+from tightfit._validate import check_non_negative_number, check_type
 from tightfit.ops.blockwise import BLOCKSIZES_4BIT, BLOCKSIZES_8BIT
 from tightfit.quant.modules import Linear4bit, Linear8bit, LinearInt8
 
@@ -78,8 +78,7 @@ class Int8Config(QuantConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not self.threshold >= 0.0:
-            raise ValueError(f"threshold must be a number >= 0, got {self.threshold!r}")
+        check_non_negative_number("threshold", self.threshold)
 
 
 _HANDLERS: dict[type, Callable[[nn.Linear, QuantConfig], nn.Module]] = {}

@@ -146,7 +146,8 @@ def matmul_4bit(A: torch.Tensor, B: torch.Tensor, quant_state: QuantState, out: 
     once and use torch's matmul."""
     state = _check_4bit_weight_state(quant_state)
     check_type("A", A, torch.Tensor)
-    if A.numel() == A.shape[-1] if A.dim() else False:
+    single_token = A.dim() > 0 and A.numel() == A.shape[-1]
+    if single_token:
         result = ops.gemv_4bit(A, B, list(state.shape), _absmax_of(state).float(), state.blocksize, state.quant_type)
         if bias is not None:
             result = result + bias.to(result.dtype)

@@ -15,11 +15,21 @@ import torch
 from torch import nn
 
 from tightfit import ops
-from tightfit._validate import check_type
+from tightfit._validate import check_non_negative_number, check_type
 from tightfit.quant import functional as F
 from tightfit.quant.state import QuantState
 
 __all__ = ["Linear4bit", "Linear8bit", "LinearInt8", "QuantizedLinear"]
+
+
+def _frozen_copy(bias: torch.Tensor | None) -> nn.Parameter | None:
+    return nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
+
+
+def _check_input(x: torch.Tensor, in_features: int) -> None:
+    check_type("x", x, torch.Tensor)
+    if x.dim() == 0 or x.shape[-1] != in_features:
+        raise ValueError(f"input has {x.shape[-1] if x.dim() else 0} features in its last dimension; this layer takes {in_features}")
 
 
 class QuantizedLinear(nn.Module, abc.ABC):
@@ -31,7 +41,7 @@ class QuantizedLinear(nn.Module, abc.ABC):
         self.out_features = out_features
         self.register_buffer("weight", packed)
         self.quant_state = state
-        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
+        self.bias = _frozen_copy(bias)
 
     @abc.abstractmethod
     def _decode(self) -> torch.Tensor:
@@ -42,8 +52,7 @@ class QuantizedLinear(nn.Module, abc.ABC):
         return self._decode().reshape(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"input has {x.shape[-1]} features in its last dimension; this layer takes {self.in_features}")
+        _check_input(x, self.in_features)
         weight = self.dequantize().to(x.dtype)
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return torch.nn.functional.linear(x, weight, bias)
@@ -98,8 +107,7 @@ class Linear4bit(QuantizedLinear):
         return F.dequantize_4bit(self.weight, self.quant_state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"input has {x.shape[-1]} features in its last dimension; this layer takes {self.in_features}")
+        _check_input(x, self.in_features)
         return F.matmul_4bit(x, self.weight, self.quant_state, bias=self.bias)
 
 
@@ -133,23 +141,21 @@ class LinearInt8(nn.Module):
         self.threshold = threshold
         self.register_buffer("weight", weight)
         self.register_buffer("SCB", scales)
-        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
+        self.bias = _frozen_copy(bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, threshold: float = 6.0) -> LinearInt8:
         _check_linear(linear)
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0.0:
-            raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
+        threshold = check_non_negative_number("threshold", threshold)
         weight, scales, _ = ops.int8_vectorwise_quant(linear.weight.detach())
-        return cls(linear.in_features, linear.out_features, weight, scales, linear.bias, float(threshold))
+        return cls(linear.in_features, linear.out_features, weight, scales, linear.bias, threshold)
 
     def dequantize(self) -> torch.Tensor:
         """The weight in float32."""
         return ops.int8_vectorwise_dequant(self.weight, self.SCB)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"input has {x.shape[-1]} features in its last dimension; this layer takes {self.in_features}")
+        _check_input(x, self.in_features)
         rows = x.reshape(-1, self.in_features)
         q, row_scales, outlier_cols = ops.int8_vectorwise_quant(rows, self.threshold)
         product = ops.int8_linear_matmul(q, self.weight)
