@@ -8,6 +8,8 @@ kernels below are the specification; see docs/quantization.md.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 from collections.abc import Sequence
 
@@ -163,6 +165,43 @@ def _gemv_4bit_cpu(A, B, shape, absmax, blocksize, quant_type):
                              lambda: _gemv_4bit_reference(A, B, shape, absmax, blocksize, quant_type))
 
 
+# -- GPU kernels (Triton, imported at the first call) -------------------------------------
+
+#: Up to this many tokens, gemv_4bit decodes the weight inside the product; more tokens
+#: amortize one dequantize and a tensor-core matmul better.
+_GEMV_MAX_TOKENS = 8
+
+
+def _triton():
+    return importlib.import_module("tightfit.ops._triton_blockwise")
+
+
+def _quantize_blockwise_gpu(A, code, blocksize):
+    return _triton().quantize(A, blocksize, code, None)
+
+
+def _dequantize_blockwise_gpu(A, absmax, code, blocksize, dtype):
+    return _triton().dequantize(A, absmax, code, blocksize, list(A.shape), dtype, four_bit=False)
+
+
+def _quantize_4bit_gpu(A, blocksize, quant_type, quant_storage):
+    sorted_code, order = _sorted_code(quant_type, A.device)
+    packed, absmax = _triton().quantize(A, blocksize, sorted_code, order)
+    return _as_storage(packed, quant_storage), absmax
+
+
+def _dequantize_4bit_gpu(A, absmax, blocksize, quant_type, shape, dtype):
+    return _triton().dequantize(A, absmax, code_4bit(quant_type).to(A.device), blocksize, shape, dtype, four_bit=True)
+
+
+def _gemv_4bit_gpu(A, B, shape, absmax, blocksize, quant_type):
+    code = code_4bit(quant_type).to(A.device)
+    if A.numel() // shape[1] <= _GEMV_MAX_TOKENS:
+        return _triton().gemv_4bit(A, B, shape, absmax, code, blocksize)
+    weight = _triton().dequantize(B, absmax, code, blocksize, shape, A.dtype, four_bit=True)
+    return torch.nn.functional.linear(A, weight)
+
+
 # -- conformance cases ----------------------------------------------------------------------
 
 
@@ -242,6 +281,13 @@ register_kernel("quantize_blockwise", "cpu", _quantize_blockwise_cpu, label="blo
 register_kernel("dequantize_blockwise", "cpu", _dequantize_blockwise_cpu, label="block scan (numba)")
 register_kernel("quantize_4bit", "cpu", _quantize_4bit_cpu, label="block scan (numba)")
 register_kernel("dequantize_4bit", "cpu", _dequantize_4bit_cpu, label="block scan (numba)")
+if importlib.util.find_spec("triton") is not None:  # checked without importing it (D2)
+    # "cuda" covers ROCm builds too; other Triton targets are not registered until tested on one.
+    register_kernel("quantize_blockwise", "cuda", _quantize_blockwise_gpu, label="block tiles (triton)")
+    register_kernel("dequantize_blockwise", "cuda", _dequantize_blockwise_gpu, label="element tiles (triton)")
+    register_kernel("quantize_4bit", "cuda", _quantize_4bit_gpu, label="block tiles (triton)")
+    register_kernel("dequantize_4bit", "cuda", _dequantize_4bit_gpu, label="element tiles (triton)")
+    register_kernel("gemv_4bit", "cuda", _gemv_4bit_gpu, label="fused decode + dot (triton)")
 
 
 # -- public functions: validation, then dispatch ----------------------------------------------
