@@ -3,26 +3,35 @@
 They do what the reference kernels in ``ops/blockwise.py`` do, operation for operation in
 float32, so codes and absmax are bit-identical: the reciprocal is taken with an
 IEEE-rounded division (Triton's plain ``/`` is approximate on NVIDIA GPUs), full blocks
-multiply by it, the partial last block divides, and the nearest code is found by a
-branch-free binary search over the midpoints of the sorted code (ties to the lower
-entry, as bucketize resolves them). One program quantizes several whole blocks, so a
+multiply by it, the partial last block divides, and the nearest code is bucketize's
+answer over the midpoints of the sorted code (ties to the lower entry). It is found as
+the CPU kernel finds it: a table indexed by the scaled value's top 16 bits gives a lower
+bound one comparison away from the answer (for the dynamic map, NF4 and FP4); for other
+codes, a branch-free binary search. One program quantizes several whole blocks, so a
 block's absmax never leaves registers.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from tightfit.ops._cpu_blockwise import _search_table as cpu_search_table
+from tightfit.ops._cpu_blockwise import midpoints
+
 __all__: list[str] = []
 
 #: Elements one quantize program covers (several small blocks, or one large one).
 _QUANTIZE_TILE = 2048
-#: Elements one dequantize program writes.
+#: Elements one dequantize program writes, and its warps.
 _DEQUANTIZE_TILE = 4096
+_DEQUANTIZE_WARPS = 4
+#: Weight rows and columns one gemv program decodes per step.
+_GEMV_ROWS = 16
+_GEMV_COLS = 256
 #: The reference clamps absmax to this before dividing by it.
 _MINIMUM_ABSMAX = 1e-38
 
@@ -41,10 +50,20 @@ def _count_below(value, bounds_ptr, STEPS: tl.constexpr):
     """How many of the 2**STEPS - 1 sorted bounds lie strictly below ``value`` (bucketize)."""
     position = tl.zeros(value.shape, tl.int32)
     for level in tl.static_range(STEPS):
-        step: tl.constexpr = 1 << (STEPS - 1 - level)
-        probe = tl.load(bounds_ptr + position + (step - 1))
-        position = tl.where(probe < value, position + step, position)
+        probe = tl.load(bounds_ptr + position + ((1 << (STEPS - 1 - level)) - 1))
+        position = tl.where(probe < value, position + (1 << (STEPS - 1 - level)), position)
     return position
+
+
+@triton.jit
+def _nearest(value, bounds_ptr, table_ptr, STEPS: tl.constexpr, SINGLE_STEP: tl.constexpr):
+    """bucketize(value, bounds): by table and one comparison, or by binary search."""
+    if SINGLE_STEP:
+        top = (value.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+        below = tl.load(table_ptr + top).to(tl.int32)
+        return below + (tl.load(bounds_ptr + below) < value).to(tl.int32)
+    else:
+        return _count_below(value, bounds_ptr, STEPS)
 
 
 @triton.jit
@@ -62,22 +81,22 @@ def _store_absmax(absmax_ptr, absmax, blocks, n_blocks, tail, minimum: tl.conste
 
 
 @triton.jit
-def _quantize_8bit_kernel(x_ptr, bounds_ptr, q_ptr, absmax_ptr, numel, n_blocks,
-                          BLOCKSIZE: tl.constexpr, GROUP: tl.constexpr, MINIMUM: tl.constexpr):
+def _quantize_8bit_kernel(x_ptr, bounds_ptr, table_ptr, q_ptr, absmax_ptr, numel, n_blocks,
+                          BLOCKSIZE: tl.constexpr, GROUP: tl.constexpr, MINIMUM: tl.constexpr, SINGLE_STEP: tl.constexpr):
     blocks = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
     offsets = blocks[:, None].to(tl.int64) * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
     inside = offsets < numel
     x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     tail = (blocks.to(tl.int64) + 1) * BLOCKSIZE > numel
     absmax = _block_absmax(x)
-    codes = _count_below(_scaled(x, absmax, tail, MINIMUM), bounds_ptr, 8)
+    codes = _nearest(_scaled(x, absmax, tail, MINIMUM), bounds_ptr, table_ptr, 8, SINGLE_STEP)
     tl.store(q_ptr + offsets, codes.to(tl.uint8), mask=inside)
     _store_absmax(absmax_ptr, absmax, blocks, n_blocks, tail, MINIMUM)
 
 
 @triton.jit
-def _quantize_4bit_kernel(x_ptr, bounds_ptr, order_ptr, packed_ptr, absmax_ptr, numel, n_blocks,
-                          BLOCKSIZE: tl.constexpr, GROUP: tl.constexpr, MINIMUM: tl.constexpr):
+def _quantize_4bit_kernel(x_ptr, bounds_ptr, table_ptr, order_ptr, packed_ptr, absmax_ptr, numel, n_blocks,
+                          BLOCKSIZE: tl.constexpr, GROUP: tl.constexpr, MINIMUM: tl.constexpr, SINGLE_STEP: tl.constexpr):
     blocks = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
     first = blocks[:, None].to(tl.int64) * BLOCKSIZE + 2 * tl.arange(0, BLOCKSIZE // 2)[None, :]
     # An odd count pads the last byte with a scaled zero: the masked load's 0.0.
@@ -87,8 +106,8 @@ def _quantize_4bit_kernel(x_ptr, bounds_ptr, order_ptr, packed_ptr, absmax_ptr, 
     high_max = _block_absmax(high)
     low_max = _block_absmax(low)
     absmax = tl.where((high_max != high_max) | (low_max != low_max), float("nan"), tl.maximum(high_max, low_max)).to(tl.float32)
-    high_code = tl.load(order_ptr + _count_below(_scaled(high, absmax, tail, MINIMUM), bounds_ptr, 4))
-    low_code = tl.load(order_ptr + _count_below(_scaled(low, absmax, tail, MINIMUM), bounds_ptr, 4))
+    high_code = tl.load(order_ptr + _nearest(_scaled(high, absmax, tail, MINIMUM), bounds_ptr, table_ptr, 4, SINGLE_STEP))
+    low_code = tl.load(order_ptr + _nearest(_scaled(low, absmax, tail, MINIMUM), bounds_ptr, table_ptr, 4, SINGLE_STEP))
     tl.store(packed_ptr + first // 2, ((high_code << 4) | low_code).to(tl.uint8), mask=first < numel)
     _store_absmax(absmax_ptr, absmax, blocks, n_blocks, tail, MINIMUM)
 
@@ -134,10 +153,11 @@ def _gemv_4bit_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, out_ptr, rows, co
     tl.store(out_ptr + token * rows + row, tl.sum(total, axis=1).to(out_ptr.dtype.element_ty), mask=row < rows)
 
 
-def _bounds(sorted_code: torch.Tensor) -> torch.Tensor:
-    """Midpoints of a sorted code, padded with +inf to a power-of-two count for the search."""
-    middle = (sorted_code[:-1] + sorted_code[1:]) / 2
-    return torch.cat([middle, middle.new_full((1,), math.inf)])
+@functools.lru_cache(maxsize=16)
+def _search(bounds_bytes: bytes, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(bounds padded with +inf, top-16-bit table, single_step) on ``device``, made once per code."""
+    bounds, table, single_step = cpu_search_table(bounds_bytes)
+    return torch.from_numpy(bounds).to(device), torch.from_numpy(table).to(device), single_step
 
 
 def _group(blocksize: int) -> int:
@@ -152,16 +172,16 @@ def quantize(A: torch.Tensor, blocksize: int, sorted_code: torch.Tensor, order: 
     absmax = torch.empty(n_blocks, dtype=torch.float32, device=A.device)
     group = _group(blocksize)
     grid = (triton.cdiv(n_blocks, group),)
-    bounds = _bounds(sorted_code.float())
+    bounds, table, single_step = _search(midpoints(sorted_code.float().cpu()).numpy().tobytes(), A.device)
+    options = dict(BLOCKSIZE=blocksize, GROUP=group, MINIMUM=_MINIMUM_ABSMAX, SINGLE_STEP=single_step)
     if order is None:
         q = torch.empty(A.shape, dtype=torch.uint8, device=A.device)
         if numel:
-            _quantize_8bit_kernel[grid](flat, bounds, q, absmax, numel, n_blocks, BLOCKSIZE=blocksize, GROUP=group, MINIMUM=_MINIMUM_ABSMAX)
+            _quantize_8bit_kernel[grid](flat, bounds, table, q, absmax, numel, n_blocks, **options)
         return q, absmax
     packed = torch.empty((numel + 1) // 2, dtype=torch.uint8, device=A.device)
     if numel:
-        _quantize_4bit_kernel[grid](flat, bounds, order.to(torch.int32), packed, absmax, numel, n_blocks,
-                                    BLOCKSIZE=blocksize, GROUP=group, MINIMUM=_MINIMUM_ABSMAX)
+        _quantize_4bit_kernel[grid](flat, bounds, table, order.to(torch.int32), packed, absmax, numel, n_blocks, **options)
     return packed, absmax
 
 
@@ -173,7 +193,7 @@ def dequantize(data: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blo
     if numel:
         grid = (triton.cdiv(numel, _DEQUANTIZE_TILE),)
         _dequantize_kernel[grid](data.contiguous().view(torch.uint8).view(-1), absmax.float().contiguous(), code.float().contiguous(),
-                                 out, numel, BLOCKSIZE=blocksize, FOUR_BIT=four_bit, TILE=_DEQUANTIZE_TILE)
+                                 out, numel, BLOCKSIZE=blocksize, FOUR_BIT=four_bit, TILE=_DEQUANTIZE_TILE, num_warps=_DEQUANTIZE_WARPS)
     return out
 
 
@@ -183,8 +203,7 @@ def gemv_4bit(A: torch.Tensor, packed: torch.Tensor, shape: list[int], absmax: t
     x = A.contiguous().view(-1, cols)
     out = torch.empty(x.shape[0], rows, dtype=A.dtype, device=A.device)
     if out.numel():
-        block_rows = 16
-        grid = (triton.cdiv(rows, block_rows), x.shape[0])
+        grid = (triton.cdiv(rows, _GEMV_ROWS), x.shape[0])
         _gemv_4bit_kernel[grid](x, packed.contiguous().view(torch.uint8).view(-1), absmax.float().contiguous(), code.float().contiguous(),
-                                out, rows, cols, BLOCKSIZE=blocksize, BLOCK_ROWS=block_rows, BLOCK_COLS=256)
+                                out, rows, cols, BLOCKSIZE=blocksize, BLOCK_ROWS=_GEMV_ROWS, BLOCK_COLS=_GEMV_COLS)
     return out.view(*A.shape[:-1], rows)

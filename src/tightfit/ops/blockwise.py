@@ -8,6 +8,7 @@ kernels below are the specification; see docs/quantization.md.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import math
@@ -68,10 +69,20 @@ def _dequantize_blockwise_reference(A: torch.Tensor, absmax: torch.Tensor, code:
     return values.reshape(A.shape).to(dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _code_on(name: str, device: torch.device) -> torch.Tensor:
+    """The dynamic map ("dynamic") or a 4-bit code on ``device``, copied there once: kernels
+    only read it, and a host-to-device copy per call would stall a GPU's queue."""
+    return (dynamic_map() if name == "dynamic" else code_4bit(name)).to(device)
+
+
+@functools.lru_cache(maxsize=None)
 def _sorted_code(quant_type: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    code = code_4bit(quant_type).to(device)
-    order = torch.argsort(code)  # the same call bitsandbytes makes, so FP4's +0/-0 tie resolves alike
-    return code[order], order
+    code = code_4bit(quant_type)
+    # The CPU's argsort, as bitsandbytes' reference calls it, decides FP4's +0/-0 tie;
+    # a GPU's sort may order the tie the other way.
+    order = torch.argsort(code)
+    return code[order].to(device), order.to(device)
 
 
 def _pack(nibbles: torch.Tensor) -> torch.Tensor:
@@ -101,7 +112,7 @@ def _unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 def _dequantize_4bit_reference(A: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant_type: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     numel = math.prod(shape)
-    code = code_4bit(quant_type).to(A.device)
+    code = _code_on(quant_type, A.device)
     values = code[_unpack(A, numel)] * _block_scales(absmax, numel, blocksize)
     return values.reshape(shape).to(dtype)
 
@@ -191,11 +202,11 @@ def _quantize_4bit_gpu(A, blocksize, quant_type, quant_storage):
 
 
 def _dequantize_4bit_gpu(A, absmax, blocksize, quant_type, shape, dtype):
-    return _triton().dequantize(A, absmax, code_4bit(quant_type).to(A.device), blocksize, shape, dtype, four_bit=True)
+    return _triton().dequantize(A, absmax, _code_on(quant_type, A.device), blocksize, shape, dtype, four_bit=True)
 
 
 def _gemv_4bit_gpu(A, B, shape, absmax, blocksize, quant_type):
-    code = code_4bit(quant_type).to(A.device)
+    code = _code_on(quant_type, A.device)
     if A.numel() // shape[1] <= _GEMV_MAX_TOKENS:
         return _triton().gemv_4bit(A, B, shape, absmax, code, blocksize)
     weight = _triton().dequantize(B, absmax, code, blocksize, shape, A.dtype, four_bit=True)
@@ -344,7 +355,7 @@ def quantize_blockwise(A: torch.Tensor, code: torch.Tensor | None = None, blocks
     """
     _check_float_input(A)
     _check_blocksize(blocksize, BLOCKSIZES_8BIT)
-    code = dynamic_map().to(A.device) if code is None else _check_code(code, A.device)
+    code = _code_on("dynamic", A.device) if code is None else _check_code(code, A.device)
     q, absmax = _QUANTIZE_BLOCKWISE(A, code, blocksize)
     _reject_non_finite(absmax)
     return q, absmax
@@ -357,7 +368,7 @@ def dequantize_blockwise(A: torch.Tensor, absmax: torch.Tensor, code: torch.Tens
         raise TypeError(f"A must be uint8 codes, got dtype {A.dtype}")
     _check_blocksize(blocksize, BLOCKSIZES_8BIT)
     _check_absmax(absmax, A.numel(), blocksize, A.device)
-    code = dynamic_map().to(A.device) if code is None else _check_code(code, A.device)
+    code = _code_on("dynamic", A.device) if code is None else _check_code(code, A.device)
     check_type("dtype", dtype, torch.dtype)
     check_choice("dtype", dtype, FLOAT_DTYPES)
     return _DEQUANTIZE_BLOCKWISE(A, absmax, code, blocksize, dtype)
