@@ -94,7 +94,7 @@ def main() -> None:
             (f"quantize_blockwise {dtype}", n * size + n, lambda: ops.quantize_blockwise(A),
              (lambda: bnb.quantize_blockwise(A)) if bnb else None),
             (f"dequantize_blockwise -> {dtype}", n + n * size, lambda: ops.dequantize_blockwise(q8, absmax8, dtype=dtype),
-             (lambda: bnb.dequantize_blockwise(q8, absmax=absmax8, code=bnb.create_dynamic_map().to(DEVICE), blocksize=4096).to(dtype)) if bnb else None),
+             (lambda: bnb.dequantize_blockwise(q8, bnb.QuantState(absmax=absmax8, code=bnb.create_dynamic_map().to(DEVICE), blocksize=4096, dtype=dtype))) if bnb else None),
             (f"quantize_4bit nf4 bs64 {dtype}", n * size + n // 2, lambda: ops.quantize_4bit(A, 64, "nf4"),
              (lambda: bnb.quantize_4bit(A, blocksize=64, quant_type="nf4")) if bnb else None),
             (f"dequantize_4bit nf4 bs64 -> {dtype}", n // 2 + n * size, lambda: ops.dequantize_4bit(q4, absmax4, 64, "nf4", [n], dtype),

@@ -29,9 +29,9 @@ _QUANTIZE_TILE = 2048
 #: Elements one dequantize program writes, and its warps.
 _DEQUANTIZE_TILE = 4096
 _DEQUANTIZE_WARPS = 4
-#: Weight rows and columns one gemv program decodes per step.
-_GEMV_ROWS = 16
-_GEMV_COLS = 256
+#: Weight rows and packed bytes per row one gemv program decodes per step.
+_GEMV_ROWS = 4
+_GEMV_BYTES = 256
 #: The reference clamps absmax to this before dividing by it.
 _MINIMUM_ABSMAX = 1e-38
 
@@ -74,42 +74,36 @@ def _block_absmax(x):
 
 
 @triton.jit
-def _store_absmax(absmax_ptr, absmax, blocks, n_blocks, tail, minimum: tl.constexpr):
+def _quantized_blocks(x_ptr, bounds_ptr, table_ptr, absmax_ptr, numel, n_blocks, BLOCKSIZE: tl.constexpr,
+                      GROUP: tl.constexpr, MINIMUM: tl.constexpr, STEPS: tl.constexpr, SINGLE_STEP: tl.constexpr):
+    """Sorted-code indices of this program's GROUP whole blocks, shaped (GROUP, BLOCKSIZE);
+    stores their absmax. Elements past the end read as 0.0 (a scaled zero)."""
+    blocks = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
+    offsets = blocks[:, None].to(tl.int64) * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
+    x = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
+    tail = (blocks.to(tl.int64) + 1) * BLOCKSIZE > numel
+    absmax = _block_absmax(x)
     # The reference clamps the partial last block's absmax before it is stored.
-    stored = tl.where(tail, tl.maximum(absmax, minimum), absmax)
-    tl.store(absmax_ptr + blocks, stored.to(tl.float32), mask=blocks < n_blocks)
+    stored = tl.where(tail, tl.maximum(absmax, MINIMUM), absmax).to(tl.float32)
+    tl.store(absmax_ptr + blocks, stored, mask=blocks < n_blocks)
+    return _nearest(_scaled(x, absmax, tail, MINIMUM), bounds_ptr, table_ptr, STEPS, SINGLE_STEP), offsets
 
 
 @triton.jit
 def _quantize_8bit_kernel(x_ptr, bounds_ptr, table_ptr, q_ptr, absmax_ptr, numel, n_blocks,
                           BLOCKSIZE: tl.constexpr, GROUP: tl.constexpr, MINIMUM: tl.constexpr, SINGLE_STEP: tl.constexpr):
-    blocks = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
-    offsets = blocks[:, None].to(tl.int64) * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
-    inside = offsets < numel
-    x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-    tail = (blocks.to(tl.int64) + 1) * BLOCKSIZE > numel
-    absmax = _block_absmax(x)
-    codes = _nearest(_scaled(x, absmax, tail, MINIMUM), bounds_ptr, table_ptr, 8, SINGLE_STEP)
-    tl.store(q_ptr + offsets, codes.to(tl.uint8), mask=inside)
-    _store_absmax(absmax_ptr, absmax, blocks, n_blocks, tail, MINIMUM)
+    codes, offsets = _quantized_blocks(x_ptr, bounds_ptr, table_ptr, absmax_ptr, numel, n_blocks, BLOCKSIZE, GROUP, MINIMUM, 8, SINGLE_STEP)
+    tl.store(q_ptr + offsets, codes.to(tl.uint8), mask=offsets < numel)
 
 
 @triton.jit
 def _quantize_4bit_kernel(x_ptr, bounds_ptr, table_ptr, order_ptr, packed_ptr, absmax_ptr, numel, n_blocks,
                           BLOCKSIZE: tl.constexpr, GROUP: tl.constexpr, MINIMUM: tl.constexpr, SINGLE_STEP: tl.constexpr):
-    blocks = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
-    first = blocks[:, None].to(tl.int64) * BLOCKSIZE + 2 * tl.arange(0, BLOCKSIZE // 2)[None, :]
-    # An odd count pads the last byte with a scaled zero: the masked load's 0.0.
-    high = tl.load(x_ptr + first, mask=first < numel, other=0.0).to(tl.float32)
-    low = tl.load(x_ptr + first + 1, mask=first + 1 < numel, other=0.0).to(tl.float32)
-    tail = (blocks.to(tl.int64) + 1) * BLOCKSIZE > numel
-    high_max = _block_absmax(high)
-    low_max = _block_absmax(low)
-    absmax = tl.where((high_max != high_max) | (low_max != low_max), float("nan"), tl.maximum(high_max, low_max)).to(tl.float32)
-    high_code = tl.load(order_ptr + _nearest(_scaled(high, absmax, tail, MINIMUM), bounds_ptr, table_ptr, 4, SINGLE_STEP))
-    low_code = tl.load(order_ptr + _nearest(_scaled(low, absmax, tail, MINIMUM), bounds_ptr, table_ptr, 4, SINGLE_STEP))
-    tl.store(packed_ptr + first // 2, ((high_code << 4) | low_code).to(tl.uint8), mask=first < numel)
-    _store_absmax(absmax_ptr, absmax, blocks, n_blocks, tail, MINIMUM)
+    codes, _ = _quantized_blocks(x_ptr, bounds_ptr, table_ptr, absmax_ptr, numel, n_blocks, BLOCKSIZE, GROUP, MINIMUM, 4, SINGLE_STEP)
+    high, low = tl.split(tl.reshape(tl.load(order_ptr + codes), (GROUP, BLOCKSIZE // 2, 2)))
+    first = (tl.program_id(0) * GROUP + tl.arange(0, GROUP))[:, None].to(tl.int64) * BLOCKSIZE + 2 * tl.arange(0, BLOCKSIZE // 2)[None, :]
+    # An odd count's last byte pairs the last value with the scaled zero read past the end.
+    tl.store(packed_ptr + first // 2, ((high << 4) | low).to(tl.uint8), mask=first < numel)
 
 
 @triton.jit
@@ -135,21 +129,25 @@ def _dequantize_kernel(data_ptr, absmax_ptr, code_ptr, out_ptr, numel,
 
 @triton.jit
 def _gemv_4bit_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, out_ptr, rows, cols: tl.constexpr,
-                      BLOCKSIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-    # ``cols`` is a compile-time constant: a model has a handful of input widths, and a
-    # known trip count lets Triton pipeline the loop.
+                      BLOCKSIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+    # Each byte holds two neighbouring weights of one row (``cols`` is even); ``cols`` is a
+    # compile-time constant: a model has a handful of input widths, and a known trip count
+    # lets Triton pipeline the loop.
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     token = tl.program_id(1).to(tl.int64)
-    total = tl.zeros((BLOCK_ROWS, BLOCK_COLS), tl.float32)
-    for start in tl.range(0, cols, BLOCK_COLS):
-        col = start + tl.arange(0, BLOCK_COLS)
-        offsets = row[:, None].to(tl.int64) * cols + col[None, :]
-        inside = (row[:, None] < rows) & (col[None, :] < cols)
-        # Round the weight to the activation's dtype first, as the reference's dequantize does.
-        weight = _decoded(packed_ptr, absmax_ptr, code_ptr, offsets, inside, BLOCKSIZE, True)
-        weight = weight.to(x_ptr.dtype.element_ty).to(tl.float32)
-        x = tl.load(x_ptr + token * cols + col, mask=col < cols, other=0.0).to(tl.float32)
-        total += weight * x[None, :]
+    total = tl.zeros((BLOCK_ROWS, BLOCK_BYTES), tl.float32)
+    for start in tl.range(0, cols // 2, BLOCK_BYTES):
+        pair = start + tl.arange(0, BLOCK_BYTES)
+        byte_index = row[:, None].to(tl.int64) * (cols // 2) + pair[None, :]
+        inside = (row[:, None] < rows) & (pair[None, :] < cols // 2)
+        byte = tl.load(packed_ptr + byte_index, mask=inside, other=0).to(tl.int32)
+        scale = tl.load(absmax_ptr + (2 * byte_index) // BLOCKSIZE, mask=inside, other=0.0)
+        # Round each weight to the activation's dtype first, as the reference's dequantize does.
+        high = (tl.load(code_ptr + (byte >> 4)) * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
+        low = (tl.load(code_ptr + (byte & 15)) * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x_high = tl.load(x_ptr + token * cols + 2 * pair, mask=pair < cols // 2, other=0.0).to(tl.float32)
+        x_low = tl.load(x_ptr + token * cols + 2 * pair + 1, mask=pair < cols // 2, other=0.0).to(tl.float32)
+        total += high * x_high[None, :] + low * x_low[None, :]
     tl.store(out_ptr + token * rows + row, tl.sum(total, axis=1).to(out_ptr.dtype.element_ty), mask=row < rows)
 
 
@@ -165,7 +163,10 @@ def _group(blocksize: int) -> int:
 
 
 def quantize(A: torch.Tensor, blocksize: int, sorted_code: torch.Tensor, order: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, absmax) for 8-bit (``order`` None: uint8 shaped like A) or 4-bit (packed bytes)."""
+    """(codes, absmax) for 8-bit (``order`` None: uint8 shaped like A) or 4-bit (packed bytes).
+
+    ``sorted_code`` may live on the CPU: the search tables are built there, and a CPU
+    code spares a copy back from the device on every call."""
     flat = A.contiguous().view(-1)
     numel = flat.numel()
     n_blocks = -(-numel // blocksize)
@@ -198,12 +199,12 @@ def dequantize(data: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blo
 
 
 def gemv_4bit(A: torch.Tensor, packed: torch.Tensor, shape: list[int], absmax: torch.Tensor, code: torch.Tensor, blocksize: int) -> torch.Tensor:
-    """``A @ dequantize(packed).T``, decoding the weight tile by tile (for a few tokens)."""
+    """``A @ dequantize(packed).T``, decoding the weight tile by tile (a few tokens; even ``cols``)."""
     rows, cols = shape
     x = A.contiguous().view(-1, cols)
     out = torch.empty(x.shape[0], rows, dtype=A.dtype, device=A.device)
     if out.numel():
         grid = (triton.cdiv(rows, _GEMV_ROWS), x.shape[0])
         _gemv_4bit_kernel[grid](x, packed.contiguous().view(torch.uint8).view(-1), absmax.float().contiguous(), code.float().contiguous(),
-                                out, rows, cols, BLOCKSIZE=blocksize, BLOCK_ROWS=_GEMV_ROWS, BLOCK_COLS=_GEMV_COLS)
+                                out, rows, cols, BLOCKSIZE=blocksize, BLOCK_ROWS=_GEMV_ROWS, BLOCK_BYTES=_GEMV_BYTES)
     return out.view(*A.shape[:-1], rows)

@@ -188,6 +188,8 @@ def _triton():
 
 
 def _quantize_blockwise_gpu(A, code, blocksize):
+    if code is _code_on("dynamic", A.device):  # the default map: search it from the host copy
+        code = _code_on("dynamic", torch.device("cpu"))
     return _triton().quantize(A, blocksize, code, None)
 
 
@@ -196,8 +198,8 @@ def _dequantize_blockwise_gpu(A, absmax, code, blocksize, dtype):
 
 
 def _quantize_4bit_gpu(A, blocksize, quant_type, quant_storage):
-    sorted_code, order = _sorted_code(quant_type, A.device)
-    packed, absmax = _triton().quantize(A, blocksize, sorted_code, order)
+    sorted_code, _ = _sorted_code(quant_type, torch.device("cpu"))
+    packed, absmax = _triton().quantize(A, blocksize, sorted_code, _sorted_code(quant_type, A.device)[1])
     return _as_storage(packed, quant_storage), absmax
 
 
@@ -207,7 +209,7 @@ def _dequantize_4bit_gpu(A, absmax, blocksize, quant_type, shape, dtype):
 
 def _gemv_4bit_gpu(A, B, shape, absmax, blocksize, quant_type):
     code = _code_on(quant_type, A.device)
-    if A.numel() // shape[1] <= _GEMV_MAX_TOKENS:
+    if A.numel() // shape[1] <= _GEMV_MAX_TOKENS and shape[1] % 2 == 0:  # rows start on a byte
         return _triton().gemv_4bit(A, B, shape, absmax, code, blocksize)
     weight = _triton().dequantize(B, absmax, code, blocksize, shape, A.dtype, four_bit=True)
     return torch.nn.functional.linear(A, weight)
