@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 __all__ = ["main"]
@@ -62,9 +63,9 @@ def _backends_command(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     for row in rows:
         if row["error"]:
-            console.print(f"[yellow]{row['name']}:[/yellow] {row['error']}", highlight=False)
+            console.print(f"[yellow]{row['name']}:[/yellow] {escape(row['error'])}", highlight=False)
     if conflict:
-        console.print(f"[red]error:[/red] {conflict}", highlight=False)
+        console.print(f"[red]error:[/red] {escape(str(conflict))}", highlight=False)
     return 1 if conflict else 0
 
 
@@ -156,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handlers[args.command](args, console)
     except (ValueError, TypeError, RuntimeError) as error:
-        console.print(f"[red]tightfit {args.command}: {error}[/red]", highlight=False)
+        console.print(f"[red]tightfit {args.command}: {escape(str(error))}[/red]", highlight=False)
         return 2
 
 

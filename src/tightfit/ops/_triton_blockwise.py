@@ -29,9 +29,12 @@ _QUANTIZE_TILE = 2048
 #: Elements one dequantize program writes, and its warps.
 _DEQUANTIZE_TILE = 4096
 _DEQUANTIZE_WARPS = 4
-#: Weight rows and packed bytes per row one gemv program decodes per step.
-_GEMV_ROWS = 4
-_GEMV_BYTES = 256
+#: Weight rows and packed bytes per row one gemv program decodes per step, and its warps.
+_GEMV_ROWS = 1
+_GEMV_BYTES = 512
+_GEMV_WARPS = 4
+#: Warps per quantize program.
+_QUANTIZE_WARPS = 4
 #: The reference clamps absmax to this before dividing by it.
 _MINIMUM_ABSMAX = 1e-38
 
@@ -174,7 +177,7 @@ def quantize(A: torch.Tensor, blocksize: int, sorted_code: torch.Tensor, order: 
     group = _group(blocksize)
     grid = (triton.cdiv(n_blocks, group),)
     bounds, table, single_step = _search(midpoints(sorted_code.float().cpu()).numpy().tobytes(), A.device)
-    options = dict(BLOCKSIZE=blocksize, GROUP=group, MINIMUM=_MINIMUM_ABSMAX, SINGLE_STEP=single_step)
+    options = dict(BLOCKSIZE=blocksize, GROUP=group, MINIMUM=_MINIMUM_ABSMAX, SINGLE_STEP=single_step, num_warps=_QUANTIZE_WARPS)
     if order is None:
         q = torch.empty(A.shape, dtype=torch.uint8, device=A.device)
         if numel:
@@ -206,5 +209,5 @@ def gemv_4bit(A: torch.Tensor, packed: torch.Tensor, shape: list[int], absmax: t
     if out.numel():
         grid = (triton.cdiv(rows, _GEMV_ROWS), x.shape[0])
         _gemv_4bit_kernel[grid](x, packed.contiguous().view(torch.uint8).view(-1), absmax.float().contiguous(), code.float().contiguous(),
-                                out, rows, cols, BLOCKSIZE=blocksize, BLOCK_ROWS=_GEMV_ROWS, BLOCK_BYTES=_GEMV_BYTES)
+                                out, rows, cols, BLOCKSIZE=blocksize, BLOCK_ROWS=_GEMV_ROWS, BLOCK_BYTES=_GEMV_BYTES, num_warps=_GEMV_WARPS)
     return out.view(*A.shape[:-1], rows)
