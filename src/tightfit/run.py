@@ -12,7 +12,7 @@ import torch
 from tightfit import backends
 from tightfit.memory import Measurement, measure, tensor_bytes
 from tightfit.models import default_model_dir, embed, load_encoder
-from tightfit.quant import Blockwise8Config, FP4Config, Int8Config, NF4Config, QuantConfig, quantize_
+from tightfit.quant import Blockwise8Config, FP4Config, Int8Config, NF4Config, QuantConfig, QuantState, quantize_
 
 __all__ = ["DEFAULT_SENTENCES", "QUANT_CONFIGS", "RunOptions", "RunReport", "run"]
 
@@ -119,4 +119,10 @@ def run(options: RunOptions | None = None) -> RunReport:
 
 
 def _weights_bytes(model: torch.nn.Module) -> int:
-    return tensor_bytes(list(model.parameters()) + list(model.buffers()))
+    """Parameters and buffers, plus the scales of quantized layers (a QuantState is neither)."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    for module in model.modules():
+        state = getattr(module, "quant_state", None)
+        if isinstance(state, QuantState):
+            tensors += state.tensors()
+    return tensor_bytes(tensors)
