@@ -77,15 +77,15 @@ def test_cli_run_nf4_names_the_kept_layers():
     assert "kept in 8 bits" in done.stdout and "encoder.layer.3, encoder.layer.4, encoder.layer.5: 18 Linear" in done.stdout
 
 
-def test_weights_bytes_count_the_scales_of_quantized_layers():
+def testweights_bytes_count_the_scales_of_quantized_layers():
     from torch import nn
 
     from tightfit.quant import NF4Config, quantize_
-    from tightfit.run import _weights_bytes
+    from tightfit.run import weights_bytes
 
     model = quantize_(nn.Sequential(nn.Linear(64, 128)), NF4Config())
     # 8192 values: 4096 packed bytes, 128 float32 scales, the 16-entry float32 code map, 128 float32 biases
-    assert _weights_bytes([model]) == 4096 + 128 * 4 + 16 * 4 + 128 * 4
+    assert weights_bytes([model]) == 4096 + 128 * 4 + 16 * 4 + 128 * 4
 
 
 @pytest.mark.parametrize(

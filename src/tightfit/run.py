@@ -14,7 +14,7 @@ from tightfit.memory import Measurement, measure, tensor_bytes
 from tightfit.models import default_model_dir, embed, load_encoder
 from tightfit.quant import Blockwise8Config, FP4Config, Int8Config, Linear8bit, NF4Config, QuantConfig, QuantState, layer_stack, quantize_
 
-__all__ = ["DEFAULT_SENTENCES", "QUANT_CONFIGS", "RunOptions", "RunReport", "run"]
+__all__ = ["DEFAULT_SENTENCES", "QUANT_CONFIGS", "RunOptions", "RunReport", "run", "weights_bytes"]
 
 #: ``--quant`` choices and the config each applies to every ``nn.Linear``; with ``keep_8bit``
 #: the 4-bit ones (nf4, fp4) store the later half of the model's layer stack in 8 bits.
@@ -112,7 +112,7 @@ def run(options: RunOptions | None = None) -> RunReport:
     kept: tuple[str, ...] = ()
     kept_linears: list[torch.nn.Module] = []
     if options.quant is not None:
-        full_weights = _weights_bytes([model])
+        full_weights = weights_bytes([model])
         reference = embed(model, tokenizer, sentences, device).cpu()
         config = QUANT_CONFIGS[options.quant]
         if options.keep_8bit and isinstance(config, NF4Config):
@@ -121,7 +121,7 @@ def run(options: RunOptions | None = None) -> RunReport:
             config = replace(config, keep_8bit=kept)
         quantize_(model, config)
         kept_linears = [module for name in kept for module in model.get_submodule(name).modules() if isinstance(module, Linear8bit)]
-    weights = _weights_bytes([model])
+    weights = weights_bytes([model])
     measurement = measure(lambda: embed(model, tokenizer, sentences, device), device, repeat=options.repeat, baseline_bytes=weights)
     embeddings = embed(model, tokenizer, sentences, device).cpu()
     return RunReport(
@@ -137,13 +137,13 @@ def run(options: RunOptions | None = None) -> RunReport:
         min_cosine_to_full=None if reference is None else float((embeddings * reference).sum(-1).min()),
         kept_8bit=kept,
         kept_8bit_linears=len(kept_linears),
-        kept_8bit_bytes=_weights_bytes(kept_linears),
+        kept_8bit_bytes=weights_bytes(kept_linears),
     )
 
 
-def _weights_bytes(modules: list[torch.nn.Module]) -> int:
-    """Parameters and buffers of ``modules``, plus the scales of quantized layers (a QuantState
-    is neither); a tensor they share counts once."""
+def weights_bytes(modules: list[torch.nn.Module]) -> int:
+    """The weights' bytes that ``tightfit run`` reports: parameters and buffers of ``modules``,
+    plus the scales of quantized layers (a QuantState is neither); a tensor they share counts once."""
     tensors = []
     for root in modules:
         tensors += list(root.parameters()) + list(root.buffers())
