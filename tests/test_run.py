@@ -86,6 +86,10 @@ def testweights_bytes_count_the_scales_of_quantized_layers():
     model = quantize_(nn.Sequential(nn.Linear(64, 128)), NF4Config())
     # 8192 values: 4096 packed bytes, 128 float32 scales, the 16-entry float32 code map, 128 float32 biases
     assert weights_bytes([model]) == 4096 + 128 * 4 + 16 * 4 + 128 * 4
+    with pytest.raises(TypeError, match="modules must be list or tuple, got Sequential"):
+        weights_bytes(model)
+    with pytest.raises(TypeError, match=r"modules\[1\] must be Module, got str"):
+        weights_bytes([model, "encoder"])
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from tightfit import backends
+from tightfit._validate import check_type
 from tightfit.memory import Measurement, measure, tensor_bytes
 from tightfit.models import default_model_dir, embed, load_encoder
 from tightfit.quant import Blockwise8Config, FP4Config, Int8Config, Linear8bit, NF4Config, QuantConfig, QuantState, layer_stack, quantize_
@@ -144,6 +145,9 @@ def run(options: RunOptions | None = None) -> RunReport:
 def weights_bytes(modules: list[torch.nn.Module]) -> int:
     """The weights' bytes that ``tightfit run`` reports: parameters and buffers of ``modules``,
     plus the scales of quantized layers (a QuantState is neither); a tensor they share counts once."""
+    check_type("modules", modules, (list, tuple))
+    for index, module in enumerate(modules):
+        check_type(f"modules[{index}]", module, torch.nn.Module)
     tensors = []
     for root in modules:
         tensors += list(root.parameters()) + list(root.buffers())
