@@ -94,7 +94,7 @@ def _run_command(args: argparse.Namespace, console: Console) -> int:
     from tightfit._format import human_bytes
     from tightfit.run import RunOptions, run
 
-    report = run(RunOptions(model=args.model, backend=args.backend, quant=args.quant, repeat=args.repeat))
+    report = run(RunOptions(model=args.model, backend=args.backend, quant=args.quant, repeat=args.repeat, keep_8bit=not args.all_4bit))
     measured = report.measurement
     if args.json:
         print(json.dumps({
@@ -104,7 +104,8 @@ def _run_command(args: argparse.Namespace, console: Console) -> int:
             "peak_rss_bytes": measured.peak_rss_bytes, "memory_source": measured.source,
             "pairs": [{"a": a, "b": b, "cosine": score} for a, b, score in report.pairs],
             "quant": report.quant, "full_weights_bytes": report.full_weights_bytes,
-            "min_cosine_to_full": report.min_cosine_to_full,
+            "min_cosine_to_full": report.min_cosine_to_full, "kept_8bit": list(report.kept_8bit),
+            "kept_8bit_linears": report.kept_8bit_linears, "kept_8bit_bytes": report.kept_8bit_bytes,
         }, indent=2))
         return 0
     console.print(f"model    {report.model}", highlight=False)
@@ -121,6 +122,9 @@ def _run_command(args: argparse.Namespace, console: Console) -> int:
     if report.quant is not None:
         figures.add_row("weights, full precision", human_bytes(report.full_weights_bytes))
         figures.add_row(f"weights, {report.quant}", human_bytes(report.weights_bytes))
+        if report.kept_8bit:
+            kept = f"{', '.join(report.kept_8bit)}: {report.kept_8bit_linears} Linear, {human_bytes(report.kept_8bit_bytes)}"
+            figures.add_row("kept in 8 bits (later half of the layers)", kept)
         figures.add_row(f"embedding cosine, {report.quant} vs full (lowest)", f"{report.min_cosine_to_full:.4f}")
     else:
         figures.add_row("weights", human_bytes(report.weights_bytes))
@@ -143,7 +147,9 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run a model (default: the built-in all-MiniLM-L6-v2) and measure it")
     run.add_argument("--model", help="a local Hugging Face model folder (default: the built-in model)")
     run.add_argument("--backend", help="backend name or device, e.g. cpu, cuda, cuda:1 (default: best available)")
-    run.add_argument("--quant", choices=["nf4", "fp4", "int8", "8bit"], help="quantize every Linear layer first and compare with full precision")
+    run.add_argument("--quant", choices=["nf4", "fp4", "int8", "8bit"], help="quantize the Linear layers first (nf4, fp4: the later half of the layers in 8 bits) and compare with full precision")
+    run.add_argument("--all-4bit", action="store_true",
+                     help="with nf4 or fp4, store every Linear layer in 4 bits (default: the later half of the layers in 8 bits)")
     run.add_argument("--repeat", type=int, default=5, help="timed repetitions (default: 5)")
     run.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return parser
