@@ -25,16 +25,16 @@ from tightfit.ops._cpu_blockwise import midpoints
 __all__: list[str] = []
 
 #: Elements one quantize program covers (several small blocks, or one large one).
-_QUANTIZE_TILE = 2048
+_QUANTIZE_TILE = 1024
 #: Elements one dequantize program writes, and its warps.
 _DEQUANTIZE_TILE = 4096
 _DEQUANTIZE_WARPS = 4
 #: Weight rows and packed bytes per row one gemv program decodes per step, and its warps.
 _GEMV_ROWS = 1
-_GEMV_BYTES = 512
-_GEMV_WARPS = 4
+_GEMV_BYTES = 256
+_GEMV_WARPS = 1
 #: Warps per quantize program.
-_QUANTIZE_WARPS = 4
+_QUANTIZE_WARPS = 2
 #: The reference clamps absmax to this before dividing by it.
 _MINIMUM_ABSMAX = 1e-38
 
