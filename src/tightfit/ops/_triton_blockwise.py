@@ -156,27 +156,31 @@ def _gemv_4bit_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, out_ptr, rows, co
 
 @functools.lru_cache(maxsize=16)
 def _search(bounds_bytes: bytes, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(bounds padded with +inf, top-16-bit table, single_step) on ``device``, made once per code."""
     bounds, table, single_step = cpu_search_table(bounds_bytes)
     return torch.from_numpy(bounds).to(device), torch.from_numpy(table).to(device), single_step
+
+
+def search_tables(sorted_code: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(bounds padded with +inf, top-16-bit table, single_step) for a sorted code, on
+    ``device``; made once per distinct code."""
+    return _search(midpoints(sorted_code.float().cpu()).numpy().tobytes(), device)
 
 
 def _group(blocksize: int) -> int:
     return max(_QUANTIZE_TILE // blocksize, 1)
 
 
-def quantize(A: torch.Tensor, blocksize: int, sorted_code: torch.Tensor, order: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, absmax) for 8-bit (``order`` None: uint8 shaped like A) or 4-bit (packed bytes).
-
-    ``sorted_code`` may live on the CPU: the search tables are built there, and a CPU
-    code spares a copy back from the device on every call."""
+def quantize(A: torch.Tensor, blocksize: int, search: tuple[torch.Tensor, torch.Tensor, bool],
+             order: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, absmax) for 8-bit (``order`` None: uint8 shaped like A) or 4-bit (packed
+    bytes); ``search`` comes from :func:`search_tables`."""
     flat = A.contiguous().view(-1)
     numel = flat.numel()
     n_blocks = -(-numel // blocksize)
     absmax = torch.empty(n_blocks, dtype=torch.float32, device=A.device)
     group = _group(blocksize)
     grid = (triton.cdiv(n_blocks, group),)
-    bounds, table, single_step = _search(midpoints(sorted_code.float().cpu()).numpy().tobytes(), A.device)
+    bounds, table, single_step = search
     options = dict(BLOCKSIZE=blocksize, GROUP=group, MINIMUM=_MINIMUM_ABSMAX, SINGLE_STEP=single_step, num_warps=_QUANTIZE_WARPS)
     if order is None:
         q = torch.empty(A.shape, dtype=torch.uint8, device=A.device)

@@ -187,10 +187,17 @@ def _triton():
     return importlib.import_module("tightfit.ops._triton_blockwise")
 
 
+@functools.lru_cache(maxsize=None)
+def _named_search(name: str, device: torch.device):
+    """Search tables for the dynamic map or a 4-bit code, built once per device."""
+    code = dynamic_map() if name == "dynamic" else _sorted_code(name, torch.device("cpu"))[0]
+    return _triton().search_tables(code, device)
+
+
 def _quantize_blockwise_gpu(A, code, blocksize):
-    if code is _code_on("dynamic", A.device):  # the default map: search it from the host copy
-        code = _code_on("dynamic", torch.device("cpu"))
-    return _triton().quantize(A, blocksize, code, None)
+    default = code is _code_on("dynamic", A.device)
+    search = _named_search("dynamic", A.device) if default else _triton().search_tables(code, A.device)
+    return _triton().quantize(A, blocksize, search, None)
 
 
 def _dequantize_blockwise_gpu(A, absmax, code, blocksize, dtype):
@@ -198,8 +205,7 @@ def _dequantize_blockwise_gpu(A, absmax, code, blocksize, dtype):
 
 
 def _quantize_4bit_gpu(A, blocksize, quant_type, quant_storage):
-    sorted_code, _ = _sorted_code(quant_type, torch.device("cpu"))
-    packed, absmax = _triton().quantize(A, blocksize, sorted_code, _sorted_code(quant_type, A.device)[1])
+    packed, absmax = _triton().quantize(A, blocksize, _named_search(quant_type, A.device), _sorted_code(quant_type, A.device)[1])
     return _as_storage(packed, quant_storage), absmax
 
 
