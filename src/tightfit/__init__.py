@@ -3,11 +3,15 @@
 Importing tightfit does no device work: backends are detected at first use.
 """
 
-from tightfit import backends, ops
+from tightfit import backends, hints, ops
 from tightfit._errors import BackendConflictError, FallbackWarning, StrictModeError
 from tightfit._strict import is_strict, strict
+from tightfit.graph._register import register as _register_compile_backend
+from tightfit.hints import hint, hints_of
 
 __version__ = "0.1.0"
+
+_register_compile_backend()  # torch.compile(model, backend="tightfit"), also from a source checkout
 
 __all__ = [
     "BackendConflictError",
@@ -15,6 +19,9 @@ __all__ = [
     "StrictModeError",
     "__version__",
     "backends",
+    "hint",
+    "hints",
+    "hints_of",
     "is_strict",
     "ops",
     "strict",

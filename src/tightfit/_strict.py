@@ -12,13 +12,13 @@ from collections.abc import Iterator
 
 from tightfit._errors import FallbackWarning, StrictModeError
 
-__all__ = ["strict", "is_strict", "report_fallback"]
+__all__ = ["strict", "is_strict", "report_fallback", "report_slow_path"]
 
 _STRICT = contextvars.ContextVar("tightfit_strict", default=None)
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_warned: set[tuple[str, str, str]] = set()
+_warned: set[tuple[str, ...]] = set()
 _warned_lock = threading.Lock()
 
 
@@ -53,10 +53,13 @@ def report_fallback(op: str, device: str, kind: str, detail: str) -> None:
     ``kind`` is "reference" (the pure-torch kernel on the device) or "cpu" (the op
     copied to the CPU and back).
     """
-    message = f"tightfit op {op!r} on {device}: {detail}"
+    report_slow_path((op, device, kind), f"tightfit op {op!r} on {device}: {detail}")
+
+
+def report_slow_path(key: tuple[str, ...], message: str) -> None:
+    """Warn once per ``key`` with ``message`` that a slower path runs; raise in strict mode."""
     if is_strict():
         raise StrictModeError(message + " (strict mode forbids fallbacks)")
-    key = (op, device, kind)
     with _warned_lock:
         if key in _warned:
             return

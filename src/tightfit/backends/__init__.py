@@ -5,7 +5,7 @@ Built-in backends and plugins both register through the entry-point group
 ``tightfit.backends``.
 """
 
-from tightfit.backends.base import FLOAT8_DTYPES, Backend, Capabilities, MemoryInfo
+from tightfit.backends.base import FLOAT8_DTYPES, RUNTIME_HINTS, Backend, Capabilities, MemoryInfo
 from tightfit.backends.registry import (
     ENTRY_POINT_GROUP,
     BackendEntry,
@@ -24,6 +24,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "FLOAT8_DTYPES",
     "MemoryInfo",
+    "RUNTIME_HINTS",
     "all_backends",
     "available",
     "conflict",

@@ -7,7 +7,7 @@ from types import ModuleType
 
 import torch
 
-from tightfit.backends.base import FLOAT8_DTYPES, INTEGER_DTYPES, Backend, Capabilities, MemoryInfo
+from tightfit.backends.base import FLOAT8_DTYPES, INTEGER_DTYPES, RUNTIME_HINTS, Backend, Capabilities, MemoryInfo
 
 __all__: list[str] = []
 
@@ -35,6 +35,7 @@ class AcceleratorBackend(Backend):
             async_copy=True,
             unified_memory=False,
             paged_memory=False,
+            hints=RUNTIME_HINTS,
         )
 
     def _memory(self, device: torch.device) -> MemoryInfo:

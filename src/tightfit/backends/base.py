@@ -10,11 +10,12 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
+import torch.fx
 
-__all__ = ["Backend", "Capabilities", "MemoryInfo", "FLOAT8_DTYPES", "INTEGER_DTYPES"]
+__all__ = ["Backend", "Capabilities", "MemoryInfo", "FLOAT8_DTYPES", "INTEGER_DTYPES", "RUNTIME_HINTS"]
 
 T = TypeVar("T")
 
@@ -30,9 +31,20 @@ FLOAT8_DTYPES: frozenset[torch.dtype] = frozenset(
 INTEGER_DTYPES: frozenset[torch.dtype] = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 
 
+#: Hints that tightfit's graph runtime carries out itself on any device (see docs/compile.md):
+#: a backend that runs its graphs through tightfit's executor declares these in ``hints``.
+RUNTIME_HINTS: frozenset[str] = frozenset({"schedule", "slices", "slice_dim", "device", "order"})
+
+
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend can store and compute, and which features it offers."""
+    """What a backend can store and compute, and which features it offers.
+
+    ``hints`` are the hint keys the backend honors (others are ignored with a debug
+    log line, or raise in strict mode); ``unsupported_ops`` names ops the backend cannot
+    run, as ``"namespace::name"`` (``"aten::_softmax"``) or with an overload
+    (``"aten::add.Tensor"``): the compile backend places them on another backend.
+    """
 
     storage_dtypes: frozenset[torch.dtype]
     compute_dtypes: frozenset[torch.dtype]
@@ -40,6 +52,7 @@ class Capabilities:
     unified_memory: bool = False
     paged_memory: bool = False
     hints: frozenset[str] = field(default_factory=frozenset)
+    unsupported_ops: frozenset[str] = field(default_factory=frozenset)
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,16 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def _synchronize(self, device: torch.device) -> None: ...
 
+    def _compile_split(self, graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any] | None:
+        """Optional: compile one split of a graph for this device, or None for tightfit's default.
+
+        ``graph_module`` is an aten-level FX graph whose nodes carry fake-tensor
+        metadata and the hints of their regions (read them with ``tightfit.hints_of``);
+        ``example_inputs`` are fake tensors. The callable takes the inputs positionally
+        and returns a tuple of outputs.
+        """
+        return None
+
     # -- public surface --------------------------------------------------------------
     def is_available(self) -> bool:
         """Whether this machine can run the backend now (may initialize the driver)."""
@@ -106,6 +129,16 @@ class Backend(abc.ABC):
         if index < 0:
             raise ValueError(f"index must be >= 0, got {index}")
         return torch.device(self.device_type, index)
+
+    def compile_split(self, graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any] | None:
+        """This backend's own compiled code for one split of a graph, or None (tightfit's default)."""
+        try:
+            compiled = self._compile_split(graph_module, example_inputs)
+        except Exception as error:  # add context, keep the cause
+            raise RuntimeError(f"backend {self.name} failed to compile a split of {len(graph_module.graph.nodes)} nodes: {error}") from error
+        if compiled is not None and not callable(compiled):
+            raise TypeError(f"backend {self.name}: _compile_split must return a callable or None, got {type(compiled).__name__}")
+        return compiled
 
     def memory(self, device: torch.device | str | None = None) -> MemoryInfo:
         """Total, free, allocated and peak bytes of one device of this backend."""

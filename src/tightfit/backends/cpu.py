@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tightfit.backends.base import FLOAT8_DTYPES, INTEGER_DTYPES, Backend, Capabilities, MemoryInfo
+from tightfit.backends.base import FLOAT8_DTYPES, INTEGER_DTYPES, RUNTIME_HINTS, Backend, Capabilities, MemoryInfo
 
 __all__ = ["CPUBackend", "read_process_memory", "reset_process_peak"]
 
@@ -72,6 +72,7 @@ class CPUBackend(Backend):
             async_copy=False,
             unified_memory=True,
             paged_memory=False,
+            hints=RUNTIME_HINTS,
         )
 
     def _memory(self, device: torch.device) -> MemoryInfo:

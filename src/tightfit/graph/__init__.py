@@ -1,0 +1,29 @@
+"""The graph runtime: ``torch.compile(model, backend="tightfit")`` places each op on a
+backend, splits the graph where the backend changes, runs hinted regions by their
+schedule (BFS or DFS over slices) and each split as compiled code or an FX module.
+
+See docs/compile.md. Passes: :mod:`~tightfit.graph.placement`,
+:mod:`~tightfit.graph.schedules` (with the proof in :mod:`~tightfit.graph.slicing`),
+:mod:`~tightfit.graph.partition`, :mod:`~tightfit.graph.execution`.
+"""
+
+from tightfit.graph.backend import CompileOptions, compile_graph, compiler, tightfit_backend
+from tightfit.graph.execution import EXECUTIONS, Program, observe_splits
+from tightfit.graph.inline import inline_hints_wrappers
+from tightfit.graph.partition import Split
+from tightfit.graph.placement import Placement
+from tightfit.graph.schedules import SlicePlan
+
+__all__ = [
+    "CompileOptions",
+    "EXECUTIONS",
+    "Placement",
+    "Program",
+    "SlicePlan",
+    "Split",
+    "compile_graph",
+    "compiler",
+    "inline_hints_wrappers",
+    "observe_splits",
+    "tightfit_backend",
+]

@@ -1,0 +1,219 @@
+"""Execution: run the splits of a graph in order, as compiled code or as FX modules.
+
+Each split runs as the code its backend compiles for it (``Backend.compile_split``),
+else as inductor-compiled code where inductor works for the device, else as its FX
+module (also when ``execution="fx"`` or the split keeps ``order="as_written"``). A DFS
+split runs its slice body once per slice, on views of its inputs, and writes each
+slice's outputs into results allocated once before the loop, so one slice's
+intermediates are freed before the next starts.
+
+:class:`Program` is what the compile backend hands to aot_autograd: a boxed callable
+(it takes the list of inputs and frees values as soon as no later split reads them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from tightfit._strict import report_slow_path
+from tightfit.graph import _nodes
+from tightfit.graph.partition import Split
+from tightfit.graph.schedules import SlicePlan
+from tightfit.graph.slicing import Sliced
+
+__all__ = ["EXECUTIONS", "Program", "Step", "build_program", "observe_splits"]
+
+#: How splits run: "auto" (the backend's own compiler, else inductor where it works,
+#: else FX), "inductor" (an error where inductor cannot compile), "fx" (never compile).
+EXECUTIONS = ("auto", "fx", "inductor")
+
+Observer = Callable[[str, Split], None]
+_observers: contextvars.ContextVar[tuple[Observer, ...]] = contextvars.ContextVar("tightfit_split_observers", default=())
+
+
+@contextlib.contextmanager
+def observe_splits(callback: Observer) -> Iterator[None]:
+    """Call ``callback("start" | "end", split)`` around every split that runs in the block.
+
+    For measurements, such as one region's peak memory (benchmarks/schedules.py).
+    """
+    if not callable(callback):
+        raise TypeError(f"callback must be callable, got {type(callback).__name__}: {callback!r}")
+    token = _observers.set(_observers.get() + (callback,))
+    try:
+        yield
+    finally:
+        _observers.reset(token)
+
+
+def _examples(graph_module: torch.fx.GraphModule) -> list[Any]:
+    return [node.meta.get("val") for node in graph_module.graph.nodes if node.op == "placeholder"]
+
+
+def _conforming(run: Callable[..., tuple[Any, ...]], examples: Sequence[Any]) -> Callable[..., tuple[Any, ...]]:
+    """Compiled code assumes its example inputs' strides: restride an input that differs."""
+    expected = [(tuple(x.shape), tuple(x.stride())) if isinstance(x, torch.Tensor) else None for x in examples]
+
+    def call(*args: Any) -> tuple[Any, ...]:
+        fixed = list(args)
+        for index, (arg, layout) in enumerate(zip(args, expected)):
+            if layout is not None and isinstance(arg, torch.Tensor) and tuple(arg.stride()) != layout[1]:
+                fixed[index] = torch.empty_strided(layout[0], layout[1], dtype=arg.dtype, device=arg.device).copy_(arg)
+        del args
+        return run(*fixed)
+
+    return call
+
+
+def _compile(split: Split, graph_module: torch.fx.GraphModule, execution: str) -> tuple[Callable[..., tuple[Any, ...]], str]:
+    """The code that runs one split (or one slice body), and what it is."""
+    if split.as_written or execution == "fx":
+        return graph_module.forward, "fx"
+    examples = _examples(graph_module)
+    own = split.backend.compile_split(graph_module, examples)
+    if own is not None:
+        return _conforming(own, examples), f"compiled by backend {split.backend.name}"
+    from tightfit.graph import inductor
+
+    try:
+        return _conforming(inductor.compile_split(graph_module, examples), examples), "inductor"
+    except Exception as error:
+        if execution == "inductor":
+            raise RuntimeError(f"inductor could not compile split {split.index} for {split.device} "
+                               f"(execution='inductor'): {type(error).__name__}: {error}") from error
+        report_slow_path(("inductor", split.device.type),
+                         f"tightfit: inductor could not compile a split for {split.device} "
+                         f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+                         "running such splits as FX modules")
+    return graph_module.forward, "fx"
+
+
+def _allocate(node: torch.fx.Node, device: torch.device) -> torch.Tensor:
+    fake = _nodes.value(node)
+    if _nodes.is_dense(fake):
+        return torch.empty_strided(tuple(fake.shape), tuple(fake.stride()), dtype=fake.dtype, device=device)
+    return torch.empty(tuple(fake.shape), dtype=fake.dtype, device=device)
+
+
+def _piece(value: Any, state: Any, start: int, length: int) -> Any:
+    if isinstance(state, Sliced):
+        return value.narrow(state.dim, start * state.unit, length * state.unit)
+    return value
+
+
+class SlicedRun:
+    """A DFS split: the slice body once per slice, outputs written into preallocated results."""
+
+    def __init__(self, plan: SlicePlan, device: torch.device, bodies: dict[int, Callable[..., tuple[Any, ...]]]) -> None:
+        self.plan = plan
+        self.device = device
+        self.bodies = bodies
+        self.input_states = [plan.state(node) for node in plan.inputs]
+        self.output_states = [plan.state(node) for node in plan.outputs]
+
+    def __call__(self, *args: Any) -> tuple[Any, ...]:
+        results = [_allocate(node, self.device) for node in self.plan.outputs]
+        for start, length in self.plan.bounds():
+            pieces = [_piece(arg, state, start, length) for arg, state in zip(args, self.input_states)]
+            outputs = self.bodies[length](*pieces)
+            del pieces
+            for result, output, state in zip(results, outputs, self.output_states):
+                _piece(result, state, start, length).copy_(output)
+            del outputs  # this slice's intermediates are gone before the next slice starts
+        return tuple(results)
+
+
+@dataclass
+class Step:
+    """One split and the code that runs it."""
+
+    split: Split
+    run: Callable[..., tuple[Any, ...]]
+    how: str  # "fx", "inductor", "compiled by backend NAME"
+    non_blocking: bool
+
+
+def _step(split: Split, execution: str) -> Step:
+    target_caps = split.backend.capabilities()
+    non_blocking = bool(target_caps.async_copy) and split.device.type != "cpu"  # device-to-host must block
+    if split.plan is None:
+        run, how = _compile(split, split.graph_module, execution)
+        return Step(split, run, how, non_blocking)
+    compiled = {length: _compile(split, body, execution) for length, body in split.plan.bodies.items()}
+    hows = sorted({how for _, how in compiled.values()})
+    bodies = {length: run for length, (run, _) in compiled.items()}
+    return Step(split, SlicedRun(split.plan, split.device, bodies), "/".join(hows), non_blocking)
+
+
+class Program:
+    """The compiled form of one aten graph: splits in order (boxed calling convention)."""
+
+    _boxed_call = True
+
+    def __init__(self, graph_module: torch.fx.GraphModule, steps: list[Step], name: str) -> None:
+        self._boxed_call = True  # an instance attribute: wrappers copy __dict__, not class attributes
+        self.name = name
+        self.steps = steps
+        graph = graph_module.graph
+        self.placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+        self.constants = {
+            node: _fetch_attr(graph_module, node.target)
+            for node in graph.nodes if node.op == "get_attr" and _nodes.tensors(node)
+        }
+        self.output = next(node for node in graph.nodes if node.op == "output").args[0]
+        kept: set[torch.fx.Node] = set()
+        torch.fx.node.map_arg(self.output, kept.add)  # the graph's outputs live to the end
+        last: dict[torch.fx.Node, int] = {}
+        for index, step in enumerate(steps):
+            for node in step.split.inputs:
+                last[node] = index
+        self.dead_after: list[list[torch.fx.Node]] = [[] for _ in steps]
+        for node, index in last.items():
+            if node not in kept and node not in self.constants:
+                self.dead_after[index].append(node)
+
+    @property
+    def splits(self) -> list[Split]:
+        return [step.split for step in self.steps]
+
+    def __call__(self, args: list[Any]) -> Any:
+        env: dict[torch.fx.Node, Any] = dict(zip(self.placeholders, args))
+        args.clear()  # boxed: the caller hands over its references
+        env.update(self.constants)
+        observers = _observers.get()
+        for step, dead in zip(self.steps, self.dead_after):
+            split = step.split
+            inputs = [
+                env[node].to(split.device, non_blocking=step.non_blocking) if node in split.copies else env[node]
+                for node in split.inputs
+            ]
+            for observer in observers:
+                observer("start", split)
+            outputs = step.run(*inputs)
+            del inputs
+            for node, value in zip(split.outputs, outputs):
+                env[node] = value
+            del outputs
+            for node in dead:
+                env.pop(node, None)
+            for observer in observers:
+                observer("end", split)
+        return torch.fx.node.map_arg(self.output, env.__getitem__)
+
+
+def _fetch_attr(module: torch.nn.Module, target: str) -> Any:
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def build_program(graph_module: torch.fx.GraphModule, splits: list[Split], execution: str, name: str) -> Program:
+    """Compile every split (per ``execution``) into a :class:`Program`."""
+    return Program(graph_module, [_step(split, execution) for split in splits], name)

@@ -1,0 +1,38 @@
+"""Compile one split with inductor (not public).
+
+Inductor expects the decomposed graphs its own aot_autograd call would give it, so the
+split is traced again with inductor's decompositions (over the same fake tensors), and
+compiled in a tracing context of its own: the forward and backward graphs that the
+compile backend receives are cut into several splits, each one a graph inductor sees
+as complete.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+__all__: list[str] = []
+
+
+def compile_split(graph_module: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., tuple[Any, ...]]:
+    """Inductor-compiled code for a split; called with the inputs positionally, returns a tuple."""
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+    from torch._inductor.compile_fx import compile_fx_inner, record_original_output_strides
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fake_mode = detect_fake_mode([x for x in example_inputs if isinstance(x, torch.Tensor)])
+    with fake_mode:
+        decomposed = make_fx(graph_module, decomposition_table=select_decomp_table())(*example_inputs)
+    record_original_output_strides(decomposed)  # outputs keep the strides the next split was compiled for
+    with tracing(TracingContext(fake_mode)):
+        compiled = compile_fx_inner(decomposed, list(example_inputs))
+
+    def run(*args: Any) -> tuple[Any, ...]:
+        return tuple(compiled(list(args)))
+
+    return run
