@@ -37,11 +37,12 @@ def describe(program: Program, placement: dict[torch.fx.Node, Placement], ledger
     """The schedule of one compiled graph as text."""
     copies = sum(len(step.split.copies) for step in program.steps)
     lines = [f"tightfit sched: {program.name} graph, {len(program.steps)} split(s), {copies} copied input(s)"]
+    owner = {node: step.split for step in program.steps for node in step.split.nodes}
     for step in program.steps:
         split = step.split
         lines.append(f"split {split.index}: backend {split.backend.name} on {split.device}, {split.schedule}, "
                      f"runs as {step.how}, {len(split.nodes)} node(s)")
-        inputs = [f"{node.name} (copied from {split.copies[node]})" if node in split.copies else node.name for node in split.inputs]
+        inputs = [_input(node, split, owner.get(node)) for node in split.inputs]
         lines.append(f"  inputs:  {', '.join(inputs) or '-'}")
         lines.append(f"  outputs: {', '.join(node.name for node in split.outputs) or '-'}")
         for node in split.nodes:
@@ -50,6 +51,14 @@ def describe(program: Program, placement: dict[torch.fx.Node, Placement], ledger
     for message in (ledger.ignored if ledger else []):
         lines.append(f"  ignored: {message}")
     return "\n".join(lines)
+
+
+def _input(node: torch.fx.Node, split: object, producer: object) -> str:
+    if node in split.copies:
+        return f"{node.name} (copied from {split.copies[node]})"
+    if producer is not None and producer.backend is not split.backend:
+        return f"{node.name} (from split {producer.index} on {producer.backend.name}, same device: no copy)"
+    return node.name
 
 
 def maybe_print(program: Program, placement: dict[torch.fx.Node, Placement], ledger: HintLedger, stream: TextIO | None = None) -> None:

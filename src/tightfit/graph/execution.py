@@ -26,7 +26,7 @@ from tightfit._strict import report_slow_path
 from tightfit.graph import _nodes
 from tightfit.graph.partition import Split
 from tightfit.graph.schedules import SlicePlan
-from tightfit.graph.slicing import Sliced
+from tightfit.graph.slicing import put, take
 
 __all__ = ["EXECUTIONS", "Program", "Step", "build_program", "observe_splits"]
 
@@ -102,12 +102,6 @@ def _allocate(node: torch.fx.Node, device: torch.device) -> torch.Tensor:
     return torch.empty(tuple(fake.shape), dtype=fake.dtype, device=device)
 
 
-def _piece(value: Any, state: Any, start: int, length: int) -> Any:
-    if isinstance(state, Sliced):
-        return value.narrow(state.dim, start * state.unit, length * state.unit)
-    return value
-
-
 class SlicedRun:
     """A DFS split: the slice body once per slice, outputs written into preallocated results."""
 
@@ -119,13 +113,14 @@ class SlicedRun:
         self.output_states = [plan.state(node) for node in plan.outputs]
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
+        extent = self.plan.extent
         results = [_allocate(node, self.device) for node in self.plan.outputs]
         for start, length in self.plan.bounds():
-            pieces = [_piece(arg, state, start, length) for arg, state in zip(args, self.input_states)]
+            pieces = [take(arg, state, extent, start, length) for arg, state in zip(args, self.input_states)]
             outputs = self.bodies[length](*pieces)
             del pieces
             for result, output, state in zip(results, outputs, self.output_states):
-                _piece(result, state, start, length).copy_(output)
+                put(result, output, state, extent, start, length)
             del outputs  # this slice's intermediates are gone before the next slice starts
         return tuple(results)
 

@@ -7,8 +7,10 @@
    or cannot store or compute a dtype passes the node on to the next backend for that
    device, and finally to the CPU; such a fallback warns once per op (an error in
    strict mode).
-4. Expansion to neighbours, to avoid copies: views and ``getitem`` stay with the node
-   they read; ops that create tensors from nothing go where their first user runs.
+4. Expansion to neighbours, to avoid copies and splits: ``getitem`` stays with the node
+   it reads; a view stays on its input's device, with the backend of the op before it
+   when that backend can run it (no new split), else with its input's; ops that create
+   tensors from nothing go where their first user runs.
 
 Every decision keeps its reason, which ``TIGHTFIT_DEBUG=sched`` prints.
 """
@@ -73,6 +75,7 @@ class _Placer:
         self.cpu = cpu
         self.ledger = ledger
         self.placed: dict[torch.fx.Node, Placement] = {}
+        self.previous: Placement | None = None  # of the last op placed in graph order
 
     # -- which backend a device or a hint means -----------------------------------------
     def home(self, device: torch.device) -> Backend:
@@ -98,7 +101,8 @@ class _Placer:
         if text is None:
             return None
         name, _, index = text.partition(":")
-        backend = next((b for b in self.backends if name in (b.name, b.device_type)), None)
+        backend = next((b for b in self.backends if b.name == name), None)
+        backend = backend or next((b for b in self.backends if b.device_type == name), None)
         if backend is None:
             from tightfit.backends.registry import get
 
@@ -128,6 +132,10 @@ class _Placer:
             return True
         if hinted is None and producers and _nodes.is_view(node):
             source = self.placed[producers[0]]
+            before = self.previous
+            if before is not None and before.device == source.device and unsupported_reason(before.backend, self.ledger, node) is None:
+                self.placed[node] = Placement(before.backend, before.device, f"a view of {producers[0].name}: on its device, with the op before it")
+                return True
             if unsupported_reason(source.backend, self.ledger, node) is None:
                 self.placed[node] = Placement(source.backend, source.device, f"a view of {producers[0].name}: stays with it (no copy)")
                 return True
@@ -180,7 +188,9 @@ def place(graph_module: torch.fx.GraphModule, backends: Sequence[Backend], cpu: 
         if node.op in ("placeholder", "get_attr"):
             placer.place_input(node)
         elif node.op == "call_function":
-            if not placer.place_op(node):
+            if placer.place_op(node):
+                placer.previous = placer.placed[node]
+            else:
                 deferred.append(node)
         elif node.op != "output":
             raise ValueError(f"tightfit's compile backend cannot place a {node.op} node ({node.name}); "

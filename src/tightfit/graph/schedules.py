@@ -31,7 +31,7 @@ from tightfit.graph import _nodes
 from tightfit.graph._extract import extract
 from tightfit.graph.honor import HintLedger
 from tightfit.graph.placement import Placement
-from tightfit.graph.slicing import Invalid, Proof, Rewrite, Sliced, State, prove
+from tightfit.graph.slicing import Invalid, Proof, Rewrite, Sliced, State, prove, take
 from tightfit.hints.read import node_hints
 from tightfit.hints.payload import payload_of
 
@@ -197,12 +197,6 @@ def _plan_group(graph_module: torch.fx.GraphModule, group: list[torch.fx.Node], 
     return plan
 
 
-def _narrowed(fake: torch.Tensor, state: State, start: int, length: int) -> torch.Tensor:
-    if isinstance(state, Sliced):
-        return fake.narrow(state.dim, start * state.unit, length * state.unit)
-    return fake
-
-
 def _expected_shapes(value: object, state: State, length: int) -> list[tuple[int, ...]]:
     values = value if isinstance(value, (tuple, list)) else (value,)
     states = state if isinstance(state, tuple) else (state,) * len(values)
@@ -211,7 +205,7 @@ def _expected_shapes(value: object, state: State, length: int) -> list[tuple[int
         if isinstance(part, torch.Tensor):
             shape = list(part.shape)
             if isinstance(part_state, Sliced):
-                shape[part_state.dim] = length * part_state.unit
+                shape[part_state.dim] = part_state.size(length)
             shapes.append(tuple(shape))
     return shapes
 
@@ -227,7 +221,7 @@ def _build_bodies(graph_module: torch.fx.GraphModule, plan: SlicePlan) -> None:
     for start, length in plan.bounds():
         if length in plan.bodies:
             continue
-        examples = [_narrowed(_nodes.value(arg), plan.state(arg), start, length) for arg in plan.inputs]
+        examples = [take(_nodes.value(arg), plan.state(arg), plan.extent, start, length) for arg in plan.inputs]
         try:
             body = extract(graph_module, plan.nodes, plan.inputs, plan.outputs, examples, rewrites=plan.rewrites, length=length)
         except Exception as error:  # a rule's rewrite that the ops reject: refuse, never guess

@@ -7,9 +7,10 @@ follows the sliced dimension from the region's inputs through every op with a ru
 written for that op. An op without a rule, an op that reduces or mixes across the
 dimension, or a random op makes the proof fail with a reason; nothing is assumed.
 
-A value's state is :class:`Sliced` (dimension ``dim`` holds the sliced axis;
-``unit`` elements of that dimension per index of the axis, since a view can merge the
-axis with the dimensions after it), ``FULL`` (the same whole value for every slice),
+A value's state is :class:`Sliced` (dimension ``dim`` holds the sliced axis; a view
+can merge the axis with dimensions around it, so that dimension has ``outer x extent x
+unit`` elements, the axis being the middle factor), ``FULL`` (the same whole value for
+every slice),
 or :class:`Pending` (derived, through ops that only move data, from a region input
 whose slicing is not decided yet). Inputs of the highest rank are sliced along the
 hinted dimension; a lower-rank input is decided by the first op that needs it sliced
@@ -28,7 +29,7 @@ import torch.fx
 
 from tightfit.graph import _nodes
 
-__all__ = ["FULL", "Invalid", "Pending", "Proof", "Sliced", "prove"]
+__all__ = ["FULL", "Invalid", "Pending", "Proof", "Sliced", "prove", "put", "take"]
 
 aten = torch.ops.aten
 
@@ -36,7 +37,35 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class Sliced:
     dim: int
-    unit: int = 1
+    unit: int = 1  # elements of ``dim`` per index of the sliced axis (dims merged after it)
+    outer: int = 1  # repeats of the axis within ``dim`` (dims merged before it)
+
+    def at(self, dim: int) -> Sliced:
+        return Sliced(dim, self.unit, self.outer)
+
+    def size(self, length: int) -> int:
+        """Elements of ``dim`` for a slice of ``length`` indices of the axis."""
+        return self.outer * length * self.unit
+
+
+def take(value: Any, state: Any, extent: int, start: int, length: int) -> Any:
+    """Slice ``[start, start + length)`` of the axis from a whole value (a view when ``outer`` is 1)."""
+    if not isinstance(state, Sliced):
+        return value
+    if state.outer == 1:
+        return value.narrow(state.dim, start * state.unit, length * state.unit)
+    split = value.unflatten(state.dim, (state.outer, extent * state.unit))
+    return split.narrow(state.dim + 1, start * state.unit, length * state.unit).flatten(state.dim, state.dim + 1)
+
+
+def put(result: torch.Tensor, piece: torch.Tensor, state: Sliced, extent: int, start: int, length: int) -> None:
+    """Write one slice's ``piece`` into the whole ``result``."""
+    if state.outer == 1:
+        result.narrow(state.dim, start * state.unit, length * state.unit).copy_(piece)
+        return
+    target = result.unflatten(state.dim, (state.outer, extent * state.unit))
+    target = target.narrow(state.dim + 1, start * state.unit, length * state.unit)
+    target.copy_(piece.unflatten(state.dim, (state.outer, length * state.unit)))
 
 
 @dataclass(frozen=True)
@@ -90,13 +119,18 @@ def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 # -- data-movement ops: an axis map forward (input state -> output) and back ---------------
 def _view_map(src: Sequence[int], dst: Sequence[int], state: Sliced, extent: int) -> Sliced | None:
-    """Where the sliced axis lands after a row-major reshape from ``src`` to ``dst``."""
-    outer = math.prod(src[: state.dim])
+    """Where the sliced axis lands after a row-major reshape from ``src`` to ``dst``.
+
+    Flat indices are ((o * extent) + axis) * inner + i: the axis stays whole in one
+    dimension j of ``dst`` when the dimensions before j split ``before`` evenly and
+    those after j split ``inner`` evenly.
+    """
+    before = math.prod(src[: state.dim]) * state.outer
+    inner = state.unit * math.prod(src[state.dim + 1 :])
     for j, size in enumerate(dst):
-        if math.prod(dst[:j]) == outer and size % extent == 0 and size >= extent:
-            return Sliced(j, size // extent)
-        if math.prod(dst[:j]) > outer:
-            break
+        head, tail = math.prod(dst[:j]), math.prod(dst[j + 1 :])
+        if before % head == 0 and inner % tail == 0 and size == (before // head) * extent * (inner // tail):
+            return Sliced(j, inner // tail, before // head)
     return None
 
 
@@ -113,22 +147,22 @@ def _axis_map(node: torch.fx.Node, state: Sliced, extent: int, forward: bool) ->
         dim = state.dim + shift if forward else state.dim - shift
         if dim < 0 or src[state.dim] != dst[dim]:
             return None
-        return Sliced(dim, state.unit)
+        return state.at(dim)
     if target is aten.permute.default:
         dims = [_norm(d, len(src)) for d in node.args[1]]
-        return Sliced(dims.index(state.dim) if forward else dims[state.dim], state.unit)
+        return state.at(dims.index(state.dim) if forward else dims[state.dim])
     if target in (aten.transpose.int, aten.t.default):
         a, b = (_norm(node.args[1], len(src)), _norm(node.args[2], len(src))) if len(node.args) > 1 else (0, 1)
         swap = {a: b, b: a}
-        return Sliced(swap.get(state.dim, state.dim), state.unit)
+        return state.at(swap.get(state.dim, state.dim))
     if target is aten.unsqueeze.default:
         d = _norm(node.args[1], len(_shape(node)))
         if forward:
-            return Sliced(state.dim + (1 if state.dim >= d else 0), state.unit)
-        return None if state.dim == d else Sliced(state.dim - (1 if state.dim > d else 0), state.unit)
+            return state.at(state.dim + (1 if state.dim >= d else 0))
+        return None if state.dim == d else state.at(state.dim - (1 if state.dim > d else 0))
     if target in (aten.select.int, aten.slice.Tensor, aten.squeeze.dim, aten.squeeze.dims):
         return _drop_map(node, src, dst, state, forward)
-    return Sliced(state.dim, state.unit)  # identity: same shape, same layout of the axis
+    return state  # identity: same shape, same layout of the axis
 
 
 def _drop_map(node: torch.fx.Node, src: Sequence[int], dst: Sequence[int], state: Sliced, forward: bool) -> Sliced | None:
@@ -140,13 +174,13 @@ def _drop_map(node: torch.fx.Node, src: Sequence[int], dst: Sequence[int], state
     elif node.target is aten.select.int:
         dropped = {_norm(node.args[1], rank_in)}
     else:  # slice.Tensor keeps every dimension
-        return Sliced(state.dim, state.unit)
+        return state
     if forward:
         if state.dim in dropped:
             return None
-        return Sliced(state.dim - sum(1 for d in dropped if d < state.dim), state.unit)
+        return state.at(state.dim - sum(1 for d in dropped if d < state.dim))
     kept = [d for d in range(rank_in) if d not in dropped]
-    return Sliced(kept[state.dim], state.unit)
+    return state.at(kept[state.dim])
 
 
 _MOVEMENT = {
@@ -184,9 +218,9 @@ class _Propagation:
             if wanted is None:
                 raise Invalid(f"cannot slice {state.root.name} so that {by.name} gets {node.name} sliced "
                               f"(through {step.name}, {_nodes.op_name(step)})")
-        if _shape(state.root)[wanted.dim] != self.extent * wanted.unit:
+        if _shape(state.root)[wanted.dim] != wanted.size(self.extent):
             raise Invalid(f"{by.name} needs {state.root.name} sliced along its dim {wanted.dim}, which has "
-                          f"{_shape(state.root)[wanted.dim]} elements, not {self.extent} x {wanted.unit}")
+                          f"{_shape(state.root)[wanted.dim]} elements, not {wanted.outer} x {self.extent} x {wanted.unit}")
         self.decided[state.root] = wanted
         raise _Restart
 
@@ -227,12 +261,11 @@ def _movement(p: _Propagation, node: torch.fx.Node) -> State:
     if node.target is aten.slice.Tensor and _norm(node.args[1], len(_shape(node.args[0]))) == state.dim:
         raise Invalid(f"{node.name} slices along the sliced dimension")
     if node.target in _SIZE_ARG:
-        dim, unit = mapped.dim, mapped.unit
 
         def resize(args: tuple[Any, ...], kwargs: dict[str, Any], length: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
             size = list(args[1])
-            if size[dim] != -1:
-                size[dim] = length * unit
+            if size[mapped.dim] != -1:
+                size[mapped.dim] = mapped.size(length)
             return (args[0], size, *args[2:]), kwargs
 
         p.rewrites[node] = resize
@@ -241,22 +274,21 @@ def _movement(p: _Propagation, node: torch.fx.Node) -> State:
 
 def _broadcast(p: _Propagation, node: torch.fx.Node, operands: Sequence[torch.fx.Node], out_shape: Sequence[int]) -> Sliced:
     """Operands combined element by element (with broadcasting): the sliced axes must line up."""
-    position = unit = None
+    position = first = None
     for arg in operands:
         state = p.state(arg)
         if isinstance(state, Sliced):
-            here = (len(_shape(arg)) - state.dim, state.unit)
+            here = len(_shape(arg)) - state.dim  # counted from the right, as broadcasting aligns
             if position is None:
-                position, unit = here
-            elif here != (position, unit):
+                position, first = here, state
+            elif here != position or state.at(0) != first.at(0):
                 raise Invalid(f"{node.name} ({_nodes.op_name(node)}) combines operands sliced along different dimensions")
-    out_dim = len(out_shape) - position
     for arg in operands:
         state, shape = p.state(arg), _shape(arg)
         if isinstance(state, Sliced) or len(shape) < position or shape[len(shape) - position] == 1:
             continue
-        p.demand(arg, Sliced(len(shape) - position, unit), node)
-    return Sliced(out_dim, unit)
+        p.demand(arg, first.at(len(shape) - position), node)
+    return first.at(len(out_shape) - position)
 
 
 def _pointwise(p: _Propagation, node: torch.fx.Node) -> State:
@@ -273,7 +305,7 @@ def _reduction(p: _Propagation, node: torch.fx.Node) -> State:
     dims = {_norm(d, rank) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
     if state.dim in dims:
         raise Invalid(f"{node.name} ({_nodes.op_name(node)}) reduces over the sliced dimension")
-    out = Sliced(state.dim if keepdim else state.dim - sum(1 for d in dims if d < state.dim), state.unit)
+    out = state.at(state.dim if keepdim else state.dim - sum(1 for d in dims if d < state.dim))
     return (out, out) if isinstance(_nodes.value(node), (tuple, list)) else out
 
 
@@ -297,19 +329,17 @@ def _matmul(batch: bool, bias: bool) -> Callable[[_Propagation, torch.fx.Node], 
         a, b = node.args[first], node.args[first + 1]
         sa, sb = p.state(a), p.state(b)
         off = 1 if batch else 0
-        rows, cols = (Sliced(off, sa.unit) if isinstance(sa, Sliced) else None), (Sliced(off + 1, sb.unit) if isinstance(sb, Sliced) else None)
         if batch and (isinstance(sa, Sliced) and sa.dim == 0 or isinstance(sb, Sliced) and sb.dim == 0):
-            unit = (sa if isinstance(sa, Sliced) and sa.dim == 0 else sb).unit
+            out = sa if isinstance(sa, Sliced) and sa.dim == 0 else sb
             for arg, state in ((a, sa), (b, sb)):
-                if state != Sliced(0, unit):
+                if state != out:
                     if isinstance(state, Sliced):
                         raise Invalid(f"{node.name} ({_nodes.op_name(node)}) pairs batches sliced differently")
-                    p.demand(arg, Sliced(0, unit), node)
-            out = Sliced(0, unit)
-        elif isinstance(sa, Sliced) and sa == Sliced(off, sa.unit) and not isinstance(sb, Sliced):
-            out = rows
-        elif isinstance(sb, Sliced) and sb == Sliced(off + 1, sb.unit) and not isinstance(sa, Sliced):
-            out = cols
+                    p.demand(arg, out, node)
+        elif isinstance(sa, Sliced) and sa.dim == off and not isinstance(sb, Sliced):
+            out = sa  # rows of a: the same rows of the product
+        elif isinstance(sb, Sliced) and sb.dim == off + 1 and not isinstance(sa, Sliced):
+            out = sb  # columns of b: the same columns of the product
         else:
             raise Invalid(f"{node.name} ({_nodes.op_name(node)}) sums over (or pairs rows and columns of) the sliced dimension")
         if bias:
@@ -320,13 +350,14 @@ def _matmul(batch: bool, bias: bool) -> Callable[[_Propagation, torch.fx.Node], 
 
 
 def _check_broadcast_full(p: _Propagation, node: torch.fx.Node, arg: Any, out: Sliced, out_shape: Sequence[int]) -> None:
-    if not isinstance(arg, torch.fx.Node) or isinstance(p.state(arg), Sliced):
-        if isinstance(arg, torch.fx.Node) and p.state(arg) != Sliced(len(_shape(arg)) - (len(out_shape) - out.dim), out.unit):
-            raise Invalid(f"{node.name} ({_nodes.op_name(node)}) adds an operand sliced along another dimension")
+    if not isinstance(arg, torch.fx.Node):
         return
     shape, position = _shape(arg), len(out_shape) - out.dim
-    if len(shape) >= position and shape[len(shape) - position] != 1:
-        p.demand(arg, Sliced(len(shape) - position, out.unit), node)
+    if isinstance(p.state(arg), Sliced):
+        if p.state(arg) != out.at(len(shape) - position):
+            raise Invalid(f"{node.name} ({_nodes.op_name(node)}) adds an operand sliced along another dimension")
+    elif len(shape) >= position and shape[len(shape) - position] != 1:
+        p.demand(arg, out.at(len(shape) - position), node)
 
 
 def _layer_norm(p: _Propagation, node: torch.fx.Node) -> State:
