@@ -1,7 +1,8 @@
 """Splits: maximal runs of nodes on one backend, each a GraphModule of its own.
 
-A split ends where the backend or device changes, where a DFS region's sliced run
-starts or ends (it loops over slices on its own), and around a region whose
+A split ends where the backend or device changes, around a region with a ``schedule``
+hint (a DFS region's sliced run loops over slices on its own; a BFS region runs whole,
+as a split of its own too, so the two are measured alike), and around a region whose
 ``order="as_written"`` hint is honored (it runs uninterpreted by a compiler). A split's
 inputs that live on another device are copied there when it runs.
 
@@ -22,7 +23,7 @@ from tightfit.graph import _nodes
 from tightfit.graph._extract import extract, runtime_layout
 from tightfit.graph.honor import HintLedger
 from tightfit.graph.placement import Placement
-from tightfit.graph.schedules import SlicePlan
+from tightfit.graph.schedules import SlicePlan, schedule_region
 from tightfit.hints.payload import payload_of
 from tightfit.hints.read import node_hints
 
@@ -59,6 +60,12 @@ def _as_written_region(node: torch.fx.Node, backend: Backend, ledger: HintLedger
     return owners[-1] if owners else None
 
 
+def _scheduled_region(node: torch.fx.Node, backend: Backend, ledger: HintLedger) -> int | None:
+    if "schedule" not in node_hints(node) or "schedule" not in ledger.capabilities(backend).hints:
+        return None
+    return schedule_region(node)
+
+
 def _runs(graph: torch.fx.Graph, placement: dict[torch.fx.Node, Placement], plans: Sequence[SlicePlan], ledger: HintLedger) -> list[Split]:
     plan_of = {node: plan for plan in plans for node in plan.nodes}
     splits: list[Split] = []
@@ -69,7 +76,8 @@ def _runs(graph: torch.fx.Graph, placement: dict[torch.fx.Node, Placement], plan
         where = placement[node]
         plan = plan_of.get(node)
         key = (where.backend.name, where.device, id(plan) if plan else None,
-               None if plan else _as_written_region(node, where.backend, ledger))
+               None if plan else _as_written_region(node, where.backend, ledger),
+               None if plan else _scheduled_region(node, where.backend, ledger))
         if key != last_key:
             splits.append(Split(len(splits), where.backend, where.device, [], plan=plan, as_written=key[3] is not None))
             last_key = key

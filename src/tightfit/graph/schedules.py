@@ -78,8 +78,8 @@ def slice_bounds(extent: int, slices: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _schedule_region(node: torch.fx.Node) -> int | None:
-    """The innermost region that wrote a schedule key for this node."""
+def schedule_region(node: torch.fx.Node) -> int | None:
+    """The innermost region that wrote a schedule key for this node (its schedule's owner)."""
     payload = payload_of(node)
     if payload is None:
         return None
@@ -95,7 +95,7 @@ def _groups(graph: torch.fx.Graph, placement: dict[torch.fx.Node, Placement], le
         where = placement[node]
         if "schedule" not in ledger.capabilities(where.backend).hints:
             continue  # reported by the ledger as not honored
-        key = (_schedule_region(node), where.backend.name, where.device)
+        key = (schedule_region(node), where.backend.name, where.device)
         group = groups.setdefault(key, [])
         group.append(node)
         group.extend(user for user in node.users if _nodes.is_getitem(user) and user not in group)
@@ -188,7 +188,7 @@ def _plan_group(graph_module: torch.fx.GraphModule, group: list[torch.fx.Node], 
             if isinstance(proof.states[node], tuple) and any(user not in sliced for user in node.users):
                 raise Invalid(f"{node.name} returns several values that leave the region unsplit")
         _make_contiguous(graph_module.graph, sliced)
-        plan = SlicePlan(_schedule_region(group[0]) or 0, sliced, dim, proof.extent, min(slices, proof.extent),
+        plan = SlicePlan(schedule_region(group[0]) or 0, sliced, dim, proof.extent, min(slices, proof.extent),
                          proof.states, proof.rewrites)
         _build_bodies(graph_module, plan)
     except Invalid as error:

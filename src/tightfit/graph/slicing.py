@@ -434,20 +434,20 @@ for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_produc
 
 
 def _seeds(inputs: Sequence[torch.fx.Node], dim: int) -> tuple[dict[torch.fx.Node, State], int]:
-    """Highest-rank inputs sliced along ``dim``; the others pending."""
+    """Highest-rank inputs sliced along ``dim`` (the first one's size there is the extent);
+    others pending, to be decided by the ops that read them."""
     rank = max(len(_shape(arg)) for arg in inputs)
     dim = _norm(dim, rank)
     if not 0 <= dim < rank:
         raise Invalid(f"slice_dim={dim} is outside the region inputs' {rank} dimensions")
-    extents = {_shape(arg)[dim] for arg in inputs if len(_shape(arg)) == rank and _shape(arg)[dim] != 1}
-    if len(extents) != 1:
-        raise Invalid(f"the region's inputs have {sorted(extents) or 'no'} sizes > 1 along dim {dim}; need exactly one")
-    extent = extents.pop()
+    extent = next((_shape(arg)[dim] for arg in inputs if len(_shape(arg)) == rank and _shape(arg)[dim] > 1), 1)
     seeds: dict[torch.fx.Node, State] = {}
     for arg in inputs:
         shape = _shape(arg)
-        if len(shape) == rank:
-            seeds[arg] = Sliced(dim, 1) if shape[dim] == extent else FULL
+        if len(shape) == rank and shape[dim] == extent:
+            seeds[arg] = Sliced(dim)
+        elif len(shape) == rank and shape[dim] == 1:
+            seeds[arg] = FULL
         else:
             seeds[arg] = Pending(arg)
     return seeds, extent
