@@ -36,16 +36,15 @@ class HintLedger:
 
     def __init__(self, graph_name: str) -> None:
         self.graph_name = graph_name
-        self._capabilities: dict[int, Capabilities] = {}
+        self._capabilities: dict[Backend, Capabilities] = {}  # keyed by the object: keeps it alive
         self._reported: set[tuple[Any, ...]] = set()
         self.ignored: list[str] = []  # every message, for reports and tests
 
     def capabilities(self, backend: Backend) -> Capabilities:
         """``backend.capabilities()``, read once per compile."""
-        key = id(backend)
-        if key not in self._capabilities:
-            self._capabilities[key] = backend.capabilities()
-        return self._capabilities[key]
+        if backend not in self._capabilities:
+            self._capabilities[backend] = backend.capabilities()
+        return self._capabilities[backend]
 
     def honored(self, node: torch.fx.Node, key: str, backend: Backend) -> bool:
         """True if ``backend`` declares ``key``; otherwise report (once) and return False."""
