@@ -17,7 +17,7 @@ print(json.dumps({
     "seconds": elapsed,
     "backends_loaded": registry._entries is not None,
     "cuda_initialized": torch.cuda.is_initialized(),
-    "heavy_modules": sorted(m for m in ("numba", "transformers", "rich", "tightfit.backends.cuda") if m in sys.modules),
+    "heavy_modules": sorted(m for m in ("numba", "transformers", "rich", "tightfit.backends.cuda", "torch._dynamo") if m in sys.modules),
 }))
 """
 

@@ -10,6 +10,7 @@ import torch, tightfit
 from tightfit.run import RunOptions
 from tightfit.memory import measure
 import tightfit.quant as quant
+import tightfit.graph
 assert False, "asserts must be off under -O"
 checks = [
     (lambda: tightfit.ops.cast([1.0], torch.bfloat16), TypeError),
@@ -33,6 +34,17 @@ checks = [
     (lambda: quant.NF4Config(blocksize=48), ValueError),
     (lambda: quant.quantize_(torch.nn.Linear(2, 2), quant.NF4Config()), ValueError),
     (lambda: quant.QuantState.from_dict({"absmax": torch.ones(1)}), ValueError),
+    (lambda: tightfit.hint(schedule="wide"), ValueError),
+    (lambda: tightfit.hint(slices=0), ValueError),
+    (lambda: tightfit.hint(slices="8"), TypeError),
+    (lambda: tightfit.hint(tile=4), ValueError),
+    (lambda: tightfit.hint(**{"acme.tile": [1]}), TypeError),
+    (lambda: tightfit.hint(device=3), TypeError),
+    (lambda: tightfit.hints_of(3), TypeError),
+    (lambda: tightfit.graph.compiler(execution="jit"), ValueError),
+    (lambda: tightfit.graph.compiler(backends=["cpu"]), TypeError),
+    (lambda: tightfit.graph.CompileOptions.from_options({"fast": 1}), ValueError),
+    (lambda: tightfit.graph.observe_splits(3).__enter__(), TypeError),
 ]
 for index, (call, expected) in enumerate(checks):
     try:
@@ -49,4 +61,4 @@ print(f"{len(checks)} checks raised as documented")
 def test_bad_inputs_raise_under_python_O():
     done = subprocess.run([sys.executable, "-O", "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "21 checks raised as documented" in done.stdout
+    assert "32 checks raised as documented" in done.stdout

@@ -43,7 +43,8 @@ def _inline_one(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> None
     hints = node.kwargs.get("hints", node.args[3] if len(node.args) > 3 else {})
     body = getattr(graph_module, body_ref.target)
     outer = payload_of(node)
-    level = (tuple(outer["chain"]) if outer else ()) + ((new_region_id(), _declared(dict(hints), node)),)
+    outer_chain = tuple(outer["chain"]) if outer else ()
+    level = outer_chain + ((new_region_id(), _declared(dict(hints), node)),)
     env: dict[torch.fx.Node, Any] = {}
     body_inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
     env.update(zip(body_inputs, operands))
@@ -66,8 +67,7 @@ def _inline_one(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> None
                 new.meta = dict(inner.meta)
             else:
                 new = graph.node_copy(inner, env.__getitem__)
-            inner_payload = payload_of(inner)
-            set_payload(new, make_payload(level + (tuple(inner_payload["chain"]) if inner_payload else ())))
+            set_payload(new, make_payload(level + _inside(payload_of(inner), outer_chain)))
             env[inner] = new
     results = tuple(results) if isinstance(results, (tuple, list)) else (results,)
     for user in list(node.users):
@@ -79,6 +79,16 @@ def _inline_one(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> None
     graph.erase_node(node)
     if not body_ref.users:
         graph.erase_node(body_ref)
+
+
+def _inside(payload: dict[str, Any] | None, outer_chain: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The regions a body node sits in within the wrapper: dynamo traced the body inside
+    the regions around the call too, so those (a common prefix) are dropped."""
+    chain = tuple(payload["chain"]) if payload else ()
+    shared = 0
+    while shared < min(len(chain), len(outer_chain)) and chain[shared][0] == outer_chain[shared][0]:
+        shared += 1
+    return chain[shared:]
 
 
 def _free_name(graph_module: torch.fx.GraphModule, base: str) -> str:

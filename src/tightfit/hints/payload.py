@@ -27,7 +27,7 @@ _region_ids = itertools.count(1)
 
 
 def new_region_id() -> int:
-    """A process-unique region id (ids grow with nesting: an inner region's is larger)."""
+    """A process-unique region id."""
     return next(_region_ids)
 
 

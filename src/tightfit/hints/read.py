@@ -64,18 +64,20 @@ def where(node: torch.fx.Node) -> str | None:
 def hints_of(graph_module: torch.fx.GraphModule | torch.fx.Graph) -> list[Region]:
     """Every hinted region in a graph (dynamo's, aot_autograd's forward or backward, export's).
 
-    Regions come in id order; an inner region comes after the one that encloses it.
+    Regions come in the order they start in the graph, an enclosing region before the
+    regions inside it.
     """
     check_type("graph_module", graph_module, (torch.fx.GraphModule, torch.fx.Graph))
     graph = graph_module.graph if isinstance(graph_module, torch.fx.GraphModule) else graph_module
     found: dict[int, dict[str, Any]] = {}
-    for node in graph.nodes:
+    for index, node in enumerate(graph.nodes):
         payload = payload_of(node)
         if payload is None:
             continue
         chain = payload["chain"]
         for depth, (region, declared) in enumerate(chain):
             entry = found.setdefault(region, {
+                "start": (index, depth),
                 "hints": merged(chain[: depth + 1]),
                 "declared": dict(declared),
                 "parent": chain[depth - 1][0] if depth else None,
@@ -88,5 +90,5 @@ def hints_of(graph_module: torch.fx.GraphModule | torch.fx.Graph) -> list[Region
     return [
         Region(id=region, hints=MappingProxyType(entry["hints"]), declared=MappingProxyType(entry["declared"]),
                parent=entry["parent"], nodes=tuple(entry["nodes"]), where=entry["where"])
-        for region, entry in sorted(found.items())
+        for region, entry in sorted(found.items(), key=lambda item: item[1]["start"])
     ]
