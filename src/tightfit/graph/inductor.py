@@ -25,9 +25,11 @@ def compile_split(graph_module: torch.fx.GraphModule, example_inputs: Sequence[A
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    fake_mode = detect_fake_mode([x for x in example_inputs if isinstance(x, torch.Tensor)])
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    fake_mode = detect_fake_mode(tensors)
     with fake_mode:
         decomposed = make_fx(graph_module, decomposition_table=select_decomp_table())(*example_inputs)
+    decomposed = _joint_graph_passes(decomposed, tensors[0].device if tensors else None)
     record_original_output_strides(decomposed)  # outputs keep the strides the next split was compiled for
     with tracing(TracingContext(fake_mode)):
         compiled = compile_fx_inner(decomposed, list(example_inputs))
@@ -36,3 +38,13 @@ def compile_split(graph_module: torch.fx.GraphModule, example_inputs: Sequence[A
         return tuple(compiled(list(args)))
 
     return run
+
+
+def _joint_graph_passes(graph_module: torch.fx.GraphModule, device: torch.device | None) -> torch.fx.GraphModule:
+    """Inductor's own graph-level rewrites (such as matmul-softmax-matmul into fused
+    attention), which its compile_fx runs before compile_fx_inner; skipped if absent."""
+    try:
+        from torch._inductor.compile_fx import _recursive_joint_graph_passes
+    except ImportError:  # a torch without them: compile without
+        return graph_module
+    return _recursive_joint_graph_passes(graph_module, input_device=device)
