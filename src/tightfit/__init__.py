@@ -3,7 +3,7 @@
 Importing tightfit does no device work: backends are detected at first use.
 """
 
-from tightfit import backends, hints, ops
+from tightfit import backends, graph, hints, ops
 from tightfit._errors import BackendConflictError, FallbackWarning, StrictModeError
 from tightfit._strict import is_strict, strict
 from tightfit.graph._register import register as _register_compile_backend
@@ -19,6 +19,7 @@ __all__ = [
     "StrictModeError",
     "__version__",
     "backends",
+    "graph",
     "hint",
     "hints",
     "hints_of",

@@ -155,6 +155,7 @@ class Program:
     def __init__(self, graph_module: torch.fx.GraphModule, steps: list[Step], name: str) -> None:
         self._boxed_call = True  # an instance attribute: wrappers copy __dict__, not class attributes
         self.name = name
+        self.ledger: Any = None  # the compile's HintLedger: what was ignored, for reports
         self.steps = steps
         graph = graph_module.graph
         self.placeholders = [node for node in graph.nodes if node.op == "placeholder"]

@@ -291,6 +291,18 @@ def _broadcast(p: _Propagation, node: torch.fx.Node, operands: Sequence[torch.fx
     return first.at(len(out_shape) - position)
 
 
+def _alike(p: _Propagation, node: torch.fx.Node, operands: Sequence[torch.fx.Node]) -> Sliced:
+    """Operands that must all be sliced the same way (pending ones are made so)."""
+    first = next(p.state(arg) for arg in operands if isinstance(p.state(arg), Sliced))
+    for arg in operands:
+        state = p.state(arg)
+        if state != first:
+            if isinstance(state, Sliced):
+                raise Invalid(f"{node.name} ({_nodes.op_name(node)}) gets operands sliced differently")
+            p.demand(arg, first, node)
+    return first
+
+
 def _pointwise(p: _Propagation, node: torch.fx.Node) -> State:
     return _broadcast(p, node, _tensor_args(node), _shape(node))
 
@@ -330,12 +342,7 @@ def _matmul(batch: bool, bias: bool) -> Callable[[_Propagation, torch.fx.Node], 
         sa, sb = p.state(a), p.state(b)
         off = 1 if batch else 0
         if batch and (isinstance(sa, Sliced) and sa.dim == 0 or isinstance(sb, Sliced) and sb.dim == 0):
-            out = sa if isinstance(sa, Sliced) and sa.dim == 0 else sb
-            for arg, state in ((a, sa), (b, sb)):
-                if state != out:
-                    if isinstance(state, Sliced):
-                        raise Invalid(f"{node.name} ({_nodes.op_name(node)}) pairs batches sliced differently")
-                    p.demand(arg, out, node)
+            out = _alike(p, node, (a, b))  # the same batches of both
         elif isinstance(sa, Sliced) and sa.dim == off and not isinstance(sb, Sliced):
             out = sa  # rows of a: the same rows of the product
         elif isinstance(sb, Sliced) and sb.dim == off + 1 and not isinstance(sa, Sliced):
@@ -378,14 +385,9 @@ def _attention(p: _Propagation, node: torch.fx.Node) -> State:
         raise Invalid(f"{node.name} uses dropout; slicing would change its random numbers")
     mask = named.get("attn_mask")
     operands = [arg for arg in _tensor_args(node) if arg is not mask]
-    first = next(p.state(arg) for arg in operands if isinstance(p.state(arg), Sliced))
+    first = _alike(p, node, operands)
     if first.dim > 1:
         raise Invalid(f"{node.name} ({_nodes.op_name(node)}) mixes along its sequence dimensions")
-    for arg in operands:
-        if p.state(arg) != first:
-            if isinstance(p.state(arg), Sliced):
-                raise Invalid(f"{node.name} ({_nodes.op_name(node)}) gets operands sliced differently")
-            p.demand(arg, first, node)
     if isinstance(mask, torch.fx.Node):
         _check_broadcast_full(p, node, mask, first, _shape(operands[0])[:-1] + (_shape(operands[1])[-2],))
     outputs = _nodes.value(node)
@@ -395,14 +397,9 @@ def _attention(p: _Propagation, node: torch.fx.Node) -> State:
 def _cat(p: _Propagation, node: torch.fx.Node) -> State:
     parts = node.args[0]
     dim = _norm(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(_shape(node)))
-    first = next(p.state(arg) for arg in parts if isinstance(p.state(arg), Sliced))
+    first = _alike(p, node, parts)
     if first.dim == dim:
         raise Invalid(f"{node.name} concatenates along the sliced dimension")
-    for arg in parts:
-        if p.state(arg) != first:
-            if isinstance(p.state(arg), Sliced):
-                raise Invalid(f"{node.name} concatenates operands sliced differently")
-            p.demand(arg, first, node)
     return first
 
 
