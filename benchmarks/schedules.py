@@ -100,20 +100,19 @@ class AcceleratorCounter:
         self.module = getattr(torch, device.type)
         self.region = type("Peak", (), {"peak": 0})()
         self.run = type("Peak", (), {"peak": 0})()
-        self.base = {}
+        self.run_base = self.region_base = 0
 
     def observe(self, event, split, first, last) -> None:
         self.module.synchronize()
-        if event == "start" and (split is first or is_region(split)):
-            self.base[split.index] = self.module.memory_allocated()
-            if split is first:
-                self.run_base = self.base[split.index]
+        if event == "start" and split is first:
+            self.run_base = self.module.memory_allocated()
             self.module.reset_peak_memory_stats()
-        if event == "end" and is_region(split):
-            self.region.peak = self.module.max_memory_allocated() - self.base[split.index]
-            self.run.peak = max(self.run.peak, self.module.max_memory_allocated() - self.run_base)
-        if event == "end" and split is last:
-            self.run.peak = max(self.run.peak, self.module.max_memory_allocated() - self.run_base)
+        self.run.peak = max(self.run.peak, self.module.max_memory_allocated() - self.run_base)  # before any reset
+        if is_region(split) and event == "start":
+            self.region_base = self.module.memory_allocated()
+            self.module.reset_peak_memory_stats()
+        elif is_region(split):
+            self.region.peak = self.module.max_memory_allocated() - self.region_base
 
 
 def peaks(fn, x, device: torch.device) -> tuple[int, int]:
