@@ -137,3 +137,29 @@ def test_hint_scope_repr_and_decorating_a_non_callable():
     assert repr(scope) == "tightfit.hint(schedule='bfs')"
     with pytest.raises(TypeError, match="decorates a callable"):
         scope(3)
+
+
+def test_hints_survive_a_graph_break_before_the_region():
+    def fn(x):
+        y = x + 1
+        torch._dynamo.graph_break()
+        with tightfit.hint(order="as_written"):
+            return y * 2
+
+    regions = traced_hints(fn, torch.ones(2))
+    assert [dict(region.hints) for region in regions] == [{"order": "as_written"}]
+    assert torch.equal(torch.compile(fn, backend="eager")(torch.ones(2)), torch.full((2,), 4.0))
+
+
+def test_a_scope_made_outside_a_compiled_function_still_runs():
+    scope = tightfit.hint(schedule="bfs")
+
+    def fn(x):
+        with scope:  # dynamo cannot trace a context manager made outside: it runs fn eagerly
+            y = x + 1
+        with tightfit.hint(order="as_written"):
+            return y * 2
+
+    torch._dynamo.reset()
+    for _ in range(2):
+        assert torch.equal(torch.compile(fn, backend="eager")(torch.ones(2)), torch.full((2,), 4.0))

@@ -1,16 +1,22 @@
-"""Make ``torch.compile(model, backend="tightfit")`` work without an installed entry point.
+"""What tightfit tells dynamo, once dynamo is imported (at once if it already is).
 
-An installed tightfit declares the backend in the ``torch_dynamo_backends`` entry-point
-group. A source checkout on ``PYTHONPATH`` has no entry points, so ``import tightfit``
-adds the same entry to dynamo's table of lazily loaded backends when dynamo's registry
-module is imported (at once if it already is). Nothing of dynamo is imported here:
-importing it costs seconds, and ``import tightfit`` stays light (D2).
+- The ``"tightfit"`` compile backend. An installed tightfit declares it in the
+  ``torch_dynamo_backends`` entry-point group; a source checkout on ``PYTHONPATH`` has no
+  entry points, so the same lazy entry is added to dynamo's table of backends.
+- The frames of ``tightfit.hint`` that dynamo must run as plain Python when they are
+  the outermost frame it sees (a caller that dynamo runs eagerly, such as a function it
+  gave up on): compiled on their own, a returned ``annotate`` context manager does not
+  survive. Called from traced code they are still traced, as they must be.
+
+Nothing of dynamo is imported here: importing it costs seconds, and ``import tightfit``
+stays light (D2). A finder on ``sys.meta_path`` waits for ``torch._dynamo`` to load.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import logging
 import sys
 from importlib.metadata import EntryPoint
 from types import ModuleType
@@ -20,13 +26,24 @@ __all__: list[str] = []
 
 NAME = "tightfit"
 TARGET = "tightfit.graph.backend:tightfit_backend"
-_REGISTRY = "torch._dynamo.backends.registry"
+_DYNAMO = "torch._dynamo"
+logger = logging.getLogger("tightfit.graph")
 
 
-def _add(registry: ModuleType) -> None:
+def _tell_dynamo() -> None:
+    registry = sys.modules.get(f"{_DYNAMO}.backends.registry")
     table = getattr(registry, "_BACKENDS", None)
     if isinstance(table, dict) and NAME not in table:
         table[NAME] = EntryPoint(name=NAME, value=TARGET, group="torch_dynamo_backends")
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError as error:  # a torch without it: hints still work from traced code
+        logger.debug("tightfit: dynamo has no skip_code (%s); hint frames may be compiled on their own", error)
+        return
+    from tightfit.hints.scope import plain_python_frames
+
+    for code in plain_python_frames():
+        skip_code(code)
 
 
 class _Loader(importlib.abc.Loader):
@@ -38,14 +55,14 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self.inner.exec_module(module)
-        _add(module)
+        _tell_dynamo()
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    """Finds dynamo's registry module like the normal path finder, then registers on load."""
+    """Finds ``torch._dynamo`` like the normal path finder, and acts once it has loaded."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != _REGISTRY:
+        if fullname != _DYNAMO:
             return None
         sys.meta_path.remove(self)  # one shot
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
@@ -55,9 +72,8 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def register() -> None:
-    """Register the "tightfit" backend with dynamo now, or when dynamo's registry loads."""
-    registry = sys.modules.get(_REGISTRY)
-    if registry is not None:
-        _add(registry)
+    """Act now if dynamo is loaded, else when it loads."""
+    if _DYNAMO in sys.modules:
+        _tell_dynamo()
     elif not any(isinstance(finder, _Finder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _Finder())

@@ -23,9 +23,10 @@ import torch.fx.traceback as fx_traceback
 from tightfit.hints.payload import HINT_KEY, nest
 from tightfit.hints.schema import check_hints
 
-__all__ = ["hint", "HintScope"]
+__all__ = ["hint", "HintScope", "plain_python_frames"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+_NONE = object()  # no "custom" entry was open
 
 
 def _constant_for_dynamo(fn: F) -> F:
@@ -64,14 +65,28 @@ class HintScope:
         """The validated hints of this region."""
         return dict(self._items)
 
+    # What ``fx_traceback.annotate`` does, written out. A scope made outside a compiled
+    # function and entered inside it is a context manager dynamo cannot trace: dynamo
+    # runs that function eagerly (hints are no-ops there). These two methods then run
+    # as plain Python (see plain_python_frames); were dynamo to compile them as frames
+    # of their own, they do nothing.
     def __enter__(self) -> None:
-        manager = fx_traceback.annotate(_entered(self._items))
-        stack = self._open.__dict__.setdefault("stack", [])
-        stack.append(manager)
-        manager.__enter__()
+        if torch.compiler.is_dynamo_compiling():
+            return
+        previous = fx_traceback.current_meta.get("custom", _NONE)
+        custom = dict(previous) if previous is not _NONE else {}
+        custom.update(_entered(self._items))
+        fx_traceback.current_meta["custom"] = custom
+        self._open.__dict__.setdefault("stack", []).append(previous)
 
     def __exit__(self, *exc_info: Any) -> None:
-        self._open.stack.pop().__exit__(*exc_info)
+        if torch.compiler.is_dynamo_compiling() or not getattr(self._open, "stack", None):
+            return
+        previous = self._open.stack.pop()
+        if previous is _NONE:
+            fx_traceback.current_meta.pop("custom", None)
+        else:
+            fx_traceback.current_meta["custom"] = previous
 
     def __call__(self, fn: F) -> F:
         if not callable(fn):
@@ -107,6 +122,11 @@ def hint(**hints: Any) -> Any:
         raise TypeError(detail)
     if error is not None:
         raise ValueError(detail)
-    if torch.compiler.is_compiling():  # dynamo recognizes annotate() and enters it while tracing
+    if torch.compiler.is_dynamo_compiling():  # dynamo recognizes annotate() and enters it while tracing
         return fx_traceback.annotate(_entered(detail))
     return HintScope(detail)
+
+
+def plain_python_frames() -> list[Any]:
+    """Code objects dynamo must not compile as outermost frames (tightfit.graph._register)."""
+    return [hint.__code__, HintScope.__enter__.__code__, HintScope.__exit__.__code__]
