@@ -165,3 +165,20 @@ def test_inductor_runs_plain_and_sliced_splits():
         out, ran = run_recording(lambda: torch.compile(model, backend=compiler(execution="inductor"))(x))
         torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
     assert [split.plan is not None for split in ran] == [False, True, False]
+
+
+def test_where_inductor_cannot_compile_splits_run_as_fx_warning_once(monkeypatch):
+    from tightfit.graph import inductor
+
+    def broken(graph_module, examples):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(inductor, "compile_split", broken)
+    x = torch.randn(4)
+    with pytest.warns(tightfit.FallbackWarning, match="inductor could not compile a split for cpu .*no C\\+\\+ compiler"):
+        with torch.no_grad():
+            out, ran = run_recording(lambda: torch.compile(lambda t: t.cos() * 2, backend="tightfit")(x))
+    torch.testing.assert_close(out, x.cos() * 2)
+    with pytest.raises(Exception) as raised:
+        torch.compile(lambda t: t.sin(), backend=compiler(execution="inductor"))(x)
+    assert "execution='inductor'" in str(raised.value) and "no C++ compiler" in str(raised.value)
