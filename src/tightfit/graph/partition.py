@@ -85,7 +85,7 @@ def _runs(graph: torch.fx.Graph, placement: dict[torch.fx.Node, Placement], plan
     return splits
 
 
-def _connect(splits: list[Split], graph: torch.fx.Graph, placement: dict[torch.fx.Node, Placement]) -> None:
+def _connect(splits: list[Split], placement: dict[torch.fx.Node, Placement]) -> None:
     """Inputs, outputs and copies of every split."""
     owner = {node: split for split in splits for node in split.nodes}
     for split in splits:
@@ -118,7 +118,7 @@ def _example(node: torch.fx.Node, split: Split, produced_by_dfs: set[torch.fx.No
 def partition(graph_module: torch.fx.GraphModule, placement: dict[torch.fx.Node, Placement], plans: Sequence[SlicePlan], ledger: HintLedger) -> list[Split]:
     """The graph's splits in execution order, each with its own GraphModule (DFS: its slice bodies)."""
     splits = _runs(graph_module.graph, placement, plans, ledger)
-    _connect(splits, graph_module.graph, placement)
+    _connect(splits, placement)
     produced_by_dfs = {node for split in splits if split.plan for node in split.outputs}
     for split in splits:
         if split.plan is not None:

@@ -163,7 +163,8 @@ def _make_contiguous(graph: torch.fx.Graph, sliced: list[torch.fx.Node]) -> None
         anchor = node
 
 
-def _plan_group(graph_module: torch.fx.GraphModule, group: list[torch.fx.Node], ledger: HintLedger) -> SlicePlan | None:
+def _plan_group(graph_module: torch.fx.GraphModule, group: list[torch.fx.Node], placement: dict[torch.fx.Node, Placement],
+                ledger: HintLedger) -> SlicePlan | None:
     hints = node_hints(group[0])
     slices, slice_dim = hints.get("slices"), hints.get("slice_dim", "auto")
     what = f"schedule='dfs' slices={slices}"
@@ -190,7 +191,7 @@ def _plan_group(graph_module: torch.fx.GraphModule, group: list[torch.fx.Node], 
         _make_contiguous(graph_module.graph, sliced)
         plan = SlicePlan(schedule_region(group[0]) or 0, sliced, dim, proof.extent, min(slices, proof.extent),
                          proof.states, proof.rewrites)
-        _build_bodies(graph_module, plan)
+        _build_bodies(graph_module, plan, placement[group[0]].device)
     except Invalid as error:
         ledger.not_applied(group[0], what, str(error))
         return None
@@ -210,8 +211,14 @@ def _expected_shapes(value: object, state: State, length: int) -> list[tuple[int
     return shapes
 
 
-def _build_bodies(graph_module: torch.fx.GraphModule, plan: SlicePlan) -> None:
-    """One slice's graph per distinct slice length, shape-checked against the proof."""
+def _on(value: object, device: torch.device) -> object:
+    if isinstance(value, torch.Tensor) and value.device != device:
+        return value.to(device)
+    return value
+
+
+def _build_bodies(graph_module: torch.fx.GraphModule, plan: SlicePlan, device: torch.device) -> None:
+    """One slice's graph per distinct slice length on ``device``, shape-checked against the proof."""
     inside = set(plan.nodes)
     plan.inputs = _inputs(plan.nodes, tensors_only=False)
     plan.outputs = [node for node in plan.nodes if any(user not in inside for user in node.users)]
@@ -221,9 +228,11 @@ def _build_bodies(graph_module: torch.fx.GraphModule, plan: SlicePlan) -> None:
     for start, length in plan.bounds():
         if length in plan.bodies:
             continue
-        examples = [take(_nodes.value(arg), plan.state(arg), plan.extent, start, length) for arg in plan.inputs]
+        examples = [_on(take(_nodes.value(arg), plan.state(arg), plan.extent, start, length), device) for arg in plan.inputs]
+        moved = any(_nodes.device_of(node) not in (None, device) for node in plan.nodes)
         try:
-            body = extract(graph_module, plan.nodes, plan.inputs, plan.outputs, examples, rewrites=plan.rewrites, length=length)
+            body = extract(graph_module, plan.nodes, plan.inputs, plan.outputs, examples, rewrites=plan.rewrites,
+                           length=length, device=device if moved else None)
         except Exception as error:  # a rule's rewrite that the ops reject: refuse, never guess
             raise Invalid(f"the sliced graph does not trace: {type(error).__name__}: {error}") from None
         copies = {node.name: new for node, new in zip(plan.nodes, (n for n in body.graph.nodes if n.op == "call_function"))}
@@ -246,7 +255,7 @@ def plan_schedules(graph_module: torch.fx.GraphModule, placement: dict[torch.fx.
     graph = graph_module.graph
     plans = []
     for group in _groups(graph, placement, ledger):
-        plan = _plan_group(graph_module, group, ledger)
+        plan = _plan_group(graph_module, group, placement, ledger)
         if plan is not None:
             plans.append(plan)
     graph.lint()
