@@ -8,7 +8,7 @@ arena per device, verified. See docs/memory.md.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -155,6 +155,36 @@ def _check_alignment(alignment: Any) -> int:
     return alignment
 
 
+def _plan_compiled(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs: dict[str, Any], backends: list[Any],
+                   device: torch.device, training: bool, order: str, alignment: int
+                   ) -> tuple[Timeline, dict[str, str], dict[str, dict[str, int]]]:
+    """The timeline of the aten graphs the compile backend gets, split as it splits them, in the best order."""
+    from tightfit.graph.backend import CompileOptions, split_graph
+    from tightfit.planning.trace import trace
+
+    traced = trace(model, example_inputs, kwargs, device=device, training=training)
+    options = CompileOptions(backends=tuple(backends))
+    orders = ORDERS if order == "best" else (order,)
+    candidates = []
+    for index, (name, graph_module) in enumerate(traced.graphs):
+        splits, _, _ = split_graph(graph_module, options=options, name=name)
+        placeholders = [node for node in graph_module.graph.nodes if node.op == "placeholder"]
+        weights = placeholders[: traced.weights] if index == 0 else ()
+        released = [placeholders[position] for _, position in traced.saved] if index == 1 else ()
+        candidates.append(graph_plans(graph_module, splits=splits, weights=weights, orders=orders,
+                                      released=released, name=name, alignment=alignment))
+    first = candidates[0][choose_order(next(iter(candidates[0].values())).order_peaks)]
+    chosen = [first]
+    timeline = first.timeline
+    if training:  # the backward's order is judged on the whole step: it frees what the forward saved
+        joined = {name: join_training(first, plan, traced.saved, traced.losses) for name, plan in candidates[1].items()}
+        peaks = {name: total_bound(joined_timeline, alignment) for name, joined_timeline in joined.items()}
+        best = choose_order(peaks)
+        chosen.append(replace(candidates[1][best], order_peaks=peaks))
+        timeline = joined[best]
+    return timeline, {plan.name: plan.order for plan in chosen}, {plan.name: plan.order_peaks for plan in chosen}
+
+
 #: How the planned graphs run: as the tightfit compile backend runs them (splits, DFS
 #: regions, copies between devices; a split holds its inputs until it ends), or op by
 #: op as PyTorch's eager mode does (each tensor freed after its last use, written order).
@@ -176,8 +206,8 @@ def plan_memory(model: torch.nn.Module, *example_inputs: Any, backend: Any = Non
     runs it) or "eager" (op by op in the written order, as PyTorch runs the module).
     ``alignment``: of every offset and size in an arena, in bytes.
     """
-    from tightfit.graph.backend import CompileOptions, split_graph
-    from tightfit.planning.trace import resolve_backend, trace
+    from tightfit.planning.simulate import simulate_eager
+    from tightfit.planning.trace import resolve_backend
 
     check_type("model", model, torch.nn.Module)
     check_type("training", training, bool)
@@ -193,26 +223,14 @@ def plan_memory(model: torch.nn.Module, *example_inputs: Any, backend: Any = Non
     if kwargs is not None:
         check_type("kwargs", kwargs, Mapping)
     backends, device = resolve_backend(backend)
-    traced = trace(model, example_inputs, dict(kwargs or {}), device=device, training=training)
-    options = CompileOptions(backends=tuple(backends))
-    orders = ("written",) if runtime == "eager" else ORDERS if order == "best" else (order,)
-    candidates = []
-    for index, (name, graph_module) in enumerate(traced.graphs):
-        splits = split_graph(graph_module, options=options, name=name)[0] if runtime == "compiled" else None
-        placeholders = [node for node in graph_module.graph.nodes if node.op == "placeholder"]
-        weights = placeholders[: traced.weights] if index == 0 else ()
-        released = [placeholders[position] for _, position in traced.saved] if index == 1 else ()
-        candidates.append(graph_plans(graph_module, splits=splits, weights=weights, orders=orders,
-                                      released=released, name=name, alignment=alignment))
-    first = candidates[0][choose_order(next(iter(candidates[0].values())).order_peaks)]
-    chosen = [first]
-    timeline = first.timeline
-    if training:  # the backward's order is judged on the whole step: it frees what the forward saved
-        joined = {name: join_training(first, plan, traced.saved) for name, plan in candidates[1].items()}
-        peaks = {name: total_bound(joined_timeline, alignment) for name, joined_timeline in joined.items()}
-        best = choose_order(peaks)
-        chosen.append(replace(candidates[1][best], order_peaks=peaks))
-        timeline = joined[best]
+    if runtime == "eager":
+        timeline = simulate_eager(model, example_inputs, dict(kwargs or {}), device=device, training=training)
+        graphs = tuple(dict.fromkeys(timeline.step_graphs))
+        orders = {graph: "written" for graph in graphs}
+        order_peaks = {graph: {} for graph in graphs}
+    else:
+        timeline, orders, order_peaks = _plan_compiled(model, example_inputs, dict(kwargs or {}), backends, device,
+                                                       training, order, alignment)
     arenas = plan_arenas(timeline, alignment)
     for arena in arenas.values():
         verify_arena(arena)
@@ -221,7 +239,7 @@ def plan_memory(model: torch.nn.Module, *example_inputs: Any, backend: Any = Non
     return MemoryPlan(
         model=type(model).__name__, training=training, runtime=runtime, backend=backends[0].name, alignment=alignment,
         devices=MappingProxyType(devices),
-        orders=MappingProxyType({plan.name: plan.order for plan in chosen}),
-        order_peaks=MappingProxyType({plan.name: MappingProxyType(dict(plan.order_peaks)) for plan in chosen}),
+        orders=MappingProxyType(orders),
+        order_peaks=MappingProxyType({graph: MappingProxyType(dict(peaks)) for graph, peaks in order_peaks.items()}),
         timeline=timeline, arenas=MappingProxyType(arenas),
     )

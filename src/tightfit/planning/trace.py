@@ -10,12 +10,15 @@ does after dynamo.
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx
+import torch.fx.traceback as fx_traceback
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tightfit._validate import check_type
@@ -30,13 +33,16 @@ class Traced:
 
     ``weights``: how many leading placeholders of the first graph are parameters and
     buffers of the model; ``saved``: the forward's outputs that the backward reads,
-    as (forward output position, backward placeholder position) pairs.
+    as (forward output position, backward placeholder position) pairs; ``losses``: the
+    forward's output positions of the outputs the backward starts from (kept to the end
+    of a training step; the other outputs are dropped when the forward returns).
     """
 
     graphs: list[tuple[str, torch.fx.GraphModule]]
     weights: int
     saved: list[tuple[int, int]]
     device: torch.device
+    losses: list[int] = field(default_factory=list)
 
 
 def resolve_backend(backend: Any) -> tuple[list[Backend], torch.device]:
@@ -73,38 +79,54 @@ def _check_inputs(example_inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> N
             raise ValueError(f"example input {index} is a {leaf.layout} tensor; memory planning supports strided tensors only")
 
 
-def trace(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs: Mapping[str, Any], *, device: torch.device,
-          training: bool) -> Traced:
-    """Trace ``model(*example_inputs, **kwargs)`` with fake tensors on ``device``."""
-    from torch._functorch.aot_autograd import aot_function, make_boxed_func
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.func import functional_call
+@dataclass
+class _Flat:
+    """The model as a function of flat tensors: weights first, then the example inputs' tensors."""
 
+    model: torch.nn.Module
+    names: list[str]
+    leaves: list[Any]
+    spec: Any
+    positions: list[int]
+    state: list[torch.Tensor]
+    fakes: list[torch.Tensor]
+
+    def __call__(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        from torch.func import functional_call
+
+        weights = dict(zip(self.names, flat[: len(self.names)]))
+        filled = list(self.leaves)
+        for position, value in zip(self.positions, flat[len(self.names):]):
+            filled[position] = value
+        args, kwargs = tree_unflatten(filled, self.spec)
+        out = functional_call(self.model, weights, tuple(args), kwargs)
+        outs = tuple(leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor))
+        if not outs:
+            raise ValueError(f"{type(self.model).__name__} returned no tensor; there is nothing to plan")
+        return outs
+
+
+def _flatten(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs: Mapping[str, Any], mode: Any,
+             device: torch.device, training: bool) -> _Flat:
     _check_inputs(example_inputs, kwargs)
-    mode = FakeTensorMode()
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    names = list(params) + list(buffers)
     state = [_fake(mode, t, device, training and t.requires_grad) for t in params.values()]
     state += [_fake(mode, t, device, False) for t in buffers.values()]
     leaves, spec = tree_flatten((list(example_inputs), dict(kwargs)))
-    tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    fakes = [_fake(mode, leaves[i], device, training and leaves[i].requires_grad) for i in tensor_positions]
-    output_spec: list[Any] = []
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    fakes = [_fake(mode, leaves[i], device, training and leaves[i].requires_grad) for i in positions]
+    return _Flat(model, list(params) + list(buffers), leaves, spec, positions, state, fakes)
 
-    def run(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        weights = dict(zip(names, flat[: len(names)]))
-        filled = list(leaves)
-        for position, value in zip(tensor_positions, flat[len(names):]):
-            filled[position] = value
-        args, kw = tree_unflatten(filled, spec)
-        out = functional_call(model, weights, tuple(args), kw)
-        outs = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
-        if not outs:
-            raise ValueError(f"{type(model).__name__} returned no tensor; there is nothing to plan")
-        output_spec.append(len(outs))
-        return tuple(outs)
 
+def trace(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs: Mapping[str, Any], *, device: torch.device,
+          training: bool) -> Traced:
+    """Trace ``model(*example_inputs, **kwargs)`` with fake tensors on ``device``, as aot_autograd does."""
+    from torch._functorch.aot_autograd import aot_function, make_boxed_func
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    flat = _flatten(model, example_inputs, kwargs, mode, device, training)
     graphs: dict[str, torch.fx.GraphModule] = {}
 
     def capture(stage: str):
@@ -113,27 +135,46 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs: Mapping
             return make_boxed_func(graph_module.forward)
         return compiler
 
-    compiled = aot_function(run, fw_compiler=capture("forward"), bw_compiler=capture("backward"),
+    compiled = aot_function(flat, fw_compiler=capture("forward"), bw_compiler=capture("backward"),
                             inference_compiler=capture("inference"))
-    with mode:
-        outs = compiled(*state, *fakes)
+    with _compile_session(), fx_traceback.preserve_node_meta(), mode:  # hints reach the nodes, as under dynamo
+        outs = compiled(*flat.state, *flat.fakes)
         if training:
-            _backward(outs, type(model).__name__)
+            chosen = _backward(outs, type(model).__name__)
     if training:
-        return Traced([("forward", graphs["forward"]), ("backward", graphs["backward"])], len(names),
-                      _saved(graphs["forward"], graphs["backward"]), device)
-    return Traced([("inference", graphs["inference"])], len(names), [], device)
+        saved = _saved(graphs["forward"], graphs["backward"])
+        returned = len(next(node for node in graphs["forward"].graph.nodes if node.op == "output").args[0])
+        first_user = returned - len(saved) - len(outs)  # aot_autograd returns mutated inputs first
+        return Traced([("forward", graphs["forward"]), ("backward", graphs["backward"])], len(flat.names),
+                      saved, device, [first_user + index for index in chosen])
+    return Traced([("inference", graphs["inference"])], len(flat.names), [], device)
 
 
-def _backward(outs: Sequence[torch.Tensor], model_name: str) -> None:
-    """Backward from the scalar outputs that need a gradient (a loss), else from every such output."""
+def _compile_session() -> Any:
+    """``torch.compiler.is_compiling()`` is True while tracing, as under ``torch.compile``.
+
+    Model code checks it to skip data-dependent work that fake tensors cannot do
+    (transformers' mask preparation does).
+    """
+    session = getattr(torch.compiler, "_compile_session_context", None)
+    return session() if session is not None else contextlib.nullcontext()
+
+
+def _loss_outputs(outs: Sequence[torch.Tensor], model_name: str) -> list[torch.Tensor]:
+    """The scalar outputs that need a gradient (a loss), else every output that does."""
     needing = [out for out in outs if out.requires_grad and out.dtype.is_floating_point]
     if not needing:
         raise ValueError(f"training=True, but no output of {model_name} needs a gradient "
                          "(no parameter or input requires grad)")
     losses = [out for out in needing if out.dim() == 0]
-    chosen = losses or needing
+    return losses or needing
+
+
+def _backward(outs: Sequence[torch.Tensor], model_name: str) -> list[int]:
+    """Backward from the loss outputs, as a training step does; their positions in ``outs``."""
+    chosen = _loss_outputs(outs, model_name)
     torch.autograd.backward(chosen, [torch.ones_like(out) for out in chosen])
+    return [index for index, out in enumerate(outs) if any(out is loss for loss in chosen)]
 
 
 def _saved(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule) -> list[tuple[int, int]]:

@@ -259,26 +259,31 @@ def plan_arenas(timeline: Timeline, alignment: int = 64) -> dict[str, Arena]:
     return {device: place_arena(device, timeline.device_buffers(device), alignment) for device in timeline.devices}
 
 
-def join_training(forward: GraphPlan, backward: GraphPlan, saved: Sequence[tuple[int, int]]) -> Timeline:
+def join_training(forward: GraphPlan, backward: GraphPlan, saved: Sequence[tuple[int, int]],
+                  kept: Iterable[int] | None = None) -> Timeline:
     """One timeline for a training step: the forward's steps, then the backward's.
 
     ``saved``: (forward output position, backward placeholder position) of each value the
     forward saves for the backward; such a value lives until the backward's last use of
-    it. The forward's other outputs live to the end of the step; the backward's other
-    inputs (the gradients of the outputs) are inputs.
+    it. ``kept``: the forward's output positions the caller keeps to the end of the step
+    (the loss; None: every output); its other outputs die when the forward returns. The
+    backward's other inputs (the gradients of the outputs) are inputs.
     """
     forward_steps = len(forward.timeline.steps)
     last = forward_steps + len(backward.timeline.steps) - 1
     saved_at = dict(saved)
+    kept = set(range(len(forward.outputs)) if kept is None else kept)
     ends: dict[str, int] = {}
     returned: set[str] = set()
     for position, names in enumerate(forward.outputs):
         if position in saved_at:
             placeholder = backward.placeholders[saved_at[position]][0]
             end = forward_steps + backward.last_use[placeholder]
-        else:
+        elif position in kept:
             end = last
             returned.update(names)
+        else:
+            end = forward_steps - 1
         for name in names:
             ends[name] = max(ends.get(name, forward_steps - 1), end)
     buffers = []
