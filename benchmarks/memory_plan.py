@@ -32,8 +32,9 @@ from dataclasses import dataclass
 import torch
 
 import tightfit
-from tightfit.graph import compiler, observe_splits
+from tightfit.graph import compiler
 from tightfit.memory import LiveTensorBytes
+from tightfit.planning.measure import compiled_peak
 
 MiB = 1024 * 1024
 
@@ -133,33 +134,13 @@ def eager_peak(model, args, kwargs, training: bool) -> int:
     return tracker.peak
 
 
-def compiled_peak(model, args, kwargs, training: bool) -> int:
-    """The same for the tightfit compile backend (FX execution), tracked from its first split on.
-
-    The tracker is a dispatch mode, entered when the first split starts (dynamo runs a
-    frame eagerly while a dispatch mode is active) and left when the call returns.
-    """
+def compiled_run_peak(model, args, kwargs, training: bool) -> int:
+    """The same for the tightfit compile backend (FX execution), from its first split on."""
     compiled = torch.compile(model, backend=compiler(execution="fx"))
     run = _step(compiled, args, kwargs, training)
     run()  # compile outside the measurement
     model.zero_grad(set_to_none=True)
-    tracker = LiveTensorBytes()
-    entered = []
-
-    def observe(event, split):
-        if event == "start" and not entered:
-            tracker.__enter__()
-            entered.append(split)
-
-    try:
-        with observe_splits(observe):
-            run()
-    finally:
-        if entered:
-            tracker.__exit__(None, None, None)
-    if not entered:
-        raise RuntimeError("no split of the tightfit compile backend ran")
-    return tracker.peak
+    return compiled_peak(run)
 
 
 class _InductorLog(logging.Handler):
@@ -211,7 +192,7 @@ def row(key: str, training: bool, with_inductor: bool) -> dict:
     device, written_device, eager_device = plan.devices["cpu"], written.devices["cpu"], eager.devices["cpu"]
     measured_eager = eager_peak(model, args, kwargs, training)
     torch._dynamo.reset()
-    measured_compiled = compiled_peak(model, args, kwargs, training)
+    measured_compiled = compiled_run_peak(model, args, kwargs, training)
     torch._dynamo.reset()
     estimate = inductor_estimate(model, args, kwargs, training) if with_inductor else None
     return {

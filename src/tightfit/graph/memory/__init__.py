@@ -14,7 +14,7 @@ arena per device, and a verifier that no two live tensors overlap.
 
 from tightfit.graph.memory.arena import PLACEMENTS, Arena, best_fit, greedy_by_size, place_arena
 from tightfit.graph.memory.liveness import Buffer, Timeline, align, graph_timeline
-from tightfit.graph.memory.order import ORDERS, candidate_orders, choose_order
+from tightfit.graph.memory.order import ORDERS, apply_order, candidate_orders, choose_order
 from tightfit.graph.memory.program import GraphPlan, join_training, plan_arenas, plan_graph
 from tightfit.graph.memory.verify import PlanError, verify_arena
 
@@ -27,6 +27,7 @@ __all__ = [
     "PlanError",
     "Timeline",
     "align",
+    "apply_order",
     "best_fit",
     "candidate_orders",
     "choose_order",

@@ -27,7 +27,7 @@ from tightfit.graph.memory.liveness import Storages
 from tightfit.hints.payload import payload_of
 from tightfit.hints.read import node_hints
 
-__all__ = ["ORDERS", "candidate_orders", "choose_order", "units_of"]
+__all__ = ["ORDERS", "apply_order", "candidate_orders", "choose_order", "units_of"]
 
 #: Candidate orders, the written one first (it wins ties).
 ORDERS = ("written", "dfs", "bfs", "least-peak")
@@ -209,3 +209,14 @@ def choose_order(peaks: Mapping[str, int]) -> str:
     if not peaks:
         raise ValueError("choose_order needs at least one candidate")
     return min(peaks, key=lambda name: (peaks[name], ORDERS.index(name) if name in ORDERS else len(ORDERS)))
+
+
+def apply_order(graph: torch.fx.Graph, order: Sequence[torch.fx.Node]) -> None:
+    """Move ``graph``'s ops into ``order`` (a valid order of all of them; placeholders stay first)."""
+    from tightfit.graph.memory.liveness import check_order
+
+    order = check_order(graph, order)
+    output = next(node for node in graph.nodes if node.op == "output")
+    for node in order:
+        output.prepend(node)
+    graph.lint()
