@@ -162,9 +162,10 @@ def inductor_estimate(model, args, kwargs, training: bool) -> int | None:
     torch._dynamo.reset()
     logger = logging.getLogger("torch._inductor.memory")
     handler = _InductorLog()
-    level = logger.level
+    level, propagate = logger.level, logger.propagate
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    logger.propagate = False  # read by our handler, not printed by torch's
     try:
         _step(torch.compile(model, backend="inductor"), args, kwargs, training)()
     except Exception as error:  # report, do not stop the table
@@ -173,6 +174,7 @@ def inductor_estimate(model, args, kwargs, training: bool) -> int | None:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+        logger.propagate = propagate
         torch._dynamo.reset()
     estimates = [min(graph.values()) for graph in handler.graphs if graph]
     return max(estimates) if estimates else None

@@ -75,11 +75,12 @@ def plot(plan: MemoryPlan, path: str | Path) -> Path:
     for axis, name in zip(axes[:, 0], devices):
         device = plan.devices[name]
         live = plan.timeline.live_bytes(name)
-        axis.fill_between(range(len(live)), [value / mib for value in live], step="post", alpha=0.5, label="live tensors")
+        heights = [value / mib for value in live]
+        axis.fill_between(range(len(live) + 1), heights + heights[-1:], step="post", alpha=0.5, label="live tensors")
+        axis.axhline(device.arena_bytes / mib, color="tab:red", linewidth=2.5,
+                     label=f"arena {human_bytes(device.arena_bytes)} ({device.placement})")
         axis.axhline(device.lower_bound_bytes / mib, color="tab:green", linestyle="--",
                      label=f"lower bound {human_bytes(device.lower_bound_bytes)}")
-        axis.axhline(device.arena_bytes / mib, color="tab:red",
-                     label=f"arena {human_bytes(device.arena_bytes)} ({device.placement})")
         if device.peak_step is not None:
             axis.axvline(device.peak_step, color="gray", linestyle=":", label=f"peak: {device.peak_node}")
         _mark_graphs(axis, plan.timeline.step_graphs)
