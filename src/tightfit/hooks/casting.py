@@ -245,7 +245,8 @@ def apply_layerwise_casting(
 def _apply_layerwise_casting(module: nn.Module, units: list[Unit], storage_dtype: torch.dtype, compute_dtype: torch.dtype,
                              scale_mode: str | None, keep_originals: bool) -> list[str]:
     covered = {(id(slot.owner), slot.name) for unit in units for slot in unit.slots}
-    shared_outside = {id(slot.get()) for slot in all_slots(module) if (id(slot.owner), slot.name) not in covered}
+    keep = {id(slot.get()) for slot in all_slots(module) if (id(slot.owner), slot.name) not in covered}
+    keep |= _dtype_deciders(module)
     records: dict[int, _Record] = {}
     plans = []
     for unit in units:
@@ -256,7 +257,7 @@ def _apply_layerwise_casting(module: nn.Module, units: list[Unit], storage_dtype
                 continue
             record = records.get(id(tensor))
             if record is None:
-                store = tensor.dim() >= 2 and id(tensor) not in shared_outside and tensor.dtype != storage_dtype and bool(torch.isfinite(tensor).all())
+                store = tensor.dim() >= 2 and id(tensor) not in keep and tensor.dtype != storage_dtype and bool(torch.isfinite(tensor).all())
                 record = records[id(tensor)] = _Record(tensor, tensor.dtype, tensor.requires_grad, stored=store)
             if record.stored or tensor.dtype != compute_dtype:
                 entries.append(_Entry(slot, record))
@@ -280,6 +281,22 @@ def _apply_layerwise_casting(module: nn.Module, units: list[Unit], storage_dtype
                 entry.scale_slot.set(entry.record.scale)
         HookRegistry.of(unit.module).register(LAYERWISE_CASTING, LayerwiseCastingHook(entries, storage_dtype, compute_dtype))
     return [unit.name for unit, _ in plans]
+
+
+def _dtype_deciders(module: nn.Module) -> set[int]:
+    """The first floating-point parameter of every module with a ``dtype`` property.
+
+    diffusers' ``ModelMixin`` and transformers' ``PreTrainedModel`` report that parameter's
+    dtype as ``model.dtype`` and create tensors in it during forward (timestep embeddings,
+    masks); it stays as it is so that ``model.dtype`` remains the dtype the model computes in.
+    """
+    ids = set()
+    for submodule in module.modules():
+        if isinstance(getattr(type(submodule), "dtype", None), property):
+            first = next((p for p in submodule.parameters() if p.is_floating_point()), None)
+            if first is not None:
+                ids.add(id(first))
+    return ids
 
 
 def _check_scale_names(plans: list) -> None:
