@@ -40,7 +40,7 @@ LAYERWISE_CASTING = "tightfit.layerwise_casting"
 #: Regexes (searched in each module's qualified name and class name) skipped by default:
 #: norms, embeddings and positional embeddings lose too much in float8, and LoRA-style
 #: adapters stay trainable in full precision.
-DEFAULT_SKIP: tuple[str, ...] = (r"(?i)norm", r"(?i)emb", r"(?i)pos(_|ition)", r"(?i)lora_")
+DEFAULT_SKIP: tuple[str, ...] = (r"(?i)norm", r"(?i)embed(ding)?s?$", r"(?i)pos(_|ition)", r"(?i)lora_")
 
 #: Accepted ``scale`` values: per output channel, per tensor, or none (a plain cast).
 SCALES = ("channel", "tensor", None)
@@ -105,10 +105,18 @@ def _to_storage(x: torch.Tensor, storage_dtype: torch.dtype, scale_mode: str | N
     return ops.cast(source / scale.to(source.dtype), storage_dtype), scale
 
 
+#: Below this many elements a CPU tensor is upcast with torch's own conversion: it costs
+#: less than the cast op's Python dispatch, and it is what the op's CPU kernel runs there.
+_SMALL_CPU_NUMEL = 1 << 14
+
+
 def _upcast(stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    weight = ops.cast(stored, dtype)
+    if stored.device.type == "cpu" and stored.numel() <= _SMALL_CPU_NUMEL and not torch.compiler.is_compiling():
+        weight = stored.to(dtype)
+    else:
+        weight = ops.cast(stored, dtype)
     if scale is not None:
-        weight.mul_(scale.to(dtype))
+        weight.mul_(scale if scale.dtype == dtype else scale.to(dtype))
     return weight
 
 
