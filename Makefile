@@ -28,6 +28,7 @@ backends: $(VENV)/.installed-hf
 bench: $(VENV)/.installed-test
 	$(PY) benchmarks/casts.py
 	$(PY) benchmarks/quant.py
+	$(PY) benchmarks/casting.py
 
 clean:
 	rm -rf $(VENV)

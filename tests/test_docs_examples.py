@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ["README.md", "docs/ops.md", "docs/quantization.md"]
+PAGES = ["README.md", "docs/ops.md", "docs/quantization.md", "docs/hooks.md"]
 
 
 def python_blocks(page: str) -> list[str]:
