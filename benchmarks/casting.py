@@ -49,34 +49,24 @@ except ImportError:  # the comparison is optional; tightfit's own figures still 
 F8 = torch.float8_e4m3fn
 
 
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 4 * width)
-        self.act = nn.GELU()
-        self.down = nn.Linear(4 * width, width)
+class Residual(nn.Sequential):
+    """x + layers(x)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(self.act(self.up(self.norm(x))))
+        return x + super().forward(x)
 
 
-class Stack(nn.Module):
-    def __init__(self, width: int, depth: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
+def stack_of_blocks(width: int, depth: int) -> nn.Sequential:
+    """Blocks of LayerNorm, Linear up 4x, GELU, Linear down, with a residual around each."""
+    return nn.Sequential(*[Residual(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+                           for _ in range(depth)])
 
 
 def models(args: argparse.Namespace) -> list[tuple[str, nn.Module, tuple, list[nn.Module]]]:
     """(name, float32 model, inputs, its blocks)."""
     torch.manual_seed(0)
-    stack = Stack(args.width, args.depth).eval()
-    found = [(f"stack {args.depth}x{args.width}", stack, (torch.randn(2, args.tokens, args.width),), list(stack.blocks))]
+    stack = stack_of_blocks(args.width, args.depth).eval()
+    found = [(f"stack {args.depth}x{args.width}", stack, (torch.randn(2, args.tokens, args.width),), list(stack))]
     if UNet2DModel is not None:
         unet = UNet2DModel(sample_size=32, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(64, 128),
                            down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
@@ -148,7 +138,7 @@ def variants(model: nn.Module, blocks: list[nn.Module], compute: torch.dtype, gr
 
 def same_as_diffusers(model: nn.Module, inputs: tuple, compute: torch.dtype) -> float | None:
     """Max |tightfit unscaled - diffusers| at leaf granularity on the stack, biases rounded through float8 first."""
-    if diffusers_casting is None or not isinstance(model, Stack):
+    if diffusers_casting is None or not isinstance(model, nn.Sequential):
         return None
     rounded = copy.deepcopy(model).to(inputs[0].device, compute)
     for module in rounded.modules():
@@ -178,7 +168,7 @@ def interleaved_best_ms(models_by_label: dict[str, nn.Module], inputs: tuple, re
 def offloading_table(args: argparse.Namespace, device: torch.device) -> None:
     """The stack in bf16 on ``device``: resident against offloaded, prefetch against none."""
     torch.manual_seed(0)
-    model = Stack(args.width, args.depth).eval().to(torch.bfloat16)
+    model = stack_of_blocks(args.width, args.depth).eval().to(torch.bfloat16)
     x = torch.randn(2, args.tokens, args.width, dtype=torch.bfloat16, device=device)
     found = {"resident bf16": copy.deepcopy(model).to(device)}
     for label, storage, prefetch, cast in (("offload cpu, no prefetch", "cpu", False, False), ("offload cpu, prefetch", "cpu", True, False),

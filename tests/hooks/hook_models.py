@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -51,6 +52,16 @@ def bert(seed: int = 0):
     torch.manual_seed(seed)
     config = transformers.BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
     return transformers.BertModel(config).eval()
+
+
+def bert_and_output(seed: int = 0):
+    """A BERT built from a config, token ids, and its output for them (no grad)."""
+    pytest.importorskip("transformers")
+    model = bert(seed)
+    ids = torch.randint(0, 100, (2, 7))
+    with torch.no_grad():
+        expected = model(ids).last_hidden_state
+    return model, ids, expected
 
 
 def unet(seed: int = 0):

@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 import torch
-from hook_models import Block, bert, cosine, relative_error, same_state, snapshot, stack, unet
+from hook_models import Block, bert_and_output, cosine, relative_error, same_state, snapshot, stack, unet
 from torch import nn
 
 from tightfit.backends.cpu import CPUBackend
@@ -246,11 +246,7 @@ def test_state_dict_round_trips_through_safetensors_while_hooked(tmp_path):
 
 
 def test_transformers_and_diffusers_models_from_configs():
-    pytest.importorskip("transformers")
-    model = bert()
-    ids = torch.randint(0, 100, (2, 7))
-    with torch.no_grad():
-        expected = model(ids).last_hidden_state
+    model, ids, expected = bert_and_output()
     saved = snapshot(model)
     names = apply_layerwise_casting(model, F8, torch.float32, keep_originals=True)
     assert "encoder.layer.0.attention.self.query" in names and not any("embed" in n or "LayerNorm" in n for n in names)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hook_models import bert, cosine, same_state, snapshot, stack
+from hook_models import bert_and_output, cosine, same_state, snapshot, stack
 from torch import nn
 
 from tightfit.hooks import (OFFLOADING, HookRegistry, apply_layerwise_casting, apply_offloading,
@@ -97,11 +97,7 @@ def test_state_dict_while_offloaded_loads_into_a_plain_model(tmp_path):
 
 
 def test_a_transformers_model_on_disk(tmp_path):
-    pytest.importorskip("transformers")
-    model = bert()
-    ids = torch.randint(0, 100, (2, 7))
-    with torch.no_grad():
-        expected = model(ids).last_hidden_state
+    model, ids, expected = bert_and_output()
     saved = snapshot(model)
     apply_offloading(model, "cpu", storage="disk", path=tmp_path)
     with torch.no_grad():
