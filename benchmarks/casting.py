@@ -196,6 +196,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--granularities", default="leaf,block,model")
+    parser.add_argument("--tables", default="casting,offloading", help="which tables to print (offloading: accelerators only)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     if UNet2DModel is not None:
@@ -212,7 +213,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     notes = []
-    for name, model, inputs, blocks in models(args):
+    for name, model, inputs, blocks in (models(args) if "casting" in args.tables else []):
         reference = output(model.to(device), tuple(x.to(device) for x in inputs))
         for compute in (torch.bfloat16, torch.float32):
             cast_inputs = tuple(x.to(device, compute) if x.is_floating_point() else x.to(device) for x in inputs)
@@ -235,7 +236,7 @@ def main() -> None:
     print()
     for note in notes:
         print(note)
-    if device.type != "cpu":
+    if device.type != "cpu" and "offloading" in args.tables:
         print()
         offloading_table(args, device)
 
