@@ -142,12 +142,11 @@ class LayerwiseCastingHook(ModuleHook):
         return current.to(self.compute_dtype)
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        saved = []
-        for entry in self.entries:
-            current = entry.slot.get()
-            saved.append(current)
-            entry.slot.set(self._present(entry, current))
-        self._saved.append(saved)
+        stored = [entry.slot.get() for entry in self.entries]
+        presented = [self._present(entry, tensor) for entry, tensor in zip(self.entries, stored)]  # may raise: nothing changed yet
+        for entry, tensor in zip(self.entries, presented):
+            entry.slot.set(tensor)
+        self._saved.append(stored)
         return args, kwargs
 
     def _restore(self) -> None:

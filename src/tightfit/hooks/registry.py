@@ -49,7 +49,10 @@ class ModuleHook:
         return output
 
     def abort(self, module: nn.Module) -> None:
-        """Runs instead of ``post_forward`` when the forward (or a later hook) raised: undo ``pre_forward``."""
+        """Runs instead of ``post_forward`` when the forward (or a later hook) raised: undo ``pre_forward``.
+
+        A ``pre_forward`` that raises gets no ``abort``: it must leave the module as it found it.
+        """
 
 
 class HookRegistry:
