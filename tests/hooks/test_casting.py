@@ -252,6 +252,11 @@ def test_transformers_and_diffusers_models_from_configs():
     assert "encoder.layer.0.attention.self.query" in names and not any("embed" in n or "LayerNorm" in n for n in names)
     with torch.no_grad():
         assert cosine(model(ids).last_hidden_state, expected) > 0.999
+        safetensors = pytest.importorskip("safetensors.torch")
+        fresh = bert_and_output(seed=1)[0]
+        apply_layerwise_casting(fresh, F8, torch.float32)
+        fresh.load_state_dict(safetensors.load(safetensors.save(model.state_dict())))
+        assert torch.equal(fresh(ids).last_hidden_state, model(ids).last_hidden_state)
     remove_layerwise_casting(model)
     assert same_state(model, saved)
     pytest.importorskip("diffusers")
