@@ -36,3 +36,15 @@ def test_human_bytes():
     from tightfit._format import human_bytes
 
     assert [human_bytes(v) for v in (None, 5, 1536, 90861056, 3 * 2**40)] == ["-", "5 B", "1.5 KiB", "86.7 MiB", "3.0 TiB"]
+
+
+def test_error_messages_print_brackets_intact(monkeypatch, capsys):
+    """Rich markup must not eat parts of a message, such as an extra's name in brackets."""
+    from tightfit import cli
+
+    def failing_run(args, console):
+        raise RuntimeError("install it with: pip install 'tightfit[hf]'")
+
+    monkeypatch.setattr(cli, "_run_command", failing_run)
+    assert cli.main(["run"]) == 2
+    assert "pip install 'tightfit[hf]'" in capsys.readouterr().out

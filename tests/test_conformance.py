@@ -50,15 +50,32 @@ register_kernel("test_wrong", "cpu", _wrong_kernel)
 
 def test_sentinel_catches_writes_past_the_output():
     assert SENTINEL_BYTE != 0
-    results = run_checks(ops=["test_overrun"])
+    results = run_checks(ops=["test_overrun"], backends=[tightfit.backends.get("cpu")])
     assert results and all(r.status == "FAIL" for r in results)
     assert "sentinel bytes changed" in results[0].detail
 
 
 def test_wrong_values_fail_with_a_count():
-    results = run_checks(ops=["test_wrong"])
+    results = run_checks(ops=["test_wrong"], backends=[tightfit.backends.get("cpu")])
     assert results and all(r.status == "FAIL" for r in results)
     assert "bytes differ" in results[0].detail
+
+
+def _negated_nan_kernel(x: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(torch.where(torch.isnan(x), -x, x))  # the same NaNs, sign bit flipped
+
+
+NAN_CASES = lambda: [Case("nans", (torch.tensor([1.0, float("nan"), -float("nan"), 2.0]), torch.empty(4)))]  # noqa: E731
+define_op("test_nan_sign", _copy_reference, fake=lambda x, out: None, cases=NAN_CASES, mutates_args=("out",))
+register_kernel("test_nan_sign", "cpu", _negated_nan_kernel)
+
+
+def test_bitwise_ignores_nan_signs_and_payloads_but_nothing_else():
+    results = run_checks(ops=["test_nan_sign"], backends=[tightfit.backends.get("cpu")])
+    assert results and all(r.status == "OK" for r in results)
+    from tightfit.conformance import _compare
+
+    assert _compare(torch.tensor([float("nan"), 1.0]), torch.tensor([float("nan"), -1.0]), "bitwise") == "output 0: 4 of 8 bytes differ"
 
 
 def test_run_checks_rejects_unknown_ops():

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 __all__ = ["main"]
@@ -62,9 +63,9 @@ def _backends_command(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     for row in rows:
         if row["error"]:
-            console.print(f"[yellow]{row['name']}:[/yellow] {row['error']}", highlight=False)
+            console.print(f"[yellow]{row['name']}:[/yellow] {escape(row['error'])}", highlight=False)
     if conflict:
-        console.print(f"[red]error:[/red] {conflict}", highlight=False)
+        console.print(f"[red]error:[/red] {escape(str(conflict))}", highlight=False)
     return 1 if conflict else 0
 
 
@@ -94,7 +95,7 @@ def _run_command(args: argparse.Namespace, console: Console) -> int:
     from tightfit.run import RunOptions, run
 
     report = run(RunOptions(model=args.model, backend=args.backend, quant=args.quant, storage_dtype=args.storage_dtype,
-                            offload=args.offload, repeat=args.repeat))
+                            offload=args.offload, repeat=args.repeat, keep_8bit=not args.all_4bit))
     measured = report.measurement
     if args.json:
         print(json.dumps({
@@ -104,8 +105,9 @@ def _run_command(args: argparse.Namespace, console: Console) -> int:
             "peak_rss_bytes": measured.peak_rss_bytes, "memory_source": measured.source,
             "pairs": [{"a": a, "b": b, "cosine": score} for a, b, score in report.pairs],
             "quant": report.quant, "full_weights_bytes": report.full_weights_bytes,
-            "min_cosine_to_full": report.min_cosine_to_full, "storage_dtype": report.storage_dtype,
-            "offload": report.offload, "device_weights_bytes": report.device_weights_bytes,
+            "min_cosine_to_full": report.min_cosine_to_full, "kept_8bit": list(report.kept_8bit),
+            "kept_8bit_linears": report.kept_8bit_linears, "kept_8bit_bytes": report.kept_8bit_bytes,
+            "storage_dtype": report.storage_dtype, "offload": report.offload, "device_weights_bytes": report.device_weights_bytes,
         }, indent=2))
         return 0
     console.print(f"model    {report.model}", highlight=False)
@@ -122,6 +124,9 @@ def _run_command(args: argparse.Namespace, console: Console) -> int:
     if report.changes is not None:
         figures.add_row("weights, full precision", human_bytes(report.full_weights_bytes))
         figures.add_row(f"weights, {report.quant or report.storage_dtype or 'as loaded'}", human_bytes(report.weights_bytes))
+        if report.kept_8bit:
+            kept = f"{', '.join(report.kept_8bit)}: {report.kept_8bit_linears} Linear, {human_bytes(report.kept_8bit_bytes)}"
+            figures.add_row("kept in 8 bits (later half of the layers)", kept)
         figures.add_row(f"weights in {report.device} memory between forwards", human_bytes(report.device_weights_bytes))
         figures.add_row(f"embedding cosine, {report.changes} vs full (lowest)", f"{report.min_cosine_to_full:.4f}")
     else:
@@ -145,7 +150,9 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run a model (default: the built-in all-MiniLM-L6-v2) and measure it")
     run.add_argument("--model", help="a local Hugging Face model folder (default: the built-in model)")
     run.add_argument("--backend", help="backend name or device, e.g. cpu, cuda, cuda:1 (default: best available)")
-    run.add_argument("--quant", choices=["nf4", "fp4", "int8", "8bit"], help="quantize every Linear layer first and compare with full precision")
+    run.add_argument("--quant", choices=["nf4", "fp4", "int8", "8bit"], help="quantize the Linear layers first (nf4, fp4: the later half of the layers in 8 bits) and compare with full precision")
+    run.add_argument("--all-4bit", action="store_true",
+                     help="with nf4 or fp4, store every Linear layer in 4 bits (default: the later half of the layers in 8 bits)")
     run.add_argument("--storage-dtype", choices=["float8_e4m3fn", "float8_e5m2", "bfloat16", "float16"],
                      help="store weights so (layerwise casting; norms and embeddings stay) and compute in the model's dtype")
     run.add_argument("--offload", choices=["cpu", "disk"], help="keep weights in CPU memory or memory-mapped files; each block comes onto the device when it runs")
@@ -162,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handlers[args.command](args, console)
     except (ValueError, TypeError, RuntimeError) as error:
-        console.print(f"[red]tightfit {args.command}: {error}[/red]", highlight=False)
+        console.print(f"[red]tightfit {args.command}: {escape(str(error))}[/red]", highlight=False)
         return 2
 
 

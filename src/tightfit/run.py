@@ -5,20 +5,22 @@ plans) extend :class:`RunOptions` and :class:`RunReport`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from tightfit import backends
+from tightfit._validate import check_type
 from tightfit.hooks import STORAGES, apply_layerwise_casting, apply_offloading, resident_bytes
 from tightfit.memory import Measurement, measure, tensor_bytes
 from tightfit.models import default_model_dir, embed, load_encoder
-from tightfit.quant import Blockwise8Config, FP4Config, Int8Config, NF4Config, QuantConfig, quantize_
+from tightfit.quant import Blockwise8Config, FP4Config, Int8Config, Linear8bit, NF4Config, QuantConfig, QuantState, layer_stack, quantize_
 
-__all__ = ["DEFAULT_SENTENCES", "QUANT_CONFIGS", "STORAGE_DTYPES", "RunOptions", "RunReport", "run"]
+__all__ = ["DEFAULT_SENTENCES", "QUANT_CONFIGS", "STORAGE_DTYPES", "RunOptions", "RunReport", "run", "weights_bytes"]
 
-#: ``--quant`` choices and the config each applies to every ``nn.Linear``.
+#: ``--quant`` choices and the config each applies to every ``nn.Linear``; with ``keep_8bit``
+#: the 4-bit ones (nf4, fp4) store the later half of the model's layer stack in 8 bits.
 QUANT_CONFIGS: dict[str, QuantConfig] = {
     "nf4": NF4Config(),
     "fp4": FP4Config(),
@@ -48,7 +50,12 @@ DEFAULT_SENTENCES: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class RunOptions:
-    """What to run. ``model`` None means the built-in default; ``backend`` None the default backend."""
+    """What to run. ``model`` None means the built-in default; ``backend`` None the default backend.
+
+    ``keep_8bit`` (with a 4-bit ``quant``): the Linear layers of the later half of the
+    model's layer stack (:func:`tightfit.quant.layer_stack`) are stored in blockwise 8-bit,
+    the rest in 4 bits; False stores every Linear layer in 4 bits.
+    """
 
     model: str | None = None
     backend: str | None = None
@@ -58,6 +65,7 @@ class RunOptions:
     repeat: int = 5
     sentences: tuple[str, ...] = DEFAULT_SENTENCES
     top_pairs: int = 3
+    keep_8bit: bool = True
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, Path)):
@@ -76,6 +84,8 @@ class RunOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.keep_8bit, bool):
+            raise TypeError(f"keep_8bit must be a bool, got {type(self.keep_8bit).__name__}: {self.keep_8bit!r}")
         if not isinstance(self.sentences, tuple) or len(self.sentences) < 2 or not all(isinstance(s, str) and s.strip() for s in self.sentences):
             raise ValueError("sentences must be a tuple of at least two non-empty strings")
 
@@ -94,6 +104,9 @@ class RunReport:
     quant: str | None = None
     full_weights_bytes: int | None = None  # before quantization, casting or offloading
     min_cosine_to_full: float | None = None  # embeddings after those against before
+    kept_8bit: tuple[str, ...] = ()  # layers a 4-bit quant stored in 8 bits instead
+    kept_8bit_linears: int = 0  # how many Linear layers those hold
+    kept_8bit_bytes: int = 0  # what they take, stored in 8 bits
     storage_dtype: str | None = None
     offload: str | None = None
     device_weights_bytes: int | None = None  # held in the device's memory between forwards
@@ -124,18 +137,26 @@ def run(options: RunOptions | None = None) -> RunReport:
     model, tokenizer = load_encoder(folder, device)
     sentences = list(options.sentences)
     full_weights = reference = None
+    kept: tuple[str, ...] = ()
+    kept_linears: list[torch.nn.Module] = []
     if options.quant or options.storage_dtype or options.offload:
-        full_weights = _weights_bytes(model)
+        full_weights = weights_bytes([model])
         reference = embed(model, tokenizer, sentences, device).cpu()
     if options.quant is not None:
-        quantize_(model, QUANT_CONFIGS[options.quant])
+        config = QUANT_CONFIGS[options.quant]
+        if options.keep_8bit and isinstance(config, NF4Config):
+            stack = layer_stack(model)
+            kept = stack[len(stack) // 2:]
+            config = replace(config, keep_8bit=kept)
+        quantize_(model, config)
+        kept_linears = [module for name in kept for module in model.get_submodule(name).modules() if isinstance(module, Linear8bit)]
     if options.storage_dtype is not None:
         compute_dtype = next(model.parameters()).dtype
         apply_layerwise_casting(model, STORAGE_DTYPES[options.storage_dtype], compute_dtype)
     if options.offload is not None:
         apply_offloading(model, device, storage=options.offload)
-    weights = _weights_bytes(model)
-    on_device = resident_bytes(model, device)
+    weights = weights_bytes([model])
+    on_device = resident_bytes(model, device) if options.offload else weights
     measurement = measure(lambda: embed(model, tokenizer, sentences, device), device, repeat=options.repeat, baseline_bytes=on_device)
     embeddings = embed(model, tokenizer, sentences, device).cpu()
     return RunReport(
@@ -149,11 +170,26 @@ def run(options: RunOptions | None = None) -> RunReport:
         quant=options.quant,
         full_weights_bytes=full_weights,
         min_cosine_to_full=None if reference is None else float((embeddings * reference).sum(-1).min()),
+        kept_8bit=kept,
+        kept_8bit_linears=len(kept_linears),
+        kept_8bit_bytes=weights_bytes(kept_linears),
         storage_dtype=options.storage_dtype,
         offload=options.offload,
         device_weights_bytes=on_device,
     )
 
 
-def _weights_bytes(model: torch.nn.Module) -> int:
-    return tensor_bytes(list(model.parameters()) + list(model.buffers()))
+def weights_bytes(modules: list[torch.nn.Module]) -> int:
+    """The weights' bytes that ``tightfit run`` reports: parameters and buffers of ``modules``,
+    plus the scales of quantized layers (a QuantState is neither); a tensor they share counts once."""
+    check_type("modules", modules, (list, tuple))
+    for index, module in enumerate(modules):
+        check_type(f"modules[{index}]", module, torch.nn.Module)
+    tensors = []
+    for root in modules:
+        tensors += list(root.parameters()) + list(root.buffers())
+        for module in root.modules():
+            state = getattr(module, "quant_state", None)
+            if isinstance(state, QuantState):
+                tensors += state.tensors()
+    return tensor_bytes(tensors)

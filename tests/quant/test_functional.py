@@ -87,6 +87,14 @@ def test_unpacked_dict_roundtrip():
     assert again.quant_type == "fp4" and again.blocksize == 64 and again.dtype == torch.bfloat16 and torch.equal(again.absmax, state.absmax)
 
 
+def test_state_tensors_are_every_tensor_it_holds():
+    _, plain = F.quantize_4bit(weight((96, 64)), quant_type="nf4")  # 6144 values: 96 blocks of 64
+    assert [tuple(t.shape) for t in plain.tensors()] == [(96,), (16,)]
+    _, nested = F.quantize_4bit(weight((96, 64)), compress_statistics=True, quant_type="nf4")
+    held = nested.tensors()
+    assert len(held) == 5 and held[0].dtype == torch.uint8 and held[2] is nested.offset and held[3] is nested.state2.absmax
+
+
 @pytest.mark.parametrize(
     ("build", "error", "match"),
     [

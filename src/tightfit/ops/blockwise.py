@@ -8,6 +8,9 @@ kernels below are the specification; see docs/quantization.md.
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
 import math
 from collections.abc import Sequence
 
@@ -66,10 +69,20 @@ def _dequantize_blockwise_reference(A: torch.Tensor, absmax: torch.Tensor, code:
     return values.reshape(A.shape).to(dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _code_on(name: str, device: torch.device) -> torch.Tensor:
+    """The dynamic map ("dynamic") or a 4-bit code on ``device``, copied there once: kernels
+    only read it, and a host-to-device copy per call would stall a GPU's queue."""
+    return (dynamic_map() if name == "dynamic" else code_4bit(name)).to(device)
+
+
+@functools.lru_cache(maxsize=None)
 def _sorted_code(quant_type: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    code = code_4bit(quant_type).to(device)
-    order = torch.argsort(code)  # the same call bitsandbytes makes, so FP4's +0/-0 tie resolves alike
-    return code[order], order
+    code = code_4bit(quant_type)
+    # The CPU's argsort, as bitsandbytes' reference calls it, decides FP4's +0/-0 tie;
+    # a GPU's sort may order the tie the other way.
+    order = torch.argsort(code)
+    return code[order].to(device), order.to(device)
 
 
 def _pack(nibbles: torch.Tensor) -> torch.Tensor:
@@ -99,7 +112,7 @@ def _unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 def _dequantize_4bit_reference(A: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant_type: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     numel = math.prod(shape)
-    code = code_4bit(quant_type).to(A.device)
+    code = _code_on(quant_type, A.device)
     values = code[_unpack(A, numel)] * _block_scales(absmax, numel, blocksize)
     return values.reshape(shape).to(dtype)
 
@@ -161,6 +174,51 @@ def _dequantize_4bit_cpu(A, absmax, blocksize, quant_type, shape, dtype):
 def _gemv_4bit_cpu(A, B, shape, absmax, blocksize, quant_type):
     return cpu.gemv_4bit_cpu(A, B, shape, absmax, code_4bit(quant_type), blocksize,
                              lambda: _gemv_4bit_reference(A, B, shape, absmax, blocksize, quant_type))
+
+
+# -- GPU kernels (Triton, imported at the first call) -------------------------------------
+
+#: Up to this many tokens, gemv_4bit decodes the weight inside the product; more tokens
+#: amortize one dequantize and a tensor-core matmul better.
+_GEMV_MAX_TOKENS = 8
+
+
+def _triton():
+    return importlib.import_module("tightfit.ops._triton_blockwise")
+
+
+@functools.lru_cache(maxsize=None)
+def _named_search(name: str, device: torch.device):
+    """Search tables for the dynamic map or a 4-bit code, built once per device."""
+    code = dynamic_map() if name == "dynamic" else _sorted_code(name, torch.device("cpu"))[0]
+    return _triton().search_tables(code, device)
+
+
+def _quantize_blockwise_gpu(A, code, blocksize):
+    default = code is _code_on("dynamic", A.device)
+    search = _named_search("dynamic", A.device) if default else _triton().search_tables(code, A.device)
+    return _triton().quantize(A, blocksize, search, None)
+
+
+def _dequantize_blockwise_gpu(A, absmax, code, blocksize, dtype):
+    return _triton().dequantize(A, absmax, code, blocksize, list(A.shape), dtype, four_bit=False)
+
+
+def _quantize_4bit_gpu(A, blocksize, quant_type, quant_storage):
+    packed, absmax = _triton().quantize(A, blocksize, _named_search(quant_type, A.device), _sorted_code(quant_type, A.device)[1])
+    return _as_storage(packed, quant_storage), absmax
+
+
+def _dequantize_4bit_gpu(A, absmax, blocksize, quant_type, shape, dtype):
+    return _triton().dequantize(A, absmax, _code_on(quant_type, A.device), blocksize, shape, dtype, four_bit=True)
+
+
+def _gemv_4bit_gpu(A, B, shape, absmax, blocksize, quant_type):
+    code = _code_on(quant_type, A.device)
+    if A.numel() // shape[1] <= _GEMV_MAX_TOKENS and shape[1] % 2 == 0:  # rows start on a byte
+        return _triton().gemv_4bit(A, B, shape, absmax, code, blocksize)
+    weight = _triton().dequantize(B, absmax, code, blocksize, shape, A.dtype, four_bit=True)
+    return torch.nn.functional.linear(A, weight)
 
 
 # -- conformance cases ----------------------------------------------------------------------
@@ -242,6 +300,13 @@ register_kernel("quantize_blockwise", "cpu", _quantize_blockwise_cpu, label="blo
 register_kernel("dequantize_blockwise", "cpu", _dequantize_blockwise_cpu, label="block scan (numba)")
 register_kernel("quantize_4bit", "cpu", _quantize_4bit_cpu, label="block scan (numba)")
 register_kernel("dequantize_4bit", "cpu", _dequantize_4bit_cpu, label="block scan (numba)")
+if importlib.util.find_spec("triton") is not None:  # checked without importing it (D2)
+    # "cuda" covers ROCm builds too; other Triton targets are not registered until tested on one.
+    register_kernel("quantize_blockwise", "cuda", _quantize_blockwise_gpu, label="block tiles (triton)")
+    register_kernel("dequantize_blockwise", "cuda", _dequantize_blockwise_gpu, label="element tiles (triton)")
+    register_kernel("quantize_4bit", "cuda", _quantize_4bit_gpu, label="block tiles (triton)")
+    register_kernel("dequantize_4bit", "cuda", _dequantize_4bit_gpu, label="element tiles (triton)")
+    register_kernel("gemv_4bit", "cuda", _gemv_4bit_gpu, label="fused decode + dot (triton)")
 
 
 # -- public functions: validation, then dispatch ----------------------------------------------
@@ -298,7 +363,7 @@ def quantize_blockwise(A: torch.Tensor, code: torch.Tensor | None = None, blocks
     """
     _check_float_input(A)
     _check_blocksize(blocksize, BLOCKSIZES_8BIT)
-    code = dynamic_map().to(A.device) if code is None else _check_code(code, A.device)
+    code = _code_on("dynamic", A.device) if code is None else _check_code(code, A.device)
     q, absmax = _QUANTIZE_BLOCKWISE(A, code, blocksize)
     _reject_non_finite(absmax)
     return q, absmax
@@ -311,7 +376,7 @@ def dequantize_blockwise(A: torch.Tensor, absmax: torch.Tensor, code: torch.Tens
         raise TypeError(f"A must be uint8 codes, got dtype {A.dtype}")
     _check_blocksize(blocksize, BLOCKSIZES_8BIT)
     _check_absmax(absmax, A.numel(), blocksize, A.device)
-    code = dynamic_map().to(A.device) if code is None else _check_code(code, A.device)
+    code = _code_on("dynamic", A.device) if code is None else _check_code(code, A.device)
     check_type("dtype", dtype, torch.dtype)
     check_choice("dtype", dtype, FLOAT_DTYPES)
     return _DEQUANTIZE_BLOCKWISE(A, absmax, code, blocksize, dtype)

@@ -21,6 +21,15 @@ from tightfit.quant.modules import Linear4bit, Linear8bit, LinearInt8
 __all__ = ["Blockwise8Config", "FP4Config", "Int8Config", "NF4Config", "QuantConfig", "quantize_", "register_handler"]
 
 
+def _check_patterns(name: str, value: object) -> None:
+    if isinstance(value, str) or not isinstance(value, tuple) or not all(isinstance(p, str) for p in value):
+        raise TypeError(f"{name} must be a tuple of name patterns, got {value!r}")
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """Options every format shares. ``skip`` holds module-name patterns (fnmatch) left as they are."""
@@ -28,8 +37,12 @@ class QuantConfig:
     skip: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if isinstance(self.skip, str) or not isinstance(self.skip, tuple) or not all(isinstance(p, str) for p in self.skip):
-            raise TypeError(f"skip must be a tuple of name patterns, got {self.skip!r}")
+        _check_patterns("skip", self.skip)
+
+    def config_for(self, name: str) -> QuantConfig | None:
+        """The config that the module with qualified name ``name``, and what it contains,
+        gets: None leaves them as they are."""
+        return None if _matches(name, self.skip) else self
 
 
 def _check_blocksize(blocksize: object, accepted: tuple[int, ...]) -> None:
@@ -39,17 +52,31 @@ def _check_blocksize(blocksize: object, accepted: tuple[int, ...]) -> None:
 
 @dataclass(frozen=True)
 class NF4Config(QuantConfig):
-    """4-bit NormalFloat weights, the QLoRA format."""
+    """4-bit NormalFloat weights, the QLoRA format.
+
+    ``keep_8bit`` holds module-name patterns (fnmatch) whose layers are stored in
+    blockwise 8-bit (``Blockwise8Config()``: one byte per weight) instead of 4 bits: the
+    few that lose most at 4 bits. A pattern may name a container (``"encoder.layer.5"``)
+    to keep every layer in it; ``skip`` wins over ``keep_8bit``.
+    """
 
     blocksize: int = 64
     double_quant: bool = False
     quant_storage: torch.dtype = torch.uint8
+    keep_8bit: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_blocksize(self.blocksize, BLOCKSIZES_4BIT)
         check_type("double_quant", self.double_quant, bool)
         check_type("quant_storage", self.quant_storage, torch.dtype)
+        _check_patterns("keep_8bit", self.keep_8bit)
+
+    def config_for(self, name: str) -> QuantConfig | None:
+        config = super().config_for(name)
+        if config is not None and _matches(name, self.keep_8bit):
+            return Blockwise8Config(skip=self.skip)
+        return config
 
 
 @dataclass(frozen=True)
@@ -116,28 +143,36 @@ def _int8(linear: nn.Linear, config: Int8Config) -> nn.Module:
     return LinearInt8.from_linear(linear, threshold=config.threshold)
 
 
-def quantize_(model: nn.Module, config: QuantConfig) -> nn.Module:
-    """Replace every ``nn.Linear`` in ``model`` (in place) by its quantized form; returns ``model``.
-
-    Modules whose qualified name matches a pattern in ``config.skip`` stay as they are.
-    """
-    check_type("model", model, nn.Module)
-    check_type("config", config, QuantConfig)
+def _handler_for(config: QuantConfig) -> Callable[[nn.Linear, QuantConfig], nn.Module]:
     handler = _HANDLERS.get(type(config))
     if handler is None:
         raise ValueError(f"no handler is registered for {type(config).__name__}; registered: {', '.join(t.__name__ for t in _HANDLERS)}")
+    return handler
+
+
+def quantize_(model: nn.Module, config: QuantConfig) -> nn.Module:
+    """Replace every ``nn.Linear`` in ``model`` (in place) by its quantized form; returns ``model``.
+
+    Each module gets ``config.config_for(qualified_name)``, which its children inherit:
+    modules matching a pattern in ``config.skip`` stay as they are, and an NF4 / FP4
+    config's ``keep_8bit`` patterns get blockwise 8-bit.
+    """
+    check_type("model", model, nn.Module)
+    check_type("config", config, QuantConfig)
+    _handler_for(config)
     if isinstance(model, nn.Linear):
         raise ValueError("model is itself an nn.Linear; quantize_ replaces children, so wrap it or use Linear4bit.from_linear")
-    _quantize_children(model, config, handler, prefix="")
+    _quantize_children(model, config, prefix="")
     return model
 
 
-def _quantize_children(module: nn.Module, config: QuantConfig, handler: Callable, prefix: str) -> None:
+def _quantize_children(module: nn.Module, config: QuantConfig, prefix: str) -> None:
     for name, child in module.named_children():
         qualified = f"{prefix}{name}"
-        if any(fnmatch.fnmatchcase(qualified, pattern) for pattern in config.skip):
+        child_config = config.config_for(qualified)
+        if child_config is None:
             continue
         if type(child) is nn.Linear:
-            setattr(module, name, handler(child, config))
+            setattr(module, name, _handler_for(child_config)(child, child_config))
         else:
-            _quantize_children(child, config, handler, prefix=f"{qualified}.")
+            _quantize_children(child, child_config, prefix=f"{qualified}.")

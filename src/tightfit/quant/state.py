@@ -80,6 +80,13 @@ class QuantState:
             state2=None if self.state2 is None else self.state2.to(device),
         )
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this state holds (scales, code map, and the nested state's), for memory accounting."""
+        held = [self.absmax, self.code]
+        if self.state2 is not None:
+            held += [self.offset, *self.state2.tensors()]
+        return held
+
     def as_dict(self, packed: bool = False) -> dict[str, Any]:
         """The bitsandbytes dict; ``packed=True`` gives only tensors, ready for safetensors
         (4-bit under bitsandbytes' key, 8-bit under ``quant_state.tightfit__blockwise8``)."""

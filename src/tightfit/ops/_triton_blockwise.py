@@ -1,0 +1,217 @@
+"""Triton kernels for blockwise 8-bit and 4-bit quantization on GPUs (imported at first use).
+
+They do what the reference kernels in ``ops/blockwise.py`` do, operation for operation in
+float32, so codes and absmax are bit-identical: the reciprocal is taken with an
+IEEE-rounded division (Triton's plain ``/`` is approximate on NVIDIA GPUs), full blocks
+multiply by it, the partial last block divides, and the nearest code is bucketize's
+answer over the midpoints of the sorted code (ties to the lower entry). It is found as
+the CPU kernel finds it: a table indexed by the scaled value's top 16 bits gives a lower
+bound one comparison away from the answer (for the dynamic map, NF4 and FP4); for other
+codes, a branch-free binary search. One program quantizes several whole blocks, so a
+block's absmax never leaves registers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from tightfit.ops._cpu_blockwise import _search_table as cpu_search_table
+from tightfit.ops._cpu_blockwise import midpoints
+
+__all__: list[str] = []
+
+#: Elements one quantize program covers (several small blocks, or one large one).
+_QUANTIZE_TILE = 1024
+#: Elements one dequantize program writes, and its warps.
+_DEQUANTIZE_TILE = 4096
+_DEQUANTIZE_WARPS = 4
+#: Weight rows and packed bytes per row one gemv program decodes per step, and its warps.
+_GEMV_ROWS = 1
+_GEMV_BYTES = 256
+_GEMV_WARPS = 1
+#: Warps per quantize program.
+_QUANTIZE_WARPS = 2
+#: The reference clamps absmax to this before dividing by it.
+_MINIMUM_ABSMAX = 1e-38
+
+
+@triton.jit
+def _scaled(x, absmax, tail, minimum: tl.constexpr):
+    """x scaled into [-1, 1] by its block's absmax, exactly as the reference scales it."""
+    safe = tl.maximum(absmax, minimum).to(tl.float32)[:, None]
+    inverse = tl.math.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe)
+    scaled = tl.where(tail[:, None], tl.math.div_rn(x, safe), x * inverse)
+    return tl.minimum(tl.maximum(scaled, -1.0), 1.0)
+
+
+@triton.jit
+def _count_below(value, bounds_ptr, STEPS: tl.constexpr):
+    """How many of the 2**STEPS - 1 sorted bounds lie strictly below ``value`` (bucketize)."""
+    position = tl.zeros(value.shape, tl.int32)
+    for level in tl.static_range(STEPS):
+        probe = tl.load(bounds_ptr + position + ((1 << (STEPS - 1 - level)) - 1))
+        position = tl.where(probe < value, position + (1 << (STEPS - 1 - level)), position)
+    return position
+
+
+@triton.jit
+def _nearest(value, bounds_ptr, table_ptr, STEPS: tl.constexpr, SINGLE_STEP: tl.constexpr):
+    """bucketize(value, bounds): by table and one comparison, or by binary search."""
+    if SINGLE_STEP:
+        top = (value.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+        below = tl.load(table_ptr + top).to(tl.int32)
+        return below + (tl.load(bounds_ptr + below) < value).to(tl.int32)
+    else:
+        return _count_below(value, bounds_ptr, STEPS)
+
+
+@triton.jit
+def _block_absmax(x):
+    """max |x| per row, NaN when the row holds one (so the caller can refuse it)."""
+    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+    return tl.where(has_nan, float("nan"), tl.max(tl.abs(x), axis=1)).to(tl.float32)
+
+
+@triton.jit
+def _quantized_blocks(x_ptr, bounds_ptr, table_ptr, absmax_ptr, numel, n_blocks, BLOCKSIZE: tl.constexpr,
+                      GROUP: tl.constexpr, MINIMUM: tl.constexpr, STEPS: tl.constexpr, SINGLE_STEP: tl.constexpr):
+    """Sorted-code indices of this program's GROUP whole blocks, shaped (GROUP, BLOCKSIZE);
+    stores their absmax. Elements past the end read as 0.0 (a scaled zero)."""
+    blocks = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
+    offsets = blocks[:, None].to(tl.int64) * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
+    x = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
+    tail = (blocks.to(tl.int64) + 1) * BLOCKSIZE > numel
+    absmax = _block_absmax(x)
+    # The reference clamps the partial last block's absmax before it is stored.
+    stored = tl.where(tail, tl.maximum(absmax, MINIMUM), absmax).to(tl.float32)
+    tl.store(absmax_ptr + blocks, stored, mask=blocks < n_blocks)
+    return _nearest(_scaled(x, absmax, tail, MINIMUM), bounds_ptr, table_ptr, STEPS, SINGLE_STEP), offsets
+
+
+@triton.jit
+def _quantize_8bit_kernel(x_ptr, bounds_ptr, table_ptr, q_ptr, absmax_ptr, numel, n_blocks,
+                          BLOCKSIZE: tl.constexpr, GROUP: tl.constexpr, MINIMUM: tl.constexpr, SINGLE_STEP: tl.constexpr):
+    codes, offsets = _quantized_blocks(x_ptr, bounds_ptr, table_ptr, absmax_ptr, numel, n_blocks, BLOCKSIZE, GROUP, MINIMUM, 8, SINGLE_STEP)
+    tl.store(q_ptr + offsets, codes.to(tl.uint8), mask=offsets < numel)
+
+
+@triton.jit
+def _quantize_4bit_kernel(x_ptr, bounds_ptr, table_ptr, order_ptr, packed_ptr, absmax_ptr, numel, n_blocks,
+                          BLOCKSIZE: tl.constexpr, GROUP: tl.constexpr, MINIMUM: tl.constexpr, SINGLE_STEP: tl.constexpr):
+    codes, _ = _quantized_blocks(x_ptr, bounds_ptr, table_ptr, absmax_ptr, numel, n_blocks, BLOCKSIZE, GROUP, MINIMUM, 4, SINGLE_STEP)
+    high, low = tl.split(tl.reshape(tl.load(order_ptr + codes), (GROUP, BLOCKSIZE // 2, 2)))
+    first = (tl.program_id(0) * GROUP + tl.arange(0, GROUP))[:, None].to(tl.int64) * BLOCKSIZE + 2 * tl.arange(0, BLOCKSIZE // 2)[None, :]
+    # An odd count's last byte pairs the last value with the scaled zero read past the end.
+    tl.store(packed_ptr + first // 2, ((high << 4) | low).to(tl.uint8), mask=first < numel)
+
+
+@triton.jit
+def _decoded(data_ptr, absmax_ptr, code_ptr, offsets, inside, BLOCKSIZE: tl.constexpr, FOUR_BIT: tl.constexpr):
+    """code[q] * absmax[block] in float32 for the elements at ``offsets``."""
+    if FOUR_BIT:
+        byte = tl.load(data_ptr + (offsets >> 1), mask=inside, other=0).to(tl.int32)
+        index = tl.where((offsets & 1) == 1, byte & 15, byte >> 4)
+    else:
+        index = tl.load(data_ptr + offsets, mask=inside, other=0).to(tl.int32)
+    scale = tl.load(absmax_ptr + offsets // BLOCKSIZE, mask=inside, other=0.0)
+    return tl.load(code_ptr + index) * scale
+
+
+@triton.jit
+def _dequantize_kernel(data_ptr, absmax_ptr, code_ptr, out_ptr, numel,
+                       BLOCKSIZE: tl.constexpr, FOUR_BIT: tl.constexpr, TILE: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    inside = offsets < numel
+    values = _decoded(data_ptr, absmax_ptr, code_ptr, offsets, inside, BLOCKSIZE, FOUR_BIT)
+    tl.store(out_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _gemv_4bit_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, out_ptr, rows, cols: tl.constexpr,
+                      BLOCKSIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+    # Each byte holds two neighbouring weights of one row (``cols`` is even); ``cols`` is a
+    # compile-time constant: a model has a handful of input widths, and a known trip count
+    # lets Triton pipeline the loop.
+    row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    token = tl.program_id(1).to(tl.int64)
+    total = tl.zeros((BLOCK_ROWS, BLOCK_BYTES), tl.float32)
+    for start in tl.range(0, cols // 2, BLOCK_BYTES):
+        pair = start + tl.arange(0, BLOCK_BYTES)
+        byte_index = row[:, None].to(tl.int64) * (cols // 2) + pair[None, :]
+        inside = (row[:, None] < rows) & (pair[None, :] < cols // 2)
+        byte = tl.load(packed_ptr + byte_index, mask=inside, other=0).to(tl.int32)
+        scale = tl.load(absmax_ptr + (2 * byte_index) // BLOCKSIZE, mask=inside, other=0.0)
+        # Round each weight to the activation's dtype first, as the reference's dequantize does.
+        high = (tl.load(code_ptr + (byte >> 4)) * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
+        low = (tl.load(code_ptr + (byte & 15)) * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x_high = tl.load(x_ptr + token * cols + 2 * pair, mask=pair < cols // 2, other=0.0).to(tl.float32)
+        x_low = tl.load(x_ptr + token * cols + 2 * pair + 1, mask=pair < cols // 2, other=0.0).to(tl.float32)
+        total += high * x_high[None, :] + low * x_low[None, :]
+    tl.store(out_ptr + token * rows + row, tl.sum(total, axis=1).to(out_ptr.dtype.element_ty), mask=row < rows)
+
+
+@functools.lru_cache(maxsize=16)
+def _search(bounds_bytes: bytes, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    bounds, table, single_step = cpu_search_table(bounds_bytes)
+    return torch.from_numpy(bounds).to(device), torch.from_numpy(table).to(device), single_step
+
+
+def search_tables(sorted_code: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(bounds padded with +inf, top-16-bit table, single_step) for a sorted code, on
+    ``device``; made once per distinct code."""
+    return _search(midpoints(sorted_code.float().cpu()).numpy().tobytes(), device)
+
+
+def _group(blocksize: int) -> int:
+    return max(_QUANTIZE_TILE // blocksize, 1)
+
+
+def quantize(A: torch.Tensor, blocksize: int, search: tuple[torch.Tensor, torch.Tensor, bool],
+             order: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, absmax) for 8-bit (``order`` None: uint8 shaped like A) or 4-bit (packed
+    bytes); ``search`` comes from :func:`search_tables`."""
+    flat = A.contiguous().view(-1)
+    numel = flat.numel()
+    n_blocks = -(-numel // blocksize)
+    absmax = torch.empty(n_blocks, dtype=torch.float32, device=A.device)
+    group = _group(blocksize)
+    grid = (triton.cdiv(n_blocks, group),)
+    bounds, table, single_step = search
+    options = dict(BLOCKSIZE=blocksize, GROUP=group, MINIMUM=_MINIMUM_ABSMAX, SINGLE_STEP=single_step, num_warps=_QUANTIZE_WARPS)
+    if order is None:
+        q = torch.empty(A.shape, dtype=torch.uint8, device=A.device)
+        if numel:
+            _quantize_8bit_kernel[grid](flat, bounds, table, q, absmax, numel, n_blocks, **options)
+        return q, absmax
+    packed = torch.empty((numel + 1) // 2, dtype=torch.uint8, device=A.device)
+    if numel:
+        _quantize_4bit_kernel[grid](flat, bounds, table, order.to(torch.int32), packed, absmax, numel, n_blocks, **options)
+    return packed, absmax
+
+
+def dequantize(data: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
+               shape: list[int], dtype: torch.dtype, four_bit: bool) -> torch.Tensor:
+    """``code[q] * absmax[block]`` as a ``dtype`` tensor of ``shape``."""
+    out = torch.empty(shape, dtype=dtype, device=data.device)
+    numel = out.numel()
+    if numel:
+        grid = (triton.cdiv(numel, _DEQUANTIZE_TILE),)
+        _dequantize_kernel[grid](data.contiguous().view(torch.uint8).view(-1), absmax.float().contiguous(), code.float().contiguous(),
+                                 out, numel, BLOCKSIZE=blocksize, FOUR_BIT=four_bit, TILE=_DEQUANTIZE_TILE, num_warps=_DEQUANTIZE_WARPS)
+    return out
+
+
+def gemv_4bit(A: torch.Tensor, packed: torch.Tensor, shape: list[int], absmax: torch.Tensor, code: torch.Tensor, blocksize: int) -> torch.Tensor:
+    """``A @ dequantize(packed).T``, decoding the weight tile by tile (a few tokens; even ``cols``)."""
+    rows, cols = shape
+    x = A.contiguous().view(-1, cols)
+    out = torch.empty(x.shape[0], rows, dtype=A.dtype, device=A.device)
+    if out.numel():
+        grid = (triton.cdiv(rows, _GEMV_ROWS), x.shape[0])
+        _gemv_4bit_kernel[grid](x, packed.contiguous().view(torch.uint8).view(-1), absmax.float().contiguous(), code.float().contiguous(),
+                                out, rows, cols, BLOCKSIZE=blocksize, BLOCK_ROWS=_GEMV_ROWS, BLOCK_BYTES=_GEMV_BYTES, num_warps=_GEMV_WARPS)
+    return out.view(*A.shape[:-1], rows)
