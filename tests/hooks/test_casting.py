@@ -287,7 +287,7 @@ def test_minilm_quality_and_exact_removal():
         lowest[str(storage)] = float((embed(model, tokenizer, sentences, device) * reference).sum(-1).min())
         remove_layerwise_casting(model)
         assert same_state(model, saved)
-    # measured: e4m3fn 0.998, e5m2 0.993
+    # measured: e4m3fn 0.9977, e5m2 0.9942 (unscaled: 0.9975, 0.9942)
     assert lowest["torch.float8_e4m3fn"] > 0.995 and lowest["torch.float8_e5m2"] > 0.99, lowest
 
 
