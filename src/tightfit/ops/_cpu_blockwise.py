@@ -26,8 +26,6 @@ from tightfit.ops._numba import kernel_lock, load_numba, usable_numba
 
 __all__: list[str] = []
 
-#: Work items per parallel launch: each runs a contiguous run of blocks.
-CHUNKS = 256
 _NO_PAIRS = np.empty(0, np.uint64)  # 8-bit decoding reads codes a byte each
 
 
@@ -86,16 +84,16 @@ def _kernels():
     def code_of(value, table):
         """bucketize's answer for ``value``, mapped through the code order (see _search_table)."""
         bits = np.float32(value).view(np.uint32)
-        key = bits ^ (np.uint32(np.int32(bits) >> np.int32(31)) | np.uint32(0x80000000))
-        entry = table[key >> np.uint32(16)]
-        above = (key & np.uint32(0xFFFF)) > (entry & np.uint32(0xFFFF))
-        return (entry >> np.uint32(24)) if above else ((entry >> np.uint32(16)) & np.uint32(0xFF))
+        key = np.uint32(bits ^ np.uint32(np.uint32(np.int32(bits) >> 31) | np.uint32(0x80000000)))
+        entry = table[key >> 16]
+        above = np.uint32(key & 0xFFFF) > np.uint32(entry & 0xFFFF)
+        return np.uint32(entry >> 24) if above else np.uint32((entry >> 16) & 0xFF)
 
     @numba.njit(inline="always")
-    def scaled(bits, i, shift, factor, full):
-        """Value i (float32 bits, or bf16 bits with ``shift`` 16) scaled into [-1, 1] as the
+    def scaled(bits, i, widen, factor, full):
+        """Value i (float32 bits, or bf16 bits with ``widen`` 65536) scaled into [-1, 1] as the
         reference scales it: times the reciprocal in full blocks, divided in the partial one."""
-        value = np.uint32(np.uint32(bits[i]) << shift).view(np.float32)
+        value = np.uint32(np.uint32(bits[i]) * widen).view(np.float32)
         scaled = value * factor if full else value / factor
         return min(max(scaled, np.float32(-1.0)), np.float32(1.0))
 
@@ -104,43 +102,41 @@ def _kernels():
         """Scale and code every block of float32 or bf16 ``bits`` (widened value by value, no
         float copy); 8-bit writes one code per value, 4-bit packs two per byte, an odd tail
         padded with a scaled zero's code."""
-        shift = np.uint32(32 - 8 * bits.itemsize)
+        widen = np.uint32(1 << (32 - 8 * bits.itemsize))  # a multiply, not a shift, so it stays 32-bit
         pad = code_of(np.float32(0.0), table)
-        blocks = absmax.shape[0]
-        for chunk in numba.prange(CHUNKS):
-            for block in range(chunk * blocks // CHUNKS, (chunk + 1) * blocks // CHUNKS):
-                start = np.uint64(block * blocksize)
-                end = np.uint64(min(block * blocksize + blocksize, n))
-                peak = np.uint32(0)
-                for i in range(start, end):  # an integer max over |x|'s bits: vectorizes, and NaN is the largest
-                    peak = max(peak, (np.uint32(bits[i]) << shift) & np.uint32(0x7FFFFFFF))
-                if peak > np.uint32(0x7F800000):
-                    absmax[block] = np.float32(np.nan)  # the caller reports it; codes are left unwritten
-                    continue
-                amax = np.uint32(peak).view(np.float32)
-                clamped = max(amax, np.float32(1e-38))
-                full = end - start == blocksize
-                absmax[block] = amax if full else clamped
-                factor = np.float32(1.0) / clamped if full else clamped
-                if not four_bit:
+        for block in numba.prange(absmax.shape[0]):  # each thread gets one contiguous run of blocks
+            start = np.uint64(block * blocksize)
+            end = np.uint64(min(block * blocksize + blocksize, n))
+            peak = np.uint32(0)
+            for i in range(start, end):  # an integer max over |x|'s bits: vectorizes, and NaN is the largest
+                peak = max(peak, np.uint32(np.uint32(bits[i]) * widen) & np.uint32(0x7FFFFFFF))
+            if peak > np.uint32(0x7F800000):
+                absmax[block] = np.float32(np.nan)  # the caller reports it; codes are left unwritten
+                continue
+            amax = np.uint32(peak).view(np.float32)
+            clamped = max(amax, np.float32(1e-38))
+            full = end - start == blocksize
+            absmax[block] = amax if full else clamped
+            factor = np.float32(1.0) / clamped if full else clamped
+            if not four_bit:
+                for i in range(start, end):
+                    out[i] = code_of(scaled(bits, i, widen, factor, full), table)
+                if not single_step:  # buckets with several bounds gave the lowest code: scan on from it
                     for i in range(start, end):
-                        out[i] = code_of(scaled(bits, i, shift, factor, full), table)
-                    if not single_step:  # buckets with several bounds gave the lowest code: scan on from it
-                        for i in range(start, end):
-                            value = scaled(bits, i, shift, factor, full)
-                            index = np.int64(out[i])
-                            while value > bounds[index]:
-                                index += 1
-                            out[i] = index
-                    continue
-                for k in range(start >> np.uint64(1), end >> np.uint64(1)):
-                    i = k << np.uint64(1)
-                    high = code_of(scaled(bits, i, shift, factor, full), table)
-                    low = code_of(scaled(bits, i + np.uint64(1), shift, factor, full), table)
-                    out[k] = (high << np.uint32(4)) | low
-                if (end - start) & np.uint64(1):
-                    last = code_of(scaled(bits, end - np.uint64(1), shift, factor, full), table)
-                    out[end >> np.uint64(1)] = (last << np.uint32(4)) | pad
+                        value = scaled(bits, i, widen, factor, full)
+                        index = np.int64(out[i])
+                        while value > bounds[index]:
+                            index += 1
+                        out[i] = index
+                continue
+            for k in range(start >> np.uint64(1), end >> np.uint64(1)):
+                i = k << np.uint64(1)
+                high = code_of(scaled(bits, i, widen, factor, full), table)
+                low = code_of(scaled(bits, i + np.uint64(1), widen, factor, full), table)
+                out[k] = (high << np.uint32(4)) | low
+            if (end - start) & np.uint64(1):
+                last = code_of(scaled(bits, end - np.uint64(1), widen, factor, full), table)
+                out[end >> np.uint64(1)] = (last << np.uint32(4)) | pad
 
     @numba.njit(inline="always")
     def encode(value, width):
@@ -148,8 +144,8 @@ def _kernels():
         bits = np.float32(value).view(np.uint32)
         if width == 4:
             return bits
-        rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-        return np.uint32(0x7FC0) if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded  # torch's NaN
+        rounded = np.uint32(np.uint32(bits + np.uint32(0x7FFF) + np.uint32((bits >> 16) & 1)) >> 16)
+        return np.uint32(0x7FC0) if np.uint32(bits & 0x7FFFFFFF) > np.uint32(0x7F800000) else rounded  # torch's NaN
 
     @numba.njit(parallel=True, nogil=True, cache=True)
     def dequantize(data, absmax, code, pairs, blocksize, n, out):
@@ -158,24 +154,22 @@ def _kernels():
         byte at a time through ``pairs`` (4-bit)."""
         width = out.itemsize
         four_bit = pairs.shape[0] != 0
-        blocks = absmax.shape[0]
-        for chunk in numba.prange(CHUNKS):
-            for block in range(chunk * blocks // CHUNKS, (chunk + 1) * blocks // CHUNKS):
-                scale = absmax[block]
-                start = np.uint64(block * blocksize)
-                end = np.uint64(min(block * blocksize + blocksize, n))
-                if not four_bit:
-                    for i in range(start, end):
-                        out[i] = encode(code[data[i]] * scale, width)
-                    continue
-                for k in range(start >> np.uint64(1), end >> np.uint64(1)):
-                    pair = pairs[data[k]]
-                    first = np.uint32(pair & np.uint64(0xFFFFFFFF)).view(np.float32)
-                    second = np.uint32(pair >> np.uint64(32)).view(np.float32)
-                    out[k << np.uint64(1)] = encode(first * scale, width)
-                    out[(k << np.uint64(1)) | np.uint64(1)] = encode(second * scale, width)
-                if (end - start) & np.uint64(1):
-                    out[end - np.uint64(1)] = encode(code[data[end >> np.uint64(1)] >> np.uint8(4)] * scale, width)
+        for block in numba.prange(absmax.shape[0]):  # each thread gets one contiguous run of blocks
+            scale = absmax[block]
+            start = np.uint64(block * blocksize)
+            end = np.uint64(min(block * blocksize + blocksize, n))
+            if not four_bit:
+                for i in range(start, end):
+                    out[i] = encode(code[data[i]] * scale, width)
+                continue
+            for k in range(start >> np.uint64(1), end >> np.uint64(1)):
+                pair = pairs[data[k]]
+                first = np.uint32(pair & np.uint64(0xFFFFFFFF)).view(np.float32)
+                second = np.uint32(pair >> np.uint64(32)).view(np.float32)
+                out[k << np.uint64(1)] = encode(first * scale, width)
+                out[(k << np.uint64(1)) | np.uint64(1)] = encode(second * scale, width)
+            if (end - start) & np.uint64(1):
+                out[end - np.uint64(1)] = encode(code[data[end >> np.uint64(1)] >> np.uint8(4)] * scale, width)
 
     @numba.njit(parallel=True, nogil=True, cache=True)
     def gemv_4bit(x, packed, absmax, code, blocksize, rows, cols, out):
