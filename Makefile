@@ -28,6 +28,7 @@ backends: $(VENV)/.installed-hf
 bench: $(VENV)/.installed-test
 	$(PY) benchmarks/casts.py
 	$(PY) benchmarks/quant.py
+	$(PY) benchmarks/casting.py
 	$(PY) benchmarks/schedules.py
 
 clean:
