@@ -28,7 +28,9 @@ backends: $(VENV)/.installed-hf
 bench: $(VENV)/.installed-test
 	$(PY) benchmarks/casts.py
 	$(PY) benchmarks/quant.py
+	$(PY) benchmarks/casting.py
 	$(PY) benchmarks/schedules.py
+	$(PY) benchmarks/memory_plan.py
 
 clean:
 	rm -rf $(VENV)

@@ -85,3 +85,16 @@ def test_median_of_an_even_count():
 def test_measure_rejects_unknown_device():
     with pytest.raises(ValueError, match="backend 'bogus' is not known"):
         measure(lambda: None, "bogus")
+
+
+def test_existing_tensors_count_until_freed():
+    weight = torch.ones(1024)
+    holder = [weight]
+    with LiveTensorBytes(existing=holder) as tracker:
+        assert tracker.current == 4096
+        holder[0] = holder[0].to(torch.float16)  # a hook replacing a weight: the old storage goes
+        del weight
+        torch.zeros(1)
+    assert tracker.current == 2048 + 4 and tracker.peak == 4096 + 2048  # old and new side by side, then the old one freed
+    with pytest.raises(TypeError, match="existing must hold tensors"):
+        LiveTensorBytes(existing=[1])

@@ -10,6 +10,12 @@ import torch, tightfit
 from tightfit.run import RunOptions
 from tightfit.memory import measure
 import tightfit.quant as quant
+import tightfit.hooks as hooks
+layer = lambda: torch.nn.Sequential(torch.nn.Linear(4, 4))
+def twice():
+    model = layer()
+    hooks.apply_layerwise_casting(model, torch.float8_e4m3fn, torch.float32)
+    hooks.apply_layerwise_casting(model, torch.float8_e4m3fn, torch.float32)
 import tightfit.graph
 import tightfit.graph.memory
 import torch.fx
@@ -36,6 +42,18 @@ checks = [
     (lambda: quant.NF4Config(blocksize=48), ValueError),
     (lambda: quant.quantize_(torch.nn.Linear(2, 2), quant.NF4Config()), ValueError),
     (lambda: quant.QuantState.from_dict({"absmax": torch.ones(1)}), ValueError),
+    (lambda: hooks.apply_layerwise_casting(layer(), torch.int8, torch.float32), ValueError),
+    (lambda: hooks.apply_layerwise_casting(layer(), torch.float8_e4m3fn, torch.int32), ValueError),
+    (lambda: hooks.apply_layerwise_casting(layer(), torch.float8_e4m3fn, torch.float32, skip="[bad"), ValueError),
+    (lambda: hooks.apply_layerwise_casting(layer(), "float8", torch.float32), TypeError),
+    (twice, ValueError),
+    (lambda: hooks.apply_offloading(layer(), "nonesuch"), ValueError),
+    (lambda: hooks.apply_offloading(layer(), "cuda:99"), (RuntimeError, ValueError)),  # no such device
+    (lambda: hooks.apply_offloading(layer(), "cpu", storage="tape"), ValueError),
+    (lambda: hooks.HookRegistry.of(torch.nn.Linear(2, 2)).remove("none"), ValueError),
+    (lambda: RunOptions(storage_dtype="int4"), ValueError),
+    (lambda: RunOptions(quant="nf4", storage_dtype="float8_e4m3fn"), ValueError),
+    (lambda: RunOptions(offload="tape"), ValueError),
     (lambda: tightfit.hint(schedule="wide"), ValueError),
     (lambda: tightfit.hint(slices=0), ValueError),
     (lambda: tightfit.hint(slices="8"), TypeError),
@@ -67,8 +85,8 @@ for index, (call, expected) in enumerate(checks):
     except expected:
         continue
     except Exception as error:
-        raise SystemExit(f"check {index}: raised {type(error).__name__}, expected {expected.__name__}: {error}")
-    raise SystemExit(f"check {index}: nothing raised, expected {expected.__name__}")
+        raise SystemExit(f"check {index}: raised {type(error).__name__}, expected {expected}: {error}")
+    raise SystemExit(f"check {index}: nothing raised, expected {expected}")
 print(f"{len(checks)} checks raised as documented")
 """
 
@@ -76,4 +94,4 @@ print(f"{len(checks)} checks raised as documented")
 def test_bad_inputs_raise_under_python_O():
     done = subprocess.run([sys.executable, "-O", "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "45 checks raised as documented" in done.stdout
+    assert "57 checks raised as documented" in done.stdout

@@ -55,6 +55,24 @@ def test_cli_run_json():
     assert data["peak_bytes"] > data["weights_bytes"] > 0 and data["latency_ms_median"] > 0
 
 
+def test_run_with_float8_storage_offloaded_to_disk():
+    report = run(RunOptions(storage_dtype="float8_e4m3fn", offload="disk", repeat=1))
+    assert report.changes == "float8_e4m3fn + offload disk"
+    assert report.device_weights_bytes == 0  # memory-mapped: nothing held in device memory between forwards
+    assert report.weights_bytes < 0.7 * report.full_weights_bytes  # the embeddings (44.7 MiB) stay float32
+    assert report.min_cosine_to_full > 0.995  # measured 0.9977
+    assert report.measurement.peak_bytes < 0.2 * report.full_weights_bytes
+
+
+def test_cli_run_reports_storage_and_offload(capsys):
+    from tightfit.cli import main
+
+    assert main(["run", "--storage-dtype", "float8_e5m2", "--offload", "cpu", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "weights, float8_e5m2" in out and "weights in cpu memory between forwards" in out
+    assert "embedding cosine, float8_e5m2 + offload cpu vs full (lowest)" in out
+
+
 @pytest.fixture(scope="module")
 def nf4_reports():
     return {keep: run(RunOptions(quant="nf4", repeat=1, keep_8bit=keep)) for keep in (True, False)}
@@ -95,6 +113,9 @@ def testweights_bytes_count_the_scales_of_quantized_layers():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
+        ({"storage_dtype": "int4"}, ValueError, "storage_dtype='int4' is not accepted"),
+        ({"storage_dtype": "float8_e4m3fn", "quant": "nf4"}, ValueError, "choose one"),
+        ({"offload": "tape"}, ValueError, "offload='tape' is not accepted"),
         ({"repeat": 0}, ValueError, "repeat must be an int >= 1"),
         ({"repeat": True}, ValueError, "repeat must be an int >= 1"),
         ({"top_pairs": -2}, ValueError, "top_pairs must be an int >= 1"),

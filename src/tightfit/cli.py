@@ -94,7 +94,8 @@ def _run_command(args: argparse.Namespace, console: Console) -> int:
     from tightfit._format import human_bytes
     from tightfit.run import RunOptions, run
 
-    report = run(RunOptions(model=args.model, backend=args.backend, quant=args.quant, repeat=args.repeat, keep_8bit=not args.all_4bit))
+    report = run(RunOptions(model=args.model, backend=args.backend, quant=args.quant, storage_dtype=args.storage_dtype,
+                            offload=args.offload, repeat=args.repeat, keep_8bit=not args.all_4bit))
     measured = report.measurement
     if args.json:
         print(json.dumps({
@@ -106,6 +107,7 @@ def _run_command(args: argparse.Namespace, console: Console) -> int:
             "quant": report.quant, "full_weights_bytes": report.full_weights_bytes,
             "min_cosine_to_full": report.min_cosine_to_full, "kept_8bit": list(report.kept_8bit),
             "kept_8bit_linears": report.kept_8bit_linears, "kept_8bit_bytes": report.kept_8bit_bytes,
+            "storage_dtype": report.storage_dtype, "offload": report.offload, "device_weights_bytes": report.device_weights_bytes,
         }, indent=2))
         return 0
     console.print(f"model    {report.model}", highlight=False)
@@ -119,13 +121,14 @@ def _run_command(args: argparse.Namespace, console: Console) -> int:
     figures = Table(title="measured")
     figures.add_column("figure")
     figures.add_column("value", justify="right")
-    if report.quant is not None:
+    if report.changes is not None:
         figures.add_row("weights, full precision", human_bytes(report.full_weights_bytes))
-        figures.add_row(f"weights, {report.quant}", human_bytes(report.weights_bytes))
+        figures.add_row(f"weights, {report.quant or report.storage_dtype or 'as loaded'}", human_bytes(report.weights_bytes))
         if report.kept_8bit:
             kept = f"{', '.join(report.kept_8bit)}: {report.kept_8bit_linears} Linear, {human_bytes(report.kept_8bit_bytes)}"
             figures.add_row("kept in 8 bits (later half of the layers)", kept)
-        figures.add_row(f"embedding cosine, {report.quant} vs full (lowest)", f"{report.min_cosine_to_full:.4f}")
+        figures.add_row(f"weights in {report.device} memory between forwards", human_bytes(report.device_weights_bytes))
+        figures.add_row(f"embedding cosine, {report.changes} vs full (lowest)", f"{report.min_cosine_to_full:.4f}")
     else:
         figures.add_row("weights", human_bytes(report.weights_bytes))
     figures.add_row(f"latency (median of {len(measured.seconds)})", f"{measured.median_seconds * 1e3:.1f} ms")
@@ -167,6 +170,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--quant", choices=["nf4", "fp4", "int8", "8bit"], help="quantize the Linear layers first (nf4, fp4: the later half of the layers in 8 bits) and compare with full precision")
     run.add_argument("--all-4bit", action="store_true",
                      help="with nf4 or fp4, store every Linear layer in 4 bits (default: the later half of the layers in 8 bits)")
+    run.add_argument("--storage-dtype", choices=["float8_e4m3fn", "float8_e5m2", "bfloat16", "float16"],
+                     help="store weights so (layerwise casting; norms and embeddings stay) and compute in the model's dtype")
+    run.add_argument("--offload", choices=["cpu", "disk"], help="keep weights in CPU memory or memory-mapped files; each block comes onto the device when it runs")
     run.add_argument("--repeat", type=int, default=5, help="timed repetitions (default: 5)")
     run.add_argument("--json", action="store_true", help="print JSON instead of tables")
     plan = commands.add_parser("plan", help="plan a model's memory before running it (no weight is loaded)")

@@ -35,18 +35,26 @@ class LiveTensorBytes(TorchDispatchMode):
 
     ``current`` is what is still alive now and ``peak`` the most seen alive at once,
     sampled after every aten op. Storages that existed before entry (weights) are not
-    counted, even when a view or an in-place op returns them: add them yourself.
+    counted, even when a view or an in-place op returns them: add them yourself, or pass
+    them as ``existing``: those count from the start until they are freed (weights that
+    a hook replaces during the run).
     """
 
-    def __init__(self, device_type: str = "cpu") -> None:
+    def __init__(self, device_type: str = "cpu", existing: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
         if not isinstance(device_type, str) or not device_type:
             raise ValueError(f"device_type must be a non-empty str, got {device_type!r}")
         self.device_type = device_type
         self._live: dict[StorageWeakRef, int] = {}
         self._foreign: set[StorageWeakRef] = set()  # seen first as an input: existed before entry
-        self.current = 0
-        self.peak = 0
+        for tensor in existing:
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"existing must hold tensors, got {type(tensor).__name__}")
+            if tensor.device.type == device_type:
+                storage = tensor.untyped_storage()
+                self._live[StorageWeakRef(storage)] = storage.nbytes()
+        self.current = sum(self._live.values())
+        self.peak = self.current
 
     def _storages(self, tree: Any) -> list[torch.UntypedStorage]:
         return [

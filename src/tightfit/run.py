@@ -1,5 +1,6 @@
-"""The main job behind ``tightfit run``: load a model, pick a backend, run it, and report
-latency and memory measured on the device. Later stages (quantization, budgets and
+"""The main job behind ``tightfit run``: load a model, pick a backend, optionally make its
+weights compact (quantization, float8 storage) or move them off the device (offloading),
+run it, and report latency and memory measured on the device. Later stages (budgets and
 plans) extend :class:`RunOptions` and :class:`RunReport`."""
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import torch
 
 from tightfit import backends
 from tightfit._validate import check_type
+from tightfit.hooks import STORAGES, apply_layerwise_casting, apply_offloading, resident_bytes
 from tightfit.memory import Measurement, measure, tensor_bytes
 from tightfit.models import default_model_dir, embed, load_encoder
 from tightfit.quant import Blockwise8Config, FP4Config, Int8Config, Linear8bit, NF4Config, QuantConfig, QuantState, layer_stack, quantize_
 
-__all__ = ["DEFAULT_SENTENCES", "QUANT_CONFIGS", "RunOptions", "RunReport", "run", "weights_bytes"]
+__all__ = ["DEFAULT_SENTENCES", "QUANT_CONFIGS", "STORAGE_DTYPES", "RunOptions", "RunReport", "run", "weights_bytes"]
 
 #: ``--quant`` choices and the config each applies to every ``nn.Linear``; with ``keep_8bit``
 #: the 4-bit ones (nf4, fp4) store the later half of the model's layer stack in 8 bits.
@@ -24,6 +26,14 @@ QUANT_CONFIGS: dict[str, QuantConfig] = {
     "fp4": FP4Config(),
     "int8": Int8Config(),
     "8bit": Blockwise8Config(),
+}
+
+#: ``--storage-dtype`` choices: layerwise casting stores weights so and computes in the model's dtype.
+STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
 }
 
 DEFAULT_SENTENCES: tuple[str, ...] = (
@@ -50,6 +60,8 @@ class RunOptions:
     model: str | None = None
     backend: str | None = None
     quant: str | None = None
+    storage_dtype: str | None = None
+    offload: str | None = None
     repeat: int = 5
     sentences: tuple[str, ...] = DEFAULT_SENTENCES
     top_pairs: int = 3
@@ -62,6 +74,12 @@ class RunOptions:
             raise TypeError(f"backend must be a str or None, got {type(self.backend).__name__}: {self.backend!r}")
         if self.quant is not None and self.quant not in QUANT_CONFIGS:
             raise ValueError(f"quant={self.quant!r} is not accepted; accepted: {', '.join(QUANT_CONFIGS)} or None")
+        if self.storage_dtype is not None and self.storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"storage_dtype={self.storage_dtype!r} is not accepted; accepted: {', '.join(STORAGE_DTYPES)} or None")
+        if self.quant is not None and self.storage_dtype is not None:
+            raise ValueError("quant and storage_dtype both change how weights are stored; choose one")
+        if self.offload is not None and self.offload not in STORAGES:
+            raise ValueError(f"offload={self.offload!r} is not accepted; accepted: {', '.join(STORAGES)} or None")
         for name in ("repeat", "top_pairs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -84,11 +102,20 @@ class RunReport:
     measurement: Measurement
     pairs: list[tuple[str, str, float]] = field(default_factory=list)
     quant: str | None = None
-    full_weights_bytes: int | None = None  # before quantization
-    min_cosine_to_full: float | None = None  # embeddings after quantization against before
+    full_weights_bytes: int | None = None  # before quantization, casting or offloading
+    min_cosine_to_full: float | None = None  # embeddings after those against before
     kept_8bit: tuple[str, ...] = ()  # layers a 4-bit quant stored in 8 bits instead
     kept_8bit_linears: int = 0  # how many Linear layers those hold
     kept_8bit_bytes: int = 0  # what they take, stored in 8 bits
+    storage_dtype: str | None = None
+    offload: str | None = None
+    device_weights_bytes: int | None = None  # held in the device's memory between forwards
+
+    @property
+    def changes(self) -> str | None:
+        """What was done to the weights, for labels: ``nf4``, ``float8_e4m3fn + offload disk``."""
+        parts = [self.quant or self.storage_dtype, f"offload {self.offload}" if self.offload else None]
+        return " + ".join(p for p in parts if p) or None
 
 
 def _most_similar(embeddings: torch.Tensor, sentences: tuple[str, ...], count: int) -> list[tuple[str, str, float]]:
@@ -112,9 +139,10 @@ def run(options: RunOptions | None = None) -> RunReport:
     full_weights = reference = None
     kept: tuple[str, ...] = ()
     kept_linears: list[torch.nn.Module] = []
-    if options.quant is not None:
+    if options.quant or options.storage_dtype or options.offload:
         full_weights = weights_bytes([model])
         reference = embed(model, tokenizer, sentences, device).cpu()
+    if options.quant is not None:
         config = QUANT_CONFIGS[options.quant]
         if options.keep_8bit and isinstance(config, NF4Config):
             stack = layer_stack(model)
@@ -122,8 +150,14 @@ def run(options: RunOptions | None = None) -> RunReport:
             config = replace(config, keep_8bit=kept)
         quantize_(model, config)
         kept_linears = [module for name in kept for module in model.get_submodule(name).modules() if isinstance(module, Linear8bit)]
+    if options.storage_dtype is not None:
+        compute_dtype = next(model.parameters()).dtype
+        apply_layerwise_casting(model, STORAGE_DTYPES[options.storage_dtype], compute_dtype)
+    if options.offload is not None:
+        apply_offloading(model, device, storage=options.offload)
     weights = weights_bytes([model])
-    measurement = measure(lambda: embed(model, tokenizer, sentences, device), device, repeat=options.repeat, baseline_bytes=weights)
+    on_device = resident_bytes(model, device) if options.offload else weights
+    measurement = measure(lambda: embed(model, tokenizer, sentences, device), device, repeat=options.repeat, baseline_bytes=on_device)
     embeddings = embed(model, tokenizer, sentences, device).cpu()
     return RunReport(
         model=str(folder) if options.model is not None else "all-MiniLM-L6-v2 (built-in default)",
@@ -139,6 +173,9 @@ def run(options: RunOptions | None = None) -> RunReport:
         kept_8bit=kept,
         kept_8bit_linears=len(kept_linears),
         kept_8bit_bytes=weights_bytes(kept_linears),
+        storage_dtype=options.storage_dtype,
+        offload=options.offload,
+        device_weights_bytes=on_device,
     )
 
 

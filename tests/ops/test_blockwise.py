@@ -200,9 +200,9 @@ def test_every_4bit_blocksize_matches_reference(blocksize):
 def test_custom_code_with_crowded_entries_takes_the_scanning_path():
     crowded = 0.5 + torch.arange(56, dtype=torch.float32) * 1e-6  # many entries inside one search bucket
     code = torch.cat([torch.linspace(-1, 1, 200), crowded]).sort().values
-    from tightfit.ops._cpu_blockwise import _search
+    from tightfit.ops._cpu_blockwise import search_table
 
-    assert _search(code)[2] is False
+    assert search_table(code)[2] is False
     A = torch.cat([torch.randn(5000), 0.5 + torch.rand(3000) * 6e-5])
     A[0] = 1.0  # fix the scale of the first block
     q, absmax = quantize_blockwise(A, code=code, blocksize=4096)

@@ -138,3 +138,31 @@ def test_strict_environment_rejects_unknown_values(monkeypatch, value):
 def test_define_op_rejects_mutated_argument_that_does_not_exist():
     with pytest.raises(ValueError, match="mutates_args names 'out', which is not a parameter"):
         define_op("test_no_out", _double, fake=_double_fake, cases=CASES, mutates_args=("out",))
+
+
+class _RecordOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_plain_calls_skip_the_dispatcher_and_everything_else_goes_through_it():
+    calls = []
+    op = define_op("test_direct", _double, fake=_double_fake, cases=CASES)
+    register_kernel("test_direct", "cpu", lambda x: calls.append(type(x)) or x * 2)
+    x = torch.arange(3.0)
+    assert torch.equal(op(x), x * 2) and calls == [torch.Tensor]
+    assert torch.equal(op(torch.nn.Parameter(x)), x * 2)  # a Parameter counts as plain
+    with _RecordOps() as mode:  # a dispatch mode must see the op
+        op(x)
+    assert "tightfit.test_direct.default" in mode.ops
+    leaf = x.clone().requires_grad_()
+    recorded = op(leaf)  # autograd sees the op, which has no backward formula
+    with pytest.raises(RuntimeError):
+        recorded.sum().backward()
+    with torch.no_grad():
+        assert torch.equal(op(leaf), x * 2)

@@ -2,10 +2,14 @@
 
 They follow the reference kernels in ``ops/blockwise.py`` operation for operation in
 float32 (reciprocal-multiply for full blocks, division for the partial last block, the
-same clamps), so codes and absmax are bit-identical. The nearest code is found
-exactly: a table indexed by the top 16 bits of the scaled float32 gives a lower bound
-on the answer, and one comparison (a short scan for unusual codes) finishes it, which
-is bucketize's answer.
+same clamps), so codes and absmax are bit-identical. Each block is read twice: once for
+its absmax, once to scale and code every value. The nearest code is found exactly with
+one table load: floats are mapped to order-preserving 32-bit keys, and a table indexed
+by a key's top 16 bits holds the codes on either side of the one decision boundary that
+bucket can contain, with the boundary's low 16 bits (a short scan over the boundaries
+covers unusual codes whose buckets hold several). Decoding multiplies ``code * absmax``
+per value as the reference does; 4-bit codes are read a byte at a time through a table
+of code pairs.
 """
 
 from __future__ import annotations
@@ -22,9 +26,7 @@ from tightfit.ops._numba import kernel_lock, load_numba, usable_numba
 
 __all__: list[str] = []
 
-_IDENTITY = np.arange(256, dtype=np.uint8)  # 8-bit codes need no reordering
-#: Work items per parallel launch: each allocates its scratch once and runs many blocks.
-CHUNKS = 256
+_NO_PAIRS = np.empty(0, np.uint64)  # 8-bit decoding reads codes a byte each
 
 
 def midpoints(code: torch.Tensor) -> torch.Tensor:
@@ -32,26 +34,46 @@ def midpoints(code: torch.Tensor) -> torch.Tensor:
     return (code[:-1] + code[1:]) / 2
 
 
-@functools.lru_cache(maxsize=16)
-def _search_table(bounds_bytes: bytes) -> tuple[np.ndarray, np.ndarray, bool]:
-    """(bounds + inf, table, single_step) for finding codes from a float32's top 16 bits.
+def _order_keys(values: np.ndarray) -> np.ndarray:
+    """32-bit keys (held in uint64) whose order is the float32 order; a bound of -0 takes
+    +0's key, so values of either zero compare with it as floats do."""
+    bits = np.where(values == 0, np.float32(0), values).astype(np.float32).view(np.uint32)
+    return (bits ^ np.where(bits >> 31 != 0, np.uint32(0xFFFFFFFF), np.uint32(0x80000000))).astype(np.uint64)
 
-    table[t] counts the bounds below the smallest float whose top 16 bits are t, a lower
-    bound on bucketize's answer for every value in that bucket. When no bucket holds
-    more than one bound (true for the dynamic map, NF4 and FP4), one comparison
-    finishes the search; otherwise a short scan does.
+
+@functools.lru_cache(maxsize=16)
+def _search_table(bounds_bytes: bytes, order_bytes: bytes) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(bounds + inf, table, single_step) for finding codes from a float32's key.
+
+    table[h] describes the values whose key has top 16 bits h: t bounds lie below all of
+    them, and the entry is ``threshold | order[t] << 16 | order[t + 1] << 24``, where
+    threshold is the low 16 bits of the key of the bound if exactly one falls in this
+    bucket (a value above it takes order[t + 1]), else 0xFFFF. When no bucket holds more
+    than one bound (true for the dynamic map, NF4 and FP4) that is the whole search;
+    otherwise the kernel scans ``bounds`` on from t (8-bit codes only: identity order).
     """
     bounds = np.frombuffer(bounds_bytes, dtype=np.float32)
-    top = np.arange(1 << 16, dtype=np.uint32)
-    negative = (top & 0x8000) != 0
-    smallest = ((top << 16) | np.where(negative, 0xFFFF, 0).astype(np.uint32)).view(np.float32)
-    largest = ((top << 16) | np.where(negative, 0, 0xFFFF).astype(np.uint32)).view(np.float32)
-    finite = np.isfinite(smallest) & np.isfinite(largest)
-    below_smallest = np.where(finite, np.searchsorted(bounds, smallest, side="left"), 0)
-    below_largest = np.where(finite, np.searchsorted(bounds, largest, side="left"), 0)
-    single_step = bool((below_largest - below_smallest).max() <= 1)
+    order = np.frombuffer(order_bytes, dtype=np.uint8).astype(np.uint32)
+    keys = _order_keys(bounds)
+    bucket = np.arange(1 << 16, dtype=np.uint64)
+    below = np.searchsorted(keys, bucket << 16, side="left")
+    below_next = np.searchsorted(keys, (bucket + 1) << 16, side="left")
+    single_step = bool((below_next - below).max() <= 1)
+    next_key = np.append(keys, np.uint64(1 << 32))[below]
+    threshold = np.where(below_next - below == 1, next_key & 0xFFFF, 0xFFFF).astype(np.uint32)
+    above = order[np.minimum(below + 1, order.size - 1)]
+    table = threshold | (order[below] << 16) | (above << 24)
     padded = np.append(bounds, np.float32(np.inf)).astype(np.float32)
-    return padded, below_smallest.astype(np.uint8 if bounds.size < 256 else np.uint16), single_step
+    return padded, table.astype(np.uint32), single_step
+
+
+@functools.lru_cache(maxsize=4)
+def _pair_table(code_bytes: bytes) -> np.ndarray:
+    """For each packed byte, its two decoded 4-bit codes: the high nibble's float32 bits in
+    the low half of a uint64, the low nibble's in the high half (one load per byte)."""
+    bits = np.frombuffer(code_bytes, dtype=np.uint32).astype(np.uint64)
+    byte = np.arange(256)
+    return bits[byte >> 4] | (bits[byte & 15] << np.uint64(32))
 
 
 @functools.lru_cache(maxsize=1)
@@ -59,144 +81,125 @@ def _kernels():
     numba, _ = load_numba()
 
     @numba.njit(inline="always")
-    def scale_block(x32, x16, from_bf16, start, end, full, scratch):
-        """Load a block into float32 scratch, scale it into [-1, 1] as the reference does;
-        returns the absmax to store (NaN if the block holds one)."""
-        count = end - start
-        if from_bf16:
-            bits = scratch.view(np.uint32)
-            for i in range(count):
-                bits[i] = np.uint32(x16[start + i]) << np.uint32(16)
-        else:
-            for i in range(count):
-                scratch[i] = x32[start + i]
-        amax = np.float32(0.0)
-        has_nan = False
-        for i in range(count):
-            magnitude = abs(scratch[i])
-            has_nan |= magnitude != magnitude
-            amax = magnitude if magnitude > amax else amax
-        if has_nan:
-            return np.float32(np.nan)
-        clamped = max(amax, np.float32(1e-38))
-        if full:  # full blocks multiply by the reciprocal, the partial block divides
-            inverse = np.float32(1.0) / clamped
-            for i in range(count):
-                scratch[i] = min(max(scratch[i] * inverse, np.float32(-1.0)), np.float32(1.0))
-            return amax
-        for i in range(count):
-            scratch[i] = min(max(scratch[i] / clamped, np.float32(-1.0)), np.float32(1.0))
-        return clamped
+    def code_of(value, table):
+        """bucketize's answer for ``value``, mapped through the code order (see _search_table)."""
+        bits = np.float32(value).view(np.uint32)
+        key = np.uint32(bits ^ np.uint32(np.uint32(np.int32(bits) >> 31) | np.uint32(0x80000000)))
+        entry = table[key >> 16]
+        above = np.uint32(key & 0xFFFF) > np.uint32(entry & 0xFFFF)
+        return np.uint32(entry >> 24) if above else np.uint32((entry >> 16) & 0xFF)
 
     @numba.njit(inline="always")
-    def code_of(value, bits, bounds, table, single_step):
-        index = np.int64(table[bits >> np.uint32(16)])
-        if single_step:
-            return index + np.int64(value > bounds[index])
-        while value > bounds[index]:
-            index += 1
-        return index
-
-    @numba.njit(inline="always")
-    def code_block(scratch, count, bounds, table, single_step, codes):
-        bits = scratch.view(np.uint32)
-        for i in range(count):
-            codes[i] = code_of(scratch[i], bits[i], bounds, table, single_step)
+    def scaled(bits, i, widen, factor, full):
+        """Value i (float32 bits, or bf16 bits with ``widen`` 65536) scaled into [-1, 1] as the
+        reference scales it: times the reciprocal in full blocks, divided in the partial one."""
+        value = np.uint32(np.uint32(bits[i]) * widen).view(np.float32)
+        scaled = value * factor if full else value / factor
+        return min(max(scaled, np.float32(-1.0)), np.float32(1.0))
 
     @numba.njit(parallel=True, nogil=True, cache=True)
-    def quantize(x32, x16, from_bf16, n, blocksize, bounds, table, single_step, order, four_bit, out, absmax):
-        """Scale and code every block; 8-bit writes one code per value, 4-bit maps codes
-        through ``order`` and packs two per byte (an odd tail padded with a zero's code)."""
-        zero = np.zeros(1, np.float32)
-        pad = order[code_of(zero[0], zero.view(np.uint32)[0], bounds, table, single_step)]
-        blocks = absmax.shape[0]
-        for chunk in numba.prange(CHUNKS):
-            scratch = np.empty(blocksize, np.float32)
-            codes = np.empty(blocksize + 1, np.uint8)
-            for block in range(chunk * blocks // CHUNKS, (chunk + 1) * blocks // CHUNKS):
-                start = block * blocksize
-                end = min(start + blocksize, n)
-                count = end - start
-                stored = scale_block(x32, x16, from_bf16, start, end, count == blocksize, scratch)
-                absmax[block] = stored
-                if stored != stored:
-                    continue  # NaN: the caller reports it; codes are left unwritten
-                code_block(scratch, count, bounds, table, single_step, codes)
-                if not four_bit:
-                    for i in range(count):
-                        out[start + i] = codes[i]
-                    continue
-                codes[count] = pad
-                for i in range(0, count, 2):
-                    low = order[codes[i + 1]] if i + 1 < count else pad
-                    out[(start + i) // 2] = (np.int64(order[codes[i]]) << 4) | np.int64(low)
-
-    @numba.njit(inline="always")
-    def scaled_code(code, scale, values, rounded, as_bf16):
-        """code * scale in float32 (as the reference), as float32 bits or bf16 bits (torch's rounding)."""
-        for j in range(code.shape[0]):
-            values[j] = code[j] * scale
-        bits = values.view(np.uint32)
-        if not as_bf16:
-            return bits
-        for j in range(code.shape[0]):
-            b = bits[j]
-            if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-                rounded[j] = np.uint32(0x7FC0)  # torch's NaN
-            else:
-                rounded[j] = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-        return rounded
-
-    @numba.njit(parallel=True, nogil=True, cache=True)
-    def dequantize(data, absmax, code, blocksize, n, out, as_bf16, four_bit):
-        """out[i] = code[c_i] * absmax[block], through one scaled table per block; codes are
-        bytes (8-bit) or nibbles, high first (4-bit)."""
-        blocks = absmax.shape[0]
-        for chunk in numba.prange(CHUNKS):
-            values = np.empty(code.shape[0], np.float32)
-            rounded = np.empty(code.shape[0], np.uint32)
-            for block in range(chunk * blocks // CHUNKS, (chunk + 1) * blocks // CHUNKS):
-                table = scaled_code(code, absmax[block], values, rounded, as_bf16)
-                start = block * blocksize
-                end = min(start + blocksize, n)
-                if not four_bit:
+    def quantize(bits, n, blocksize, table, bounds, single_step, four_bit, out, absmax):
+        """Scale and code every block of float32 or bf16 ``bits`` (widened value by value, no
+        float copy); 8-bit writes one code per value, 4-bit packs two per byte, an odd tail
+        padded with a scaled zero's code."""
+        widen = np.uint32(1 << (32 - 8 * bits.itemsize))  # a multiply, not a shift, so it stays 32-bit
+        pad = code_of(np.float32(0.0), table)
+        for block in numba.prange(absmax.shape[0]):  # each thread gets one contiguous run of blocks
+            start = np.uint64(block * blocksize)
+            end = np.uint64(min(block * blocksize + blocksize, n))
+            peak = np.uint32(0)
+            for i in range(start, end):  # an integer max over |x|'s bits: vectorizes, and NaN is the largest
+                peak = max(peak, np.uint32(np.uint32(bits[i]) * widen) & np.uint32(0x7FFFFFFF))
+            if peak > np.uint32(0x7F800000):
+                absmax[block] = np.float32(np.nan)  # the caller reports it; codes are left unwritten
+                continue
+            amax = np.uint32(peak).view(np.float32)
+            clamped = max(amax, np.float32(1e-38))
+            full = end - start == blocksize
+            absmax[block] = amax if full else clamped
+            factor = np.float32(1.0) / clamped if full else clamped
+            if not four_bit:
+                for i in range(start, end):
+                    out[i] = code_of(scaled(bits, i, widen, factor, full), table)
+                if not single_step:  # buckets with several bounds gave the lowest code: scan on from it
                     for i in range(start, end):
-                        out[i] = table[data[i]]
-                    continue
-                for i in range(start, end - 1, 2):
-                    byte = np.int64(data[i // 2])
-                    out[i] = table[byte >> 4]
-                    out[i + 1] = table[byte & 15]
-                if (end - start) % 2:
-                    out[end - 1] = table[np.int64(data[(end - 1) // 2]) >> 4]
+                        value = scaled(bits, i, widen, factor, full)
+                        index = np.int64(out[i])
+                        while value > bounds[index]:
+                            index += 1
+                        out[i] = index
+                continue
+            for k in range(start >> np.uint64(1), end >> np.uint64(1)):
+                i = k << np.uint64(1)
+                high = code_of(scaled(bits, i, widen, factor, full), table)
+                low = code_of(scaled(bits, i + np.uint64(1), widen, factor, full), table)
+                out[k] = (high << np.uint32(4)) | low
+            if (end - start) & np.uint64(1):
+                last = code_of(scaled(bits, end - np.uint64(1), widen, factor, full), table)
+                out[end >> np.uint64(1)] = (last << np.uint32(4)) | pad
+
+    @numba.njit(inline="always")
+    def encode(value, width):
+        """float32 ``value`` as float32 bits (``width`` 4) or as bf16 bits rounded as torch rounds."""
+        bits = np.float32(value).view(np.uint32)
+        if width == 4:
+            return bits
+        rounded = np.uint32(np.uint32(bits + np.uint32(0x7FFF) + np.uint32((bits >> 16) & 1)) >> 16)
+        return np.uint32(0x7FC0) if np.uint32(bits & 0x7FFFFFFF) > np.uint32(0x7F800000) else rounded  # torch's NaN
 
     @numba.njit(parallel=True, nogil=True, cache=True)
-    def gemv_4bit(x, packed, absmax, code, blocksize, rows, cols, out):
-        """out[m, j] = sum_k x[m, k] * W[j, k], decoding W one block at a time (never whole)."""
-        for j in numba.prange(rows):
-            table = np.empty(16, np.float32)
-            for m in range(x.shape[0]):
+    def dequantize(data, absmax, code, pairs, blocksize, n, out):
+        """out[i] = code[c_i] * absmax[block] in float32, stored as float32 or bf16 bits (out's
+        width); codes are bytes (8-bit, ``pairs`` empty) or nibbles, high first, decoded a
+        byte at a time through ``pairs`` (4-bit)."""
+        width = out.itemsize
+        four_bit = pairs.shape[0] != 0
+        for block in numba.prange(absmax.shape[0]):  # each thread gets one contiguous run of blocks
+            scale = absmax[block]
+            start = np.uint64(block * blocksize)
+            end = np.uint64(min(block * blocksize + blocksize, n))
+            if not four_bit:
+                for i in range(start, end):
+                    out[i] = encode(code[data[i]] * scale, width)
+                continue
+            for k in range(start >> np.uint64(1), end >> np.uint64(1)):
+                pair = pairs[data[k]]
+                first = np.uint32(pair & np.uint64(0xFFFFFFFF)).view(np.float32)
+                second = np.uint32(pair >> np.uint64(32)).view(np.float32)
+                out[k << np.uint64(1)] = encode(first * scale, width)
+                out[(k << np.uint64(1)) | np.uint64(1)] = encode(second * scale, width)
+            if (end - start) & np.uint64(1):
+                out[end - np.uint64(1)] = encode(code[data[end >> np.uint64(1)] >> np.uint8(4)] * scale, width)
+
+    @numba.njit(parallel=True, nogil=True, cache=True, fastmath={"reassoc"})
+    def gemv_4bit(x, packed, absmax, code, pairs, blocksize, cols, out):
+        """out[m, j] = sum_k x[m, k] * W[j, k] for flat ``x``, decoding W a block at a time
+        (never whole): each block's dot product with the unscaled codes, a byte at a time
+        through ``pairs``, is scaled once. Sums are reassociated so they vectorize; results
+        agree with the reference to rounding."""
+        for j in numba.prange(out.shape[1]):
+            row = np.uint64(j * cols)
+            end = row + np.uint64(cols)
+            for m in range(out.shape[0]):
+                xm = np.uint64(m * cols)
                 acc = np.float32(0.0)
-                i = j * cols
-                end = i + cols
+                i = row
                 while i < end:
-                    block = i // blocksize
-                    stop = min(end, (block + 1) * blocksize)
-                    scale = absmax[block]
-                    for c in range(16):
-                        table[c] = code[c] * scale
-                    k = i - j * cols
-                    if (i & 1) == 0 and ((stop - i) & 1) == 0:  # whole bytes: two values per byte, no parity test
-                        for byte_index in range(i >> 1, stop >> 1):
-                            byte = np.int64(packed[byte_index])
-                            acc += x[m, k] * table[byte >> 4] + x[m, k + 1] * table[byte & 15]
-                            k += 2
-                        i = stop
-                    while i < stop:
-                        byte = np.int64(packed[i >> 1])
-                        acc += x[m, k] * table[(byte >> 4) if (i & 1) == 0 else (byte & 15)]
-                        i += 1
-                        k += 1
+                    block = i // np.uint64(blocksize)
+                    stop = min(end, (block + np.uint64(1)) * np.uint64(blocksize))
+                    part = np.float32(0.0)
+                    if ((i | stop) & np.uint64(1)) == 0:  # whole bytes
+                        for byte in range(i >> np.uint64(1), stop >> np.uint64(1)):
+                            pair = pairs[packed[byte]]
+                            k = xm + ((byte << np.uint64(1)) - row)
+                            part += x[k] * np.uint32(pair & np.uint64(0xFFFFFFFF)).view(np.float32)
+                            part += x[k + np.uint64(1)] * np.uint32(pair >> np.uint64(32)).view(np.float32)
+                    else:
+                        for t in range(i, stop):
+                            nibbles = packed[t >> np.uint64(1)]
+                            part += x[xm + (t - row)] * code[(nibbles & np.uint8(15)) if t & np.uint64(1) else (nibbles >> np.uint8(4))]
+                    acc += part * absmax[block]
+                    i = stop
                 out[m, j] = acc
 
     return SimpleNamespace(quantize=quantize, dequantize=dequantize, gemv_4bit=gemv_4bit)
@@ -207,16 +210,18 @@ def block_count(numel: int, blocksize: int) -> int:
     return -(-numel // blocksize)
 
 
-def _search(code_sorted: torch.Tensor) -> tuple[np.ndarray, np.ndarray, bool]:
-    return _search_table(midpoints(code_sorted).contiguous().numpy().tobytes())
+def search_table(code_sorted: torch.Tensor, order: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray, bool]:
+    """The search table for a sorted code; ``order`` maps sorted positions to codes (identity if None)."""
+    positions = np.arange(code_sorted.numel(), dtype=np.uint8) if order is None else order.to(torch.uint8).numpy()
+    return _search_table(midpoints(code_sorted).contiguous().numpy().tobytes(), positions.tobytes())
 
 
-def _source(A: torch.Tensor) -> tuple[np.ndarray, np.ndarray, bool]:
-    """(float32 values, bf16 bits, from_bf16): bf16 is widened inside the kernel, block by block."""
+def _float_bits(A: torch.Tensor) -> np.ndarray:
+    """A's values as the raw bits the kernel widens: bf16 as uint16, anything else as float32 (uint32)."""
+    flat = A.reshape(-1)
     if A.dtype == torch.bfloat16:
-        bits = A.reshape(-1).contiguous().view(torch.int16).numpy().view(np.uint16)
-        return np.empty(0, np.float32), bits, True
-    return A.reshape(-1).float().contiguous().numpy(), np.empty(0, np.uint16), False
+        return flat.contiguous().view(torch.int16).numpy().view(np.uint16)
+    return flat.float().contiguous().view(torch.int32).numpy().view(np.uint32)
 
 
 def quantize_cpu(op: str, A: torch.Tensor, blocksize: int, sorted_code: torch.Tensor, order: torch.Tensor | None, reference):
@@ -224,11 +229,13 @@ def quantize_cpu(op: str, A: torch.Tensor, blocksize: int, sorted_code: torch.Te
     if usable_numba(op, "running the reference kernel") is None:
         return reference()
     four_bit = order is not None
-    out = torch.empty((A.numel() + 1) // 2 if four_bit else A.shape, dtype=torch.uint8)
+    out = empty_with_huge_pages(((A.numel() + 1) // 2,) if four_bit else A.shape, torch.uint8)
     absmax = torch.empty(block_count(A.numel(), blocksize), dtype=torch.float32)
-    order = order.to(torch.uint8).numpy() if four_bit else _IDENTITY
+    bounds, table, single_step = search_table(sorted_code, order)
+    if four_bit and not single_step:
+        raise ValueError("internal: a 4-bit code reached quantize_cpu with several bounds in one search bucket")
     with kernel_lock:
-        _kernels().quantize(*_source(A), A.numel(), blocksize, *_search(sorted_code), order, four_bit, out.view(-1).numpy(), absmax.numpy())
+        _kernels().quantize(_float_bits(A), A.numel(), blocksize, table, bounds, single_step, four_bit, out.view(-1).numpy(), absmax.numpy())
     return out, absmax
 
 
@@ -239,10 +246,10 @@ def _dequantize_into(op: str, data: torch.Tensor, absmax: torch.Tensor, code: to
     as_bf16 = dtype == torch.bfloat16
     out = empty_with_huge_pages((numel,), torch.bfloat16 if as_bf16 else torch.float32)
     target = out.view(torch.int16).numpy().view(np.uint16) if as_bf16 else out.view(torch.int32).numpy().view(np.uint32)
-    absmax32 = absmax.float().contiguous().numpy()
     code32 = code.float().contiguous().numpy()
+    pairs = _pair_table(code32.tobytes()) if op == "dequantize_4bit" else _NO_PAIRS
     with kernel_lock:
-        _kernels().dequantize(data.numpy(), absmax32, code32, blocksize, numel, target, as_bf16, op == "dequantize_4bit")
+        _kernels().dequantize(data.numpy(), absmax.float().contiguous().numpy(), code32, pairs, blocksize, numel, target)
     return out if out.dtype == dtype else out.to(dtype)
 
 
@@ -263,7 +270,8 @@ def gemv_4bit_cpu(A, B, shape, absmax, code, blocksize, reference) -> torch.Tens
     rows, cols = shape
     x = A.reshape(-1, cols).float().contiguous()
     out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    code32 = code.float().contiguous().numpy()
     with kernel_lock:
-        _kernels().gemv_4bit(x.numpy(), B.reshape(-1).view(torch.uint8).contiguous().numpy(), absmax.float().contiguous().numpy(),
-                      code.float().contiguous().numpy(), blocksize, rows, cols, out.numpy())
+        _kernels().gemv_4bit(x.view(-1).numpy(), B.reshape(-1).view(torch.uint8).contiguous().numpy(), absmax.float().contiguous().numpy(),
+                             code32, _pair_table(code32.tobytes()), blocksize, cols, out.numpy())
     return out.to(A.dtype).reshape(*A.shape[:-1], rows)

@@ -4,23 +4,21 @@ They do what the reference kernels in ``ops/blockwise.py`` do, operation for ope
 float32, so codes and absmax are bit-identical: the reciprocal is taken with an
 IEEE-rounded division (Triton's plain ``/`` is approximate on NVIDIA GPUs), full blocks
 multiply by it, the partial last block divides, and the nearest code is bucketize's
-answer over the midpoints of the sorted code (ties to the lower entry). It is found as
-the CPU kernel finds it: a table indexed by the scaled value's top 16 bits gives a lower
-bound one comparison away from the answer (for the dynamic map, NF4 and FP4); for other
-codes, a branch-free binary search. One program quantizes several whole blocks, so a
-block's absmax never leaves registers.
+answer over the midpoints of the sorted code (ties to the lower entry). It is found with
+the CPU kernel's table: one load, indexed by the top 16 bits of the value's
+order-preserving key, and one comparison (for the dynamic map, NF4 and FP4); crowded
+custom 8-bit codes take a branch-free binary search. One program quantizes several
+whole blocks, so a block's absmax never leaves registers.
 """
 
 from __future__ import annotations
 
-import functools
-
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from tightfit.ops._cpu_blockwise import _search_table as cpu_search_table
-from tightfit.ops._cpu_blockwise import midpoints
+from tightfit.ops._cpu_blockwise import search_table as cpu_search_table
 
 __all__: list[str] = []
 
@@ -60,11 +58,14 @@ def _count_below(value, bounds_ptr, STEPS: tl.constexpr):
 
 @triton.jit
 def _nearest(value, bounds_ptr, table_ptr, STEPS: tl.constexpr, SINGLE_STEP: tl.constexpr):
-    """bucketize(value, bounds): by table and one comparison, or by binary search."""
+    """The code of ``value``: from the CPU kernel's table (one load and one comparison,
+    the code order included), or, for crowded codes, a binary search (sorted position)."""
     if SINGLE_STEP:
-        top = (value.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
-        below = tl.load(table_ptr + top).to(tl.int32)
-        return below + (tl.load(bounds_ptr + below) < value).to(tl.int32)
+        # The float's bits as an order-preserving unsigned key, held in int64.
+        bits = value.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+        key = tl.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
+        entry = tl.load(table_ptr + (key >> 16)).to(tl.int64) & 0xFFFFFFFF
+        return tl.where((key & 0xFFFF) > (entry & 0xFFFF), (entry >> 24) & 0xFF, (entry >> 16) & 0xFF)
     else:
         return _count_below(value, bounds_ptr, STEPS)
 
@@ -100,10 +101,11 @@ def _quantize_8bit_kernel(x_ptr, bounds_ptr, table_ptr, q_ptr, absmax_ptr, numel
 
 
 @triton.jit
-def _quantize_4bit_kernel(x_ptr, bounds_ptr, table_ptr, order_ptr, packed_ptr, absmax_ptr, numel, n_blocks,
-                          BLOCKSIZE: tl.constexpr, GROUP: tl.constexpr, MINIMUM: tl.constexpr, SINGLE_STEP: tl.constexpr):
-    codes, _ = _quantized_blocks(x_ptr, bounds_ptr, table_ptr, absmax_ptr, numel, n_blocks, BLOCKSIZE, GROUP, MINIMUM, 4, SINGLE_STEP)
-    high, low = tl.split(tl.reshape(tl.load(order_ptr + codes), (GROUP, BLOCKSIZE // 2, 2)))
+def _quantize_4bit_kernel(x_ptr, bounds_ptr, table_ptr, packed_ptr, absmax_ptr, numel, n_blocks,
+                          BLOCKSIZE: tl.constexpr, GROUP: tl.constexpr, MINIMUM: tl.constexpr):
+    # 4-bit codes always take the table path, whose entries are already in code order.
+    codes, _ = _quantized_blocks(x_ptr, bounds_ptr, table_ptr, absmax_ptr, numel, n_blocks, BLOCKSIZE, GROUP, MINIMUM, 4, True)
+    high, low = tl.split(tl.reshape(codes, (GROUP, BLOCKSIZE // 2, 2)))
     first = (tl.program_id(0) * GROUP + tl.arange(0, GROUP))[:, None].to(tl.int64) * BLOCKSIZE + 2 * tl.arange(0, BLOCKSIZE // 2)[None, :]
     # An odd count's last byte pairs the last value with the scaled zero read past the end.
     tl.store(packed_ptr + first // 2, ((high << 4) | low).to(tl.uint8), mask=first < numel)
@@ -154,16 +156,11 @@ def _gemv_4bit_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, out_ptr, rows, co
     tl.store(out_ptr + token * rows + row, tl.sum(total, axis=1).to(out_ptr.dtype.element_ty), mask=row < rows)
 
 
-@functools.lru_cache(maxsize=16)
-def _search(bounds_bytes: bytes, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    bounds, table, single_step = cpu_search_table(bounds_bytes)
-    return torch.from_numpy(bounds).to(device), torch.from_numpy(table).to(device), single_step
-
-
-def search_tables(sorted_code: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(bounds padded with +inf, top-16-bit table, single_step) for a sorted code, on
-    ``device``; made once per distinct code."""
-    return _search(midpoints(sorted_code.float().cpu()).numpy().tobytes(), device)
+def search_tables(sorted_code: torch.Tensor, device: torch.device, order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(bounds padded with +inf, the CPU kernel's search table, single_step) for a sorted
+    code, on ``device``; ``order`` maps sorted positions to codes (identity if None)."""
+    bounds, table, single_step = cpu_search_table(sorted_code.float().cpu(), None if order is None else order.cpu())
+    return torch.from_numpy(bounds).to(device), torch.from_numpy(table.view(np.int32)).to(device), single_step
 
 
 def _group(blocksize: int) -> int:
@@ -171,9 +168,9 @@ def _group(blocksize: int) -> int:
 
 
 def quantize(A: torch.Tensor, blocksize: int, search: tuple[torch.Tensor, torch.Tensor, bool],
-             order: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, absmax) for 8-bit (``order`` None: uint8 shaped like A) or 4-bit (packed
-    bytes); ``search`` comes from :func:`search_tables`."""
+             four_bit: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, absmax): 8-bit codes shaped like A, or 4-bit codes packed two per byte;
+    ``search`` comes from :func:`search_tables`."""
     flat = A.contiguous().view(-1)
     numel = flat.numel()
     n_blocks = -(-numel // blocksize)
@@ -181,15 +178,17 @@ def quantize(A: torch.Tensor, blocksize: int, search: tuple[torch.Tensor, torch.
     group = _group(blocksize)
     grid = (triton.cdiv(n_blocks, group),)
     bounds, table, single_step = search
-    options = dict(BLOCKSIZE=blocksize, GROUP=group, MINIMUM=_MINIMUM_ABSMAX, SINGLE_STEP=single_step, num_warps=_QUANTIZE_WARPS)
-    if order is None:
+    options = dict(BLOCKSIZE=blocksize, GROUP=group, MINIMUM=_MINIMUM_ABSMAX, num_warps=_QUANTIZE_WARPS)
+    if not four_bit:
         q = torch.empty(A.shape, dtype=torch.uint8, device=A.device)
         if numel:
-            _quantize_8bit_kernel[grid](flat, bounds, table, q, absmax, numel, n_blocks, **options)
+            _quantize_8bit_kernel[grid](flat, bounds, table, q, absmax, numel, n_blocks, SINGLE_STEP=single_step, **options)
         return q, absmax
+    if not single_step:
+        raise ValueError("internal: 4-bit codes must be searchable in one step")  # true of NF4 and FP4
     packed = torch.empty((numel + 1) // 2, dtype=torch.uint8, device=A.device)
     if numel:
-        _quantize_4bit_kernel[grid](flat, bounds, table, order.to(torch.int32), packed, absmax, numel, n_blocks, **options)
+        _quantize_4bit_kernel[grid](flat, bounds, table, packed, absmax, numel, n_blocks, **options)
     return packed, absmax
 
 

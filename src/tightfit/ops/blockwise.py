@@ -190,14 +190,16 @@ def _triton():
 @functools.lru_cache(maxsize=None)
 def _named_search(name: str, device: torch.device):
     """Search tables for the dynamic map or a 4-bit code, built once per device."""
-    code = dynamic_map() if name == "dynamic" else _sorted_code(name, torch.device("cpu"))[0]
-    return _triton().search_tables(code, device)
+    if name == "dynamic":
+        return _triton().search_tables(dynamic_map(), device)
+    code, order = _sorted_code(name, torch.device("cpu"))
+    return _triton().search_tables(code, device, order)
 
 
 def _quantize_blockwise_gpu(A, code, blocksize):
     default = code is _code_on("dynamic", A.device)
     search = _named_search("dynamic", A.device) if default else _triton().search_tables(code, A.device)
-    return _triton().quantize(A, blocksize, search, None)
+    return _triton().quantize(A, blocksize, search, four_bit=False)
 
 
 def _dequantize_blockwise_gpu(A, absmax, code, blocksize, dtype):
@@ -205,7 +207,7 @@ def _dequantize_blockwise_gpu(A, absmax, code, blocksize, dtype):
 
 
 def _quantize_4bit_gpu(A, blocksize, quant_type, quant_storage):
-    packed, absmax = _triton().quantize(A, blocksize, _named_search(quant_type, A.device), _sorted_code(quant_type, A.device)[1])
+    packed, absmax = _triton().quantize(A, blocksize, _named_search(quant_type, A.device), four_bit=True)
     return _as_storage(packed, quant_storage), absmax
 
 

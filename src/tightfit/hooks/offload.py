@@ -1,0 +1,318 @@
+"""Offloading: weights live off the device (CPU memory or memory-mapped safetensors files)
+and each unit's tensors are copied onto the device right before the unit runs, then
+dropped after it.
+
+With ``prefetch``, the first forward records the order units run in; from then on,
+entering a unit starts the copy of the next one on a side stream (backends with
+asynchronous copies), so the copy overlaps the current unit's compute. On the CPU
+there is nothing to copy: CPU storage is a no-op there, and disk storage computes
+straight from the mapped pages while prefetch asks the OS to read the next unit's
+file ahead (``madvise(WILLNEED)``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from tightfit import backends
+from tightfit._validate import check_choice, check_type
+from tightfit.hooks._disk import DISK_DTYPES, MappedFile
+from tightfit.hooks._units import Granularity, Slot, Unit, check_granularity, select_units
+from tightfit.hooks.registry import HookRegistry, ModuleHook
+
+__all__ = ["OFFLOADING", "OFFLOADING_SCHEDULE", "STORAGES", "OffloadHook", "apply_offloading", "remove_offloading", "resident_bytes"]
+
+#: Name of the per-unit offloading hook in a module's :class:`HookRegistry`.
+OFFLOADING = "tightfit.offloading"
+#: Name of the hook on the offloaded root that marks each forward pass (prefetch order).
+OFFLOADING_SCHEDULE = "tightfit.offloading.schedule"
+
+#: Where offloaded weights may live.
+STORAGES = ("cpu", "disk")
+
+
+@dataclass(eq=False)
+class _Record:
+    """One distinct offloaded tensor: the module's own tensor object and where it came from."""
+
+    tensor: torch.Tensor  # its ``.data`` is the stored copy while offloaded
+    device: torch.device  # where it lived before
+    file: MappedFile | None = None
+
+
+class _Offload:
+    """State shared by the hooks of one ``apply_offloading`` call."""
+
+    def __init__(self, device: torch.device, storage: str, folder: Path | None, streams: ModuleType | None) -> None:
+        self.device = device
+        self.storage = storage
+        self.folder = folder
+        self.records: dict[int, _Record] = {}
+        self.files: list[MappedFile] = []
+        self.streams = streams  # torch.cuda-like module when the backend copies asynchronously
+        self.side_stream = streams.Stream(device) if streams is not None else None
+        self.order: list[OffloadHook] = []
+        self.position: dict[int, int] = {}
+        self.recording = True
+
+    def start_pass(self) -> None:
+        if self.order:
+            self.recording = False
+            self.order[0].prefetch()
+
+    def end_pass(self) -> None:
+        if self.order:
+            self.recording = False
+
+    def entered(self, hook: OffloadHook) -> None:
+        """A unit started its forward: record the order (first pass) or prefetch the next unit."""
+        if self.recording:
+            if id(hook) not in self.position:
+                self.position[id(hook)] = len(self.order)
+                self.order.append(hook)
+            return
+        index = self.position.get(id(hook))
+        if index is not None and index + 1 < len(self.order):
+            self.order[index + 1].prefetch()
+
+    def restore(self) -> None:
+        for record in self.records.values():
+            record.tensor.data = record.tensor.data.to(record.device, copy=True)
+        self.records.clear()
+        for file in self.files:
+            file.close()
+        self.files.clear()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class OffloadHook(ModuleHook):
+    """Copies the unit's stored tensors onto the device for its forward and drops them afterwards."""
+
+    order = 10
+
+    def __init__(self, state: _Offload, slots: list[Slot], files: list[MappedFile]) -> None:
+        self.state = state
+        self.slots = slots
+        self.files = files  # the disk files this unit reads (for prefetch on the CPU)
+        self.moves = any(slot.get().device != state.device for slot in slots)
+        self._prefetched: tuple[list[torch.Tensor], Any] | None = None
+        self._saved: list[list[torch.Tensor]] = []
+
+    def __repr__(self) -> str:
+        return f"OffloadHook({len(self.slots)} tensors, storage {self.state.storage}, compute on {self.state.device})"
+
+    def prefetch(self) -> None:
+        """Start bringing this unit's tensors in: a side-stream copy, or a read-ahead of its file."""
+        for file in self.files:
+            file.will_need()
+        state = self.state
+        if not self.moves or state.side_stream is None or self._prefetched is not None:
+            return
+        with state.streams.stream(state.side_stream):
+            copies = [slot.get().to(state.device, non_blocking=True) for slot in self.slots]
+            event = state.side_stream.record_event()
+        self._prefetched = (copies, event)
+
+    def _onload(self) -> list[torch.Tensor]:
+        state = self.state
+        if self._prefetched is None:
+            return [slot.get().to(state.device, non_blocking=state.device.type != "cpu") for slot in self.slots]
+        copies, event = self._prefetched
+        self._prefetched = None
+        current = state.streams.current_stream(state.device)
+        current.wait_event(event)
+        for copy in copies:
+            copy.record_stream(current)  # its memory is not reused before this stream is done with it
+        return copies
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.moves:
+            saved = [slot.get() for slot in self.slots]
+            for slot, copy in zip(self.slots, self._onload()):
+                slot.set(copy)
+            self._saved.append(saved)
+        self.state.entered(self)
+        return args, kwargs
+
+    def _restore(self) -> None:
+        if self.moves and self._saved:
+            for slot, stored in zip(self.slots, self._saved.pop()):
+                slot.set(stored)
+
+    def post_forward(self, module: nn.Module, output: object) -> object:
+        self._restore()
+        return output
+
+    def abort(self, module: nn.Module) -> None:
+        self._restore()
+
+
+class _ScheduleHook(ModuleHook):
+    """On the offloaded root: marks the start and end of each forward pass."""
+
+    order = 0
+
+    def __init__(self, state: _Offload) -> None:
+        self.state = state
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.state.start_pass()
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output: object) -> object:
+        self.state.end_pass()
+        return output
+
+    def abort(self, module: nn.Module) -> None:
+        self.state.end_pass()
+
+
+def _check_device(device: object) -> tuple[backends.Backend, torch.device]:
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}: {device!r}")
+    backend = backends.get(device)  # ValueError when unknown, RuntimeError when not available here
+    resolved = backend.resolve_device(device)
+    if resolved.type != "cpu" and resolved.index is not None:
+        count = torch.get_device_module(resolved.type).device_count()
+        if resolved.index >= count:
+            raise ValueError(f"device={str(device)!r} does not exist: this machine has {count} {resolved.type} device(s)")
+    return backend, resolved
+
+
+def _hooked(module: nn.Module, name: str) -> list[nn.Module]:
+    return [m for m in module.modules() if (r := HookRegistry.get(m)) is not None and name in r]
+
+
+def apply_offloading(
+    module: nn.Module,
+    device: str | torch.device,
+    *,
+    storage: str = "cpu",
+    granularity: Granularity = "block",
+    prefetch: bool = True,
+    pin_memory: bool | None = None,
+    path: str | Path | None = None,
+) -> list[str]:
+    """Keep ``module``'s parameters and buffers in ``storage`` and compute each unit on ``device``.
+
+    ``storage="cpu"`` keeps them in CPU memory (pinned by default where the device copies
+    asynchronously); ``"disk"`` writes one safetensors file per unit into a fresh folder
+    under ``path`` (default: the system's temporary folder) and maps it back. Units are
+    picked by ``granularity`` as in layerwise casting (``"block"`` by default). Apply
+    layerwise casting first to offload float8 weights. Returns the hooked units' names.
+    """
+    check_type("module", module, nn.Module)
+    backend, device = _check_device(device)
+    check_choice("storage", storage, STORAGES)
+    check_granularity(granularity)
+    check_type("prefetch", prefetch, bool)
+    if pin_memory is not None:
+        check_type("pin_memory", pin_memory, bool)
+    async_copy = device.type != "cpu" and backend.capabilities().async_copy
+    if pin_memory and (storage != "cpu" or not async_copy):
+        raise ValueError(f"pin_memory=True needs storage='cpu' and a device with asynchronous copies; got storage={storage!r}, "
+                         f"device {device} (backend {backend.name}, async_copy={async_copy})")
+    if path is not None:
+        check_type("path", path, (str, Path))
+        if storage != "disk":
+            raise ValueError(f"path is only used with storage='disk', got storage={storage!r}")
+        if not Path(path).is_dir():
+            raise ValueError(f"path={str(path)!r} is not an existing folder")
+    if _hooked(module, OFFLOADING):
+        raise ValueError("offloading is already applied to this module; call remove_offloading(module) first")
+    units = select_units(module, granularity, ())
+    if storage == "disk":
+        for unit in units:
+            for slot in unit.slots:
+                if slot.get().dtype not in DISK_DTYPES:
+                    raise ValueError(f"{unit.name or type(module).__name__}.{slot.name} has dtype {slot.get().dtype}, "
+                                     f"which safetensors files do not hold; use storage='cpu'")
+    streams = torch.get_device_module(device.type) if async_copy and hasattr(torch.get_device_module(device.type), "Stream") else None
+    folder = Path(tempfile.mkdtemp(prefix="tightfit-offload-", dir=path)) if storage == "disk" else None
+    state = _Offload(device, storage, folder, streams if prefetch else None)
+    if folder is not None:
+        weakref.finalize(state, shutil.rmtree, folder, True)
+    pin = async_copy if pin_memory is None else pin_memory
+    for index, unit in enumerate(units):
+        files = _store_unit(state, index, unit, pin and storage == "cpu")
+        HookRegistry.of(unit.module).register(OFFLOADING, OffloadHook(state, _unique(unit.slots), files))
+    if prefetch and (streams is not None or storage == "disk"):
+        HookRegistry.of(module).register(OFFLOADING_SCHEDULE, _ScheduleHook(state))
+    return [unit.name for unit in units]
+
+
+def _unique(slots: Iterable[Slot]) -> list[Slot]:
+    seen: dict[tuple[int, str], Slot] = {}
+    for slot in slots:
+        seen.setdefault((id(slot.owner), slot.name), slot)
+    return list(seen.values())
+
+
+def _store_unit(state: _Offload, index: int, unit: Unit, pin: bool) -> list[MappedFile]:
+    """Move the unit's tensors not stored yet into storage; returns the files it created."""
+    fresh = []
+    for slot in unit.slots:
+        tensor = slot.get()
+        if id(tensor) not in state.records:
+            state.records[id(tensor)] = _Record(tensor, tensor.device)
+            fresh.append(tensor)
+    if state.storage == "cpu":
+        for tensor in fresh:
+            data = tensor.data.to("cpu")
+            tensor.data = data.pin_memory() if pin else data
+        return []
+    if not fresh:
+        return []
+    file = MappedFile(state.folder / f"unit-{index:05d}.safetensors", {str(i): t for i, t in enumerate(fresh)})
+    for i, tensor in enumerate(fresh):
+        tensor.data = file.tensors[str(i)]
+        state.records[id(tensor)].file = file
+    state.files.append(file)
+    return [file]
+
+
+def remove_offloading(module: nn.Module) -> None:
+    """Remove the offloading hooks under ``module``; every tensor goes back to its device, bit for bit."""
+    check_type("module", module, nn.Module)
+    hooked = _hooked(module, OFFLOADING)
+    if not hooked:
+        raise ValueError("no offloading is applied to this module")
+    states = {}
+    for submodule in hooked:
+        hook = HookRegistry.get(submodule).remove(OFFLOADING)
+        states[id(hook.state)] = hook.state
+    for submodule in _hooked(module, OFFLOADING_SCHEDULE):
+        HookRegistry.get(submodule).remove(OFFLOADING_SCHEDULE)
+    for state in states.values():
+        state.restore()
+
+
+def resident_bytes(module: nn.Module, device: str | torch.device) -> int:
+    """Bytes of ``module``'s parameters and buffers held in ``device``'s memory between forwards.
+
+    Distinct storages count once; tensors memory-mapped from offloading files do not count
+    (the OS may drop their pages at any time).
+    """
+    check_type("module", module, nn.Module)
+    target = torch.device(device)
+    mapped = set()
+    for submodule in _hooked(module, OFFLOADING):
+        state = HookRegistry.get(submodule).hook(OFFLOADING).state
+        mapped |= {id(record.tensor) for record in state.records.values() if record.file is not None}
+    storages = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if id(tensor) not in mapped and tensor.device.type == target.type and (target.index is None or tensor.device.index == target.index):
+            storage = tensor.untyped_storage()
+            storages[storage._cdata] = storage.nbytes()
+    return sum(storages.values())
