@@ -223,3 +223,12 @@ def test_the_report_the_dict_and_the_plot(tmp_path):
 def test_bad_arguments_are_named(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+@pytest.mark.parametrize("backend", ["cpu", torch.device("cpu"), "cpu:0"])
+def test_the_backend_may_be_named_a_device_or_an_object(backend):
+    from tightfit.backends.cpu import CPUBackend
+
+    for chosen in (backend, CPUBackend()):
+        plan = tightfit.plan_memory(mlp(), torch.randn(4, 64), backend=chosen)
+        assert plan.backend == "cpu" and list(plan.devices) == ["cpu"]

@@ -60,7 +60,8 @@ def resolve_backend(backend: Any) -> tuple[list[Backend], torch.device]:
     check_type("backend", backend, (str, torch.device, Backend, type(None)))
     found = registry.get(backend)
     named_device = isinstance(backend, torch.device) or ":" in backend
-    return [found], found.resolve_device(backend if named_device else None)
+    device = found.resolve_device(backend if named_device else None)
+    return [found], torch.device("cpu") if device.type == "cpu" else device  # tensors say "cpu", never "cpu:0"
 
 
 def _fake(mode: Any, tensor: torch.Tensor, device: torch.device, requires_grad: bool) -> torch.Tensor:

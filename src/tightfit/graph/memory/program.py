@@ -27,7 +27,7 @@ import torch.fx
 
 from tightfit.graph import _nodes
 from tightfit.graph.memory.arena import Arena, place_arena
-from tightfit.graph.memory.liveness import Buffer, Storages, Timeline, align, lifetimes, storages_of
+from tightfit.graph.memory.liveness import Buffer, Storages, Timeline, align, graph_timeline, lifetimes, storages_of
 from tightfit.graph.memory.order import ORDERS, candidate_orders, choose_order
 from tightfit.graph.partition import Split
 
@@ -79,7 +79,7 @@ def _scratch_bytes(split: Split, alignment: int) -> int:
     """The workspace of one slice of a DFS split: the largest slice body's own arena."""
     largest = 0
     for body in split.plan.bodies.values():
-        timeline = _body_timeline(body)
+        timeline = graph_timeline(body, name="slice")
         size = sum(place_arena(device, timeline.device_buffers(device), alignment).size for device in timeline.devices)
         placeholders = [node for node in body.graph.nodes if node.op == "placeholder"]
         for node, whole in zip(placeholders, split.plan.inputs):
@@ -88,12 +88,6 @@ def _scratch_bytes(split: Split, alignment: int) -> int:
                 size += sum(align(_nodes.nbytes(t), alignment) for t in _nodes.tensors(node))
         largest = max(largest, size)
     return largest
-
-
-def _body_timeline(body: torch.fx.GraphModule) -> Timeline:
-    from tightfit.graph.memory.liveness import graph_timeline
-
-    return graph_timeline(body, name="slice")
 
 
 def _timeline(graph: torch.fx.Graph, runs: Sequence[_Run], orders: Sequence[list[torch.fx.Node]], found: Storages,
