@@ -150,6 +150,7 @@ def test_the_eager_prediction_matches_a_real_eager_run(training):
         measured = _eager_peak(model, x, False)
     predicted = plan.devices["cpu"].live_peak_bytes
     assert abs(measured - predicted) <= 0.02 * predicted, (measured, predicted)
+    assert plan.runtime == "eager" and "as written (eager runs the module as it is)" in str(plan)
 
 
 @pytest.mark.parametrize("training", [False, True])

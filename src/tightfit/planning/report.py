@@ -49,6 +49,9 @@ def render(plan: MemoryPlan) -> str:
         for tensor, graph, nbytes in device.largest_live:
             lines.append(f"  {human_bytes(nbytes):>10}  {tensor} ({graph})")
     for graph, peaks in plan.order_peaks.items():
+        if not peaks:  # eager: Python runs the module as written
+            lines.append(f"order of the {graph} ops: as written (eager runs the module as it is)")
+            continue
         listed = ", ".join(f"{order} {human_bytes(peak)}" for order, peak in peaks.items())
         lines.append(f"order of the {graph} graph: {plan.orders[graph]} kept (lower bounds: {listed})")
     return "\n".join(lines)

@@ -34,7 +34,7 @@ class _Lifetimes(TorchDispatchMode):
         super().__init__()
         self.steps: list[str] = []
         self.step_graphs: list[str] = []
-        self.graph = "forward"
+        self.graph = "inference"
         self.alive: dict[StorageWeakRef, int] = {}  # -> index into born
         self.born: list[list[Any]] = []  # [name, device, nbytes, start, end]
         self.foreign: set[StorageWeakRef] = set()
@@ -103,6 +103,7 @@ def simulate_eager(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs
     if training and not any(t.requires_grad for t in flat.state + flat.fakes):
         raise ValueError(f"training=True, but nothing {type(model).__name__} reads requires grad")
     recorder = _Lifetimes()
+    recorder.graph = "forward" if training else "inference"
     with mode, recorder:
         if training:
             outs = flat(*flat.state, *flat.fakes)
