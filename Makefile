@@ -30,6 +30,7 @@ bench: $(VENV)/.installed-test
 	$(PY) benchmarks/quant.py
 	$(PY) benchmarks/casting.py
 	$(PY) benchmarks/schedules.py
+	$(PY) benchmarks/memory_plan.py
 
 clean:
 	rm -rf $(VENV)

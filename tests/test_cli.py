@@ -48,3 +48,38 @@ def test_error_messages_print_brackets_intact(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_run_command", failing_run)
     assert cli.main(["run"]) == 2
     assert "pip install 'tightfit[hf]'" in capsys.readouterr().out
+
+
+def plan_cli(capsys, *args: str) -> tuple[int, str]:
+    """``tightfit plan ...`` in this process (a subprocess would import transformers again)."""
+    from tightfit import cli
+
+    code = cli.main(["plan", *args])
+    return code, capsys.readouterr().out
+
+
+def test_plan_json_for_the_default_model(capsys):
+    code, out = plan_cli(capsys, "--batch", "2", "--seq", "16", "--json")
+    assert code == 0, out
+    data = json.loads(out)
+    cpu = data["devices"]["cpu"]
+    assert data["model"] == "BertModel" and data["runtime"] == "compiled" and not data["training"]
+    assert cpu["weights_bytes"] == 90861056  # all-MiniLM-L6-v2's float32 weights, planned without loading them
+    assert 0 < cpu["lower_bound_bytes"] <= cpu["arena_bytes"] <= 1.05 * cpu["lower_bound_bytes"]
+
+
+def test_plan_table_for_a_local_folder_training(tmp_path, capsys):
+    from tightfit.models import default_model_dir
+
+    (tmp_path / "config.json").write_text((default_model_dir() / "config.json").read_text())
+    code, out = plan_cli(capsys, "--model", str(tmp_path), "--batch", "1", "--seq", "8", "--training", "--runtime", "eager")
+    assert code == 0, out
+    assert "memory plan: BertModel, training step" in out and "eager" in out and str(tmp_path) in out
+
+
+def test_plan_bad_arguments_are_reported(capsys):
+    assert plan_cli(capsys, "--batch", "0") == (2, "tightfit plan: batch must be an int >= 1, got 0\n")
+    code, out = plan_cli(capsys, "--seq", "100000")
+    assert code == 2 and "max_position_embeddings" in out
+    code, out = plan_cli(capsys, "--model", "/nonexistent")
+    assert code == 2 and "is not a folder" in out

@@ -17,6 +17,8 @@ def twice():
     hooks.apply_layerwise_casting(model, torch.float8_e4m3fn, torch.float32)
     hooks.apply_layerwise_casting(model, torch.float8_e4m3fn, torch.float32)
 import tightfit.graph
+import tightfit.graph.memory
+import torch.fx
 assert False, "asserts must be off under -O"
 checks = [
     (lambda: tightfit.ops.cast([1.0], torch.bfloat16), TypeError),
@@ -63,6 +65,19 @@ checks = [
     (lambda: tightfit.graph.compiler(backends=["cpu"]), TypeError),
     (lambda: tightfit.graph.CompileOptions.from_options({"fast": 1}), ValueError),
     (lambda: tightfit.graph.observe_splits(3).__enter__(), TypeError),
+    (lambda: tightfit.plan_memory(lambda x: x, torch.ones(2)), TypeError),
+    (lambda: tightfit.plan_memory(torch.nn.Linear(2, 2), torch.ones(2, 2), training="yes"), TypeError),
+    (lambda: tightfit.plan_memory(torch.nn.Linear(2, 2), torch.ones(2, 2), order="random"), ValueError),
+    (lambda: tightfit.plan_memory(torch.nn.Linear(2, 2), torch.ones(2, 2), runtime="jit"), ValueError),
+    (lambda: tightfit.plan_memory(torch.nn.Linear(2, 2), torch.ones(2, 2), alignment=3), ValueError),
+    (lambda: tightfit.plan_memory(torch.nn.Linear(2, 2), torch.ones(2, 2), backend="nonesuch"), ValueError),
+    (lambda: tightfit.plan_memory(torch.nn.Linear(2, 2), torch.ones(2, 2), kwargs=3), TypeError),
+    (lambda: tightfit.plan_memory(torch.nn.Linear(2, 2).requires_grad_(False), torch.ones(2, 2), training=True), ValueError),
+    (lambda: tightfit.plan_memory(torch.nn.Linear(2, 2), torch.ones(2, 2)).plot("plan.svg"), ValueError),
+    (lambda: tightfit.plan_memory(torch.nn.Linear(2, 2), torch.ones(2, 2)).live_bytes("cuda:7"), ValueError),
+    (lambda: tightfit.graph.memory.place_arena("cpu", [], alignment=0), ValueError),
+    (lambda: tightfit.graph.memory.plan_graph(torch.fx.symbolic_trace(torch.nn.ReLU()), order="sideways"), ValueError),
+    (lambda: tightfit.graph.memory.graph_timeline(torch.fx.symbolic_trace(torch.nn.ReLU()), order="relu"), TypeError),
 ]
 for index, (call, expected) in enumerate(checks):
     try:
@@ -79,4 +94,4 @@ print(f"{len(checks)} checks raised as documented")
 def test_bad_inputs_raise_under_python_O():
     done = subprocess.run([sys.executable, "-O", "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "44 checks raised as documented" in done.stdout
+    assert "57 checks raised as documented" in done.stdout

