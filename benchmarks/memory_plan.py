@@ -1,7 +1,8 @@
 """Static memory plans against measured peaks, over models built from configs.
 
 For each model (a Llama-style causal LM, BERT, GPT-2, a diffusers UNet), inference and
-one training step, in one run:
+one training step (the model's own loss, else the mean square of its first output, planned
+and measured as one module), in one run:
 
 - the plan of the graphs the tightfit compile backend runs (``plan_memory``, order
   "best"): arena, lower bound, their ratio, the order kept;
@@ -30,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch._functorch.config
+import torch._inductor.config
 
 import tightfit
 from tightfit.graph import compiler
@@ -113,11 +116,25 @@ def _loss(out) -> torch.Tensor:
     return first.float().square().mean()
 
 
+class WithLoss(torch.nn.Module):
+    """A model's training step as one module: its own loss, else the mean square of its first output.
+
+    Planned and measured alike, so that both see the same program.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return _loss(self.model(*args, **kwargs))
+
+
 def _step(model, args, kwargs, training: bool) -> Callable[[], None]:
     def run() -> None:
         if training:
             model.zero_grad(set_to_none=True)
-            _loss(model(*args, **kwargs)).backward()
+            model(*args, **kwargs).backward()
         else:
             with torch.no_grad():
                 model(*args, **kwargs)
@@ -167,7 +184,10 @@ def inductor_estimate(model, args, kwargs, training: bool) -> int | None:
     logger.setLevel(logging.INFO)
     logger.propagate = False  # read by our handler, not printed by torch's
     try:
-        _step(torch.compile(model, backend="inductor"), args, kwargs, training)()
+        uncached = torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False)
+        no_aot_cache = torch._functorch.config.patch(enable_autograd_cache=False)
+        with uncached, no_aot_cache:  # a cached graph skips the scheduler, and its log
+            _step(torch.compile(model, backend="inductor"), args, kwargs, training)()
     except Exception as error:  # report, do not stop the table
         print(f"  inductor failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
         return None
@@ -184,6 +204,8 @@ def row(key: str, training: bool, with_inductor: bool) -> dict:
     case = CASES[key]
     torch.manual_seed(0)
     model = case.build().train(training)
+    if training:
+        model = WithLoss(model)
     args, kwargs = case.inputs(training)
     started = time.perf_counter()
     plan = tightfit.plan_memory(model, *args, kwargs=kwargs, training=training, backend="cpu")

@@ -232,3 +232,25 @@ def test_the_backend_may_be_named_a_device_or_an_object(backend):
     for chosen in (backend, CPUBackend()):
         plan = tightfit.plan_memory(mlp(), torch.randn(4, 64), backend=chosen)
         assert plan.backend == "cpu" and list(plan.devices) == ["cpu"]
+
+
+def test_splits_hold_their_inputs_to_their_end_as_the_compile_backend_does():
+    """A backend that refuses softmax: three splits; the plan matches the split-by-split run to the byte."""
+    from graph_models import restricted_cpu
+
+    torch.manual_seed(0)
+    model = Attention(embed=64, heads=8)
+    x = torch.randn(2, 64, 64)
+    backend = restricted_cpu()
+    with pytest.warns(tightfit.FallbackWarning, match="_softmax"):
+        plan = verified(tightfit.plan_memory(model, x, backend=backend, order="written"))
+    compiled = torch.compile(model, backend=compiler(execution="fx", backends=[backend]))
+
+    def step():
+        with torch.no_grad():
+            compiled(x)
+
+    step()
+    assert compiled_peak(step) == plan.devices["cpu"].live_peak_bytes
+    single = tightfit.plan_memory(model, x, order="written").devices["cpu"]
+    assert plan.devices["cpu"].live_peak_bytes >= single.live_peak_bytes
