@@ -47,9 +47,11 @@ def pyplot() -> Any:
 
 
 def draw_live(axis: Any, live: Sequence[int], label: str) -> None:
-    """Bytes per step as a filled step curve, in MiB."""
+    """Bytes per step as a filled step curve, in MiB, outlined so that one-step spikes show."""
     heights = [value / MIB for value in live]
-    axis.fill_between(range(len(heights) + 1), heights + heights[-1:], step="post", alpha=0.5, label=label)
+    steps = range(len(heights) + 1)
+    filled = axis.fill_between(steps, heights + heights[-1:], step="post", alpha=0.5, label=label)
+    axis.step(steps, heights + heights[-1:], where="post", linewidth=0.6, color=filled.get_facecolor()[0][:3])
 
 
 def draw_level(axis: Any, nbytes: int, label: str, note: str = "", **style: Any) -> None:
