@@ -150,8 +150,8 @@ def test_cli_table_for_a_causal_lm(tiny_llama, capsys):
 
     assert main(["run", "--model", str(tiny_llama), "--repeat", "1", "--max-new-tokens", "2", "--quant", "int8"]) == 0
     out = capsys.readouterr().out
-    assert "(causal-lm)" in out and "greedy generation" in out and "2 new tokens" in out and "full precision" in out
-    assert "token agreement int8 vs full" in out and "time to first token" in out and "decode speed (median)" in out
+    assert "(causal LM)" in out and "greedy generation" in out and "2 new tokens" in out and "full precision" in out
+    assert "token agreement, int8 vs full" in out and "time to first token" in out and "decode speed (median)" in out
 
 
 @pytest.mark.parametrize(

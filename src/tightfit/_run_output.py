@@ -64,7 +64,7 @@ def _text(report: RunReport) -> Table:
 def print_report(report: RunReport, console: Console) -> None:
     """The tables: what ran, what it produced, and the measured figures."""
     measured = report.measurement
-    console.print(f"model    {report.model} ({report.kind})", highlight=False)
+    console.print(f"model    {report.model}" + ("" if report.kind == ENCODER else " (causal LM)"), highlight=False)
     console.print(f"backend  {report.backend} ({report.device})", highlight=False)
     console.print(_pairs(report) if report.kind == ENCODER else _text(report))
     figures = Table(title="measured")
@@ -77,8 +77,10 @@ def print_report(report: RunReport, console: Console) -> None:
             kept = f"{', '.join(report.kept_8bit)}: {report.kept_8bit_linears} Linear, {human_bytes(report.kept_8bit_bytes)}"
             figures.add_row("kept in 8 bits (later half of the layers)", kept)
         figures.add_row(f"weights in {report.device} memory between forwards", human_bytes(report.device_weights_bytes))
-        quality = report.quality_metric.replace("vs full precision", f"{report.changes} vs full")
-        figures.add_row(quality, f"{report.quality:.4f}")
+        if report.kind == ENCODER:
+            figures.add_row(f"embedding cosine, {report.changes} vs full (lowest)", f"{report.quality:.4f}")
+        else:
+            figures.add_row(f"token agreement, {report.changes} vs full", f"{report.quality:.4f}")
     else:
         figures.add_row("weights", human_bytes(report.weights_bytes))
     if report.kind == ENCODER:

@@ -5,6 +5,7 @@ measurement also keeps a timeline: the bytes after every op of one call."""
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -117,6 +118,14 @@ class LiveTensorBytes(_Recorder):
         return result
 
 
+def _allocated_reader(device: torch.device) -> Callable[[], int]:
+    """Reads ``torch.accelerator``'s allocated bytes; the backend's figure before torch 2.9 had them."""
+    if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "memory_allocated"):
+        return functools.partial(torch.accelerator.memory_allocated, device)
+    backend = get(device)
+    return lambda: backend.memory(device).allocated
+
+
 class AllocatedBytes(_Recorder):
     """Samples an accelerator's allocated bytes (``torch.accelerator`` statistics) after every aten op.
 
@@ -127,13 +136,8 @@ class AllocatedBytes(_Recorder):
 
     def __init__(self, device: torch.device | str, read: Callable[[], int] | None = None) -> None:
         super().__init__(record=True)
-        device = torch.device(device)
         if read is None:
-            if not hasattr(torch, "accelerator") or not hasattr(torch.accelerator, "memory_allocated"):
-                backend = get(device)
-                read = lambda: backend.memory(device).allocated  # noqa: E731  (torch older than 2.9)
-            else:
-                read = lambda: torch.accelerator.memory_allocated(device)  # noqa: E731
+            read = _allocated_reader(torch.device(device))
         if not callable(read):
             raise TypeError(f"read must be callable, got {type(read).__name__}")
         self._read = read

