@@ -235,7 +235,7 @@ def test_the_backend_may_be_named_a_device_or_an_object(backend):
         assert plan.backend == "cpu" and list(plan.devices) == ["cpu"]
 
 
-def test_splits_hold_their_inputs_to_their_end_as_the_compile_backend_does():
+def test_a_run_of_several_splits_is_planned_to_the_byte():
     """A backend that refuses softmax: three splits; the plan matches the split-by-split run to the byte."""
     from graph_models import restricted_cpu
 

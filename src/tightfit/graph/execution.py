@@ -5,16 +5,21 @@ else as inductor-compiled code where inductor works for the device, else as its 
 module (also when ``execution="fx"`` or the split keeps ``order="as_written"``). A DFS
 split runs its slice body once per slice, on views of its inputs, and writes each
 slice's outputs into results allocated once before the loop, so one slice's
-intermediates are freed before the next starts.
+intermediates are freed before the next starts. With ``memory="arena"``, whole splits
+run op by op inside their planned arena (:mod:`tightfit.graph.arena_run`).
 
 :class:`Program` is what the compile backend hands to aot_autograd: a boxed callable
 (it takes the list of inputs and frees values as soon as no later split reads them).
+Splits are called boxed too: a split gets the only references to the inputs that no
+later split reads, so FX and inductor code free each one after its last use inside
+the split, as eager autograd frees a saved tensor after the node that needs it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,33 +62,59 @@ def _examples(graph_module: torch.fx.GraphModule) -> list[Any]:
     return [node.meta.get("val") for node in graph_module.graph.nodes if node.op == "placeholder"]
 
 
-def _conforming(run: Callable[..., tuple[Any, ...]], examples: Sequence[Any]) -> Callable[..., tuple[Any, ...]]:
-    """Compiled code assumes its example inputs' strides: restride an input that differs."""
-    expected = [(tuple(x.shape), tuple(x.stride())) if isinstance(x, torch.Tensor) else None for x in examples]
+Boxed = Callable[[list[Any]], tuple[Any, ...]]  # takes the list of inputs and clears it
 
-    def call(*args: Any) -> tuple[Any, ...]:
-        fixed = list(args)
-        for index, (arg, layout) in enumerate(zip(args, expected)):
-            if layout is not None and isinstance(arg, torch.Tensor) and tuple(arg.stride()) != layout[1]:
-                fixed[index] = torch.empty_strided(layout[0], layout[1], dtype=arg.dtype, device=arg.device).copy_(arg)
-        del args
-        return run(*fixed)
+
+def _boxed(run: Callable[..., Any]) -> Boxed:
+    """``run`` with the boxed calling convention (as it is, if it has it already)."""
+    if getattr(run, "_boxed_call", False):
+        return run
+
+    def call(args: list[Any]) -> tuple[Any, ...]:
+        values = list(args)  # code taking its inputs positionally holds them to its end
+        args.clear()
+        return run(*values)
 
     return call
 
 
-def _compile(split: Split, graph_module: torch.fx.GraphModule, execution: str) -> tuple[Callable[..., tuple[Any, ...]], str]:
-    """The code that runs one split (or one slice body), and what it is."""
+def _boxed_fx(graph_module: torch.fx.GraphModule) -> Boxed:
+    """The FX module's code, generated to take a list and clear it: each input is freed after its last use."""
+    codegen = getattr(torch.fx.graph, "_BoxedCodeGen", None)
+    if codegen is None:  # an older torch: the interpreter frees values after their last use too
+        return torch.fx.Interpreter(graph_module).boxed_run
+    graph = copy.deepcopy(graph_module.graph)  # the split keeps its own graph and calling convention
+    graph.set_codegen(codegen())
+    boxed = torch.fx.GraphModule(graph_module, graph)
+    return boxed.forward
+
+
+def _conforming(run: Boxed, examples: Sequence[Any]) -> Boxed:
+    """Compiled code assumes its example inputs' strides: restride an input that differs."""
+    expected = [(tuple(x.shape), tuple(x.stride())) if isinstance(x, torch.Tensor) else None for x in examples]
+
+    def call(args: list[Any]) -> tuple[Any, ...]:
+        for index, layout in enumerate(expected):
+            if layout is not None and isinstance(args[index], torch.Tensor) and tuple(args[index].stride()) != layout[1]:
+                args[index] = torch.empty_strided(layout[0], layout[1], dtype=args[index].dtype,
+                                                  device=args[index].device).copy_(args[index])
+        return run(args)
+
+    return call
+
+
+def _compile(split: Split, graph_module: torch.fx.GraphModule, execution: str) -> tuple[Boxed, str]:
+    """The code that runs one split (or one slice body), boxed, and what it is."""
     if split.as_written or execution == "fx":
-        return graph_module.forward, "fx"
+        return _boxed_fx(graph_module), "fx"
     examples = _examples(graph_module)
     own = split.backend.compile_split(graph_module, examples)
     if own is not None:
-        return _conforming(own, examples), f"compiled by backend {split.backend.name}"
+        return _conforming(_boxed(own), examples), f"compiled by backend {split.backend.name}"
     from tightfit.graph import inductor
 
     try:
-        return _conforming(inductor.compile_split(graph_module, examples), examples), "inductor"
+        return _conforming(_boxed(inductor.compile_split(graph_module, examples)), examples), "inductor"
     except Exception as error:
         if execution == "inductor":
             raise RuntimeError(f"inductor could not compile split {split.index} for {split.device} "
@@ -92,7 +123,7 @@ def _compile(split: Split, graph_module: torch.fx.GraphModule, execution: str) -
                          f"tightfit: inductor could not compile a split for {split.device} "
                          f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
                          "running such splits as FX modules")
-    return graph_module.forward, "fx"
+    return _boxed_fx(graph_module), "fx"
 
 
 def _allocate(node: torch.fx.Node, device: torch.device) -> torch.Tensor:
@@ -105,19 +136,21 @@ def _allocate(node: torch.fx.Node, device: torch.device) -> torch.Tensor:
 class SlicedRun:
     """A DFS split: the slice body once per slice, outputs written into preallocated results."""
 
-    def __init__(self, plan: SlicePlan, device: torch.device, bodies: dict[int, Callable[..., tuple[Any, ...]]]) -> None:
+    def __init__(self, plan: SlicePlan, device: torch.device, bodies: dict[int, Boxed]) -> None:
         self.plan = plan
         self.device = device
         self.bodies = bodies
         self.input_states = [plan.state(node) for node in plan.inputs]
         self.output_states = [plan.state(node) for node in plan.outputs]
 
-    def __call__(self, *args: Any) -> tuple[Any, ...]:
+    def __call__(self, boxed: list[Any]) -> tuple[Any, ...]:
+        args = list(boxed)  # every slice reads the inputs: they are held to the end
+        boxed.clear()
         extent = self.plan.extent
         results = [_allocate(node, self.device) for node in self.plan.outputs]
         for start, length in self.plan.bounds():
             pieces = [take(arg, state, extent, start, length) for arg, state in zip(args, self.input_states)]
-            outputs = self.bodies[length](*pieces)
+            outputs = self.bodies[length](pieces)
             del pieces
             for result, output, state in zip(results, outputs, self.output_states):
                 put(result, output, state, extent, start, length)
@@ -130,7 +163,7 @@ class Step:
     """One split and the code that runs it."""
 
     split: Split
-    run: Callable[..., tuple[Any, ...]]
+    run: Boxed
     how: str  # "fx", "inductor", "compiled by backend NAME"
     non_blocking: bool
 
@@ -186,19 +219,18 @@ class Program:
         observers = _observers.get()
         for step, dead in zip(self.steps, self.dead_after):
             split = step.split
+            for observer in observers:
+                observer("start", split)
             inputs = [
                 env[node].to(split.device, non_blocking=step.non_blocking) if node in split.copies else env[node]
                 for node in split.inputs
             ]
-            for observer in observers:
-                observer("start", split)
-            outputs = step.run(*inputs)
-            del inputs
+            for node in dead:  # the split holds the only reference now, and frees it after its last use
+                env.pop(node, None)
+            outputs = step.run(inputs)
             for node, value in zip(split.outputs, outputs):
                 env[node] = value
             del outputs
-            for node in dead:
-                env.pop(node, None)
             for observer in observers:
                 observer("end", split)
         return torch.fx.node.map_arg(self.output, env.__getitem__)
