@@ -29,15 +29,22 @@ import torch.fx
 
 from tightfit._strict import report_slow_path
 from tightfit.graph import _nodes
+from tightfit.graph.arena_run import ArenaRun
+from tightfit.graph.memory.layout import ArenaLayout, arena_layout
 from tightfit.graph.partition import Split
 from tightfit.graph.schedules import SlicePlan
 from tightfit.graph.slicing import put, take
 
-__all__ = ["EXECUTIONS", "Program", "Step", "build_program", "observe_splits"]
+__all__ = ["EXECUTIONS", "MEMORY_MODES", "Program", "Step", "build_program", "observe_splits"]
 
 #: How splits run: "auto" (the backend's own compiler, else inductor where it works,
 #: else FX), "inductor" (an error where inductor cannot compile), "fx" (never compile).
 EXECUTIONS = ("auto", "fx", "inductor")
+
+#: Where results go: "allocator" (each allocated as usual: the caching allocator on a
+#: GPU, ``malloc`` on the CPU) or "arena" (whole splits run op by op inside the planned
+#: arena, one buffer per device; see docs/memory.md).
+MEMORY_MODES = ("allocator", "arena")
 
 Observer = Callable[[str, Split], None]
 _observers: contextvars.ContextVar[tuple[Observer, ...]] = contextvars.ContextVar("tightfit_split_observers", default=())
@@ -163,14 +170,18 @@ class Step:
     """One split and the code that runs it."""
 
     split: Split
-    run: Boxed
-    how: str  # "fx", "inductor", "compiled by backend NAME"
+    run: Boxed | ArenaRun
+    how: str  # "fx", "inductor", "compiled by backend NAME", "arena"
     non_blocking: bool
 
 
+def _step_non_blocking(split: Split) -> bool:
+    """Copies into the split may be asynchronous (device-to-host must block)."""
+    return bool(split.backend.capabilities().async_copy) and split.device.type != "cpu"
+
+
 def _step(split: Split, execution: str) -> Step:
-    target_caps = split.backend.capabilities()
-    non_blocking = bool(target_caps.async_copy) and split.device.type != "cpu"  # device-to-host must block
+    non_blocking = _step_non_blocking(split)
     if split.plan is None:
         run, how = _compile(split, split.graph_module, execution)
         return Step(split, run, how, non_blocking)
@@ -185,15 +196,17 @@ class Program:
 
     _boxed_call = True
 
-    def __init__(self, graph_module: torch.fx.GraphModule, steps: list[Step], name: str) -> None:
+    def __init__(self, graph_module: torch.fx.GraphModule, steps: list[Step], name: str,
+                 layout: ArenaLayout | None = None) -> None:
         self._boxed_call = True  # an instance attribute: wrappers copy __dict__, not class attributes
         self.name = name
         self.ledger: Any = None  # the compile's HintLedger: what was ignored, for reports
+        self.layout = layout  # memory="arena": the arenas, and what is allocated outside them
         self.steps = steps
         graph = graph_module.graph
         self.placeholders = [node for node in graph.nodes if node.op == "placeholder"]
         self.constants = {
-            node: _fetch_attr(graph_module, node.target)
+            node: _nodes.fetch_attr(graph_module, node.target)
             for node in graph.nodes if node.op == "get_attr" and _nodes.tensors(node)
         }
         self.output = next(node for node in graph.nodes if node.op == "output").args[0]
@@ -217,6 +230,7 @@ class Program:
         args.clear()  # boxed: the caller hands over its references
         env.update(self.constants)
         observers = _observers.get()
+        arenas: dict[str, torch.Tensor] = {}  # memory="arena": one buffer per device, freed when the graph returns
         for step, dead in zip(self.steps, self.dead_after):
             split = step.split
             for observer in observers:
@@ -227,7 +241,7 @@ class Program:
             ]
             for node in dead:  # the split holds the only reference now, and frees it after its last use
                 env.pop(node, None)
-            outputs = step.run(inputs)
+            outputs = step.run(inputs, arenas) if isinstance(step.run, ArenaRun) else step.run(inputs)
             for node, value in zip(split.outputs, outputs):
                 env[node] = value
             del outputs
@@ -236,12 +250,16 @@ class Program:
         return torch.fx.node.map_arg(self.output, env.__getitem__)
 
 
-def _fetch_attr(module: torch.nn.Module, target: str) -> Any:
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module
-
-
-def build_program(graph_module: torch.fx.GraphModule, splits: list[Split], execution: str, name: str) -> Program:
-    """Compile every split (per ``execution``) into a :class:`Program`."""
-    return Program(graph_module, [_step(split, execution) for split in splits], name)
+def build_program(graph_module: torch.fx.GraphModule, splits: list[Split], execution: str, name: str,
+                  memory: str = "allocator") -> Program:
+    """Compile every split (per ``execution``) into a :class:`Program`; with
+    ``memory="arena"``, whole splits run in their arena instead (DFS splits as usual)."""
+    if memory == "allocator":
+        return Program(graph_module, [_step(split, execution) for split in splits], name)
+    layout = arena_layout(graph_module, splits, name=name)
+    steps = [
+        _step(split, execution) if split.plan is not None
+        else Step(split, ArenaRun(split, layout), "arena", _step_non_blocking(split))
+        for split in splits
+    ]
+    return Program(graph_module, steps, name, layout)
