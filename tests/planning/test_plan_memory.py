@@ -212,7 +212,7 @@ def test_the_report_the_dict_and_the_plot(tmp_path):
     (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), training=1), TypeError, "training must be bool"),
     (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), order="random"), ValueError, "order='random'"),
     (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), runtime="jit"), ValueError, "runtime='jit'"),
-    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), runtime="eager", order="dfs"), ValueError, "eager mode runs the written order"),
+    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), runtime="eager", order="dfs"), ValueError, "eager execution runs the written order"),
     (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), alignment=48), ValueError, "power of two"),
     (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), alignment=True), TypeError, "alignment must be int"),
     (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), backend="nonesuch"), ValueError, "not known"),
