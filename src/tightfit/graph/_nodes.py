@@ -86,3 +86,10 @@ def fetch_attr(module: torch.nn.Module, target: str) -> Any:
     for part in target.split("."):
         module = getattr(module, part)
     return module
+
+
+def allocate(fake: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An uninitialized tensor like ``fake`` on ``device``: its strides if dense, else contiguous."""
+    if is_dense(fake):
+        return torch.empty_strided(tuple(fake.shape), tuple(fake.stride()), dtype=fake.dtype, device=device)
+    return torch.empty(tuple(fake.shape), dtype=fake.dtype, device=device)

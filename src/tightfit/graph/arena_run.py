@@ -28,10 +28,6 @@ def _slot(arena: torch.Tensor, offset: int, fake: torch.Tensor) -> torch.Tensor:
     return typed.as_strided(tuple(fake.shape), tuple(fake.stride()), offset // fake.element_size() + fake.storage_offset())
 
 
-def _fresh(fake: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return torch.empty_strided(tuple(fake.shape), tuple(fake.stride()), dtype=fake.dtype, device=device)
-
-
 class ArenaRun:
     """Runs one whole split inside its device's arena; call with (inputs, arenas).
 
@@ -72,7 +68,7 @@ class ArenaRun:
         inputs.clear()
         env.update(self.constants)
         key = str(self.device)
-        if self.opens and key not in arenas and self.size:
+        if self.opens and key not in arenas:
             arenas[key] = torch.empty(self.size, dtype=torch.uint8, device=self.device)
         arena = arenas.get(key)
         lookup = env.__getitem__
@@ -82,7 +78,7 @@ class ArenaRun:
             if variant is None:
                 env[node] = node.target(*args, **kwargs)
             else:
-                outs = [_fresh(fake, self.device) if offset is None else _slot(arena, offset, fake) for offset, fake in slots]
+                outs = [_nodes.allocate(fake, self.device) if offset is None else _slot(arena, offset, fake) for offset, fake in slots]
                 kwargs = dict(kwargs, **dict(zip(variant.names, outs)))
                 variant.op(*args, **kwargs)
                 env[node] = outs[0] if len(outs) == 1 else tuple(outs)

@@ -133,13 +133,6 @@ def _compile(split: Split, graph_module: torch.fx.GraphModule, execution: str) -
     return _boxed_fx(graph_module), "fx"
 
 
-def _allocate(node: torch.fx.Node, device: torch.device) -> torch.Tensor:
-    fake = _nodes.value(node)
-    if _nodes.is_dense(fake):
-        return torch.empty_strided(tuple(fake.shape), tuple(fake.stride()), dtype=fake.dtype, device=device)
-    return torch.empty(tuple(fake.shape), dtype=fake.dtype, device=device)
-
-
 class SlicedRun:
     """A DFS split: the slice body once per slice, outputs written into preallocated results."""
 
@@ -154,7 +147,7 @@ class SlicedRun:
         args = list(boxed)  # every slice reads the inputs: they are held to the end
         boxed.clear()
         extent = self.plan.extent
-        results = [_allocate(node, self.device) for node in self.plan.outputs]
+        results = [_nodes.allocate(_nodes.value(node), self.device) for node in self.plan.outputs]
         for start, length in self.plan.bounds():
             pieces = [take(arg, state, extent, start, length) for arg, state in zip(args, self.input_states)]
             outputs = self.bodies[length](pieces)

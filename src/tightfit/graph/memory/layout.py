@@ -130,7 +130,7 @@ def arena_layout(graph_module: torch.fx.GraphModule, splits: Sequence[Split], *,
         fakes = _nodes.tensors(node)
         whole = len(fresh) == len(sids) == len(fakes) and all(_nodes.is_dense(fake) for fake in fakes)
         leaves: list[tuple[int, Buffer] | None] = []
-        for sid, fake in zip(sids, fakes):
+        for sid in sids:
             buffer = by_name.get(found.names[sid])
             if buffer is None:  # inside a DFS split's slices: it never exists whole
                 leaves.append(None)
