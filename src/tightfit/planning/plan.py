@@ -186,7 +186,9 @@ def _plan_compiled(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs
                             released=released, name=name, alignment=alignment)
         if arena:
             layout = arena_layout(graph_module, splits, name=name, alignment=alignment, plan=plans["written"])
-            plans = {"written": replace(plans["written"], timeline=layout.timeline(plans["written"].timeline))}
+            timeline = layout.timeline(plans["written"].timeline)
+            plans = {"written": replace(plans["written"], timeline=timeline,
+                                        order_peaks={"written": total_bound(timeline, alignment)})}
             layouts.append(layout)
         candidates.append(plans)
     first = candidates[0][choose_order(next(iter(candidates[0].values())).order_peaks)]
