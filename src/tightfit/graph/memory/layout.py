@@ -119,7 +119,7 @@ def arena_layout(graph_module: torch.fx.GraphModule, splits: Sequence[Split], *,
             if found.kind[sid] == "new":
                 producer.setdefault(sid, node)
     chosen: dict[str, list[Buffer]] = {}
-    wanted: dict[torch.fx.Node, list[tuple[int, Buffer] | None]] = {}
+    wanted: dict[torch.fx.Node, list[Buffer | None]] = {}
     variants: dict[torch.fx.Node, OutVariant] = {}
     outside: list[Outside] = []
     for node in plan.nodes:
@@ -129,7 +129,7 @@ def arena_layout(graph_module: torch.fx.GraphModule, splits: Sequence[Split], *,
             continue  # a view, an in-place result or a getitem: it aliases its base
         fakes = _nodes.tensors(node)
         whole = len(fresh) == len(sids) == len(fakes) and all(_nodes.is_dense(fake) for fake in fakes)
-        leaves: list[tuple[int, Buffer] | None] = []
+        leaves: list[Buffer | None] = []
         for sid in sids:
             buffer = by_name.get(found.names[sid])
             if buffer is None:  # inside a DFS split's slices: it never exists whole
@@ -145,7 +145,7 @@ def arena_layout(graph_module: torch.fx.GraphModule, splits: Sequence[Split], *,
                 leaves.append(None)
             else:
                 chosen.setdefault(buffer.device, []).append(buffer)
-                leaves.append((sid, buffer))
+                leaves.append(buffer)
         if any(leaf is not None for leaf in leaves):
             wanted[node] = leaves
     for buffer in plan.timeline.buffers:
@@ -156,7 +156,7 @@ def arena_layout(graph_module: torch.fx.GraphModule, splits: Sequence[Split], *,
         verify_arena(arena)
     offsets = {(arena.device, buffer.name): offset for arena in arenas.values()
                for buffer, offset in zip(arena.buffers, arena.offsets)}
-    slots = {node.name: tuple(None if leaf is None else offsets[(leaf[1].device, leaf[1].name)] for leaf in leaves)
+    slots = {node.name: tuple(None if leaf is None else offsets[(leaf.device, leaf.name)] for leaf in leaves)
              for node, leaves in wanted.items()}
     step = {node: index for index, node in enumerate(plan.nodes)}
     opens: dict[str, int] = {}
