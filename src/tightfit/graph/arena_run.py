@@ -32,7 +32,8 @@ class ArenaRun:
     """Runs one whole split inside its device's arena; call with (inputs, arenas).
 
     ``inputs`` is the boxed list of the split's inputs (cleared); ``arenas`` maps a device
-    to its arena buffer for this call of the graph, and is filled when first needed.
+    to its arena buffer for this call of the graph: the first op that writes into it
+    allocates it, the last one drops it (the views in it keep it alive to their end).
     """
 
     def __init__(self, split: Split, layout: ArenaLayout) -> None:
@@ -40,7 +41,7 @@ class ArenaRun:
             raise ValueError(f"split {split.index} is a DFS split; arena execution runs whole splits")
         self.device = split.device
         self.size = layout.arena_bytes(str(split.device))
-        self.opens = layout.opens.get(str(split.device)) == split.index
+        closes = layout.closes.get(str(split.device))
         graph_module = split.graph_module
         graph = graph_module.graph
         self.placeholders = [node for node in graph.nodes if node.op == "placeholder"]
@@ -61,23 +62,24 @@ class ArenaRun:
             slots = layout.slots.get(node.name)
             variant = layout.out_ops.get(node.name) if slots is not None else None
             fakes = _nodes.tensors(node) if variant is not None else []
-            self.steps.append((node, variant, tuple(zip(slots, fakes)) if variant else (), dead.get(node, [])))
+            self.steps.append((node, variant, tuple(zip(slots, fakes)) if variant else (), dead.get(node, []),
+                               node.name == closes))
 
     def __call__(self, inputs: list[Any], arenas: dict[str, torch.Tensor]) -> tuple[Any, ...]:
         env: dict[torch.fx.Node, Any] = dict(zip(self.placeholders, inputs))
         inputs.clear()
         env.update(self.constants)
         key = str(self.device)
-        if self.opens and key not in arenas:
-            arenas[key] = torch.empty(self.size, dtype=torch.uint8, device=self.device)
         arena = arenas.get(key)
         lookup = env.__getitem__
-        for node, variant, slots, dead in self.steps:
+        for node, variant, slots, dead, closes in self.steps:
             args = torch.fx.node.map_arg(node.args, lookup)
             kwargs = torch.fx.node.map_arg(node.kwargs, lookup)
             if variant is None:
                 env[node] = node.target(*args, **kwargs)
             else:
+                if arena is None:
+                    arena = arenas[key] = torch.empty(self.size, dtype=torch.uint8, device=self.device)
                 outs = [_nodes.allocate(fake, self.device) if offset is None else _slot(arena, offset, fake) for offset, fake in slots]
                 kwargs = dict(kwargs, **dict(zip(variant.names, outs)))
                 variant.op(*args, **kwargs)
@@ -86,4 +88,7 @@ class ArenaRun:
             del args, kwargs
             for value in dead:
                 del env[value]
+            if closes:  # nothing writes into the arena after this op: it dies with its last view
+                arenas.pop(key, None)
+                arena = None
         return tuple(torch.fx.node.map_arg(self.output, lookup))

@@ -12,14 +12,16 @@ not escape the graph (a graph output, such as an activation the forward saves fo
 backward, outlives the program call and its arena). Views and in-place results alias
 their base as planned. Everything else is allocated as usual and listed in ``outside``.
 
-A device's arena is allocated when the first split that writes into it starts and is
-freed when the graph returns: :meth:`ArenaLayout.timeline` is the plan of that run.
+A device's arena is allocated right before the first op that writes into it and freed
+when the last tensor placed in it dies (the run drops its own reference after the last
+op that writes into it; views keep it alive to their planned end):
+:meth:`ArenaLayout.timeline` is the plan of that run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx
@@ -57,8 +59,9 @@ class ArenaLayout:
     ``arenas``: per device, the verified placement (``Arena.size`` bytes are allocated);
     ``slots``: per node name, the arena offset of each tensor result (None: allocated as
     usual); ``out_ops``: per node name, the out variant it runs with; ``outside``: the
-    storages allocated as usual; ``opens``: per device, the index of the split that
-    allocates its arena (its first step is ``open_steps[device]``).
+    storages allocated as usual; ``closes``: per device, the last node that writes into
+    its arena; ``lifetimes``: per device, the steps at which its arena is allocated and
+    at which the last tensor in it dies.
     """
 
     name: str
@@ -67,8 +70,8 @@ class ArenaLayout:
     slots: dict[str, tuple[int | None, ...]]
     out_ops: dict[str, OutVariant]
     outside: tuple[Outside, ...]
-    opens: dict[str, int]
-    open_steps: dict[str, int] = field(default_factory=dict)
+    closes: dict[str, str]
+    lifetimes: dict[str, tuple[int, int]]
 
     def arena_bytes(self, device: str) -> int:
         """The size of ``device``'s arena (0: none)."""
@@ -78,14 +81,12 @@ class ArenaLayout:
     def timeline(self, timeline: Timeline) -> Timeline:
         """``timeline`` (the graph's plan in the written order) as arena execution runs it:
         the arena's buffers replaced by one buffer per device, alive from the step its
-        arena is allocated to the graph's last step."""
+        arena is allocated to the step its last tenant dies."""
         placed = {(buffer.device, buffer.name) for arena in self.arenas.values() for buffer in arena.buffers}
         buffers = [buffer for buffer in timeline.buffers if (buffer.device, buffer.name) not in placed]
-        last = len(timeline.steps) - 1
         for device, arena in self.arenas.items():
-            if arena.size:
-                buffers.append(Buffer(f"arena of the {self.name} graph", device, arena.size,
-                                      self.open_steps[device], last, "arena", self.name))
+            start, end = self.lifetimes[device]
+            buffers.append(Buffer(f"arena of the {self.name} graph", device, arena.size, start, end, "arena", self.name))
         return replace(timeline, buffers=buffers)
 
 
@@ -159,12 +160,12 @@ def arena_layout(graph_module: torch.fx.GraphModule, splits: Sequence[Split], *,
     slots = {node.name: tuple(None if leaf is None else offsets[(leaf.device, leaf.name)] for leaf in leaves)
              for node, leaves in wanted.items()}
     step = {node: index for index, node in enumerate(plan.nodes)}
-    opens: dict[str, int] = {}
-    open_steps: dict[str, int] = {}
-    for split in splits:
-        device = str(split.device)
-        if device in arenas and device not in opens and any(node in wanted for node in split.nodes):
-            opens[device] = split.index
-            open_steps[device] = min(step[node] for node in split.nodes)
+    closes: dict[str, str] = {}
+    lifetimes: dict[str, tuple[int, int]] = {}
+    for device, arena in arenas.items():
+        writers = sorted((step[node], node.name) for node, leaves in wanted.items()
+                         if any(leaf is not None and leaf.device == device for leaf in leaves))
+        closes[device] = writers[-1][1]
+        lifetimes[device] = (writers[0][0], max(buffer.end for buffer in arena.buffers))
     return ArenaLayout(name, alignment, arenas, slots, {node.name: variants[node] for node in wanted},
-                       tuple(outside), opens, open_steps)
+                       tuple(outside), closes, lifetimes)
