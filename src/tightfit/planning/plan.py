@@ -185,7 +185,7 @@ def _plan_compiled(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs
         plans = graph_plans(graph_module, splits=splits, weights=weights, orders=orders,
                             released=released, name=name, alignment=alignment)
         if arena:
-            layout = arena_layout(graph_module, splits, name=name, alignment=alignment, plan=plans["written"])
+            layout = arena_layout(graph_module, splits, name=name, plan=plans["written"])  # the run's alignment
             timeline = layout.timeline(plans["written"].timeline)
             plans = {"written": replace(plans["written"], timeline=timeline,
                                         order_peaks={"written": total_bound(timeline, alignment)})}
@@ -226,7 +226,8 @@ def plan_memory(model: torch.nn.Module, *example_inputs: Any, backend: Any = Non
     runs it), "arena" (the same with ``options={"memory": "arena"}``: written order,
     each graph's results in one arena per device; ``outside`` lists what is not) or
     "eager" (op by op in the written order, as PyTorch runs the module).
-    ``alignment``: of every offset and size in an arena, in bytes.
+    ``alignment``: of every offset and size in an arena, in bytes (arena execution
+    always aligns its own arenas to ``tightfit.graph.memory.ARENA_ALIGNMENT``).
     """
     from tightfit.planning.simulate import simulate_eager
     from tightfit.planning.trace import resolve_backend
