@@ -9,7 +9,7 @@ so what runs is what was predicted. The lifetimes and offsets are the planner's 
 when the op that creates it has an ``out=`` variant with a kernel for the device, runs
 in a whole split (not a DFS one) on the device its result is on, and the storage does
 not escape the graph (a graph output, such as an activation the forward saves for the
-backward, outlives the program call and its arena). Views and in-place results alias
+backward, outlives the program call, and would keep the whole arena alive with it). Views and in-place results alias
 their base as planned. Everything else is allocated as usual and listed in ``outside``.
 
 A device's arena is allocated right before the first op that writes into it and freed
