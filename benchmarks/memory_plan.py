@@ -9,9 +9,14 @@ and measured as one module), in one run:
 - eager: the predicted peak (``runtime="eager"``: the module run once on fake tensors)
   against the peak measured in a real eager call (live tensor bytes, counted by
   ``tightfit.memory.LiveTensorBytes``; weights and inputs excluded from both);
-- compiled: the predicted peak of the written order (what the compile backend runs
-  today, splits as FX modules) against the peak measured in a real call of
+- compiled: the predicted peak of the written order (what the compile backend runs,
+  splits as FX modules) against the peak measured in a real call of
   ``torch.compile(model, backend=tightfit.graph.compiler(execution="fx"))``;
+- arena: the predicted peak of arena execution (``runtime="arena"``: each graph's
+  execution arena counted whole, plus what is allocated outside it) against the peak
+  measured in a real call of ``torch.compile(model, backend=compiler(memory="arena"))``;
+  the execution arenas' sizes (forward + backward) and the bytes of all the tensors
+  allocated outside them (a sum over the step, not a peak);
 - inductor's own estimate (``torch._inductor.memory``'s log of its chosen order), the
   largest over the graphs it compiles (forward and backward apart), where obtainable.
 
@@ -151,9 +156,9 @@ def eager_peak(model, args, kwargs, training: bool) -> int:
     return tracker.peak
 
 
-def compiled_run_peak(model, args, kwargs, training: bool) -> int:
-    """The same for the tightfit compile backend (FX execution), from its first split on."""
-    compiled = torch.compile(model, backend=compiler(execution="fx"))
+def compiled_run_peak(model, args, kwargs, training: bool, memory: str = "allocator") -> int:
+    """The same for the tightfit compile backend (FX execution, or arena execution), from its first split on."""
+    compiled = torch.compile(model, backend=compiler(execution="fx", memory=memory))
     run = _step(compiled, args, kwargs, training)
     run()  # compile outside the measurement
     model.zero_grad(set_to_none=True)
@@ -213,11 +218,16 @@ def row(key: str, training: bool, with_inductor: bool) -> dict:
     plan.verify()
     written = tightfit.plan_memory(model, *args, kwargs=kwargs, training=training, backend="cpu", order="written")
     eager = tightfit.plan_memory(model, *args, kwargs=kwargs, training=training, backend="cpu", runtime="eager")
+    arena = tightfit.plan_memory(model, *args, kwargs=kwargs, training=training, backend="cpu", runtime="arena")
+    arena.verify()
     device, written_device, eager_device = plan.devices["cpu"], written.devices["cpu"], eager.devices["cpu"]
     measured_eager = eager_peak(model, args, kwargs, training)
     torch._dynamo.reset()
     measured_compiled = compiled_run_peak(model, args, kwargs, training)
     torch._dynamo.reset()
+    measured_arena = compiled_run_peak(model, args, kwargs, training, memory="arena")
+    torch._dynamo.reset()
+
     estimate = inductor_estimate(model, args, kwargs, training) if with_inductor else None
     return {
         "model": key, "mode": "train" if training else "infer", "steps": len(plan.timeline.steps),
@@ -226,6 +236,9 @@ def row(key: str, training: bool, with_inductor: bool) -> dict:
         "written_lower_bound": written_device.lower_bound_bytes,
         "eager_predicted": eager_device.live_peak_bytes, "eager_measured": measured_eager,
         "compiled_predicted": written_device.live_peak_bytes, "compiled_measured": measured_compiled,
+        "arena_predicted": arena.devices["cpu"].live_peak_bytes, "arena_measured": measured_arena,
+        "run_arenas": sum(size for sizes in arena.run_arenas.values() for size in sizes.values()),
+        "outside": sum(entry.nbytes for entry in arena.outside),
         "inductor_estimate": estimate, "plan_seconds": plan_seconds,
     }
 
@@ -236,7 +249,8 @@ def _pct(measured: int, predicted: int) -> str:
 
 def print_table(rows: list[dict]) -> None:
     header = (f"{'model':6} {'mode':5} {'steps':>5} {'weights':>8} {'arena':>8} {'bound':>8} {'ratio':>6} {'order':>16}  "
-              f"{'eager pred':>10} {'meas':>8} {'err':>7}  {'fx pred':>8} {'meas':>8} {'err':>7}  {'inductor':>8} {'plan s':>6}")
+              f"{'eager pred':>10} {'meas':>8} {'err':>7}  {'fx pred':>8} {'meas':>8} {'err':>7}  "
+              f"{'arena pred':>10} {'meas':>8} {'err':>7} {'arenas':>7} {'outside':>7}  {'inductor':>8} {'plan s':>6}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -245,9 +259,14 @@ def print_table(rows: list[dict]) -> None:
               f"{r['lower_bound'] / MiB:8.1f} {r['ratio']:6.3f} {r['order']:>16}  "
               f"{r['eager_predicted'] / MiB:10.1f} {r['eager_measured'] / MiB:8.1f} {_pct(r['eager_measured'], r['eager_predicted']):>7}  "
               f"{r['compiled_predicted'] / MiB:8.1f} {r['compiled_measured'] / MiB:8.1f} "
-              f"{_pct(r['compiled_measured'], r['compiled_predicted']):>7}  {inductor} {r['plan_seconds']:6.1f}")
+              f"{_pct(r['compiled_measured'], r['compiled_predicted']):>7}  "
+              f"{r['arena_predicted'] / MiB:10.1f} {r['arena_measured'] / MiB:8.1f} "
+              f"{_pct(r['arena_measured'], r['arena_predicted']):>7} {r['run_arenas'] / MiB:7.1f} {r['outside'] / MiB:7.1f}  "
+              f"{inductor} {r['plan_seconds']:6.1f}")
     print("MiB; arena and bound: the compile backend's graphs in the order kept; eager: plan runtime='eager' against a "
           "real eager call;\nfx: plan of the written order against torch.compile(backend=tightfit, execution='fx'); "
+          "arena: plan runtime='arena' against\ntorch.compile(backend=tightfit, memory='arena'); arenas: "
+          "the execution arenas' bytes; outside: bytes of all tensors allocated outside them (a sum, not a peak);\n"
           "inductor: its own estimate (largest graph); weights and inputs excluded from every peak.")
 
 

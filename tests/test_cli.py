@@ -77,6 +77,13 @@ def test_plan_table_for_a_local_folder_training(tmp_path, capsys):
     assert "memory plan: BertModel, training step" in out and "eager" in out and str(tmp_path) in out
 
 
+def test_plan_of_arena_execution(capsys):
+    code, out = plan_cli(capsys, "--batch", "1", "--seq", "8", "--runtime", "arena")
+    assert code == 0, out
+    assert "BertModel, inference, arena" in out and "execution arena of the inference graph: cpu" in out
+    assert "allocated outside the arena" in out
+
+
 def test_plan_bad_arguments_are_reported(capsys):
     assert plan_cli(capsys, "--batch", "0") == (2, "tightfit plan: batch must be an int >= 1, got 0\n")
     code, out = plan_cli(capsys, "--seq", "100000")

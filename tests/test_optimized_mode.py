@@ -63,6 +63,11 @@ checks = [
     (lambda: tightfit.hints_of(3), TypeError),
     (lambda: tightfit.graph.compiler(execution="jit"), ValueError),
     (lambda: tightfit.graph.compiler(backends=["cpu"]), TypeError),
+    (lambda: tightfit.graph.compiler(memory="pool"), ValueError),
+    (lambda: tightfit.graph.compiler(memory=None), TypeError),
+    (lambda: tightfit.graph.compiler(memory="arena", execution="inductor"), ValueError),
+    (lambda: tightfit.graph.CompileOptions.from_options({"memory": "heap"}), ValueError),
+    (lambda: tightfit.plan_memory(torch.nn.Linear(2, 2), torch.ones(2, 2), runtime="arena", order="dfs"), ValueError),
     (lambda: tightfit.graph.CompileOptions.from_options({"fast": 1}), ValueError),
     (lambda: tightfit.graph.observe_splits(3).__enter__(), TypeError),
     (lambda: tightfit.plan_memory(lambda x: x, torch.ones(2)), TypeError),
@@ -94,4 +99,4 @@ print(f"{len(checks)} checks raised as documented")
 def test_bad_inputs_raise_under_python_O():
     done = subprocess.run([sys.executable, "-O", "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "57 checks raised as documented" in done.stdout
+    assert "62 checks raised as documented" in done.stdout

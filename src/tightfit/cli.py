@@ -155,8 +155,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--seq", type=int, default=128, help="sequence length of the planned call (default: 128)")
     plan.add_argument("--backend", help="backend name or device to plan for (default: the default backend)")
     plan.add_argument("--training", action="store_true", help="plan one training step (forward and backward)")
-    plan.add_argument("--runtime", choices=["compiled", "eager"], default="compiled",
-                      help="as torch.compile(backend='tightfit') runs it (default) or as eager PyTorch does")
+    plan.add_argument("--runtime", choices=["compiled", "arena", "eager"], default="compiled",
+                      help="as torch.compile(backend='tightfit') runs it (default), the same inside its planned "
+                           "arena (options={'memory': 'arena'}), or as eager PyTorch does")
     plan.add_argument("--order", choices=["best", "written", "dfs", "bfs", "least-peak"], default="best",
                       help="order of the ops (default: the candidate with the lowest peak)")
     plan.add_argument("--plot", help="also write a PNG timeline to this path (needs tightfit[plot])")

@@ -79,3 +79,17 @@ def nbytes(tensor: torch.Tensor) -> int:
 def is_dense(tensor: torch.Tensor) -> bool:
     """Non-overlapping and dense: an allocation with exactly these strides is possible."""
     return bool(torch._prims_common.is_non_overlapping_and_dense_or_false(tensor))
+
+
+def fetch_attr(module: torch.nn.Module, target: str) -> Any:
+    """The attribute a ``get_attr`` node names (dotted path) on ``module``."""
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def allocate(fake: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An uninitialized tensor like ``fake`` on ``device``: its strides if dense, else contiguous."""
+    if is_dense(fake):
+        return torch.empty_strided(tuple(fake.shape), tuple(fake.stride()), dtype=fake.dtype, device=device)
+    return torch.empty(tuple(fake.shape), dtype=fake.dtype, device=device)

@@ -5,7 +5,7 @@ the forward and the backward graph both reach us, both carrying the hints) -> fo
 aten graph: placement, hint check, schedules, partition, execution.
 
 ``backend="tightfit"`` uses the defaults; ``tightfit.graph.compiler(execution=...,
-backends=...)`` returns a configured backend whose options are checked when it is
+backends=..., memory=...)`` returns a configured backend whose options are checked when it is
 made. ``options={...}`` in ``torch.compile`` are accepted too, checked at the first
 compile.
 """
@@ -24,7 +24,7 @@ import torch.fx
 from tightfit._validate import check_choice, check_type
 from tightfit.backends.base import Backend
 from tightfit.graph.debug import debug_topics, maybe_print
-from tightfit.graph.execution import EXECUTIONS, Program, build_program
+from tightfit.graph.execution import EXECUTIONS, MEMORY_MODES, Program, build_program
 from tightfit.graph.honor import HintLedger
 from tightfit.graph.inline import inline_hints_wrappers
 from tightfit.graph.partition import Split, partition
@@ -44,15 +44,23 @@ class CompileOptions:
     FX), "inductor", or "fx" (no compiler: quick to start, and what a memory
     measurement with a dispatch mode can see). ``backends``: the backends to place
     nodes on, highest priority first (default: every available one); the CPU backend
-    is added as the last fallback when missing.
+    is added as the last fallback when missing. ``memory``: "allocator" (results
+    allocated as usual) or "arena" (whole splits run op by op inside the arena the
+    memory plan gives, so the planned peak is the peak; docs/memory.md).
     """
 
     execution: str = "auto"
     backends: tuple[Backend, ...] | None = None
+    memory: str = "allocator"
 
     def __post_init__(self) -> None:
         check_type("execution", self.execution, str)
         check_choice("execution", self.execution, EXECUTIONS)
+        check_type("memory", self.memory, str)
+        check_choice("memory", self.memory, MEMORY_MODES)
+        if self.memory == "arena" and self.execution == "inductor":
+            raise ValueError("memory='arena' runs splits op by op in their arena, which execution='inductor' "
+                             "cannot do; accepted with memory='arena': execution='auto' or 'fx'")
         if self.backends is not None:
             check_type("backends", self.backends, (tuple, list))
             if not self.backends:
@@ -69,9 +77,9 @@ class CompileOptions:
         if isinstance(options, CompileOptions):
             return options
         check_type("options", options, dict)
-        unknown = set(options) - {"execution", "backends"}
+        unknown = set(options) - {"execution", "backends", "memory"}
         if unknown:
-            raise ValueError(f"options {sorted(unknown)} are not accepted; accepted: backends, execution")
+            raise ValueError(f"options {sorted(unknown)} are not accepted; accepted: backends, execution, memory")
         return cls(**options)
 
 
@@ -101,7 +109,7 @@ def compile_graph(graph_module: torch.fx.GraphModule, example_inputs: Sequence[A
     """Compile one aten graph (aot_autograd's forward, backward or inference graph)."""
     debug_topics()  # a bad TIGHTFIT_DEBUG is an error before any work
     splits, placement, ledger = split_graph(graph_module, options=options, name=name)
-    program = build_program(graph_module, splits, options.execution, name)
+    program = build_program(graph_module, splits, options.execution, name, options.memory)
     program.ledger = ledger
     maybe_print(program, placement, ledger)
     return program
@@ -127,9 +135,11 @@ def tightfit_backend(graph_module: torch.fx.GraphModule, example_inputs: list[An
     return _compile(graph_module, example_inputs, CompileOptions.from_options(options))
 
 
-def compiler(*, execution: str = "auto", backends: Sequence[Backend] | None = None) -> Callable[..., Any]:
+def compiler(*, execution: str = "auto", backends: Sequence[Backend] | None = None,
+             memory: str = "allocator") -> Callable[..., Any]:
     """A tightfit compile backend with options, for ``torch.compile(model, backend=...)``."""
-    options = CompileOptions(execution=execution, backends=tuple(backends) if isinstance(backends, list) else backends)
+    options = CompileOptions(execution=execution, backends=tuple(backends) if isinstance(backends, list) else backends,
+                             memory=memory)
 
     def tightfit(graph_module: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
         if kwargs.get("options") is not None:

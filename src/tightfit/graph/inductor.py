@@ -19,7 +19,8 @@ __all__: list[str] = []
 
 
 def compile_split(graph_module: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., tuple[Any, ...]]:
-    """Inductor-compiled code for a split; called with the inputs positionally, returns a tuple."""
+    """Inductor-compiled code for a split: boxed (called with the list of inputs, which it
+    clears, so each input is freed after its last use), returns a tuple."""
     from torch._guards import TracingContext, detect_fake_mode, tracing
     from torch._inductor.compile_fx import compile_fx_inner, record_original_output_strides
     from torch._inductor.decomposition import select_decomp_table
@@ -34,9 +35,10 @@ def compile_split(graph_module: torch.fx.GraphModule, example_inputs: Sequence[A
     with tracing(TracingContext(fake_mode)):
         compiled = compile_fx_inner(decomposed, list(example_inputs))
 
-    def run(*args: Any) -> tuple[Any, ...]:
-        return tuple(compiled(list(args)))
+    def run(args: list[Any]) -> tuple[Any, ...]:
+        return tuple(compiled(args))
 
+    run._boxed_call = True  # type: ignore[attr-defined]
     return run
 
 

@@ -18,6 +18,7 @@ import torch
 
 from tightfit._validate import check_choice, check_type
 from tightfit.graph.memory.arena import Arena
+from tightfit.graph.memory.layout import ArenaLayout, Outside, arena_layout
 from tightfit.graph.memory.liveness import Timeline
 from tightfit.graph.memory.order import ORDERS, choose_order
 from tightfit.graph.memory.program import graph_plans, join_training, plan_arenas, total_bound
@@ -71,6 +72,9 @@ class MemoryPlan:
     ``print(plan)`` shows a table; ``plan.plot(path)`` writes a PNG timeline;
     ``plan.verify()`` re-checks that no two live tensors overlap in any arena;
     ``plan.to_dict()`` gives the figures as plain data (``tightfit plan --json``).
+    ``runtime="arena"`` only: ``run_arenas`` (graph -> device -> bytes) are the buffers
+    arena execution allocates, and ``outside`` the storages it allocates as usual
+    (what made them, their bytes, and why they are not in the arena).
     """
 
     model: str
@@ -83,6 +87,8 @@ class MemoryPlan:
     order_peaks: Mapping[str, Mapping[str, int]]  # graph -> {order: total lower bound}
     timeline: Timeline = field(repr=False)
     arenas: Mapping[str, Arena] = field(repr=False)
+    run_arenas: Mapping[str, Mapping[str, int]] = field(default_factory=lambda: MappingProxyType({}))
+    outside: tuple[Outside, ...] = ()
 
     @property
     def graphs(self) -> tuple[str, ...]:
@@ -115,6 +121,9 @@ class MemoryPlan:
                 }
                 for name, d in self.devices.items()
             },
+            "run_arenas": {graph: dict(sizes) for graph, sizes in self.run_arenas.items()},
+            "outside": [{"graph": o.graph, "tensor": o.name, "op": o.op, "device": o.device, "bytes": o.nbytes,
+                         "reason": o.reason} for o in self.outside],
         }
 
     def __str__(self) -> str:
@@ -156,9 +165,10 @@ def _check_alignment(alignment: Any) -> int:
 
 
 def _plan_compiled(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs: dict[str, Any], backends: list[Any],
-                   device: torch.device, training: bool, order: str, alignment: int
-                   ) -> tuple[Timeline, dict[str, str], dict[str, dict[str, int]]]:
-    """The timeline of the aten graphs the compile backend gets, split as it splits them, in the best order."""
+                   device: torch.device, training: bool, order: str, alignment: int, arena: bool
+                   ) -> tuple[Timeline, dict[str, str], dict[str, dict[str, int]], list[ArenaLayout]]:
+    """The timeline of the aten graphs the compile backend gets, split as it splits them, in the best order
+    (``arena``: in the written order, as arena execution runs them, with the arena layouts)."""
     from tightfit.graph.backend import CompileOptions, split_graph
     from tightfit.planning.trace import trace
 
@@ -166,13 +176,21 @@ def _plan_compiled(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs
     options = CompileOptions(backends=tuple(backends))
     orders = ORDERS if order == "best" else (order,)
     candidates = []
+    layouts = []
     for index, (name, graph_module) in enumerate(traced.graphs):
         splits, _, _ = split_graph(graph_module, options=options, name=name)
         placeholders = [node for node in graph_module.graph.nodes if node.op == "placeholder"]
         weights = placeholders[: traced.weights] if index == 0 else ()
         released = [placeholders[position] for _, position in traced.saved] if index == 1 else ()
-        candidates.append(graph_plans(graph_module, splits=splits, weights=weights, orders=orders,
-                                      released=released, name=name, alignment=alignment))
+        plans = graph_plans(graph_module, splits=splits, weights=weights, orders=orders,
+                            released=released, name=name, alignment=alignment)
+        if arena:
+            layout = arena_layout(graph_module, splits, name=name, plan=plans["written"])  # the run's alignment
+            timeline = layout.timeline(plans["written"].timeline)
+            plans = {"written": replace(plans["written"], timeline=timeline,
+                                        order_peaks={"written": total_bound(timeline, alignment)})}
+            layouts.append(layout)
+        candidates.append(plans)
     first = candidates[0][choose_order(next(iter(candidates[0].values())).order_peaks)]
     chosen = [first]
     timeline = first.timeline
@@ -182,13 +200,15 @@ def _plan_compiled(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs
         best = choose_order(peaks)
         chosen.append(replace(candidates[1][best], order_peaks=peaks))
         timeline = joined[best]
-    return timeline, {plan.name: plan.order for plan in chosen}, {plan.name: plan.order_peaks for plan in chosen}
+    return (timeline, {plan.name: plan.order for plan in chosen}, {plan.name: plan.order_peaks for plan in chosen},
+            layouts)
 
 
 #: How the planned graphs run: as the tightfit compile backend runs them (splits, DFS
-#: regions, copies between devices; a split holds its inputs until it ends), or op by
-#: op as PyTorch's eager mode does (each tensor freed after its last use, written order).
-RUNTIMES = ("compiled", "eager")
+#: regions, copies between devices), with results allocated as usual ("compiled") or
+#: inside the planned arena ("arena": ``options={"memory": "arena"}``), or op by op as
+#: PyTorch's eager mode does ("eager": each tensor freed when Python drops it).
+RUNTIMES = ("compiled", "arena", "eager")
 
 
 def plan_memory(model: torch.nn.Module, *example_inputs: Any, backend: Any = None, training: bool = False,
@@ -203,8 +223,11 @@ def plan_memory(model: torch.nn.Module, *example_inputs: Any, backend: Any = Non
     does); the module's own ``train()``/``eval()`` mode is kept. ``order``: "best" (the
     candidate order with the lowest peak) or one of "written", "dfs", "bfs",
     "least-peak". ``runtime``: "compiled" (as ``torch.compile(model, backend="tightfit")``
-    runs it) or "eager" (op by op in the written order, as PyTorch runs the module).
-    ``alignment``: of every offset and size in an arena, in bytes.
+    runs it), "arena" (the same with ``options={"memory": "arena"}``: written order,
+    each graph's results in one arena per device; ``outside`` lists what is not) or
+    "eager" (op by op in the written order, as PyTorch runs the module).
+    ``alignment``: of every offset and size in an arena, in bytes (arena execution
+    always aligns its own arenas to ``tightfit.graph.memory.ARENA_ALIGNMENT``).
     """
     from tightfit.planning.simulate import simulate_eager
     from tightfit.planning.trace import resolve_backend
@@ -217,8 +240,8 @@ def plan_memory(model: torch.nn.Module, *example_inputs: Any, backend: Any = Non
     alignment = _check_alignment(alignment)
     check_type("runtime", runtime, str)
     check_choice("runtime", runtime, RUNTIMES)
-    if runtime == "eager" and order not in ("best", "written"):
-        raise ValueError(f"order={order!r} with runtime='eager': eager mode runs the written order; "
+    if runtime in ("eager", "arena") and order not in ("best", "written"):
+        raise ValueError(f"order={order!r} with runtime={runtime!r}: {runtime} execution runs the written order; "
                          "accepted: 'best' or 'written'")
     if kwargs is not None:
         check_type("kwargs", kwargs, Mapping)
@@ -228,9 +251,11 @@ def plan_memory(model: torch.nn.Module, *example_inputs: Any, backend: Any = Non
         graphs = tuple(dict.fromkeys(timeline.step_graphs))
         orders = {graph: "written" for graph in graphs}
         order_peaks = {graph: {} for graph in graphs}
+        layouts = []
     else:
-        timeline, orders, order_peaks = _plan_compiled(model, example_inputs, dict(kwargs or {}), backends, device,
-                                                       training, order, alignment)
+        timeline, orders, order_peaks, layouts = _plan_compiled(
+            model, example_inputs, dict(kwargs or {}), backends, device, training,
+            "written" if runtime == "arena" else order, alignment, runtime == "arena")
     arenas = plan_arenas(timeline, alignment)
     for arena in arenas.values():
         verify_arena(arena)
@@ -242,4 +267,7 @@ def plan_memory(model: torch.nn.Module, *example_inputs: Any, backend: Any = Non
         orders=MappingProxyType(orders),
         order_peaks=MappingProxyType({graph: MappingProxyType(dict(peaks)) for graph, peaks in order_peaks.items()}),
         timeline=timeline, arenas=MappingProxyType(arenas),
+        run_arenas=MappingProxyType({layout.name: MappingProxyType({d: a.size for d, a in layout.arenas.items()})
+                                     for layout in layouts}),
+        outside=tuple(entry for layout in layouts for entry in layout.outside),
     )

@@ -53,7 +53,30 @@ def render(plan: MemoryPlan) -> str:
             continue
         listed = ", ".join(f"{order} {human_bytes(peak)}" for order, peak in peaks.items())
         lines.append(f"order of the {graph} graph: {plan.orders[graph]} kept (lower bounds: {listed})")
+    lines += _arena_lines(plan)
     return "\n".join(lines)
+
+
+def _arena_lines(plan: MemoryPlan) -> list[str]:
+    """runtime="arena": each graph's execution arena, and the storages allocated outside it, largest first."""
+    lines = []
+    for graph, sizes in plan.run_arenas.items():
+        listed = ", ".join(f"{device} {human_bytes(size)}" for device, size in sizes.items()) or "none"
+        lines.append(f"execution arena of the {graph} graph: {listed}")
+    if not plan.run_arenas:
+        return lines
+    reasons: dict[str, list[int]] = {}
+    for entry in plan.outside:
+        counted = reasons.setdefault(entry.reason, [0, 0])
+        counted[0] += 1
+        counted[1] += entry.nbytes
+    total = sum(entry.nbytes for entry in plan.outside)
+    lines.append(f"allocated outside the arena: {len(plan.outside)} tensors, {human_bytes(total)}")
+    for reason, (count, nbytes) in sorted(reasons.items(), key=lambda item: -item[1][1]):
+        ops = sorted({entry.op for entry in plan.outside if entry.reason == reason})
+        shown = ", ".join(ops[:6]) + (", ..." if len(ops) > 6 else "")
+        lines.append(f"  {human_bytes(nbytes):>10}  {count:4d} x {reason} ({shown})")
+    return lines
 
 
 def plot(plan: MemoryPlan, path: str | Path) -> Path:

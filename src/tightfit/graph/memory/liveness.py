@@ -26,8 +26,9 @@ from tightfit.graph import _nodes
 __all__ = ["Buffer", "Timeline", "Storages", "align", "check_order", "graph_timeline", "lifetimes", "storages_of"]
 
 #: What a buffer holds: an intermediate, a graph output (lives to the end), a DFS
-#: split's per-slice workspace, or a copy of a split's input from another device.
-BUFFER_KINDS = ("activation", "output", "scratch", "copy")
+#: split's per-slice workspace, a copy of a split's input from another device, or a
+#: whole execution arena (``runtime="arena"``: see :mod:`~tightfit.graph.memory.layout`).
+BUFFER_KINDS = ("activation", "output", "scratch", "copy", "arena")
 
 
 def align(nbytes: int, alignment: int) -> int:

@@ -3,11 +3,12 @@
 On top of the op-by-op lifetimes of :mod:`~tightfit.graph.memory.liveness`, a
 :class:`~tightfit.graph.partition.Split` changes three things, all modelled here:
 
-- a split holds its inputs until it ends, and returns all its outputs at its end
-  (``Program`` frees values between splits, an FX split frees its intermediates op by
-  op);
+- a split returns all its outputs at its end; it frees its inputs and intermediates op
+  by op after their last use (``Program`` hands a split the only references to the
+  values no later split reads), except a DFS split, which holds its inputs until it
+  ends (every slice reads them);
 - an input that comes from another device is copied at the split's start and kept
-  until its end (a ``copy`` buffer on the split's device);
+  until its last use there (a ``copy`` buffer on the split's device);
 - a DFS split preallocates its results at its start; its slices' intermediates live in
   a workspace as large as one slice body's own arena (a ``scratch`` buffer), and none
   of the region's other intermediates exist whole.
@@ -75,6 +76,19 @@ def _runs(graph: torch.fx.Graph, splits: Sequence[Split] | None) -> list[_Run]:
     return runs
 
 
+def _last_read(node: torch.fx.Node, order: Sequence[torch.fx.Node], first: int, found: Storages) -> int:
+    """The last step of a run (starting at step ``first``) that reads ``node``'s storage, itself or through a view."""
+    sids = set(found.refs.get(node, ()))
+    reads = [first + index for index, op in enumerate(order)
+             if any(sids & set(found.refs.get(arg, ())) for arg in _nodes.input_nodes(op))]
+    return max(reads, default=first)
+
+
+def _holds_inputs(run: _Run) -> bool:
+    """A DFS split reads its inputs in every slice: it holds them to its end."""
+    return run.split is not None and run.split.plan is not None
+
+
 def _scratch_bytes(split: Split, alignment: int) -> int:
     """The workspace of one slice of a DFS split: the largest slice body's own arena."""
     largest = 0
@@ -97,11 +111,12 @@ def _timeline(graph: torch.fx.Graph, runs: Sequence[_Run], orders: Sequence[list
     for run, order in zip(runs, orders):
         first, last = position, position + len(order) - 1
         bounds.append((first, last))
-        holds.extend((node, last) for node in run.inputs + run.outputs)
+        held = run.inputs + run.outputs if _holds_inputs(run) else run.outputs
+        holds.extend((node, last) for node in held)
         position += len(order)
     spans = lifetimes(graph, ops, found, holds)
     extra: list[Buffer] = []
-    for run, (first, last) in zip(runs, bounds):
+    for run, order, (first, last) in zip(runs, orders, bounds):
         if run.split is not None and run.split.plan is not None:
             kept = {sid for node in run.outputs for sid in found.refs.get(node, ())}
             for node in run.nodes:
@@ -113,9 +128,10 @@ def _timeline(graph: torch.fx.Graph, runs: Sequence[_Run], orders: Sequence[list
             extra.append(Buffer(f"split {run.split.index} slice workspace", run.device,
                                 _scratch_bytes(run.split, alignment), first, last, "scratch", name))
         for node, source in run.copies.items():
+            end = last if _holds_inputs(run) else _last_read(node, order, first, found)
             for tensor in _nodes.tensors(node):
                 extra.append(Buffer(f"{node.name} copied from {source}", run.device, _nodes.nbytes(tensor),
-                                    first, last, "copy", name))
+                                    first, end, "copy", name))
     timeline = Timeline(steps=[node.name for node in ops], step_graphs=[name] * len(ops),
                         weights=found.bytes_of("weight"), inputs=found.bytes_of("input"))
     timeline.buffers = [Buffer(found.names[sid], found.device[sid], found.nbytes[sid], start, end, kind, name)
@@ -223,8 +239,9 @@ def _last_use(graph: torch.fx.Graph, ops: Sequence[torch.fx.Node], runs: Sequenc
     position = 0
     for run in runs:
         position += len(run.nodes)
-        for node in run.inputs:
-            run_end[node] = position - 1
+        if _holds_inputs(run):
+            for node in run.inputs:
+                run_end[node] = position - 1
     for node in graph.nodes:
         if node.op != "placeholder":
             continue
