@@ -1,0 +1,211 @@
+"""What the planner chooses between: the model's units (one per layer of its repeated
+stack, one per Linear / Embedding outside it, and the rest), and for each unit the
+options (storage x placement) with their predicted device bytes and seconds.
+
+Bytes follow the formats' layouts exactly (see docs/quantization.md): a 4-bit weight
+is half a byte per value plus a float32 scale per block of 64 and a 16-entry map; an
+8-bit blockwise weight one byte plus a scale per 4096 and a 256-entry map; int8 one
+byte plus a float32 scale per row; float8 one byte plus a power-of-two float32 scale
+per row. Biases, norms and other tensors keep their dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tightfit.quant import Blockwise8Config, FP4Config, Int8Config, NF4Config, QuantConfig, layer_stack
+
+__all__ = ["DECODED_STORAGES", "FLOAT8_DTYPE", "Option", "PLACEMENTS", "QUANT_CONFIGS", "STORAGES", "Unit", "find_units", "options_for"]
+
+#: Storages, in the order the planner prefers them at equal predicted time.
+STORAGES = ("keep", "float8", "8bit", "int8", "nf4", "fp4")
+#: Where a unit's weights live between forwards.
+PLACEMENTS = ("device", "cpu", "disk")
+#: Storages decoded during each forward (everything but ``keep``).
+DECODED_STORAGES = STORAGES[1:]
+#: The float8 kind that ``float8`` storage uses (layerwise casting, scaled per row).
+FLOAT8_DTYPE = torch.float8_e4m3fn
+#: The quantization config of each quantized storage.
+QUANT_CONFIGS: dict[str, QuantConfig] = {"nf4": NF4Config(), "fp4": FP4Config(), "int8": Int8Config(), "8bit": Blockwise8Config()}
+
+_PAGE = 4096  # bytes the OS reads per touched page of a memory-mapped file
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A group of modules the planner decides for as one.
+
+    ``weights``: the qualified names of its ``nn.Linear`` and ``nn.Embedding`` leaves, with
+    (shape, dtype); ``bytes``: all its tensors as they are; ``rows``: rows each leaf
+    computed in the traced forward (tokens for an embedding); ``fixed``: the reason it
+    must stay as it is, or ""; ``no_float8``: the reason float8 storage is ruled out, or "".
+    """
+
+    name: str
+    kind: str  # "layer", "linear", "embedding" or "rest"
+    weights: tuple[tuple[str, str, tuple[int, ...], torch.dtype], ...]  # (name, type, shape, dtype)
+    bytes: int
+    other_bytes: int  # tensors in the unit that are not leaf weights (biases, norms)
+    fixed: str = ""  # why it must stay as it is, where it is ("" when free)
+    no_float8: str = ""  # why float8 storage is ruled out ("" when it is not)
+
+    def quantizable(self) -> bool:
+        return any(kind == "Linear" and dtype in (torch.float32, torch.float16, torch.bfloat16) for _, kind, _, dtype in self.weights)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to hold a unit: its bytes held on the device between forwards, the bytes
+    it needs on the device only while it computes (decoded weights, onloaded copies),
+    the bytes it moves per forward, and its predicted seconds per forward.
+
+    ``cost`` is what the search minimizes: ``seconds``, except that a compact storage
+    never counts as faster than keeping the unit as it is on the device, so that weights
+    lose precision only to meet the budget, never for speed alone.
+    """
+
+    storage: str
+    placement: str
+    stored_bytes: int  # the unit's bytes in this storage, wherever they live
+    held_bytes: int  # of those, held in the device's memory between forwards
+    decode_bytes: int  # largest decoded copy alive while the unit computes
+    onload_bytes: int  # copied onto the device for each forward (offloaded to cpu/disk, accelerators)
+    seconds: float
+    cost: float
+
+
+def _weight_bytes(storage: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    numel = math.prod(shape)
+    if storage == "keep":
+        return numel * dtype.itemsize
+    if storage == "float8":
+        return numel + shape[0] * 4
+    if storage in ("nf4", "fp4"):
+        return (numel + 1) // 2 + math.ceil(numel / 64) * 4 + 16 * 4
+    if storage == "8bit":
+        return numel + math.ceil(numel / 4096) * 4 + 256 * 4
+    if storage == "int8":
+        return numel + shape[0] * 4
+    raise ValueError(f"storage={storage!r} is not accepted; accepted: {', '.join(STORAGES)}")
+
+
+def _tensors(module: nn.Module) -> dict[int, torch.Tensor]:
+    return {id(t): t for t in [*module.parameters(), *module.buffers()]}
+
+
+def _nbytes(tensors: dict[int, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def find_units(model: nn.Module, tied: set[int]) -> list[Unit]:
+    """The model's units in module order, the rest last. ``tied``: ids of tensors that
+    more than one module holds (those units stay as they are)."""
+    stack = set(layer_stack(model))
+    groups: list[tuple[str, str, nn.Module]] = []
+    inside: set[str] = set()
+    for name, module in model.named_modules():
+        if any(name == prefix or name.startswith(prefix + ".") for prefix in inside):
+            continue
+        if name in stack:
+            groups.append((name, "layer", module))
+            inside.add(name)
+        elif isinstance(module, (nn.Linear, nn.Embedding)) and isinstance(getattr(module, "weight", None), torch.Tensor):
+            groups.append((name, "linear" if isinstance(module, nn.Linear) else "embedding", module))
+            inside.add(name)
+    units, covered = [], {}
+    deciders = _dtype_deciders(model)
+    for name, kind, module in groups:
+        tensors = _tensors(module)
+        weights = tuple((f"{name}.{leaf_name}" if leaf_name else name, type(leaf).__name__, tuple(leaf.weight.shape), leaf.weight.dtype)
+                        for leaf_name, leaf in module.named_modules()
+                        if type(leaf) in (nn.Linear, nn.Embedding))
+        weight_ids = {id(leaf.weight) for leaf in module.modules() if type(leaf) in (nn.Linear, nn.Embedding)}
+        fixed = ""
+        if set(tensors) & tied:
+            fixed = "shares a tensor with another module (tied weights)"
+        elif not weights:
+            fixed = "no Linear or Embedding weight"
+        no_float8 = "model.dtype reads its weight, which must keep its dtype" if weight_ids & deciders else ""
+        other = _nbytes({k: v for k, v in tensors.items() if k not in weight_ids})
+        units.append(Unit(name, kind, weights, _nbytes(tensors), other, fixed, no_float8))
+        covered.update(tensors)
+    rest = {k: v for k, v in _tensors(model).items() if k not in covered}
+    if rest:
+        units.append(Unit("(rest)", "rest", (), _nbytes(rest), _nbytes(rest), "norms, biases and buffers outside the units"))
+    return units
+
+
+def _dtype_deciders(model: nn.Module) -> set[int]:
+    """Tensors that layerwise casting leaves as they are (``model.dtype`` reads them)."""
+    from tightfit.hooks.casting import _dtype_deciders as deciders
+
+    return deciders(model)
+
+
+def tied_tensors(model: nn.Module) -> set[int]:
+    """Ids of tensors held by more than one module."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for tensor in [*module._parameters.values(), *module._buffers.values()]:
+            if tensor is not None:
+                owners[id(tensor)] = owners.get(id(tensor), 0) + 1
+    return {key for key, count in owners.items() if count > 1}
+
+
+def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[str], device: torch.device,
+                rows: dict[str, int], figures: object) -> list[Option]:
+    """The options of ``unit`` that ``storages`` and ``placements`` allow, each with bytes and seconds.
+
+    ``rows``: rows each leaf computed in the traced forward (summed over calls);
+    ``figures``: a :class:`tightfit.fitting.calibrate.Calibration`.
+    """
+    if unit.fixed:
+        storages, placements = frozenset({"keep"}), frozenset({"device"})
+    on_host = device.type == "cpu"
+    options = []
+    for storage in STORAGES:
+        if storage not in storages:
+            continue
+        if (storage not in ("keep", "float8") and not unit.quantizable()) or (storage == "float8" and unit.no_float8):
+            continue
+        stored, decoded, decode_seconds, compute_seconds, touched = unit.other_bytes, 0, 0.0, 0.0, unit.other_bytes
+        for name, kind, shape, dtype in unit.weights:
+            leaf_storage = storage if kind == "Linear" or storage in ("keep", "float8") else "keep"
+            size = _weight_bytes(leaf_storage, shape, dtype)
+            stored += size
+            numel, count = math.prod(shape), rows.get(name, 0)
+            if kind == "Linear":
+                compute_seconds += 2 * numel * count / figures.matmul_flops
+                touched += size
+            else:  # an embedding kept as it is reads only the rows it looks up (whole pages from a file)
+                touched += min(size, count * max(size // shape[0], _PAGE)) if leaf_storage == "keep" else size
+            if leaf_storage != "keep":
+                decode_seconds += numel * figures.decode_seconds[leaf_storage]
+                decoded = max(decoded, numel * dtype.itemsize if leaf_storage != "int8" else count * (shape[1] + 4 * shape[0]))
+        for placement in PLACEMENTS:
+            if placement not in placements or (placement == "cpu" and on_host):
+                continue
+            held = stored if placement == "device" else _scales_held(unit, storage)
+            seconds = compute_seconds + decode_seconds + touched / figures.device_bandwidth
+            onload = 0
+            if placement != "device" and not on_host:
+                onload = stored - held
+                seconds += onload / figures.host_to_device_bandwidth
+            if placement == "disk":
+                seconds += (touched if on_host else stored) / figures.disk_bandwidth
+            floor = options[0].seconds if options and storage != "keep" else 0.0  # options[0]: keep on the device
+            options.append(Option(storage, placement, stored, held, decoded, onload, seconds, max(seconds, floor)))
+    return options
+
+
+def _scales_held(unit: Unit, storage: str) -> int:
+    """Quantization scales and maps stay on the device when a unit is offloaded (they are
+    not parameters or buffers, which offloading moves)."""
+    if storage not in ("nf4", "fp4", "8bit"):
+        return 0
+    return sum(_weight_bytes(storage, shape, dtype) - math.ceil(math.prod(shape) / (2 if storage != "8bit" else 1))
+               for _, kind, shape, dtype in unit.weights if kind == "Linear")
