@@ -33,6 +33,8 @@ FLOAT8_DTYPE = torch.float8_e4m3fn
 QUANT_CONFIGS: dict[str, QuantConfig] = {"nf4": NF4Config(), "fp4": FP4Config(), "int8": Int8Config(), "8bit": Blockwise8Config()}
 
 _PAGE = 4096  # bytes the OS reads per touched page of a memory-mapped file
+_BITS = {"float8": 8, "8bit": 8, "int8": 8, "nf4": 4, "fp4": 4}  # bits per weight of each compact storage
+_TIE = 1e-12  # seconds per weight in 8 bits (x16 in 4 bits): breaks ties between equally fast options only
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,8 @@ class Option:
 
     ``cost`` is what the search minimizes: ``seconds``, except that a compact storage
     never counts as faster than keeping the unit as it is on the device, so that weights
-    lose precision only to meet the budget, never for speed alone.
+    lose precision only to meet the budget, never for speed alone; plus a tie-break for quantization noise (1e-12 s per weight
+    stored in b bits, times 2^(8 - b)), so that at equal time the most bits stay.
     """
 
     storage: str
@@ -173,6 +176,7 @@ def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[s
         if (storage not in ("keep", "float8") and not unit.quantizable()) or (storage == "float8" and unit.no_float8):
             continue
         stored, decoded, decode_seconds, compute_seconds, touched = unit.other_bytes, 0, 0.0, 0.0, unit.other_bytes
+        noise = 0.0
         for name, kind, shape, dtype in unit.weights:
             leaf_storage = storage if kind == "Linear" or storage in ("keep", "float8") else "keep"
             size = _weight_bytes(leaf_storage, shape, dtype)
@@ -184,6 +188,7 @@ def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[s
             else:  # an embedding kept as it is reads only the rows it looks up (whole pages from a file)
                 touched += min(size, count * max(size // shape[0], _PAGE)) if leaf_storage == "keep" else size
             if leaf_storage != "keep":
+                noise += numel * 2.0 ** (8 - _BITS[leaf_storage])
                 decode_seconds += numel * figures.decode_seconds[leaf_storage]
                 decoded = max(decoded, numel * dtype.itemsize if leaf_storage != "int8" else count * (shape[1] + 4 * shape[0]))
         for placement in PLACEMENTS:
@@ -198,7 +203,7 @@ def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[s
             if placement == "disk":
                 seconds += (touched if on_host else stored) / figures.disk_bandwidth
             floor = options[0].seconds if options and storage != "keep" else 0.0  # options[0]: keep on the device
-            options.append(Option(storage, placement, stored, held, decoded, onload, seconds, max(seconds, floor)))
+            options.append(Option(storage, placement, stored, held, decoded, onload, seconds, max(seconds, floor) + _TIE * noise))
     return options
 
 

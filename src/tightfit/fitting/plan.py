@@ -156,12 +156,13 @@ class Plan:
             raise ValueError(f"text is not a tightfit plan: expected a JSON object with format {_FORMAT!r}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known - {"format"})
-        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.default is not None and f.name not in ("peak_node",))
-        if unknown or missing:
-            raise ValueError(f"plan JSON has unknown keys {unknown} or lacks keys {missing}")
-        entries = tuple(PlanEntry(**entry) for entry in data["entries"])
-        return cls(**{key: value for key, value in data.items() if key in known and key != "entries"}, entries=entries)
-
+        if unknown:
+            raise ValueError(f"plan JSON has unknown keys {unknown}; known: {sorted(known)}")
+        try:
+            entries = tuple(PlanEntry(**entry) for entry in data.get("entries", ()))
+            return cls(**{key: value for key, value in data.items() if key in known and key != "entries"}, entries=entries)
+        except TypeError as error:  # a key missing or unknown
+            raise ValueError(f"plan JSON does not describe a plan: {error}") from None
 
 def _compute_dtype(model: nn.Module, leaves: set[str]) -> torch.dtype:
     dtypes = {module.weight.dtype for name, module in model.named_modules() if name in leaves}
