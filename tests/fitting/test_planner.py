@@ -44,7 +44,7 @@ def test_just_enough_layers_are_converted():
     plan = tightfit.fit(model, (X,), budget, allow=KEEP_8BIT, calibration=figures())
     assert [e.storage for e in plan.entries].count("8bit") == 3
     assert plan.predicted_weights_bytes == 3 * BYTES_8BIT + 256 * 256 * 4
-    assert plan.predicted_transient_bytes == 256 * 256 * 4
+    assert 256 * 256 * 4 <= plan.predicted_transient_bytes <= 256 * 256 * 4 + 16 * 1024  # the copy, and what is alive then
     assert plan.predicted_peak_bytes <= budget
     assert not plan.applies_nothing
 
@@ -130,10 +130,10 @@ def test_no_fit_names_the_smallest_peak_and_the_weights_that_dominate():
         tightfit.fit(model, (X,), "500KiB", allow={"storage": {"keep", "8bit"}, "placement": {"device"}}, calibration=figures())
     error = caught.value
     activations = tightfit.fit(model, (X,), "1GiB", calibration=figures()).predicted_activation_bytes
-    assert error.smallest_peak_bytes == 4 * BYTES_8BIT + 256 * 256 * 4 + activations
+    assert 4 * BYTES_8BIT + 256 * 256 * 4 <= error.smallest_peak_bytes - activations <= 4 * BYTES_8BIT + 256 * 256 * 4 + 16 * 1024
     assert error.budget_bytes == 500 * 1024
     assert "smallest predicted peak" in str(error) and f"({error.smallest_peak_bytes} B)" in str(error)
-    assert "the largest decoded weight" in error.parts[0][0]
+    assert "decoded weights while their unit computes" in error.parts[0][0]
     assert "weights of 0 (8bit on the device)" in str(error)
 
 
@@ -148,7 +148,7 @@ def test_offloaded_units_count_two_onloaded_copies_on_an_accelerator():
     unit = Unit("a", "linear", (("a", "Linear", (256, 256), torch.float32),), 256 * 256 * 4, 0)
     figs = figures(host_to_device_bandwidth=1e10)
     options = options_for(unit, storages=frozenset({"keep"}), placements=frozenset({"device", "cpu"}),
-                          device=torch.device("cuda"), rows={"a": 8}, figures=figs)
+                          device=torch.device("cuda"), rows={"a": 8}, live={}, figures=figs)
     assert [(o.placement, o.held_bytes, o.onload_bytes) for o in options] == [("device", 262144, 0), ("cpu", 0, 262144)]
     # four kept do not fit, nor 3 kept + 1 copy, nor 2 + 2 copies (prefetch); 1 kept + 2 copies does
     found = search([options] * 4, 4 * 262144 - 1)

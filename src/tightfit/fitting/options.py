@@ -61,9 +61,10 @@ class Unit:
 
 @dataclass(frozen=True)
 class Option:
-    """One way to hold a unit: its bytes held on the device between forwards, the bytes
-    it needs on the device only while it computes (decoded weights, onloaded copies),
-    the bytes it moves per forward, and its predicted seconds per forward.
+    """One way to hold a unit: its bytes held on the device between forwards; the device's
+    activation bytes while it computes with decoded weights (activations alive then,
+    inputs, the largest decoded copy; 0 when nothing is decoded); the bytes copied onto
+    the device for each forward; and its predicted seconds per forward.
 
     ``cost`` is what the search minimizes: ``seconds``, except that a compact storage
     never counts as faster than keeping the unit as it is on the device, so that weights
@@ -75,7 +76,7 @@ class Option:
     placement: str
     stored_bytes: int  # the unit's bytes in this storage, wherever they live
     held_bytes: int  # of those, held in the device's memory between forwards
-    decode_bytes: int  # largest decoded copy alive while the unit computes
+    compute_peak_bytes: int  # activations + inputs + decoded copy while its leaves compute
     onload_bytes: int  # copied onto the device for each forward (offloaded to cpu/disk, accelerators)
     seconds: float
     cost: float
@@ -160,10 +161,11 @@ def tied_tensors(model: nn.Module) -> set[int]:
 
 
 def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[str], device: torch.device,
-                rows: dict[str, int], figures: object) -> list[Option]:
+                rows: dict[str, int], live: dict[str, int], figures: object) -> list[Option]:
     """The options of ``unit`` that ``storages`` and ``placements`` allow, each with bytes and seconds.
 
-    ``rows``: rows each leaf computed in the traced forward (summed over calls);
+    ``rows``: rows each leaf computed in the traced forward (summed over calls); ``live``:
+    the most activation and input bytes alive while each leaf computes;
     ``figures``: a :class:`tightfit.fitting.calibrate.Calibration`.
     """
     if unit.fixed:
@@ -190,7 +192,8 @@ def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[s
             if leaf_storage != "keep":
                 noise += numel * 2.0 ** (8 - _BITS[leaf_storage])
                 decode_seconds += numel * figures.decode_seconds[leaf_storage]
-                decoded = max(decoded, numel * dtype.itemsize if leaf_storage != "int8" else count * (shape[1] + 4 * shape[0]))
+                copy = numel * dtype.itemsize if leaf_storage != "int8" else _int8_transient(shape, count)
+                decoded = max(decoded, live.get(name, 0) + copy)
         for placement in PLACEMENTS:
             if placement not in placements or (placement == "cpu" and on_host):
                 continue
@@ -205,6 +208,15 @@ def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[s
             floor = options[0].seconds if options and storage != "keep" else 0.0  # options[0]: keep on the device
             options.append(Option(storage, placement, stored, held, decoded, onload, seconds, max(seconds, floor) + _TIE * noise))
     return options
+
+
+def _int8_transient(shape: tuple[int, ...], rows: int) -> int:
+    """Bytes an LLM.int8() forward adds to its output: the int8 input and the int32
+    product, a second output where outlier columns are added back, and those columns'
+    weights and inputs (allowing up to 1/32 of the input columns to hold outliers)."""
+    out_features, in_features = shape
+    outliers = max(1, in_features // 32)
+    return rows * in_features + 8 * rows * out_features + outliers * (5 * out_features + 4 * rows)
 
 
 def _scales_held(unit: Unit, storage: str) -> int:

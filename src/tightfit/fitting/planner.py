@@ -46,28 +46,54 @@ def _split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]
                     f"got {type(example_inputs).__name__}")
 
 
-def _trace_rows(model: nn.Module, args: tuple, kwargs: dict, backend: Any) -> tuple[Any, dict[str, int]]:
-    """The eager memory plan of one forward, and the rows each Linear / Embedding computed in it."""
+def _trace(model: nn.Module, args: tuple, kwargs: dict, backend: Any) -> tuple[Any, dict[str, int], dict[str, list[tuple[int, int]]]]:
+    """The eager memory plan of one forward; the rows each Linear / Embedding computed in
+    it; and the steps of the plan's timeline each one's forward covered."""
     from tightfit.planning import plan_memory
+    from tightfit.planning.simulate import current_step
 
     rows: dict[str, int] = {}
+    spans: dict[str, list[tuple[int, int]]] = {}
+    starts: dict[str, list[int | None]] = {}
     handles = []
 
-    def record(name: str, module: nn.Module, inputs: tuple) -> None:
+    def enter(name: str, module: nn.Module, inputs: tuple) -> None:
         x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
         if x is not None:
             count = x.numel() // module.in_features if isinstance(module, nn.Linear) else x.numel()
             rows[name] = rows.get(name, 0) + count
+        starts.setdefault(name, []).append(current_step())
+
+    def leave(name: str) -> None:
+        start, end = starts[name].pop(), current_step()
+        if start is not None and end is not None:
+            spans.setdefault(name, []).append((start, end))
 
     for name, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            handles.append(module.register_forward_pre_hook(lambda m, inputs, name=name: record(name, m, inputs)))
+            handles.append(module.register_forward_pre_hook(lambda m, inputs, name=name: enter(name, m, inputs)))
+            handles.append(module.register_forward_hook(lambda m, inputs, output, name=name: leave(name)))
     try:
         memory = plan_memory(model, *args, kwargs=kwargs, backend=backend, runtime="eager")
     finally:
         for handle in handles:
             handle.remove()
-    return memory, rows
+    return memory, rows, spans
+
+
+def _live_while_computing(memory: Any, device: torch.device, spans: dict[str, list[tuple[int, int]]], fallback: int) -> dict[str, int]:
+    """Per leaf, the most activation and input bytes alive during its forward (``fallback``
+    where the timeline cannot tell: the whole activation peak)."""
+    key = str(device)
+    if key not in memory.devices:
+        return {}
+    live = memory.live_bytes(key)
+    inputs = memory.devices[key].inputs_bytes
+    found = {}
+    for name, ranges in spans.items():
+        steps = [live[step] for start, end in ranges for step in range(start, min(end, len(live)))]
+        found[name] = inputs + max(steps) if steps else fallback
+    return found
 
 
 def _why(unit: Unit, option: Option, keep: Option, applies_nothing: bool) -> str:
@@ -87,8 +113,8 @@ def _parts(units: list[Unit], options: list[list[Option]], choice: Choice, activ
         option = unit_options[pick]
         if option.held_bytes:
             parts.append((f"weights of {unit.name} ({option.storage} on the {option.placement})", option.held_bytes))
-    if choice.decode_bytes:
-        parts.append(("the largest decoded weight while its unit computes", choice.decode_bytes))
+    if choice.active_bytes > activations:
+        parts.append(("decoded weights while their unit computes", choice.active_bytes - activations))
     if choice.onload_bytes:
         parts.append(("copies of offloaded units onloaded for their forward", choice.onload_bytes))
     return sorted(parts, key=lambda part: -part[1])
@@ -119,24 +145,26 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
     check_type("remeasure", remeasure, bool)
     backends, device = resolve_backend(backend)
     figures = calibration if calibration is not None else calibrate(backends[0], remeasure=remeasure)
-    memory, rows = _trace_rows(model, args, kwargs, backends[0])
+    memory, rows, spans = _trace(model, args, kwargs, backends[0])
     planned = memory.devices.get(str(device))
     activations = planned.live_peak_bytes + planned.inputs_bytes if planned else 0
     peak_node = planned.peak_node if planned else None
+    live = _live_while_computing(memory, device, spans, activations)
     units = find_units(model, tied_tensors(model))
-    options = [options_for(unit, storages=allowed.storage, placements=allowed.placement, device=device, rows=rows, figures=figures)
+    options = [options_for(unit, storages=allowed.storage, placements=allowed.placement, device=device, rows=rows, live=live,
+                           figures=figures)
                for unit in units]
     keep = [next(i for i, o in enumerate(unit_options) if o.storage == "keep" and o.placement == "device") for unit_options in options]
-    full = peak_of(options, tuple(keep))
-    full_peak = activations + full.held_bytes
+    full = peak_of(options, tuple(keep), activations)
+    full_peak = full.peak_bytes
     applies_nothing = full_peak <= budget_bytes
     if applies_nothing:
         choice = full
     else:
-        found = search(options, budget_bytes - activations)
+        found = search(options, budget_bytes, activations)
         if found.best is None:
             smallest = found.smallest
-            peak = activations + smallest.held_bytes + smallest.transient_bytes
+            peak = smallest.peak_bytes
             parts = _parts(units, options, smallest, activations, peak_node)
             listed = "; ".join(f"{what}: {human_bytes(size)}" for what, size in parts[:4])
             raise FitError(f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) cannot be met on {device}: the smallest "
@@ -153,9 +181,9 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
     )
     return Plan(
         model=type(model).__name__, backend=backends[0].name, device=str(device), budget_bytes=budget_bytes,
-        predicted_peak_bytes=activations + choice.held_bytes + choice.transient_bytes,
+        predicted_peak_bytes=choice.peak_bytes,
         predicted_weights_bytes=choice.held_bytes, predicted_activation_bytes=activations,
-        predicted_transient_bytes=choice.transient_bytes, predicted_seconds=choice.seconds,
+        predicted_transient_bytes=choice.peak_bytes - choice.held_bytes - activations, predicted_seconds=choice.seconds,
         full_peak_bytes=full_peak, full_seconds=full.seconds, applies_nothing=applies_nothing, entries=entries,
         peak_node=peak_node, allow=allowed.to_dict(), calibration=figures.to_dict(),
     )

@@ -1,13 +1,14 @@
 """The search: one option per unit, predicted device peak within the budget, least
 predicted time.
 
-The peak is fixed bytes (activations, inputs) + the bytes units hold + the largest
-decoded copy of one unit (units compute one at a time) + the onloaded copies of two
-offloaded units (the one computing and the one prefetched). The last two terms are
-maxima, not sums, so the search fixes a cap on each (every distinct value an option
-has), keeps the options under the caps, and solves the rest, a multiple-choice
-knapsack over held bytes, by dynamic programming on bytes rounded up to buckets (so a
-solution it finds always fits). The best over all caps wins.
+The peak is the bytes units hold + the larger of the planned activation peak and the
+peak while a unit computes with its decoded weight (activations alive then + the
+decoded copy) + the onloaded copies of two offloaded units (the one computing and the
+one prefetched). The last two terms are maxima, not sums, so the search fixes a cap on
+each (every distinct value an option has), keeps the options under the caps, and
+solves the rest, a multiple-choice knapsack over held bytes, by dynamic programming on
+bytes rounded up to buckets (so a solution it finds always fits). The best over all
+caps wins.
 """
 
 from __future__ import annotations
@@ -26,18 +27,19 @@ _BUCKETS = 4096
 
 @dataclass(frozen=True)
 class Choice:
-    """The chosen option index per unit and what it predicts."""
+    """The chosen option index per unit and what it predicts: ``active_bytes`` is the
+    activation peak, raised where a unit computes with a decoded weight."""
 
     picks: tuple[int, ...]
     held_bytes: int
-    decode_bytes: int
+    active_bytes: int
     onload_bytes: int
     seconds: float
     cost: float
 
     @property
-    def transient_bytes(self) -> int:
-        return self.decode_bytes + self.onload_bytes
+    def peak_bytes(self) -> int:
+        return self.held_bytes + self.active_bytes + self.onload_bytes
 
 
 @dataclass(frozen=True)
@@ -48,12 +50,14 @@ class Search:
     smallest: Choice
 
 
-def peak_of(options: list[list[Option]], picks: tuple[int, ...]) -> Choice:
-    """What a choice predicts: held bytes summed, the largest decoded copy, the two largest onloads."""
+def peak_of(options: list[list[Option]], picks: tuple[int, ...], activations: int) -> Choice:
+    """What a choice predicts: held bytes summed, the activation peak raised by the
+    largest compute peak, the two largest onloads."""
     chosen = [unit_options[pick] for unit_options, pick in zip(options, picks)]
     onloads = sorted((o.onload_bytes for o in chosen), reverse=True)[:2]
-    return Choice(picks, sum(o.held_bytes for o in chosen), max((o.decode_bytes for o in chosen), default=0),
-                  sum(onloads), sum(o.seconds for o in chosen), sum(o.cost for o in chosen))
+    active = max([activations] + [o.compute_peak_bytes for o in chosen])
+    return Choice(picks, sum(o.held_bytes for o in chosen), active, sum(onloads),
+                  sum(o.seconds for o in chosen), sum(o.cost for o in chosen))
 
 
 def _knapsack(options: list[list[Option]], allowed: list[list[int]], capacity: int) -> tuple[int, ...] | None:
@@ -89,28 +93,29 @@ def _knapsack(options: list[list[Option]], allowed: list[list[int]], capacity: i
     return tuple(reversed(picks))
 
 
-def search(options: list[list[Option]], room: int) -> Search:
-    """Choose one option per unit so that held + decode + onload bytes <= ``room`` at the
-    least summed cost (seconds, see :class:`Option`). Every unit must have at least one option."""
-    decode_caps = sorted({o.decode_bytes for unit in options for o in unit})
+def search(options: list[list[Option]], budget: int, activations: int) -> Search:
+    """Choose one option per unit so that the predicted peak is <= ``budget`` at the least
+    summed cost (seconds, see :class:`Option`); ``activations``: the planned activation
+    peak with the inputs. Every unit must have at least one option."""
+    active_caps = sorted({activations} | {o.compute_peak_bytes for unit in options for o in unit if o.compute_peak_bytes > activations})
     onload_caps = sorted({o.onload_bytes for unit in options for o in unit})
     best: Choice | None = None
     smallest: Choice | None = None
-    for decode_cap in decode_caps:
+    for active_cap in active_caps:
         for onload_cap in onload_caps:
-            allowed = [[i for i, o in enumerate(unit) if o.decode_bytes <= decode_cap and o.onload_bytes <= onload_cap]
+            allowed = [[i for i, o in enumerate(unit) if o.compute_peak_bytes <= active_cap and o.onload_bytes <= onload_cap]
                        for unit in options]
             if not all(allowed):
                 continue
             least = tuple(min(indices, key=lambda i, unit=unit: (unit[i].held_bytes, unit[i].cost))
                           for unit, indices in zip(options, allowed))
-            candidate = peak_of(options, least)
-            if smallest is None or candidate.held_bytes + candidate.transient_bytes < smallest.held_bytes + smallest.transient_bytes:
+            candidate = peak_of(options, least, activations)
+            if smallest is None or candidate.peak_bytes < smallest.peak_bytes:
                 smallest = candidate
-            picks = _knapsack(options, allowed, room - decode_cap - 2 * onload_cap)
+            picks = _knapsack(options, allowed, budget - active_cap - 2 * onload_cap)
             if picks is None:
                 continue
-            choice = peak_of(options, picks)
-            if choice.held_bytes + choice.transient_bytes <= room and (best is None or choice.cost < best.cost):
+            choice = peak_of(options, picks, activations)
+            if choice.peak_bytes <= budget and (best is None or choice.cost < best.cost):
                 best = choice
     return Search(best, smallest)
