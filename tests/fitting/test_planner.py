@@ -151,7 +151,7 @@ def test_offloaded_units_count_two_onloaded_copies_on_an_accelerator():
                           device=torch.device("cuda"), rows={"a": 8}, live={}, figures=figs)
     assert [(o.placement, o.held_bytes, o.onload_bytes) for o in options] == [("device", 262144, 0), ("cpu", 0, 262144)]
     # four kept do not fit, nor 3 kept + 1 copy, nor 2 + 2 copies (prefetch); 1 kept + 2 copies does
-    found = search([options] * 4, 4 * 262144 - 1)
+    found = search([options] * 4, 4 * 262144 - 1, 0)
     assert found.best is not None
     assert found.best.onload_bytes == 2 * 262144 and found.best.held_bytes == 262144
 

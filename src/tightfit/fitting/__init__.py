@@ -2,7 +2,7 @@
 placement, why), with the predicted device peak and time. See docs/fit.md."""
 
 from tightfit.fitting.allow import Allow
-from tightfit.fitting.calibrate import Calibration, calibrate
+from tightfit.fitting.calibration import Calibration, calibrate
 from tightfit.fitting.held import held_bytes
 from tightfit.fitting.planner import FitError, fit
 from tightfit.fitting.options import PLACEMENTS, STORAGES

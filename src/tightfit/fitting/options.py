@@ -166,7 +166,7 @@ def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[s
 
     ``rows``: rows each leaf computed in the traced forward (summed over calls); ``live``:
     the most activation and input bytes alive while each leaf computes;
-    ``figures``: a :class:`tightfit.fitting.calibrate.Calibration`.
+    ``figures``: a :class:`tightfit.fitting.calibration.Calibration`.
     """
     if unit.fixed:
         storages, placements = frozenset({"keep"}), frozenset({"device"})

@@ -13,7 +13,7 @@ from torch import nn
 from tightfit._format import human_bytes
 from tightfit._validate import check_type
 from tightfit.fitting.allow import Allow
-from tightfit.fitting.calibrate import Calibration, calibrate
+from tightfit.fitting.calibration import Calibration, calibrate
 from tightfit.fitting.options import Option, Unit, find_units, options_for, tied_tensors
 from tightfit.fitting.plan import Plan, PlanEntry
 from tightfit.fitting.search import Choice, peak_of, search

@@ -168,8 +168,9 @@ def _measure(backend: Any, device: torch.device) -> Calibration:
     a = torch.randn(1024, 1024, device=device)
     b = torch.randn(1024, 256, device=device)
     matmul = _best_seconds(lambda: a @ b, sync)
-    block = torch.empty(16 << 20, dtype=torch.uint8, device=device)
-    copy_seconds = _best_seconds(lambda: block.clone(), sync)
+    block = torch.ones(16 << 20, dtype=torch.uint8, device=device)
+    target = torch.zeros_like(block)  # written once first: the copies time memory, not page faults
+    copy_seconds = _best_seconds(lambda: target.copy_(block), sync)
     host_to_device = None
     if device.type != "cpu":
         host = torch.empty(16 << 20, dtype=torch.uint8).pin_memory() if backend.capabilities().async_copy else torch.empty(16 << 20, dtype=torch.uint8)
