@@ -102,6 +102,29 @@ def test_tied_weights_stay():
     fixed = {e.module: e for e in plan.entries if "tied" in e.why}
     assert set(fixed) == {"embed", "head"}
     assert all(e.storage == "keep" and e.placement == "device" for e in fixed.values())
+    distinct = {id(t): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
+    assert plan.full_peak_bytes - plan.predicted_activation_bytes == sum(distinct.values())  # the shared weight once
+
+
+class MatmulBlock(nn.Module):
+    """A layer without nn.Linear (as GPT-2's Conv1D layers): it can move, not be quantized."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(128, 128) / 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+def test_a_stack_without_linear_layers_is_offloaded_whole():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ModuleList(MatmulBlock() for _ in range(4)))
+    model.forward = lambda x: [x := block(x) for block in model[0]][-1]
+    x = torch.randn(4, 128)
+    plan = tightfit.fit(model, (x,), 150 * 1024, calibration=figures())
+    assert [e.module for e in plan.entries] == ["0.0", "0.1", "0.2", "0.3"]
+    assert {e.storage for e in plan.entries} == {"keep"} and "disk" in {e.placement for e in plan.entries}
 
 
 @pytest.mark.parametrize("allow", [

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from tightfit.quant import Blockwise8Config, FP4Config, Int8Config, NF4Config, QuantConfig, layer_stack
+
+if TYPE_CHECKING:
+    from tightfit.fitting.calibration import Calibration
 
 __all__ = ["DECODED_STORAGES", "FLOAT8_DTYPE", "Option", "PLACEMENTS", "QUANT_CONFIGS", "STORAGES", "Unit", "find_units", "options_for"]
 
@@ -105,10 +109,32 @@ def _nbytes(tensors: dict[int, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def find_units(model: nn.Module, tied: set[int]) -> list[Unit]:
-    """The model's units in module order, the rest last. ``tied``: ids of tensors that
-    more than one module holds (those units stay as they are)."""
-    stack = set(layer_stack(model))
+def _owners(root: nn.Module) -> dict[int, int]:
+    """How many modules under ``root`` (shared modules once) hold each tensor directly."""
+    owners: dict[int, int] = {}
+    for module in root.modules():
+        for tensor in [*module._parameters.values(), *module._buffers.values()]:
+            if tensor is not None:
+                owners[id(tensor)] = owners.get(id(tensor), 0) + 1
+    return owners
+
+
+def _repeated_list(model: nn.Module) -> tuple[str, ...]:
+    """The ``nn.ModuleList`` of two or more children of one type holding the most bytes:
+    the layer stack of a model whose layers hold no ``nn.Linear`` (GPT-2's Conv1D)."""
+    best: tuple[str, ...] = ()
+    most = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(child) for child in module}) == 1:
+            size = _nbytes(_tensors(module))
+            if size > most:
+                prefix = f"{name}." if name else ""
+                best, most = tuple(f"{prefix}{index}" for index in range(len(module))), size
+    return best
+
+
+def _groups(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
+    stack = set(layer_stack(model) or _repeated_list(model))
     groups: list[tuple[str, str, nn.Module]] = []
     inside: set[str] = set()
     for name, module in model.named_modules():
@@ -120,22 +146,33 @@ def find_units(model: nn.Module, tied: set[int]) -> list[Unit]:
         elif isinstance(module, (nn.Linear, nn.Embedding)) and isinstance(getattr(module, "weight", None), torch.Tensor):
             groups.append((name, "linear" if isinstance(module, nn.Linear) else "embedding", module))
             inside.add(name)
-    units, covered = [], {}
+    return groups
+
+
+def find_units(model: nn.Module) -> list[Unit]:
+    """The model's units in module order, the rest last.
+
+    A unit holding a tensor that a module outside it holds too (tied weights) stays as
+    it is; the tensor counts in the first unit that holds it.
+    """
+    owners = _owners(model)
     deciders = _dtype_deciders(model)
-    for name, kind, module in groups:
+    units, covered = [], {}
+    for name, kind, module in _groups(model):
         tensors = _tensors(module)
-        weights = tuple((f"{name}.{leaf_name}" if leaf_name else name, type(leaf).__name__, tuple(leaf.weight.shape), leaf.weight.dtype)
-                        for leaf_name, leaf in module.named_modules()
-                        if type(leaf) in (nn.Linear, nn.Embedding))
-        weight_ids = {id(leaf.weight) for leaf in module.modules() if type(leaf) in (nn.Linear, nn.Embedding)}
-        fixed = ""
-        if set(tensors) & tied:
-            fixed = "shares a tensor with another module (tied weights)"
-        elif not weights:
-            fixed = "no Linear or Embedding weight"
+        inner = _owners(module)
+        if any(inner[key] < owners[key] for key in tensors):
+            own = {k: v for k, v in tensors.items() if k not in covered}
+            units.append(Unit(name, kind, (), _nbytes(own), _nbytes(own), "shares a tensor with a module outside it (tied weights)"))
+            covered.update(tensors)
+            continue
+        leaves = [(f"{name}.{leaf_name}" if leaf_name else name, leaf) for leaf_name, leaf in module.named_modules()
+                  if type(leaf) in (nn.Linear, nn.Embedding)]
+        weights = tuple((leaf_name, type(leaf).__name__, tuple(leaf.weight.shape), leaf.weight.dtype) for leaf_name, leaf in leaves)
+        weight_ids = {id(leaf.weight) for _, leaf in leaves}
         no_float8 = "model.dtype reads its weight, which must keep its dtype" if weight_ids & deciders else ""
         other = _nbytes({k: v for k, v in tensors.items() if k not in weight_ids})
-        units.append(Unit(name, kind, weights, _nbytes(tensors), other, fixed, no_float8))
+        units.append(Unit(name, kind, weights, _nbytes(tensors), other, "", no_float8))
         covered.update(tensors)
     rest = {k: v for k, v in _tensors(model).items() if k not in covered}
     if rest:
@@ -150,23 +187,13 @@ def _dtype_deciders(model: nn.Module) -> set[int]:
     return deciders(model)
 
 
-def tied_tensors(model: nn.Module) -> set[int]:
-    """Ids of tensors held by more than one module."""
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        for tensor in [*module._parameters.values(), *module._buffers.values()]:
-            if tensor is not None:
-                owners[id(tensor)] = owners.get(id(tensor), 0) + 1
-    return {key for key, count in owners.items() if count > 1}
-
-
 def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[str], device: torch.device,
-                rows: dict[str, int], live: dict[str, int], figures: object) -> list[Option]:
+                rows: dict[str, int], live: dict[str, int], figures: Calibration) -> list[Option]:
     """The options of ``unit`` that ``storages`` and ``placements`` allow, each with bytes and seconds.
 
     ``rows``: rows each leaf computed in the traced forward (summed over calls); ``live``:
     the most activation and input bytes alive while each leaf computes;
-    ``figures``: a :class:`tightfit.fitting.calibration.Calibration`.
+    ``figures``: the time model's figures.
     """
     if unit.fixed:
         storages, placements = frozenset({"keep"}), frozenset({"device"})
@@ -174,6 +201,8 @@ def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[s
     options = []
     for storage in STORAGES:
         if storage not in storages:
+            continue
+        if storage != "keep" and not unit.weights:  # only placement can change (a block of Conv1D layers, say)
             continue
         if (storage not in ("keep", "float8") and not unit.quantizable()) or (storage == "float8" and unit.no_float8):
             continue

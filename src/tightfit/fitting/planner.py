@@ -14,7 +14,7 @@ from tightfit._format import human_bytes
 from tightfit._validate import check_type
 from tightfit.fitting.allow import Allow
 from tightfit.fitting.calibration import Calibration, calibrate
-from tightfit.fitting.options import Option, Unit, find_units, options_for, tied_tensors
+from tightfit.fitting.options import Option, Unit, find_units, options_for
 from tightfit.fitting.plan import Plan, PlanEntry
 from tightfit.fitting.search import Choice, peak_of, search
 from tightfit.fitting.size import parse_size
@@ -150,7 +150,7 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
     activations = planned.live_peak_bytes + planned.inputs_bytes if planned else 0
     peak_node = planned.peak_node if planned else None
     live = _live_while_computing(memory, device, spans, activations)
-    units = find_units(model, tied_tensors(model))
+    units = find_units(model)
     options = [options_for(unit, storages=allowed.storage, placements=allowed.placement, device=device, rows=rows, live=live,
                            figures=figures)
                for unit in units]
