@@ -84,7 +84,9 @@ class Plan:
     # -- apply ------------------------------------------------------------------------
     def apply(self, model: nn.Module) -> nn.Module:
         """Quantize, cast to float8 and offload ``model``'s units as planned (in that
-        order, in place); returns ``model``. With ``applies_nothing`` it changes nothing."""
+        order, in place), then move what stays on the device there (a model loaded on the
+        CPU and planned for an accelerator); returns ``model``. With ``applies_nothing``
+        it changes nothing."""
         check_type("model", model, nn.Module)
         self._check_matches(model)
         if self.applies_nothing:
@@ -110,6 +112,7 @@ class Plan:
             else:  # offloading refuses a second call over a hooked tree: one call per unit
                 for name in sorted(units):
                     apply_offloading(model.get_submodule(name), device, storage=placement, granularity="model")
+        _move_kept(model, {e.module for e in self.entries if e.placement != "device"}, device)
         return model
 
     def _check_matches(self, model: nn.Module) -> None:
@@ -163,6 +166,21 @@ class Plan:
             return cls(**{key: value for key, value in data.items() if key in known and key != "entries"}, entries=entries)
         except TypeError as error:  # a key missing or unknown
             raise ValueError(f"plan JSON does not describe a plan: {error}") from None
+
+def _move_kept(model: nn.Module, offloaded: set[str], device: torch.device) -> None:
+    """Move every tensor outside the offloaded units onto ``device`` (a no-op where they
+    are). Offloaded units stay in their storage; their quantization states (scales and
+    maps, not moved by offloading) go to the device, where their forward decodes."""
+    from tightfit.quant import QuantState
+
+    for name, module in model.named_modules():
+        if any(name == unit or name.startswith(f"{unit}.") for unit in offloaded):
+            state = getattr(module, "quant_state", None)
+            if isinstance(state, QuantState):
+                module.quant_state = state.to(device)
+            continue
+        module._apply(lambda tensor: tensor.to(device), recurse=False)
+
 
 def _compute_dtype(model: nn.Module, leaves: set[str]) -> torch.dtype:
     dtypes = {module.weight.dtype for name, module in model.named_modules() if name in leaves}
