@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -66,8 +67,6 @@ def test_apply_quantizes_casts_and_offloads_as_planned(ids):
     ]
     plan = _plan(model, ids, 1.0)
     chosen = {e["module"]: e for e in entries}
-    import dataclasses
-
     plan = dataclasses.replace(plan, applies_nothing=False, entries=tuple(
         dataclasses.replace(e, **{k: v for k, v in chosen.get(e.module, {}).items() if k != "module"}) for e in plan.entries))
     expected = model(ids)

@@ -19,7 +19,7 @@ def _ms(seconds: float) -> str:
 def render(plan: Plan) -> str:
     """A header with budget and predicted peak, then one row per unit."""
     lines = [
-        f"fit plan: {plan.model} on {plan.device} (backend {plan.backend}), budget {human_bytes(plan.budget_bytes)}",
+        f"fit plan: {plan.model} on {plan.device} (backend {plan.backend}), budget {human_bytes(plan.budget_bytes)} ({plan.budget_bytes} B)",
         f"predicted peak {human_bytes(plan.predicted_peak_bytes)} = weights {human_bytes(plan.predicted_weights_bytes)}"
         f" + activations {human_bytes(plan.predicted_activation_bytes)} + transient {human_bytes(plan.predicted_transient_bytes)}"
         f"; unchanged model {human_bytes(plan.full_peak_bytes)}",
