@@ -120,6 +120,13 @@ def _parts(units: list[Unit], options: list[list[Option]], choice: Choice, activ
     return sorted(parts, key=lambda part: -part[1])
 
 
+def _slicing_note(parts: list[tuple[str, int]], activations: int) -> str:
+    if parts[0][1] != activations:
+        return ""
+    return (". Activations dominate: running that region slice by slice (tightfit.hint(schedule='dfs', slices=N) under "
+            "torch.compile(backend='tightfit'), docs/hints.md) can cut them; fit does not add such hints yet")
+
+
 def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: Any = None,
         allow: Allow | Mapping[str, Any] | None = None, calibration: Calibration | None = None,
         remeasure: bool = False) -> Plan:
@@ -169,7 +176,7 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
             listed = "; ".join(f"{what}: {human_bytes(size)}" for what, size in parts[:4])
             raise FitError(f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) cannot be met on {device}: the smallest "
                            f"predicted peak that allow={allowed.to_dict()} reaches is {human_bytes(peak)} ({peak} B), "
-                           f"dominated by {parts[0][0]}. Largest parts: {listed}",
+                           f"dominated by {parts[0][0]}. Largest parts: {listed}{_slicing_note(parts, activations)}",
                            budget_bytes=budget_bytes, smallest_peak_bytes=peak, parts=parts)
         choice = found.best
     entries = tuple(

@@ -22,7 +22,7 @@ from tightfit.fitting.options import Option
 
 __all__ = ["Choice", "Search", "peak_of", "search"]
 
-_BUCKETS = 4096
+_BUCKETS = 16384
 
 
 @dataclass(frozen=True)
