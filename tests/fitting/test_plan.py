@@ -89,14 +89,27 @@ def test_apply_refuses_another_model(ids):
         plan.apply("model")
 
 
-@pytest.mark.parametrize("fraction", [0.6, 0.35, 0.2])
-def test_measured_peak_within_budget_and_near_prediction(ids, fraction):
-    model = tiny_lm(vocab=8000)
-    plan = _plan(model, ids, fraction)
+@pytest.mark.parametrize("vocab, fraction, allow", [
+    (8000, 0.6, None), (8000, 0.35, None), (8000, 0.2, None),
+    (500, 0.6, {"storage": {"keep", "float8"}, "placement": {"device"}}),
+    (500, 0.5, {"storage": {"keep", "8bit"}, "placement": {"device"}}),
+    (500, 0.5, {"storage": {"keep", "int8"}, "placement": {"device"}}),
+    (500, 0.45, {"storage": {"keep", "nf4", "fp4"}, "placement": {"device"}}),
+    (500, 0.2, {"storage": {"keep", "nf4"}, "placement": {"device", "disk"}}),
+])
+def test_measured_peak_within_budget_and_near_prediction(ids, vocab, fraction, allow):
+    model = tiny_lm(vocab=vocab)
+    ids = ids % vocab
+    plan = _plan(model, ids, fraction, allow=allow)
+    if allow is not None:
+        assert {e.storage for e in plan.entries} - {"keep"}, "the budget should need a compact storage"
     plan.apply(model)
     held = held_bytes(model, "cpu")
     with torch.inference_mode():
         result = measure(lambda: model(ids), "cpu", repeat=1, baseline_bytes=held)
     assert held == plan.predicted_weights_bytes
     assert result.peak_bytes <= plan.budget_bytes
-    assert abs(plan.predicted_peak_bytes - result.peak_bytes) <= 0.1 * result.peak_bytes, str(plan)
+    assert plan.predicted_peak_bytes >= result.peak_bytes - 4096, str(plan)  # a few KiB: inputs the run makes itself
+    # int8 counts the outlier path, which these activations (all below 6) never take: its prediction is an upper bound
+    slack = 0.15 if allow and "int8" in allow["storage"] else 0.1
+    assert plan.predicted_peak_bytes - result.peak_bytes <= slack * result.peak_bytes, str(plan)
