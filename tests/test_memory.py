@@ -98,3 +98,53 @@ def test_existing_tensors_count_until_freed():
     assert tracker.current == 2048 + 4 and tracker.peak == 4096 + 2048  # old and new side by side, then the old one freed
     with pytest.raises(TypeError, match="existing must hold tensors"):
         LiveTensorBytes(existing=[1])
+
+
+def test_tracker_keeps_a_timeline_only_when_asked():
+    from tightfit.memory import mark
+
+    with LiveTensorBytes() as silent:
+        torch.ones(1 << 10) * 2
+        mark("ignored")
+    assert silent.samples == [] and silent.marks == []
+    with LiveTensorBytes(record=True) as tracker:
+        a = torch.ones(1 << 20)  # 4 MiB
+        mark("second half")
+        b = a * 2
+        del a, b
+        torch.zeros(1)
+    assert tracker.samples == [4 << 20, 8 << 20, 4]  # after each op: ones, mul (then both freed), zeros
+    assert tracker.marks == [(1, "second half")]
+    with pytest.raises(TypeError, match="record must be a bool, got str"):
+        LiveTensorBytes(record="yes")
+
+
+def test_measure_records_a_timeline_with_the_baseline():
+    from tightfit.memory import MemoryTimeline, mark
+
+    def work():
+        mark("work")
+        return torch.ones(1 << 20).sum()
+
+    plain = measure(work, "cpu", repeat=1, baseline_bytes=100)
+    assert plain.timeline is None
+    recorded = measure(work, "cpu", repeat=1, baseline_bytes=100, timeline=True)
+    timeline = recorded.timeline
+    assert isinstance(timeline, MemoryTimeline) and timeline.device == "cpu"
+    # ones, then its float32 sum while the ones are still alive
+    assert timeline.samples == (100, 100 + (4 << 20), 100 + (4 << 20) + 4) and timeline.peak_bytes == recorded.peak_bytes
+    assert timeline.marks == ((1, "work"),)
+    with pytest.raises(TypeError, match="timeline must be a bool"):
+        measure(work, "cpu", timeline=1)
+
+
+def test_allocated_bytes_samples_the_reading_after_each_op():
+    from tightfit.memory import AllocatedBytes, mark
+
+    readings = iter(range(100, 1000, 100))
+    with AllocatedBytes("cpu", read=lambda: next(readings)) as sampler:
+        mark("start")
+        torch.ones(3) + 1
+    assert sampler.samples == [100, 200, 300] and sampler.marks == [(1, "start")]
+    with pytest.raises(TypeError, match="read must be callable"):
+        AllocatedBytes("cpu", read=5)

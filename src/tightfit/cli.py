@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 from rich.console import Console
 from rich.markup import escape
@@ -91,51 +92,20 @@ def _check_command(args: argparse.Namespace, console: Console) -> int:
 
 
 def _run_command(args: argparse.Namespace, console: Console) -> int:
-    from tightfit._format import human_bytes
+    from tightfit._progress import show_progress
+    from tightfit._run_output import print_report, report_data
     from tightfit.run import RunOptions, run
 
-    report = run(RunOptions(model=args.model, backend=args.backend, quant=args.quant, storage_dtype=args.storage_dtype,
-                            offload=args.offload, repeat=args.repeat, keep_8bit=not args.all_4bit))
-    measured = report.measurement
+    options = RunOptions(model=args.model, backend=args.backend, quant=args.quant, storage_dtype=args.storage_dtype,
+                         offload=args.offload, repeat=args.repeat, keep_8bit=not args.all_4bit, prompt=args.prompt,
+                         max_new_tokens=args.max_new_tokens, timeline=args.timeline)
+    bars = Console(stderr=True)
+    with show_progress(bars) if bars.is_terminal and not args.json else nullcontext():  # stderr only, never in --json
+        report = run(options)
     if args.json:
-        print(json.dumps({
-            "model": report.model, "backend": report.backend, "device": report.device,
-            "weights_bytes": report.weights_bytes, "embedding_dim": report.embedding_dim,
-            "latency_ms_median": measured.median_seconds * 1e3, "peak_bytes": measured.peak_bytes,
-            "peak_rss_bytes": measured.peak_rss_bytes, "memory_source": measured.source,
-            "pairs": [{"a": a, "b": b, "cosine": score} for a, b, score in report.pairs],
-            "quant": report.quant, "full_weights_bytes": report.full_weights_bytes,
-            "min_cosine_to_full": report.min_cosine_to_full, "kept_8bit": list(report.kept_8bit),
-            "kept_8bit_linears": report.kept_8bit_linears, "kept_8bit_bytes": report.kept_8bit_bytes,
-            "storage_dtype": report.storage_dtype, "offload": report.offload, "device_weights_bytes": report.device_weights_bytes,
-        }, indent=2))
+        print(json.dumps(report_data(report), indent=2))
         return 0
-    console.print(f"model    {report.model}", highlight=False)
-    console.print(f"backend  {report.backend} ({report.device})", highlight=False)
-    pairs = Table(title="most similar sentence pairs")
-    for column in ("cosine", "sentence", "sentence"):
-        pairs.add_column(column)
-    for a, b, score in report.pairs:
-        pairs.add_row(f"{score:.3f}", a, b)
-    console.print(pairs)
-    figures = Table(title="measured")
-    figures.add_column("figure")
-    figures.add_column("value", justify="right")
-    if report.changes is not None:
-        figures.add_row("weights, full precision", human_bytes(report.full_weights_bytes))
-        figures.add_row(f"weights, {report.quant or report.storage_dtype or 'as loaded'}", human_bytes(report.weights_bytes))
-        if report.kept_8bit:
-            kept = f"{', '.join(report.kept_8bit)}: {report.kept_8bit_linears} Linear, {human_bytes(report.kept_8bit_bytes)}"
-            figures.add_row("kept in 8 bits (later half of the layers)", kept)
-        figures.add_row(f"weights in {report.device} memory between forwards", human_bytes(report.device_weights_bytes))
-        figures.add_row(f"embedding cosine, {report.changes} vs full (lowest)", f"{report.min_cosine_to_full:.4f}")
-    else:
-        figures.add_row("weights", human_bytes(report.weights_bytes))
-    figures.add_row(f"latency (median of {len(measured.seconds)})", f"{measured.median_seconds * 1e3:.1f} ms")
-    figures.add_row(f"peak memory, {measured.source}", human_bytes(measured.peak_bytes))
-    if measured.peak_rss_bytes is not None:
-        figures.add_row("peak RSS, whole process (code and libraries too)", human_bytes(measured.peak_rss_bytes))
-    console.print(figures)
+    print_report(report, console)
     return 0
 
 
@@ -165,7 +135,8 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--op", action="append", help="check only this op (repeatable)")
     check.add_argument("--failures-only", action="store_true", help="list only checks that did not pass")
     run = commands.add_parser("run", help="run a model (default: the built-in all-MiniLM-L6-v2) and measure it")
-    run.add_argument("--model", help="a local Hugging Face model folder (default: the built-in model)")
+    run.add_argument("--model", help="a local Hugging Face model folder, an encoder (embeds sentences) or a causal LM "
+                                     "(generates text) (default: the built-in model)")
     run.add_argument("--backend", help="backend name or device, e.g. cpu, cuda, cuda:1 (default: best available)")
     run.add_argument("--quant", choices=["nf4", "fp4", "int8", "8bit"], help="quantize the Linear layers first (nf4, fp4: the later half of the layers in 8 bits) and compare with full precision")
     run.add_argument("--all-4bit", action="store_true",
@@ -174,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="store weights so (layerwise casting; norms and embeddings stay) and compute in the model's dtype")
     run.add_argument("--offload", choices=["cpu", "disk"], help="keep weights in CPU memory or memory-mapped files; each block comes onto the device when it runs")
     run.add_argument("--repeat", type=int, default=5, help="timed repetitions (default: 5)")
+    run.add_argument("--prompt", help="causal LMs: the text to continue (default: a fixed story opening)")
+    run.add_argument("--max-new-tokens", type=int, help="causal LMs: tokens to generate greedily (default: 16)")
+    run.add_argument("--timeline", help="also write a PNG of memory over one run to this path (needs tightfit[plot])")
     run.add_argument("--json", action="store_true", help="print JSON instead of tables")
     plan = commands.add_parser("plan", help="plan a model's memory before running it (no weight is loaded)")
     plan.add_argument("--model", help="a local Hugging Face model folder (default: the built-in model); only its config is read")

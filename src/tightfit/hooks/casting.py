@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tightfit import backends, ops
+from tightfit._progress import task
 from tightfit._validate import check_choice, check_type
 from tightfit.backends.base import FLOAT8_DTYPES
 from tightfit.hooks._units import Granularity, Slot, Unit, all_slots, check_granularity, compile_patterns, select_units
@@ -275,12 +276,14 @@ def _apply_layerwise_casting(module: nn.Module, units: list[Unit], storage_dtype
     scaled = scale_mode is not None and storage_dtype in FLOAT8_DTYPES
     if scaled:
         _check_scale_names(plans)
-    for record in stored:
-        if keep_originals:
-            record.original = record.tensor.detach().to("cpu", copy=True)
-        data, record.scale = _to_storage(record.tensor, storage_dtype, scale_mode, compute_dtype)
-        record.tensor.data = data
-        record.tensor.requires_grad_(False)
+    with task(f"casting weights to {str(storage_dtype).removeprefix('torch.')}", len(stored)) as advance:
+        for record in stored:
+            if keep_originals:
+                record.original = record.tensor.detach().to("cpu", copy=True)
+            data, record.scale = _to_storage(record.tensor, storage_dtype, scale_mode, compute_dtype)
+            record.tensor.data = data
+            record.tensor.requires_grad_(False)
+            advance(1)
     for unit, entries in plans:
         for entry in entries:
             if entry.record.scale is not None:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from tightfit import backends
+from tightfit._progress import task
 from tightfit._validate import check_choice, check_type
 from tightfit.hooks._disk import DISK_DTYPES, MappedFile
 from tightfit.hooks._units import Granularity, Slot, Unit, check_granularity, select_units
@@ -244,9 +245,11 @@ def apply_offloading(
     if folder is not None:
         weakref.finalize(state, shutil.rmtree, folder, True)
     pin = async_copy if pin_memory is None else pin_memory
-    for index, unit in enumerate(units):
-        files = _store_unit(state, index, unit, pin and storage == "cpu")
-        HookRegistry.of(unit.module).register(OFFLOADING, OffloadHook(state, _unique(unit.slots), files))
+    with task(f"offloading to {storage}", len(units)) as advance:
+        for index, unit in enumerate(units):
+            files = _store_unit(state, index, unit, pin and storage == "cpu")
+            HookRegistry.of(unit.module).register(OFFLOADING, OffloadHook(state, _unique(unit.slots), files))
+            advance(1)
     if prefetch and (streams is not None or storage == "disk"):
         HookRegistry.of(module).register(OFFLOADING_SCHEDULE, _ScheduleHook(state))
     return [unit.name for unit in units]

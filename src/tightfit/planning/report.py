@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tightfit._format import human_bytes
-from tightfit._validate import check_type
+from tightfit._plot import check_png_path, draw_level, draw_live, draw_marks, pyplot, save
 
 if TYPE_CHECKING:
     from tightfit.planning.plan import MemoryPlan
@@ -59,47 +58,20 @@ def render(plan: MemoryPlan) -> str:
 
 def plot(plan: MemoryPlan, path: str | Path) -> Path:
     """Write a PNG: live bytes per device over the steps, the lower bound and the arena as lines."""
-    check_type("path", path, (str, Path))
-    target = Path(path)
-    if target.suffix.lower() != ".png":
-        raise ValueError(f"path={str(path)!r} must end in .png")
-    if not target.parent.is_dir():
-        raise ValueError(f"path={str(path)!r}: the folder {str(target.parent)!r} does not exist")
-    if importlib.util.find_spec("matplotlib") is None:
-        raise RuntimeError("plan.plot needs matplotlib; install it with: pip install 'tightfit[plot]'")
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    from matplotlib import pyplot
-
+    target = check_png_path("path", path, "plan.plot")
     devices = list(plan.devices)
-    figure, axes = pyplot.subplots(len(devices), 1, figsize=(10, 3.2 * len(devices)), squeeze=False)
-    mib = 1024 * 1024
+    figure, axes = pyplot().subplots(len(devices), 1, figsize=(10, 3.2 * len(devices)), squeeze=False)
     for axis, name in zip(axes[:, 0], devices):
         device = plan.devices[name]
-        live = plan.timeline.live_bytes(name)
-        heights = [value / mib for value in live]
-        axis.fill_between(range(len(live) + 1), heights + heights[-1:], step="post", alpha=0.5, label="live tensors")
-        axis.axhline(device.arena_bytes / mib, color="tab:red", linewidth=2.5,
-                     label=f"arena {human_bytes(device.arena_bytes)} ({device.placement})")
-        axis.axhline(device.lower_bound_bytes / mib, color="tab:green", linestyle="--",
-                     label=f"lower bound {human_bytes(device.lower_bound_bytes)}")
+        draw_live(axis, plan.timeline.live_bytes(name), "live tensors")
+        draw_level(axis, device.arena_bytes, "arena", f" ({device.placement})", color="tab:red", linewidth=2.5)
+        draw_level(axis, device.lower_bound_bytes, "lower bound", color="tab:green", linestyle="--")
         if device.peak_step is not None:
             axis.axvline(device.peak_step, color="gray", linestyle=":", label=f"peak: {device.peak_node}")
-        _mark_graphs(axis, plan.timeline.step_graphs)
+        steps = plan.timeline.step_graphs
+        draw_marks(axis, [(index, steps[index]) for index in range(1, len(steps)) if steps[index] != steps[index - 1]])
         axis.set_title(f"{plan.model} on {name}: {'training step' if plan.training else 'inference'}")
         axis.set_xlabel("step (op in execution order)")
         axis.set_ylabel("MiB")
         axis.legend(loc="upper left", fontsize="small")
-    figure.tight_layout()
-    figure.savefig(target, dpi=100)
-    pyplot.close(figure)
-    return target
-
-
-def _mark_graphs(axis, step_graphs: list[str]) -> None:
-    """A vertical line where one graph ends and the next (the backward) starts."""
-    for index in range(1, len(step_graphs)):
-        if step_graphs[index] != step_graphs[index - 1]:
-            axis.axvline(index - 0.5, color="black", linewidth=0.8)
-            axis.text(index, axis.get_ylim()[1] * 0.95, f" {step_graphs[index]}", fontsize="small", va="top")
+    return save(figure, target)

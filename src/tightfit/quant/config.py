@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tightfit._progress import task
 from tightfit._validate import check_non_negative_number, check_type
 from tightfit.ops.blockwise import BLOCKSIZES_4BIT, BLOCKSIZES_8BIT
 from tightfit.quant.modules import Linear4bit, Linear8bit, LinearInt8
@@ -162,11 +163,12 @@ def quantize_(model: nn.Module, config: QuantConfig) -> nn.Module:
     _handler_for(config)
     if isinstance(model, nn.Linear):
         raise ValueError("model is itself an nn.Linear; quantize_ replaces children, so wrap it or use Linear4bit.from_linear")
-    _quantize_children(model, config, prefix="")
+    with task(f"quantizing Linear layers ({type(config).__name__})", sum(type(m) is nn.Linear for m in model.modules())) as advance:
+        _quantize_children(model, config, prefix="", advance=advance)
     return model
 
 
-def _quantize_children(module: nn.Module, config: QuantConfig, prefix: str) -> None:
+def _quantize_children(module: nn.Module, config: QuantConfig, prefix: str, advance: Callable[[int], None]) -> None:
     for name, child in module.named_children():
         qualified = f"{prefix}{name}"
         child_config = config.config_for(qualified)
@@ -174,5 +176,6 @@ def _quantize_children(module: nn.Module, config: QuantConfig, prefix: str) -> N
             continue
         if type(child) is nn.Linear:
             setattr(module, name, _handler_for(child_config)(child, child_config))
+            advance(1)
         else:
-            _quantize_children(child, child_config, prefix=f"{qualified}.")
+            _quantize_children(child, child_config, prefix=f"{qualified}.", advance=advance)

@@ -1,0 +1,89 @@
+"""Greedy text generation for ``tightfit run`` on causal LMs, timed by phase, and the token
+agreement that tells how much a change of the weights changed what the model says."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tightfit._validate import check_type
+from tightfit.memory import mark
+
+__all__ = ["Generation", "generate_greedy", "token_agreement"]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The new tokens of one greedy generation and how long its two phases took.
+
+    ``prefill_seconds``: the prompt's forward up to the first new token (time to first
+    token); ``decode_seconds``: the one-token forwards of the other new tokens.
+    """
+
+    tokens: tuple[int, ...]
+    prefill_seconds: float
+    decode_seconds: float
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """New tokens after the first, per second of decoding; None for a single new token."""
+        if len(self.tokens) < 2 or self.decode_seconds <= 0:
+            return None
+        return (len(self.tokens) - 1) / self.decode_seconds
+
+
+def _check_ids(input_ids: Any) -> None:
+    check_type("input_ids", input_ids, torch.Tensor)
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1 or input_ids.dtype != torch.long:
+        raise ValueError(f"input_ids must be a (1, n >= 1) int64 tensor, got shape {tuple(input_ids.shape)}, dtype {input_ids.dtype}")
+
+
+@torch.inference_mode()
+def generate_greedy(model: Any, input_ids: torch.Tensor, max_new_tokens: int, synchronize: Any = None) -> Generation:
+    """Generate exactly ``max_new_tokens`` tokens greedily with the model's KV cache.
+
+    An end-of-sequence token does not stop it, so that every run decodes as many tokens
+    and their speeds compare. ``synchronize`` (a no-argument callable) waits for the device
+    before each clock reading; ``memory.mark`` labels the two phases on a recorded timeline.
+    """
+    _check_ids(input_ids)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    wait = synchronize or (lambda: None)
+    mark("prefill")
+    start = time.perf_counter()
+    output = model(input_ids=input_ids, use_cache=True)
+    token = output.logits[:, -1].argmax(-1, keepdim=True)
+    tokens = [int(token)]
+    wait()
+    prefilled = time.perf_counter()
+    mark("decode")
+    cache = output.past_key_values
+    for _ in range(max_new_tokens - 1):
+        output = model(input_ids=token, past_key_values=cache, use_cache=True)
+        cache = output.past_key_values
+        token = output.logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(int(token))
+    wait()
+    return Generation(tuple(tokens), prefilled - start, time.perf_counter() - prefilled)
+
+
+@torch.inference_mode()
+def token_agreement(model: Any, input_ids: torch.Tensor, reference: tuple[int, ...]) -> float:
+    """Fraction of positions where ``model``'s greedy next token matches ``reference``.
+
+    Teacher forcing: one forward over the prompt and the reference continuation, so that a
+    single early difference does not derail the rest. ``reference`` is what the model
+    generated at full precision; 1.0 means every next-token choice was kept.
+    """
+    _check_ids(input_ids)
+    check_type("reference", reference, tuple)
+    if not reference or not all(isinstance(t, int) and not isinstance(t, bool) for t in reference):
+        raise ValueError(f"reference must be a non-empty tuple of token ids, got {reference!r}")
+    continuation = torch.tensor([reference[:-1]], dtype=torch.long, device=input_ids.device)
+    logits = model(input_ids=torch.cat([input_ids, continuation], dim=1), use_cache=False).logits
+    predicted = logits[0, input_ids.shape[1] - 1:].argmax(-1).cpu()
+    return float((predicted == torch.tensor(reference)).float().mean())
