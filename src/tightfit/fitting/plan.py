@@ -59,7 +59,8 @@ class Plan:
 
     ``predicted_peak_bytes`` = ``predicted_weights_bytes`` (held on the device) +
     ``predicted_activation_bytes`` (planned activations and inputs) +
-    ``predicted_transient_bytes`` (the largest decoded weight, the onloaded copies).
+    ``predicted_transient_bytes`` (decoded weights above the activation peak, onloaded
+    copies of offloaded units).
     ``full_peak_bytes``: what the unchanged model needs; ``applies_nothing``: the budget
     covers that, so ``apply`` leaves the model as it is.
     """
