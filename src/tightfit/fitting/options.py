@@ -37,8 +37,9 @@ FLOAT8_DTYPE = torch.float8_e4m3fn
 QUANT_CONFIGS: dict[str, QuantConfig] = {"nf4": NF4Config(), "fp4": FP4Config(), "int8": Int8Config(), "8bit": Blockwise8Config()}
 
 _PAGE = 4096  # bytes the OS reads per touched page of a memory-mapped file
-_BITS = {"float8": 8, "8bit": 8, "int8": 8, "nf4": 4, "fp4": 4}  # bits per weight of each compact storage
-_TIE = 1e-12  # seconds per weight in 8 bits (x16 in 4 bits): breaks ties between equally fast options only
+_RANK = {"keep": 0, "float8": 1, "8bit": 1, "int8": 1, "nf4": 2, "fp4": 3}  # precision, most precise first
+_NOISE = {"float8": 1.0, "8bit": 1.0, "int8": 1.0, "nf4": 16.0, "fp4": 24.0}  # relative rounding noise per weight
+_TIE = 1e-12  # seconds per unit of noise: breaks ties between options of equal cost only
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,12 @@ class Option:
     inputs, the largest decoded copy; 0 when nothing is decoded); the bytes copied onto
     the device for each forward; and its predicted seconds per forward.
 
-    ``cost`` is what the search minimizes: ``seconds``, except that a compact storage
-    never counts as faster than keeping the unit as it is on the device, so that weights
-    lose precision only to meet the budget, never for speed alone; plus a tie-break for quantization noise (1e-12 s per weight
-    stored in b bits, times 2^(8 - b)), so that at equal time the most bits stay.
+    ``cost`` is what the search minimizes: ``seconds``, except that a storage never
+    counts as faster than a more precise one (keep, then the 8-bit ones, then nf4, then
+    fp4) at the same placement or on the device, so that weights lose precision only to
+    meet the budget, never for speed alone; plus a tie-break for quantization noise
+    (1e-12 s per weight stored in b bits, times 2^(8 - b), fp4 half as much again), so
+    that at equal cost the most precise storage stays.
     """
 
     storage: str
@@ -219,7 +222,7 @@ def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[s
             else:  # an embedding kept as it is reads only the rows it looks up (whole pages from a file)
                 touched += min(size, count * max(size // shape[0], _PAGE)) if leaf_storage == "keep" else size
             if leaf_storage != "keep":
-                noise += numel * 2.0 ** (8 - _BITS[leaf_storage])
+                noise += numel * _NOISE[leaf_storage]
                 decode_seconds += numel * figures.decode_seconds[leaf_storage]
                 copy = numel * dtype.itemsize if leaf_storage != "int8" else _int8_transient(shape, count)
                 decoded = max(decoded, live.get(name, 0) + copy)
@@ -234,7 +237,8 @@ def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[s
                 seconds += onload / figures.host_to_device_bandwidth
             if placement == "disk":
                 seconds += (touched if on_host else stored) / figures.disk_bandwidth
-            floor = options[0].seconds if options and storage != "keep" else 0.0  # options[0]: keep on the device
+            floor = max((o.seconds for o in options if _RANK[o.storage] < _RANK[storage] and o.placement in (placement, "device")),
+                        default=0.0)  # options come in order of precision
             options.append(Option(storage, placement, stored, held, decoded, onload, seconds, max(seconds, floor) + _TIE * noise))
     return options
 
