@@ -81,6 +81,19 @@ def test_apply_quantizes_casts_and_offloads_as_planned(ids):
         plan.apply(model)
 
 
+def test_plans_for_meta_models_and_applies_to_real_ones(ids):
+    with torch.device("meta"):
+        skeleton = tiny_lm()
+    plan = _plan(skeleton, ids, 0.4)
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    with pytest.raises(ValueError, match="is on the meta device"):
+        plan.apply(skeleton)
+    real = tiny_lm()
+    assert plan == _plan(real, ids, 0.4)
+    plan.apply(real)
+    real(ids)
+
+
 def test_apply_refuses_another_model(ids):
     plan = _plan(tiny_lm(), ids, 0.4)
     with pytest.raises(ValueError, match="has no module 'embed'"):

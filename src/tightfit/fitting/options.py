@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tightfit.memory import tensor_bytes
 from tightfit.quant import Blockwise8Config, FP4Config, Int8Config, NF4Config, QuantConfig, layer_stack
 
 if TYPE_CHECKING:
@@ -109,7 +110,8 @@ def _tensors(module: nn.Module) -> dict[int, torch.Tensor]:
 
 
 def _nbytes(tensors: dict[int, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    """Bytes of the distinct storages behind ``tensors``, as the measurements count them."""
+    return tensor_bytes(tensors.values())
 
 
 def _owners(root: nn.Module) -> dict[int, int]:

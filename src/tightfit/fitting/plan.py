@@ -117,6 +117,10 @@ class Plan:
         return model
 
     def _check_matches(self, model: nn.Module) -> None:
+        on_meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+        if on_meta is not None:
+            raise ValueError(f"model's {on_meta!r} is on the meta device: a plan can be made for such a model, "
+                             f"but apply needs real weights; load them first")
         names = dict(model.named_modules())
         for entry in self.entries:
             if entry.kind == "rest":
