@@ -1,6 +1,9 @@
-"""Shared fixtures: every test starts with fresh backend discovery and fresh fallback warnings."""
+"""Shared fixtures: every test starts with fresh backend discovery and fresh fallback warnings;
+the fit planner's calibration cache lives in a folder of the session, not the user's."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -17,3 +20,14 @@ def _fresh_state(monkeypatch):
     yield
     registry._clear_cache()
     _forget_warnings()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _calibration_cache(tmp_path_factory):
+    before = os.environ.get("TIGHTFIT_CACHE_DIR")
+    os.environ["TIGHTFIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("tightfit-cache"))
+    yield
+    if before is None:
+        os.environ.pop("TIGHTFIT_CACHE_DIR", None)
+    else:
+        os.environ["TIGHTFIT_CACHE_DIR"] = before

@@ -6,6 +6,7 @@ Importing tightfit does no device work: backends are detected at first use.
 from tightfit import backends, graph, hints, ops
 from tightfit._errors import BackendConflictError, FallbackWarning, StrictModeError
 from tightfit._strict import is_strict, strict
+from tightfit.fitting import FitError, Plan, fit, parse_size
 from tightfit.graph._register import register as _register_compile_backend
 from tightfit.hints import hint, hints_of
 from tightfit.planning import MemoryPlan, plan_memory
@@ -17,16 +18,20 @@ _register_compile_backend()  # torch.compile(model, backend="tightfit"), also fr
 __all__ = [
     "BackendConflictError",
     "FallbackWarning",
+    "FitError",
     "MemoryPlan",
+    "Plan",
     "StrictModeError",
     "__version__",
     "backends",
+    "fit",
     "graph",
     "hint",
     "hints",
     "hints_of",
     "is_strict",
     "ops",
+    "parse_size",
     "plan_memory",
     "strict",
 ]

@@ -55,3 +55,12 @@ def test_a_matmul_over_the_sliced_dimension_is_refused():
     assert prove(nodes, [a, b], 0).states[b] is FULL  # rows of a: fine
     with pytest.raises(Invalid, match="sums over"):
         prove(nodes, [a, b], 1)  # the contracted dimension
+
+
+def test_addmm_reads_its_matrices_after_the_bias():
+    # addmm(bias, a, b): rows of a slice the product; the bias broadcasts (it was an IndexError)
+    nodes, (bias, a, b) = _graph(lambda bias, a, b: torch.addmm(bias, a, b), torch.randn(3), torch.randn(4, 6), torch.randn(6, 3))
+    proof = prove(nodes, [a, b, bias], 0)
+    assert proof.states[b] is FULL and proof.states[bias] is FULL
+    with pytest.raises(Invalid, match="sums over"):
+        prove(nodes, [a, b, bias], 1)

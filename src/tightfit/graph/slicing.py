@@ -337,7 +337,7 @@ def _matmul(batch: bool, bias: bool) -> Callable[[_Propagation, torch.fx.Node], 
     """mm / bmm (and addmm / baddbmm): a[.., n, k] @ b[.., k, m]. The contracted k is never sliced."""
 
     def rule(p: _Propagation, node: torch.fx.Node) -> State:
-        first = 2 if bias else 0  # addmm(bias, a, b)
+        first = 1 if bias else 0  # addmm(bias, a, b)
         a, b = node.args[first], node.args[first + 1]
         sa, sb = p.state(a), p.state(b)
         off = 1 if batch else 0

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 from tightfit.graph.memory.liveness import Buffer, Timeline
 from tightfit.planning.trace import _flatten, _loss_outputs
 
-__all__ = ["simulate_eager"]
+__all__ = ["current_step", "simulate_eager"]
 
 
 class _Lifetimes(TorchDispatchMode):
@@ -80,6 +80,20 @@ class _Lifetimes(TorchDispatchMode):
         outputs = {self.alive[ref] for ref in kept_refs if ref in self.alive}
         return [Buffer(b.name, b.device, b.nbytes, b.start, b.end, "output", b.graph) if i in outputs else b
                 for i, b in enumerate(buffers)]
+
+
+def current_step() -> int | None:
+    """The step the eager simulation running now will record next, or None outside one.
+
+    Code called during the simulated run (a module's forward hooks) uses it to tell
+    which steps of the timeline a module's forward covers.
+    """
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, _Lifetimes):
+            return len(mode.steps)
+    return None
 
 
 def _bytes_by_device(tensors: Sequence[torch.Tensor]) -> dict[str, int]:

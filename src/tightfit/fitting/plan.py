@@ -1,0 +1,194 @@
+"""The :class:`Plan` that ``tightfit.fit`` returns: per unit, how it is stored and where,
+with the predicted peak and time; ``apply`` carries it out, ``print`` shows it, JSON
+keeps it."""
+
+from __future__ import annotations
+
+import glob
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from tightfit._validate import check_type
+from tightfit.fitting.options import FLOAT8_DTYPE, PLACEMENTS, QUANT_CONFIGS, STORAGES
+
+__all__ = ["Plan", "PlanEntry"]
+
+_FORMAT = "tightfit.plan/1"
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """The decision for one unit (a layer of the stack, a Linear or Embedding, or the rest).
+
+    ``leaves``: the Linear / Embedding modules whose weights ``storage`` applies to;
+    ``bytes_before`` / ``bytes_after``: the unit's tensors as they are and as planned;
+    ``held_bytes``: what stays in the device's memory between forwards; ``seconds``: its
+    predicted share of one forward; ``why``: the reason, in words.
+    """
+
+    module: str
+    kind: str
+    storage: str
+    placement: str
+    bytes_before: int
+    bytes_after: int
+    held_bytes: int
+    seconds: float
+    why: str
+    leaves: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.storage not in STORAGES:
+            raise ValueError(f"storage={self.storage!r} is not accepted; accepted: {', '.join(STORAGES)}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement={self.placement!r} is not accepted; accepted: {', '.join(PLACEMENTS)}")
+        object.__setattr__(self, "leaves", tuple(self.leaves))
+
+    @property
+    def changed(self) -> bool:
+        return self.storage != "keep" or self.placement != "device"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What fits: per-unit decisions and the predicted device peak and time per forward.
+
+    ``predicted_peak_bytes`` = ``predicted_weights_bytes`` (held on the device) +
+    ``predicted_activation_bytes`` (planned activations and inputs) +
+    ``predicted_transient_bytes`` (decoded weights above the activation peak, onloaded
+    copies of offloaded units).
+    ``full_peak_bytes``: what the unchanged model needs; ``applies_nothing``: the budget
+    covers that, so ``apply`` leaves the model as it is.
+    """
+
+    model: str
+    backend: str
+    device: str
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_weights_bytes: int
+    predicted_activation_bytes: int
+    predicted_transient_bytes: int
+    predicted_seconds: float
+    full_peak_bytes: int
+    full_seconds: float
+    applies_nothing: bool
+    entries: tuple[PlanEntry, ...]
+    peak_node: str | None = None
+    allow: dict[str, list[str]] | None = None
+    calibration: dict[str, Any] | None = None
+
+    # -- apply ------------------------------------------------------------------------
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Quantize, cast to float8 and offload ``model``'s units as planned (in that
+        order, in place), then move what stays on the device there (a model loaded on the
+        CPU and planned for an accelerator); returns ``model``. With ``applies_nothing``
+        it changes nothing."""
+        check_type("model", model, nn.Module)
+        self._check_matches(model)
+        if self.applies_nothing:
+            return model
+        from tightfit.hooks import apply_layerwise_casting, apply_offloading
+        from tightfit.quant import quantize_
+
+        linears = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+        for storage, config in QUANT_CONFIGS.items():
+            chosen = {leaf for e in self.entries if e.storage == storage for leaf in e.leaves}
+            if chosen:
+                skip = tuple(glob.escape(name) for name in linears if name not in chosen)
+                quantize_(model, replace(config, skip=skip))
+        cast = {leaf for e in self.entries if e.storage == "float8" for leaf in e.leaves}
+        if cast:
+            compute = _compute_dtype(model, cast)
+            apply_layerwise_casting(model, FLOAT8_DTYPE, compute, granularity=lambda name, _: name in cast, skip=())
+        device = torch.device(self.device)
+        for position, placement in enumerate(p for p in ("disk", "cpu") if any(e.placement == p for e in self.entries)):
+            units = {e.module for e in self.entries if e.placement == placement}
+            if position == 0:  # one call over the model: its units prefetch one another
+                apply_offloading(model, device, storage=placement, granularity=lambda name, _: name in units)
+            else:  # offloading refuses a second call over a hooked tree: one call per unit
+                for name in sorted(units):
+                    apply_offloading(model.get_submodule(name), device, storage=placement, granularity="model")
+        _move_kept(model, {e.module for e in self.entries if e.placement != "device"}, device)
+        return model
+
+    def _check_matches(self, model: nn.Module) -> None:
+        on_meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+        if on_meta is not None:
+            raise ValueError(f"model's {on_meta!r} is on the meta device: a plan can be made for such a model, "
+                             f"but apply needs real weights; load them first")
+        names = dict(model.named_modules())
+        for entry in self.entries:
+            if entry.kind == "rest":
+                continue
+            if entry.module not in names:
+                raise ValueError(f"model has no module {entry.module!r}, which this plan decides for; "
+                                 f"apply a plan to the model it was made for ({self.model})")
+            for leaf in entry.leaves:
+                if type(names.get(leaf)) not in (nn.Linear, nn.Embedding):
+                    raise ValueError(f"model's {leaf!r} is {type(names.get(leaf)).__name__}, not the Linear or Embedding "
+                                     f"this plan expects; was the plan applied already, or made for another model?")
+
+    # -- report ---------------------------------------------------------------------
+    def changed_entries(self) -> tuple[PlanEntry, ...]:
+        return tuple(e for e in self.entries if e.changed)
+
+    def __str__(self) -> str:
+        from tightfit.fitting.report import render
+
+        return render(self)
+
+    # -- JSON -----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["format"] = _FORMAT
+        data["entries"] = [asdict(e) | {"leaves": list(e.leaves)} for e in self.entries]
+        return data
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """The plan ``to_json`` wrote."""
+        check_type("text", text, str)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"text is not JSON: {error}") from None
+        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+            raise ValueError(f"text is not a tightfit plan: expected a JSON object with format {_FORMAT!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known - {"format"})
+        if unknown:
+            raise ValueError(f"plan JSON has unknown keys {unknown}; known: {sorted(known)}")
+        try:
+            entries = tuple(PlanEntry(**entry) for entry in data.get("entries", ()))
+            return cls(**{key: value for key, value in data.items() if key in known and key != "entries"}, entries=entries)
+        except TypeError as error:  # a key missing or unknown
+            raise ValueError(f"plan JSON does not describe a plan: {error}") from None
+
+def _move_kept(model: nn.Module, offloaded: set[str], device: torch.device) -> None:
+    """Move every tensor outside the offloaded units onto ``device`` (a no-op where they
+    are). Offloaded units stay in their storage; their quantization states (scales and
+    maps, not moved by offloading) go to the device, where their forward decodes."""
+    from tightfit.quant import QuantState
+
+    for name, module in model.named_modules():
+        if any(name == unit or name.startswith(f"{unit}.") for unit in offloaded):
+            state = getattr(module, "quant_state", None)
+            if isinstance(state, QuantState):
+                module.quant_state = state.to(device)
+            continue
+        module._apply(lambda tensor: tensor.to(device), recurse=False)
+
+
+def _compute_dtype(model: nn.Module, leaves: set[str]) -> torch.dtype:
+    dtypes = {module.weight.dtype for name, module in model.named_modules() if name in leaves}
+    if len(dtypes) != 1:
+        raise ValueError(f"the float8 leaves compute in {len(dtypes)} dtypes ({dtypes}); the plan casts them to one")
+    return dtypes.pop()

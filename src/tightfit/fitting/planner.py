@@ -1,0 +1,196 @@
+"""``tightfit.fit``: given a model, example inputs and a memory budget, choose per unit
+how its weights are stored and where they live, so that the predicted device peak is
+within the budget at the least predicted time. See docs/fit.md."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tightfit._format import human_bytes
+from tightfit._validate import check_type
+from tightfit.fitting.allow import Allow
+from tightfit.fitting.calibration import Calibration, calibrate
+from tightfit.fitting.options import Option, Unit, find_units, options_for
+from tightfit.fitting.plan import Plan, PlanEntry
+from tightfit.fitting.search import Choice, peak_of, search
+from tightfit.fitting.size import parse_size
+
+__all__ = ["FitError", "fit"]
+
+
+class FitError(ValueError):
+    """No plan meets the budget. ``smallest_peak_bytes``: the least predicted peak that
+    ``allow`` reaches; ``parts``: (what, bytes) of that peak, largest first."""
+
+    def __init__(self, message: str, *, budget_bytes: int, smallest_peak_bytes: int, parts: list[tuple[str, int]]) -> None:
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.smallest_peak_bytes = smallest_peak_bytes
+        self.parts = parts
+
+
+def _split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, Mapping):
+        for key in example_inputs:
+            check_type("example_inputs key", key, str)
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise TypeError(f"example_inputs must be a tuple of tensors, a dict of keyword tensors or a tensor, "
+                    f"got {type(example_inputs).__name__}")
+
+
+def _trace(model: nn.Module, args: tuple, kwargs: dict, backend: Any) -> tuple[Any, dict[str, int], dict[str, list[tuple[int, int]]]]:
+    """The eager memory plan of one forward; the rows each Linear / Embedding computed in
+    it; and the steps of the plan's timeline each one's forward covered."""
+    from tightfit.planning import plan_memory
+    from tightfit.planning.simulate import current_step
+
+    rows: dict[str, int] = {}
+    spans: dict[str, list[tuple[int, int]]] = {}
+    starts: dict[str, list[int | None]] = {}
+    handles = []
+
+    def enter(name: str, module: nn.Module, inputs: tuple) -> None:
+        x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+        if x is not None:
+            count = x.numel() // module.in_features if isinstance(module, nn.Linear) else x.numel()
+            rows[name] = rows.get(name, 0) + count
+        starts.setdefault(name, []).append(current_step())
+
+    def leave(name: str) -> None:
+        start, end = starts[name].pop(), current_step()
+        if start is not None and end is not None:
+            spans.setdefault(name, []).append((start, end))
+
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            handles.append(module.register_forward_pre_hook(lambda m, inputs, name=name: enter(name, m, inputs)))
+            handles.append(module.register_forward_hook(lambda m, inputs, output, name=name: leave(name)))
+    try:
+        memory = plan_memory(model, *args, kwargs=kwargs, backend=backend, runtime="eager")
+    finally:
+        for handle in handles:
+            handle.remove()
+    return memory, rows, spans
+
+
+def _live_while_computing(memory: Any, device: torch.device, spans: dict[str, list[tuple[int, int]]], fallback: int) -> dict[str, int]:
+    """Per leaf, the most activation and input bytes alive during its forward (``fallback``
+    where the timeline cannot tell: the whole activation peak)."""
+    key = str(device)
+    if key not in memory.devices:
+        return {}
+    live = memory.live_bytes(key)
+    inputs = memory.devices[key].inputs_bytes
+    found = {}
+    for name, ranges in spans.items():
+        steps = [live[step] for start, end in ranges for step in range(start, min(end, len(live)))]
+        found[name] = inputs + max(steps) if steps else fallback
+    return found
+
+
+def _why(unit: Unit, option: Option, keep: Option, applies_nothing: bool) -> str:
+    if unit.fixed:
+        return f"kept: {unit.fixed}"
+    if option.storage == "keep" and option.placement == "device":
+        return "the budget covers the unchanged model" if applies_nothing else "kept: fastest, and the budget has room"
+    where = {"device": "", "cpu": ", weights in CPU memory", "disk": ", weights memory-mapped from disk"}[option.placement]
+    saved = keep.held_bytes - option.held_bytes
+    extra = (option.seconds - keep.seconds) * 1e3
+    return f"{option.storage}{where}: {human_bytes(saved)} less on the device, {extra:+.2f} ms"
+
+
+def _parts(units: list[Unit], options: list[list[Option]], choice: Choice, activations: int, peak_node: str | None) -> list[tuple[str, int]]:
+    parts = [(f"activations and inputs (peak at node {peak_node})", activations)]
+    for unit, unit_options, pick in zip(units, options, choice.picks):
+        option = unit_options[pick]
+        if option.held_bytes:
+            parts.append((f"weights of {unit.name} ({option.storage} on the {option.placement})", option.held_bytes))
+    if choice.active_bytes > activations:
+        parts.append(("decoded weights while their unit computes", choice.active_bytes - activations))
+    if choice.onload_bytes:
+        parts.append(("copies of offloaded units onloaded for their forward", choice.onload_bytes))
+    return sorted(parts, key=lambda part: -part[1])
+
+
+def _slicing_note(parts: list[tuple[str, int]], activations: int) -> str:
+    if parts[0][1] != activations:
+        return ""
+    return (". Activations dominate: running that region slice by slice (tightfit.hint(schedule='dfs', slices=N) under "
+            "torch.compile(backend='tightfit'), docs/hints.md) can cut them; fit does not add such hints yet")
+
+
+def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: Any = None,
+        allow: Allow | Mapping[str, Any] | None = None, calibration: Calibration | None = None,
+        remeasure: bool = False) -> Plan:
+    """A :class:`Plan` whose predicted device peak for ``model(*example_inputs)`` (or
+    ``model(**example_inputs)`` for a dict) is within ``budget`` at the least predicted time.
+
+    ``budget``: bytes, as an int or a size string (``"40MB"``, ``"1.5GiB"``); ``backend``:
+    a backend name, device or Backend (default: the default backend); ``allow``: the
+    storages and placements the planner may use (:class:`Allow` or a dict with keys
+    ``storage`` and ``placement``); ``calibration``: the time model's figures (default:
+    measured once per device and cached; ``remeasure`` measures again). Raises
+    :class:`FitError` when nothing allowed fits, naming the smallest peak reachable and
+    what dominates it. The model is not changed: call ``plan.apply(model)``.
+    """
+    from tightfit.planning.trace import resolve_backend
+
+    check_type("model", model, nn.Module)
+    args, kwargs = _split_inputs(example_inputs)
+    budget_bytes = parse_size(budget, "budget")
+    allowed = Allow.coerce(allow)
+    if calibration is not None:
+        check_type("calibration", calibration, Calibration)
+    check_type("remeasure", remeasure, bool)
+    backends, device = resolve_backend(backend)
+    figures = calibration if calibration is not None else calibrate(backends[0], remeasure=remeasure)
+    memory, rows, spans = _trace(model, args, kwargs, backends[0])
+    planned = memory.devices.get(str(device))
+    activations = planned.live_peak_bytes + planned.inputs_bytes if planned else 0
+    peak_node = planned.peak_node if planned else None
+    live = _live_while_computing(memory, device, spans, activations)
+    units = find_units(model)
+    options = [options_for(unit, storages=allowed.storage, placements=allowed.placement, device=device, rows=rows, live=live,
+                           figures=figures)
+               for unit in units]
+    keep = [next(i for i, o in enumerate(unit_options) if o.storage == "keep" and o.placement == "device") for unit_options in options]
+    full = peak_of(options, tuple(keep), activations)
+    full_peak = full.peak_bytes
+    applies_nothing = full_peak <= budget_bytes
+    if applies_nothing:
+        choice = full
+    else:
+        found = search(options, budget_bytes, activations)
+        if found.best is None:
+            smallest = found.smallest
+            peak = smallest.peak_bytes
+            parts = _parts(units, options, smallest, activations, peak_node)
+            listed = "; ".join(f"{what}: {human_bytes(size)}" for what, size in parts[:4])
+            raise FitError(f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) cannot be met on {device}: the smallest "
+                           f"predicted peak that allow={allowed.to_dict()} reaches is {human_bytes(peak)} ({peak} B), "
+                           f"dominated by {parts[0][0]}. Largest parts: {listed}{_slicing_note(parts, activations)}",
+                           budget_bytes=budget_bytes, smallest_peak_bytes=peak, parts=parts)
+        choice = found.best
+    entries = tuple(
+        PlanEntry(module=unit.name, kind=unit.kind, storage=unit_options[pick].storage, placement=unit_options[pick].placement,
+                  bytes_before=unit.bytes, bytes_after=unit_options[pick].stored_bytes, held_bytes=unit_options[pick].held_bytes,
+                  seconds=unit_options[pick].seconds, why=_why(unit, unit_options[pick], unit_options[k], applies_nothing),
+                  leaves=tuple(name for name, *_ in unit.weights))
+        for unit, unit_options, pick, k in zip(units, options, choice.picks, keep)
+    )
+    return Plan(
+        model=type(model).__name__, backend=backends[0].name, device=str(device), budget_bytes=budget_bytes,
+        predicted_peak_bytes=choice.peak_bytes,
+        predicted_weights_bytes=choice.held_bytes, predicted_activation_bytes=activations,
+        predicted_transient_bytes=choice.peak_bytes - choice.held_bytes - activations, predicted_seconds=choice.seconds,
+        full_peak_bytes=full_peak, full_seconds=full.seconds, applies_nothing=applies_nothing, entries=entries,
+        peak_node=peak_node, allow=allowed.to_dict(), calibration=figures.to_dict(),
+    )

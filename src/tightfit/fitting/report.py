@@ -1,0 +1,43 @@
+"""The table ``print(plan)`` shows (private)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tightfit._format import human_bytes
+
+if TYPE_CHECKING:
+    from tightfit.fitting.plan import Plan
+
+__all__: list[str] = []
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def render(plan: Plan) -> str:
+    """A header with budget and predicted peak, then one row per unit."""
+    lines = [
+        f"fit plan: {plan.model} on {plan.device} (backend {plan.backend}), budget {human_bytes(plan.budget_bytes)} ({plan.budget_bytes} B)",
+        f"predicted peak {human_bytes(plan.predicted_peak_bytes)} = weights {human_bytes(plan.predicted_weights_bytes)}"
+        f" + activations {human_bytes(plan.predicted_activation_bytes)} + transient {human_bytes(plan.predicted_transient_bytes)}"
+        f"; unchanged model {human_bytes(plan.full_peak_bytes)}",
+        f"predicted time per forward {_ms(plan.predicted_seconds)} (unchanged {_ms(plan.full_seconds)})",
+    ]
+    if plan.applies_nothing:
+        lines.append("the budget covers the unchanged model: apply() changes nothing")
+    header = ("module", "before", "after", "held", "storage", "where", "time", "why")
+    rows = [header] + [
+        (e.module, human_bytes(e.bytes_before), human_bytes(e.bytes_after), human_bytes(e.held_bytes), e.storage, e.placement,
+         _ms(e.seconds), e.why)
+        for e in plan.entries
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+    lines.append("")
+    for index, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:-1], widths[1:])] + [row[-1]]
+        lines.append("  ".join(cells))
+        if index == 0:
+            lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 3)
+    return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""The search: one option per unit, predicted device peak within the budget, least
+predicted time.
+
+The peak is the bytes units hold + the larger of the planned activation peak and the
+peak while a unit computes with its decoded weight (activations alive then + the
+decoded copy) + the onloaded copies of two offloaded units (the one computing and the
+one prefetched). The last two terms are maxima, not sums, so the search fixes a cap on
+each (every distinct value an option has), keeps the options under the caps, and
+solves the rest, a multiple-choice knapsack over held bytes, by dynamic programming on
+bytes rounded up to buckets (so a solution it finds always fits). The best over all
+caps wins.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from tightfit.fitting.options import Option
+
+__all__ = ["Choice", "Search", "peak_of", "search"]
+
+_BUCKETS = 16384
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The chosen option index per unit and what it predicts: ``active_bytes`` is the
+    activation peak, raised where a unit computes with a decoded weight."""
+
+    picks: tuple[int, ...]
+    held_bytes: int
+    active_bytes: int
+    onload_bytes: int
+    seconds: float
+    cost: float
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.held_bytes + self.active_bytes + self.onload_bytes
+
+
+@dataclass(frozen=True)
+class Search:
+    """The best choice (None when nothing fits) and the least-peak choice (for the error)."""
+
+    best: Choice | None
+    smallest: Choice
+
+
+def peak_of(options: list[list[Option]], picks: tuple[int, ...], activations: int) -> Choice:
+    """What a choice predicts: held bytes summed, the activation peak raised by the
+    largest compute peak, the two largest onloads."""
+    chosen = [unit_options[pick] for unit_options, pick in zip(options, picks)]
+    onloads = sorted((o.onload_bytes for o in chosen), reverse=True)[:2]
+    active = max([activations] + [o.compute_peak_bytes for o in chosen])
+    return Choice(picks, sum(o.held_bytes for o in chosen), active, sum(onloads),
+                  sum(o.seconds for o in chosen), sum(o.cost for o in chosen))
+
+
+def _knapsack(options: list[list[Option]], allowed: list[list[int]], capacity: int) -> tuple[int, ...] | None:
+    """Least-time picks (among ``allowed`` indices) with held bytes <= capacity, or None."""
+    if capacity < 0:
+        return None
+    bucket = max(1, math.ceil(capacity / _BUCKETS))
+    size = capacity // bucket + 1
+    best = np.zeros(size)  # least seconds with held bytes <= b buckets, for the units so far
+    choices = []
+    for unit_options, indices in zip(options, allowed):
+        new = np.full(size, np.inf)
+        pick = np.full(size, -1, dtype=np.int32)
+        for index in indices:
+            option = unit_options[index]
+            weight = math.ceil(option.held_bytes / bucket)
+            if weight >= size:
+                continue
+            shifted = np.full(size, np.inf)
+            shifted[weight:] = best[: size - weight] + option.cost
+            better = shifted < new
+            new[better] = shifted[better]
+            pick[better] = index
+        best = new
+        choices.append(pick)
+    if not np.isfinite(best[-1]):
+        return None
+    picks, position = [], size - 1
+    for unit_options, pick in zip(reversed(options), reversed(choices)):
+        index = int(pick[position])
+        picks.append(index)
+        position -= math.ceil(unit_options[index].held_bytes / bucket)
+    return tuple(reversed(picks))
+
+
+def search(options: list[list[Option]], budget: int, activations: int) -> Search:
+    """Choose one option per unit so that the predicted peak is <= ``budget`` at the least
+    summed cost (seconds, see :class:`Option`); ``activations``: the planned activation
+    peak with the inputs. Every unit must have at least one option."""
+    active_caps = sorted({activations} | {o.compute_peak_bytes for unit in options for o in unit if o.compute_peak_bytes > activations})
+    onload_caps = sorted({o.onload_bytes for unit in options for o in unit})
+    best: Choice | None = None
+    smallest: Choice | None = None
+    for active_cap in active_caps:
+        for onload_cap in onload_caps:
+            allowed = [[i for i, o in enumerate(unit) if o.compute_peak_bytes <= active_cap and o.onload_bytes <= onload_cap]
+                       for unit in options]
+            if not all(allowed):
+                continue
+            least = tuple(min(indices, key=lambda i, unit=unit: (unit[i].held_bytes, unit[i].cost))
+                          for unit, indices in zip(options, allowed))
+            candidate = peak_of(options, least, activations)
+            if smallest is None or candidate.peak_bytes < smallest.peak_bytes:
+                smallest = candidate
+            picks = _knapsack(options, allowed, budget - active_cap - 2 * onload_cap)
+            if picks is None:
+                continue
+            choice = peak_of(options, picks, activations)
+            if choice.peak_bytes <= budget and (best is None or choice.cost < best.cost):
+                best = choice
+    return Search(best, smallest)

@@ -1,0 +1,55 @@
+"""Small models and injected time-model figures for the fit planner's tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tightfit.fitting import Calibration
+
+
+def figures(**changes) -> Calibration:
+    """Deterministic figures: 10 GFLOP/s, 10 GB/s memory, 1 GB/s disk, decoding free unless changed."""
+    values = dict(backend="cpu", device_name="test", torch_version=torch.__version__, matmul_flops=1e10, device_bandwidth=1e10,
+                  host_to_device_bandwidth=None, disk_bandwidth=1e9,
+                  decode_seconds={"float8": 0.0, "8bit": 0.0, "int8": 0.0, "nf4": 0.0, "fp4": 0.0})
+    values.update(changes)
+    return Calibration(**values)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """An embedding, a stack of blocks, a head: the shape of a language model."""
+
+    def __init__(self, vocab: int = 2000, width: int = 128, hidden: int = 512, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(Block(width, hidden) for _ in range(depth))
+        self.head = nn.Linear(width, 64)
+
+    def forward(self, input_ids: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        if scale is not None:
+            x = x * scale
+        return self.head(x)
+
+
+def tiny_lm(seed: int = 0, **sizes) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM(**sizes).eval()
+
+
+def token_ids(batch: int = 4, length: int = 16, vocab: int = 2000) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(1))

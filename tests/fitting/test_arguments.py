@@ -1,0 +1,71 @@
+"""fit() and Allow refuse bad arguments with errors that name the argument, value and what is accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tightfit
+from tightfit.fitting import Allow
+
+from fit_models import figures
+
+MODEL = nn.Sequential(nn.Linear(4, 4))
+X = (torch.randn(2, 4),)
+
+
+@pytest.mark.parametrize("budget, error, message", [
+    (0, ValueError, "budget=0 is not accepted"),
+    (-5, ValueError, "budget=-5 is not accepted"),
+    ("lots", ValueError, "budget='lots' is not a size"),
+    (True, TypeError, "budget must be an int or a str"),
+    (1.5e9, TypeError, "budget must be an int or a str"),
+    (float("nan"), TypeError, "budget must be an int or a str"),
+])
+def test_bad_budgets(budget, error, message):
+    with pytest.raises(error, match=message):
+        tightfit.fit(MODEL, X, budget, calibration=figures())
+
+
+def test_bad_model_inputs_and_options():
+    with pytest.raises(TypeError, match="model must be Module"):
+        tightfit.fit("model", X, "1MB", calibration=figures())
+    with pytest.raises(TypeError, match="example_inputs must be a tuple of tensors, a dict"):
+        tightfit.fit(MODEL, 3, "1MB", calibration=figures())
+    with pytest.raises(TypeError, match="example_inputs key must be str"):
+        tightfit.fit(MODEL, {1: X[0]}, "1MB", calibration=figures())
+    with pytest.raises(TypeError, match="calibration must be Calibration"):
+        tightfit.fit(MODEL, X, "1MB", calibration={"matmul_flops": 1})
+    with pytest.raises(TypeError, match="remeasure must be bool"):
+        tightfit.fit(MODEL, X, "1MB", calibration=figures(), remeasure=1)
+    with pytest.raises(ValueError, match="not-a-backend"):
+        tightfit.fit(MODEL, X, "1MB", backend="not-a-backend", calibration=figures())
+
+
+def test_a_single_tensor_is_one_positional_input():
+    plan = tightfit.fit(MODEL, X[0], "1MB", calibration=figures())
+    assert plan.applies_nothing
+
+
+@pytest.mark.parametrize("allow, error, message", [
+    ({"storage": {"keep", "gguf"}}, ValueError, "'gguf', which is not accepted; accepted: keep, float8"),
+    ({"placement": {"device", "cloud"}}, ValueError, "'cloud', which is not accepted; accepted: device, cpu, disk"),
+    ({"storage": "keep"}, TypeError, "allow storage must be a set of str"),
+    ({"storage": {"nf4"}}, ValueError, "lacks 'keep', which is always allowed"),
+    ({"placement": {"disk"}}, ValueError, "lacks 'device', which is always allowed"),
+    ({"storage": set()}, ValueError, "allow storage is empty"),
+    ({"quant": {"nf4"}}, ValueError, "allow has key\\(s\\) 'quant'"),
+    (["keep"], TypeError, "allow must be None, an Allow or a dict"),
+])
+def test_bad_allow(allow, error, message):
+    with pytest.raises(error, match=message):
+        tightfit.fit(MODEL, X, "1MB", allow=allow, calibration=figures())
+
+
+def test_allow_defaults_and_coercion():
+    assert Allow() == Allow.coerce(None) == Allow.coerce({})
+    assert Allow.coerce({"storage": ["keep", "float8"]}).storage == frozenset({"keep", "float8"})
+    assert Allow().to_dict() == {"storage": ["8bit", "float8", "fp4", "int8", "keep", "nf4"], "placement": ["cpu", "device", "disk"]}
+    allow = Allow(storage={"keep"}, placement=("device", "disk"))
+    assert isinstance(allow.storage, frozenset) and hash(allow)

@@ -1,0 +1,88 @@
+"""The time model's figures: validated, cached by backend, device and torch version, re-measured on request."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import tightfit.fitting.calibration as calibrate_impl
+from tightfit import backends
+from tightfit.fitting import Calibration, calibrate
+from tightfit.fitting.calibration import cache_path
+
+from fit_models import figures
+
+
+@pytest.fixture
+def counted(monkeypatch, tmp_path):
+    """Measuring replaced by a counter returning fixed figures; the cache in a fresh folder."""
+    monkeypatch.setenv("TIGHTFIT_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def fake_measure(backend, device):
+        calls.append(device)
+        return figures(device_name=calibrate_impl._device_name(device), matmul_flops=1e9 + len(calls))
+
+    monkeypatch.setattr(calibrate_impl, "_measure", fake_measure)
+    return calls
+
+
+def test_measured_once_then_read_from_the_cache(counted, tmp_path):
+    first = calibrate("cpu")
+    second = calibrate("cpu")
+    assert len(counted) == 1 and first == second
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1 and torch.__version__.replace("+", "-") in files[0].name and files[0].name.startswith("calibration-cpu-")
+    assert json.loads(files[0].read_text())["matmul_flops"] == first.matmul_flops
+
+
+def test_remeasure_measures_again(counted):
+    first = calibrate("cpu")
+    again = calibrate("cpu", remeasure=True)
+    assert len(counted) == 2 and again.matmul_flops != first.matmul_flops
+    assert calibrate("cpu") == again
+
+
+def test_a_damaged_cache_is_measured_again(counted):
+    calibrate("cpu")
+    path = next(iter(cache_path("cpu", calibrate_impl._device_name(torch.device("cpu"))).parent.iterdir()))
+    path.write_text("{not json")
+    calibrate("cpu")
+    assert len(counted) == 2
+
+
+def test_the_cache_key_names_backend_device_and_torch(monkeypatch, tmp_path):
+    monkeypatch.setenv("TIGHTFIT_CACHE_DIR", str(tmp_path))
+    path = cache_path("cuda", "NVIDIA H100 80GB HBM3")
+    assert path.parent == tmp_path
+    assert path.name.startswith("calibration-cuda-NVIDIA-H100-80GB-HBM3-torch")
+
+
+def test_real_measurement_gives_valid_figures():
+    figures_now = calibrate_impl._measure(backends.get("cpu"), torch.device("cpu"))
+    assert figures_now.host_to_device_bandwidth is None
+    assert figures_now.matmul_flops > 0 and figures_now.disk_bandwidth > 0
+    assert set(figures_now.decode_seconds) == {"float8", "8bit", "int8", "nf4", "fp4"}
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(matmul_flops=0), "matmul_flops must be a finite number > 0"),
+    (dict(disk_bandwidth=float("nan")), "disk_bandwidth must be a finite number > 0"),
+    (dict(device_bandwidth=True), "device_bandwidth must be a finite number > 0"),
+    (dict(decode_seconds={"float8": 0.0}), "decode_seconds lacks"),
+    (dict(decode_seconds={"float8": -1, "8bit": 0, "int8": 0, "nf4": 0, "fp4": 0}), r"decode_seconds\['float8'\] must be"),
+])
+def test_bad_figures_rejected(change, message):
+    with pytest.raises(ValueError, match=message):
+        figures(**change)
+
+
+def test_round_trip_and_unknown_keys():
+    figs = figures()
+    assert Calibration.from_dict(figs.to_dict()) == figs
+    with pytest.raises(ValueError, match="unknown keys"):
+        Calibration.from_dict({**figs.to_dict(), "speed": 1})
+    with pytest.raises(TypeError, match="remeasure must be bool"):
+        calibrate("cpu", remeasure="yes")

@@ -1,0 +1,193 @@
+"""The planner's decisions on small models with injected figures, where the answer is known."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tightfit
+from tightfit.fitting import Allow, FitError
+from tightfit.fitting.options import Unit, options_for
+from tightfit.fitting.search import search
+
+from fit_models import figures, tiny_lm, token_ids
+
+
+def four_linears() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(256, 256, bias=False) for _ in range(4))).eval()
+
+
+X = torch.randn(8, 256)
+KEEP_8BIT = {"storage": {"keep", "8bit"}, "placement": {"device"}}
+BYTES_8BIT = 256 * 256 + 4 * 16 + 1024  # codes, one scale per 4096, the 256-entry map
+
+
+def test_budget_above_needs_applies_nothing():
+    model = four_linears()
+    plan = tightfit.fit(model, (X,), "1GiB", calibration=figures())
+    assert plan.applies_nothing
+    assert all(e.storage == "keep" and e.placement == "device" for e in plan.entries)
+    assert plan.predicted_peak_bytes == plan.full_peak_bytes == 4 * 256 * 256 * 4 + plan.predicted_activation_bytes
+    assert plan.predicted_transient_bytes == 0
+    assert "changes nothing" in str(plan)
+    assert plan.apply(model) is model
+    assert all(type(m) is nn.Linear for m in model)
+
+
+def test_just_enough_layers_are_converted():
+    # each conversion saves 256 KiB - 8-bit bytes; the decoded copy (256 KiB) is alive while one computes
+    model = four_linears()
+    full = tightfit.fit(model, (X,), "1GiB", calibration=figures()).full_peak_bytes
+    budget = full - 300 * 1024  # three conversions are needed: 2 save 2 * 190 KiB < 300 KiB + 256 KiB
+    plan = tightfit.fit(model, (X,), budget, allow=KEEP_8BIT, calibration=figures())
+    assert [e.storage for e in plan.entries].count("8bit") == 3
+    assert plan.predicted_weights_bytes == 3 * BYTES_8BIT + 256 * 256 * 4
+    assert 256 * 256 * 4 <= plan.predicted_transient_bytes <= 256 * 256 * 4 + 16 * 1024  # the copy, and what is alive then
+    assert plan.predicted_peak_bytes <= budget
+    assert not plan.applies_nothing
+
+
+def test_more_bits_kept_when_they_fit():
+    # decoding is free, so 8-bit and NF4 cost the same time: the planner keeps 8 bits
+    model = four_linears()
+    plan = tightfit.fit(model, (X,), "900KiB", allow={"storage": {"keep", "8bit", "nf4"}}, calibration=figures())
+    assert {e.storage for e in plan.entries} <= {"keep", "8bit"}
+    tight = tightfit.fit(model, (X,), "450KiB", allow={"storage": {"keep", "8bit", "nf4"}}, calibration=figures())
+    assert "nf4" in {e.storage for e in tight.entries}
+
+
+def test_a_less_precise_storage_is_not_chosen_for_speed():
+    # fp4 decodes faster than nf4 here; it saves no memory over nf4, so nf4 stays
+    fast_fp4 = figures(decode_seconds={"float8": 0, "8bit": 0, "int8": 0, "nf4": 1e-9, "fp4": 0})
+    plan = tightfit.fit(four_linears(), (X,), "450KiB", allow={"storage": {"keep", "nf4", "fp4"}}, calibration=fast_fp4)
+    assert "nf4" in {e.storage for e in plan.entries} and "fp4" not in {e.storage for e in plan.entries}
+
+
+def test_time_model_decides_between_disk_and_quantization():
+    model = four_linears()
+    allow = {"storage": {"keep", "nf4"}, "placement": {"device", "disk"}}
+    slow_decode = figures(decode_seconds={"float8": 0, "8bit": 0, "int8": 0, "nf4": 1e-6, "fp4": 0}, disk_bandwidth=1e12)
+    plan = tightfit.fit(model, (X,), "400KiB", allow=allow, calibration=slow_decode)
+    assert {e.storage for e in plan.entries} == {"keep"} and [e.placement for e in plan.entries].count("disk") == 3
+    slow_disk = figures(decode_seconds={"float8": 0, "8bit": 0, "int8": 0, "nf4": 1e-12, "fp4": 0}, disk_bandwidth=1e3)
+    plan = tightfit.fit(model, (X,), "600KiB", allow=allow, calibration=slow_disk)
+    assert {e.placement for e in plan.entries} == {"device"} and "nf4" in {e.storage for e in plan.entries}
+
+
+def test_disk_weights_are_not_held_on_the_cpu():
+    model = four_linears()
+    plan = tightfit.fit(model, (X,), 200 * 1024, allow={"storage": {"keep"}, "placement": {"device", "disk"}},
+                        calibration=figures())
+    assert all(e.placement == "disk" and e.held_bytes == 0 for e in plan.entries)
+    assert plan.predicted_weights_bytes == 0
+
+
+def test_units_follow_the_layer_stack():
+    model = tiny_lm()
+    plan = tightfit.fit(model, {"input_ids": token_ids()}, "1GiB", calibration=figures())
+    names = [e.module for e in plan.entries]
+    assert names == ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]
+    assert plan.entries[1].leaves == ("layers.0.up", "layers.0.down")
+    assert plan.entries[1].bytes_before == sum(t.numel() * 4 for t in model.layers[0].state_dict().values())
+
+
+def test_keyword_and_positional_inputs_plan_alike():
+    model = tiny_lm()
+    ids = token_ids()
+    by_keyword = tightfit.fit(model, {"input_ids": ids}, "1GiB", calibration=figures())
+    by_position = tightfit.fit(model, (ids,), "1GiB", calibration=figures())
+    assert by_keyword.predicted_peak_bytes == by_position.predicted_peak_bytes
+
+
+def test_tied_weights_stay():
+    model = tiny_lm(vocab=64)
+    model.head.weight = model.embed.weight  # (64, 128) both
+    full = tightfit.fit(model, (token_ids(vocab=64),), "1GiB", calibration=figures()).full_peak_bytes
+    plan = tightfit.fit(model, (token_ids(vocab=64),), full // 2, calibration=figures())
+    fixed = {e.module: e for e in plan.entries if "tied" in e.why}
+    assert set(fixed) == {"embed", "head"}
+    assert all(e.storage == "keep" and e.placement == "device" for e in fixed.values())
+    distinct = {id(t): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
+    assert plan.full_peak_bytes - plan.predicted_activation_bytes == sum(distinct.values())  # the shared weight once
+
+
+class MatmulBlock(nn.Module):
+    """A layer without nn.Linear (as GPT-2's Conv1D layers): it can move, not be quantized."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(128, 128) / 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+def test_a_stack_without_linear_layers_is_offloaded_whole():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ModuleList(MatmulBlock() for _ in range(4)))
+    model.forward = lambda x: [x := block(x) for block in model[0]][-1]
+    x = torch.randn(4, 128)
+    plan = tightfit.fit(model, (x,), 150 * 1024, calibration=figures())
+    assert [e.module for e in plan.entries] == ["0.0", "0.1", "0.2", "0.3"]
+    assert {e.storage for e in plan.entries} == {"keep"} and "disk" in {e.placement for e in plan.entries}
+
+
+@pytest.mark.parametrize("allow", [
+    {"storage": {"keep", "float8"}, "placement": {"device", "disk"}},
+    {"storage": {"keep", "int8"}},
+    {"placement": {"device", "disk"}, "storage": {"keep"}},
+    Allow(storage=frozenset({"keep", "fp4", "float8"})),
+])
+def test_allow_is_respected(allow):
+    model = tiny_lm()
+    ids = token_ids()
+    full = tightfit.fit(model, (ids,), "1GiB", calibration=figures()).full_peak_bytes
+    for fraction in (0.6, 0.3):
+        try:
+            plan = tightfit.fit(model, (ids,), int(full * fraction), allow=allow, calibration=figures())
+        except FitError:
+            continue
+        rules = Allow.coerce(allow)
+        assert all(e.storage in rules.storage and e.placement in rules.placement for e in plan.entries)
+        assert plan.allow == rules.to_dict()
+
+
+def test_no_fit_names_the_smallest_peak_and_the_weights_that_dominate():
+    model = four_linears()
+    with pytest.raises(FitError) as caught:
+        tightfit.fit(model, (X,), "500KiB", allow={"storage": {"keep", "8bit"}, "placement": {"device"}}, calibration=figures())
+    error = caught.value
+    activations = tightfit.fit(model, (X,), "1GiB", calibration=figures()).predicted_activation_bytes
+    assert 4 * BYTES_8BIT + 256 * 256 * 4 <= error.smallest_peak_bytes - activations <= 4 * BYTES_8BIT + 256 * 256 * 4 + 16 * 1024
+    assert error.budget_bytes == 500 * 1024
+    assert "smallest predicted peak" in str(error) and f"({error.smallest_peak_bytes} B)" in str(error)
+    assert "decoded weights while their unit computes" in error.parts[0][0]
+    assert "weights of 0 (8bit on the device)" in str(error)
+
+
+def test_no_fit_names_the_activation_peak():
+    model = nn.Sequential(nn.Linear(8, 8)).eval()
+    with pytest.raises(FitError, match=r"dominated by activations and inputs \(peak at node \w+\).*slice by slice"):
+        tightfit.fit(model, (torch.randn(100_000, 8),), "1MB", calibration=figures())
+
+
+def test_offloaded_units_count_two_onloaded_copies_on_an_accelerator():
+    # options and search alone: no accelerator is touched
+    unit = Unit("a", "linear", (("a", "Linear", (256, 256), torch.float32),), 256 * 256 * 4, 0)
+    figs = figures(host_to_device_bandwidth=1e10)
+    options = options_for(unit, storages=frozenset({"keep"}), placements=frozenset({"device", "cpu"}),
+                          device=torch.device("cuda"), rows={"a": 8}, live={}, figures=figs)
+    assert [(o.placement, o.held_bytes, o.onload_bytes) for o in options] == [("device", 262144, 0), ("cpu", 0, 262144)]
+    # four kept do not fit, nor 3 kept + 1 copy, nor 2 + 2 copies (prefetch); 1 kept + 2 copies does
+    found = search([options] * 4, 4 * 262144 - 1, 0)
+    assert found.best is not None
+    assert found.best.onload_bytes == 2 * 262144 and found.best.held_bytes == 262144
+
+
+def test_cpu_placement_is_not_offered_on_the_cpu():
+    model = four_linears()
+    plan = tightfit.fit(model, (X,), 200 * 1024, allow={"storage": {"keep"}, "placement": {"device", "cpu", "disk"}},
+                        calibration=figures())
+    assert {e.placement for e in plan.entries} == {"disk"}
