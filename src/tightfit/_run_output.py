@@ -1,12 +1,14 @@
 """What ``tightfit run`` prints (private): its report as JSON data or as rich tables, one
 layout for both kinds of model, with the kind's own rows (sentence pairs and cosine for
-encoders; text, speeds and token agreement for causal LMs)."""
+encoders; text, speeds and token agreement for causal LMs), and with a budget the plan
+and its prediction against the measurement."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tightfit._format import human_bytes
@@ -18,6 +20,21 @@ __all__: list[str] = []
 
 def _milliseconds(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
+
+
+def _budget_data(report: RunReport) -> dict[str, Any]:
+    """The budget's figures for ``--json``; None everywhere without a budget."""
+    budgeted, measured = report.budgeted, report.measurement.peak_bytes
+    if budgeted is None:
+        keys = ("budget_bytes", "predicted_peak_bytes", "measured_peak_bytes", "within_budget", "predicted_over_measured",
+                "prediction_covers", "predicted_extra_bytes", "applies_nothing", "plan")
+        return dict.fromkeys(keys)
+    return {
+        "budget_bytes": report.budget_bytes, "predicted_peak_bytes": budgeted.predicted_peak_bytes, "measured_peak_bytes": measured,
+        "within_budget": measured <= report.budget_bytes, "predicted_over_measured": budgeted.predicted_peak_bytes / measured,
+        "prediction_covers": budgeted.covers, "predicted_extra_bytes": budgeted.extra_bytes,
+        "applies_nothing": budgeted.plan.applies_nothing, "plan": budgeted.plan.to_dict(),
+    }
 
 
 def report_data(report: RunReport) -> dict[str, Any]:
@@ -37,7 +54,7 @@ def report_data(report: RunReport) -> dict[str, Any]:
         "quality": {"metric": report.quality_metric, "value": report.quality},
         "kept_8bit": list(report.kept_8bit), "kept_8bit_linears": report.kept_8bit_linears, "kept_8bit_bytes": report.kept_8bit_bytes,
         "storage_dtype": report.storage_dtype, "offload": report.offload, "device_weights_bytes": report.device_weights_bytes,
-        "timeline": report.timeline_path,
+        "timeline": report.timeline_path, **_budget_data(report),
     }
 
 
@@ -61,18 +78,49 @@ def _text(report: RunReport) -> Table:
     return text
 
 
+def _print_plan(report: RunReport, console: Console) -> None:
+    plan = report.budgeted.plan
+    if plan.applies_nothing:
+        console.print(f"budget {human_bytes(report.budget_bytes)} covers the unchanged model "
+                      f"({human_bytes(plan.full_peak_bytes + report.budgeted.extra_bytes)} predicted): nothing applied, weights as loaded",
+                      highlight=False)
+        return
+    if report.budgeted.extra_bytes:
+        console.print(f"planned for {human_bytes(plan.budget_bytes)}: the budget less {human_bytes(report.budgeted.extra_bytes)} "
+                      f"of KV cache growth while decoding", highlight=False)
+    console.print(escape(str(plan)), highlight=False, soft_wrap=True)
+
+
+def _budget(report: RunReport) -> Table:
+    budgeted, measured = report.budgeted, report.measurement.peak_bytes
+    table = Table(title="budget: predicted against measured")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_row("budget", f"{human_bytes(report.budget_bytes)} ({report.budget_bytes:,} B)")
+    table.add_row("prediction covers", budgeted.covers)
+    table.add_row("predicted peak", f"{human_bytes(budgeted.predicted_peak_bytes)} ({budgeted.predicted_peak_bytes:,} B)")
+    table.add_row(f"measured peak, {report.measurement.source}", f"{human_bytes(measured)} ({measured:,} B)")
+    ratio = budgeted.predicted_peak_bytes / measured
+    table.add_row("predicted / measured", f"{ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
+    table.add_row("measured within budget", "yes" if measured <= report.budget_bytes else "[red]NO[/red]")
+    return table
+
+
 def print_report(report: RunReport, console: Console) -> None:
-    """The tables: what ran, what it produced, and the measured figures."""
+    """The tables: what ran, the plan under a budget, what it produced, and the measured figures."""
     measured = report.measurement
     console.print(f"model    {report.model}" + ("" if report.kind == ENCODER else " (causal LM)"), highlight=False)
     console.print(f"backend  {report.backend} ({report.device})", highlight=False)
+    if report.budgeted is not None:
+        _print_plan(report, console)
     console.print(_pairs(report) if report.kind == ENCODER else _text(report))
     figures = Table(title="measured")
     figures.add_column("figure")
     figures.add_column("value", justify="right")
     if report.changes is not None:
         figures.add_row("weights, full precision", human_bytes(report.full_weights_bytes))
-        figures.add_row(f"weights, {report.quant or report.storage_dtype or 'as loaded'}", human_bytes(report.weights_bytes))
+        stored = report.quant or report.storage_dtype or (report.changes if report.budgeted else "as loaded")
+        figures.add_row(f"weights, {stored}", human_bytes(report.weights_bytes))
         if report.kept_8bit:
             kept = f"{', '.join(report.kept_8bit)}: {report.kept_8bit_linears} Linear, {human_bytes(report.kept_8bit_bytes)}"
             figures.add_row("kept in 8 bits (later half of the layers)", kept)
@@ -96,5 +144,7 @@ def print_report(report: RunReport, console: Console) -> None:
     if measured.peak_rss_bytes is not None:
         figures.add_row("peak RSS, whole process (code and libraries too)", human_bytes(measured.peak_rss_bytes))
     console.print(figures)
+    if report.budgeted is not None:
+        console.print(_budget(report))
     if report.timeline_path is not None:
         console.print(f"memory timeline written to {report.timeline_path}", highlight=False, markup=False)

@@ -98,7 +98,7 @@ def _run_command(args: argparse.Namespace, console: Console) -> int:
 
     options = RunOptions(model=args.model, backend=args.backend, quant=args.quant, storage_dtype=args.storage_dtype,
                          offload=args.offload, repeat=args.repeat, keep_8bit=not args.all_4bit, prompt=args.prompt,
-                         max_new_tokens=args.max_new_tokens, timeline=args.timeline)
+                         max_new_tokens=args.max_new_tokens, timeline=args.timeline, budget=args.budget, allow=args.allow)
     bars = Console(stderr=True)
     with show_progress(bars) if bars.is_terminal and not args.json else nullcontext():  # stderr only, never in --json
         report = run(options)
@@ -144,6 +144,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--storage-dtype", choices=["float8_e4m3fn", "float8_e5m2", "bfloat16", "float16"],
                      help="store weights so (layerwise casting; norms and embeddings stay) and compute in the model's dtype")
     run.add_argument("--offload", choices=["cpu", "disk"], help="keep weights in CPU memory or memory-mapped files; each block comes onto the device when it runs")
+    run.add_argument("--budget", metavar="SIZE", help="device memory the run may use, e.g. 40MB, 1.5GiB, 123456 (bytes): the fit "
+                                                      "planner chooses per layer how weights are stored and where; "
+                                                      "not with --quant, --storage-dtype or --offload")
+    run.add_argument("--allow", metavar="NAMES", help="with --budget: what the planner may use, comma-separated storages "
+                                                      "(keep, float8, 8bit, int8, nf4, fp4) and/or placements (device, cpu, disk), "
+                                                      "e.g. keep,float8,disk; a kind you name nothing of stays unrestricted")
     run.add_argument("--repeat", type=int, default=5, help="timed repetitions (default: 5)")
     run.add_argument("--prompt", help="causal LMs: the text to continue (default: a fixed story opening)")
     run.add_argument("--max-new-tokens", type=int, help="causal LMs: tokens to generate greedily (default: 16)")

@@ -2,12 +2,14 @@
 weights compact (quantization, float8 storage) or move them off the device (offloading),
 run it, and report latency, memory measured on the device and, where weights changed,
 quality against full precision. Encoders embed sentences (quality: cosine); causal LMs
-generate text greedily (quality: token agreement). Later stages (budgets and plans)
-extend :class:`RunOptions` and :class:`RunReport`."""
+generate text greedily (quality: token agreement). With a memory budget the fit planner
+chooses those changes (``tightfit.fit``) and the report sets its prediction against the
+measurement."""
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -15,8 +17,11 @@ from typing import Any
 import torch
 
 from tightfit import backends
+from tightfit._format import human_bytes
 from tightfit._plot import check_png_path
+from tightfit._run_budget import Budgeted, coerce_allow, kv_cache_bytes_per_token, plan_run
 from tightfit._validate import check_type
+from tightfit.fitting import Allow, held_bytes, parse_size
 from tightfit.generation import Generation, generate_greedy, token_agreement
 from tightfit.hooks import STORAGES, apply_layerwise_casting, apply_offloading, resident_bytes
 from tightfit.memory import Measurement, measure, tensor_bytes
@@ -72,6 +77,12 @@ class RunOptions:
     ``sentences`` are what an encoder embeds; ``prompt`` and ``max_new_tokens`` (None:
     :data:`DEFAULT_PROMPT`, :data:`DEFAULT_MAX_NEW_TOKENS`) what a causal LM continues, and
     are refused for an encoder. ``timeline``: write a PNG of the memory over one run there.
+
+    ``budget``: the device memory the run may use, bytes or a size (``"40MB"``, stored as
+    bytes); the fit planner then chooses storage and placement per unit, so ``quant``,
+    ``storage_dtype`` and ``offload`` are refused with it. ``allow``: what the planner may
+    use, a ``--allow`` string (``"keep,float8,disk"``: only the kinds named are restricted),
+    an :class:`~tightfit.fitting.Allow` or a dict; stored as an Allow; needs ``budget``.
     """
 
     model: str | None = None
@@ -86,6 +97,8 @@ class RunOptions:
     prompt: str | None = None
     max_new_tokens: int | None = None
     timeline: str | Path | None = None
+    budget: int | str | None = None
+    allow: Allow | Mapping[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, Path)):
@@ -115,6 +128,15 @@ class RunOptions:
             raise ValueError(f"max_new_tokens must be an int >= 1 or None, got {self.max_new_tokens!r}")
         if self.timeline is not None:
             check_png_path("timeline", self.timeline, "tightfit run --timeline")
+        if self.budget is not None:
+            object.__setattr__(self, "budget", parse_size(self.budget, "budget"))
+            chosen = [name for name in ("quant", "storage_dtype", "offload") if getattr(self, name) is not None]
+            if chosen:
+                raise ValueError(f"budget lets the fit planner choose how weights are stored and where; it cannot be combined with "
+                                 f"{', '.join(chosen)}; drop {'them' if len(chosen) > 1 else 'it'}, or restrict the planner with allow")
+        if self.allow is not None and self.budget is None:
+            raise ValueError(f"allow={self.allow!r} restricts the fit planner, which runs only with a budget; give budget too")
+        object.__setattr__(self, "allow", coerce_allow(self.allow))
 
 
 @dataclass
@@ -148,6 +170,12 @@ class RunReport:
     full_text: str | None = None  # what full precision generated, when weights changed
     token_agreement: float | None = None  # greedy next tokens kept, teacher-forced on full_text's tokens
     timeline_path: str | None = None
+    budget_bytes: int | None = None  # with a budget, from here on
+    budgeted: Budgeted | None = None  # the plan and what its prediction covers
+
+    @property
+    def predicted_peak_bytes(self) -> int | None:
+        return None if self.budgeted is None else self.budgeted.predicted_peak_bytes
 
     @property
     def quality(self) -> float | None:
@@ -162,7 +190,9 @@ class RunReport:
 
     @property
     def changes(self) -> str | None:
-        """What was done to the weights, for labels: ``nf4``, ``float8_e4m3fn + offload disk``."""
+        """What was done to the weights, for labels: ``nf4``, ``float8_e4m3fn + offload disk``, ``plan for 38.1 MiB``."""
+        if self.budgeted is not None:
+            return None if self.budgeted.plan.applies_nothing else f"plan for {human_bytes(self.budget_bytes)}"
         parts = [self.quant or self.storage_dtype, f"offload {self.offload}" if self.offload else None]
         return " + ".join(p for p in parts if p) or None
 
@@ -187,13 +217,26 @@ def run(options: RunOptions | None = None) -> RunReport:
     if kind == ENCODER and (options.prompt is not None or options.max_new_tokens is not None):
         raise ValueError(f"prompt and max_new_tokens apply to causal LMs; model={str(folder)!r} is an encoder, which embeds sentences")
     job = _Encoder(folder, device, options) if kind == ENCODER else _CausalLM(folder, device, options, backend)
-    changes = bool(options.quant or options.storage_dtype or options.offload)
+    budgeted = None
+    if options.budget is not None:
+        budgeted = plan_run(job.model, job.example_inputs(), options.budget, device=device, allow=options.allow,
+                            extra_bytes=job.extra_bytes(), covers=job.covers())
+        changes = not budgeted.plan.applies_nothing
+    else:
+        changes = bool(options.quant or options.storage_dtype or options.offload)
     full_weights = weights_bytes([job.model]) if changes else None
-    reference = job.result() if changes else None
-    kept = _convert(job.model, options, device)
+    reference = job.result() if changes else None  # before any change; on the CPU, outside the measured run
+    if budgeted is not None:
+        budgeted.plan.apply(job.model)
+        kept: tuple[str, ...] = ()
+    else:
+        kept = _convert(job.model, options, device)
     kept_linears = [module for name in kept for module in job.model.get_submodule(name).modules() if isinstance(module, Linear8bit)]
     weights = weights_bytes([job.model])
-    on_device = resident_bytes(job.model, device) if options.offload else weights
+    if budgeted is not None:
+        on_device = held_bytes(job.model, device)  # counts the scales of offloaded quantized units too
+    else:
+        on_device = resident_bytes(job.model, device) if options.offload else weights
     calls: list[Any] = []
     measurement = measure(lambda: calls.append(job.call()), device, repeat=options.repeat, warmup=1, baseline_bytes=on_device,
                           timeline=options.timeline is not None)
@@ -213,11 +256,14 @@ def run(options: RunOptions | None = None) -> RunReport:
         offload=options.offload,
         device_weights_bytes=on_device,
         kind=kind,
+        budget_bytes=options.budget,
+        budgeted=budgeted,
     )
     job.fill(report, calls[1:1 + options.repeat], reference)  # the timed calls: after the warmup, before the tracked one
     if options.timeline is not None:
         title = f"{Path(report.model).name if options.model else 'all-MiniLM-L6-v2'}, {report.changes or 'as loaded'}, on {device}"
-        report.timeline_path = str(measurement.timeline.plot(options.timeline, title=title))
+        report.timeline_path = str(measurement.timeline.plot(options.timeline, title=title, budget_bytes=report.budget_bytes,
+                                                             predicted_peak_bytes=report.predicted_peak_bytes))
     return report
 
 
@@ -251,6 +297,17 @@ class _Encoder:
     def call(self) -> None:
         embed(self.model, self.tokenizer, list(self.sentences), self.device)
 
+    def example_inputs(self) -> dict[str, torch.Tensor]:
+        """The batch ``call`` embeds: what a plan is made for."""
+        return dict(self.tokenizer(list(self.sentences), padding=True, truncation=True, return_tensors="pt").to(self.device))
+
+    def extra_bytes(self) -> int:
+        return 0
+
+    def covers(self) -> str:
+        ids = self.example_inputs()["input_ids"]
+        return f"one forward over the {ids.shape[0]} sentences ({ids.shape[0]} x {ids.shape[1]} tokens)"
+
     def result(self) -> torch.Tensor:
         """The embeddings, on the CPU: what quality compares."""
         return embed(self.model, self.tokenizer, list(self.sentences), self.device).cpu()
@@ -280,6 +337,19 @@ class _CausalLM:
 
     def call(self) -> Generation:
         return generate_greedy(self.model, self.input_ids, self.max_new_tokens, self.synchronize)
+
+    def example_inputs(self) -> dict[str, torch.Tensor]:
+        """The prefill over the prompt: what a plan is made for (its KV cache included)."""
+        return {"input_ids": self.input_ids}
+
+    def extra_bytes(self) -> int:
+        """The KV cache's growth over the one-token forwards after the prefill."""
+        dtype = next(self.model.parameters()).dtype
+        return (self.max_new_tokens - 1) * kv_cache_bytes_per_token(self.model.config, dtype)
+
+    def covers(self) -> str:
+        return (f"the prefill forward over the {self.input_ids.shape[1]}-token prompt, plus the KV cache's growth over the "
+                f"{self.max_new_tokens - 1} one-token decode forwards ({human_bytes(self.extra_bytes())})")
 
     def result(self) -> Generation:
         """One generation: what quality compares."""

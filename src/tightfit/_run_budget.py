@@ -1,0 +1,96 @@
+"""What ``tightfit run --budget`` adds to a run (private): the ``--allow`` names, the plan
+made for the run's own inputs, and what its prediction covers.
+
+A plan is made for one forward. An encoder's run is that forward (plus pooling), so the
+plan's peak is the prediction. A causal LM's run is a generation: the prefill forward over
+the prompt, then one-token forwards whose KV cache grows by a fixed number of bytes per
+token; the plan is made for the prefill, and the cache's growth is added on top of it and
+taken off the budget the planner sees, so that the whole generation stays within it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tightfit._format import human_bytes
+from tightfit.fitting import PLACEMENTS, STORAGES, Allow, Plan, fit
+
+__all__: list[str] = []
+
+_ALLOW_ACCEPTED = (f"comma-separated names, storages ({', '.join(STORAGES)}) and/or placements ({', '.join(PLACEMENTS)}), "
+                   f"e.g. 'keep,float8,disk'")
+
+
+def parse_allow(text: str) -> Allow:
+    """The :class:`Allow` that ``--allow`` names: storages and placements in one list.
+
+    Only the sets named are restricted: ``int8,nf4`` restricts storages and leaves every
+    placement allowed; ``device`` rules out offloading and leaves every storage allowed.
+    ``keep`` and ``device`` are always added (the planner must be able to leave a unit alone).
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"allow must be a str, got {type(text).__name__}: {text!r}; accepted: {_ALLOW_ACCEPTED}")
+    names = [name.strip().lower() for name in text.split(",")]
+    if not any(names):
+        raise ValueError(f"allow={text!r} names nothing; accepted: {_ALLOW_ACCEPTED}")
+    unknown = [name for name in names if name not in STORAGES and name not in PLACEMENTS]
+    if unknown:
+        raise ValueError(f"allow={text!r} has {', '.join(map(repr, unknown))}, which is not accepted; accepted: {_ALLOW_ACCEPTED}")
+    storages = {name for name in names if name in STORAGES}
+    placements = {name for name in names if name in PLACEMENTS}
+    return Allow(storage=frozenset(storages | {"keep"}) if storages else frozenset(STORAGES),
+                 placement=frozenset(placements | {"device"}) if placements else frozenset(PLACEMENTS))
+
+
+def coerce_allow(value: Allow | Mapping[str, Any] | str | None) -> Allow | None:
+    """``RunOptions.allow`` as an :class:`Allow`: a ``--allow`` string, a mapping, an Allow, or None."""
+    if value is None or isinstance(value, Allow):
+        return value
+    if isinstance(value, str):
+        return parse_allow(value)
+    if isinstance(value, Mapping):
+        return Allow.coerce(value)
+    raise TypeError(f"allow must be None, a str such as 'keep,float8,disk', an Allow or a dict with keys storage and placement, "
+                    f"got {type(value).__name__}: {value!r}")
+
+
+def kv_cache_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Bytes a causal LM's KV cache grows by per token: keys and values of every layer."""
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * layers * kv_heads * head_dim * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Budgeted:
+    """A plan for a run and what its prediction covers.
+
+    ``extra_bytes``: added to the plan's peak for the whole run (a causal LM's KV cache
+    growth while decoding; 0 for an encoder); ``covers``: that, in words.
+    """
+
+    plan: Plan
+    extra_bytes: int
+    covers: str
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.plan.predicted_peak_bytes + self.extra_bytes
+
+
+def plan_run(model: Any, example_inputs: dict, budget_bytes: int, *, device: torch.device, allow: Allow | None,
+             extra_bytes: int, covers: str) -> Budgeted:
+    """Fit ``model`` for ``example_inputs`` into ``budget_bytes`` less ``extra_bytes`` (what
+    the run needs beyond that forward); ``fit`` raises FitError when nothing fits."""
+    planned_budget = budget_bytes - extra_bytes
+    if planned_budget <= 0:
+        raise ValueError(f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) leaves nothing for the model: the run needs "
+                         f"{human_bytes(extra_bytes)} ({extra_bytes} B) beyond the planned forward ({covers})")
+    plan = fit(model, example_inputs, planned_budget, backend=device, allow=allow)
+    return Budgeted(plan, extra_bytes, covers)
