@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tightfit._format import human_bytes
-from tightfit.fitting import PLACEMENTS, STORAGES, Allow, Plan, fit
+from tightfit.fitting import PLACEMENTS, STORAGES, Allow, FitError, Plan, fit
 
 __all__: list[str] = []
 
@@ -34,8 +34,8 @@ def parse_allow(text: str) -> Allow:
     """
     if not isinstance(text, str):
         raise TypeError(f"allow must be a str, got {type(text).__name__}: {text!r}; accepted: {_ALLOW_ACCEPTED}")
-    names = [name.strip().lower() for name in text.split(",")]
-    if not any(names):
+    names = [name.strip().lower() for name in text.split(",") if name.strip()]
+    if not names:
         raise ValueError(f"allow={text!r} names nothing; accepted: {_ALLOW_ACCEPTED}")
     unknown = [name for name in names if name not in STORAGES and name not in PLACEMENTS]
     if unknown:
@@ -92,5 +92,12 @@ def plan_run(model: Any, example_inputs: dict, budget_bytes: int, *, device: tor
     if planned_budget <= 0:
         raise ValueError(f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) leaves nothing for the model: the run needs "
                          f"{human_bytes(extra_bytes)} ({extra_bytes} B) beyond the planned forward ({covers})")
-    plan = fit(model, example_inputs, planned_budget, backend=device, allow=allow)
+    try:
+        plan = fit(model, example_inputs, planned_budget, backend=device, allow=allow)
+    except FitError as error:
+        if not extra_bytes:
+            raise
+        raise FitError(f"{error} (planned for the budget less {human_bytes(extra_bytes)} ({extra_bytes} B) that the run needs beyond "
+                       f"the planned forward: {covers})", budget_bytes=budget_bytes,
+                       smallest_peak_bytes=error.smallest_peak_bytes + extra_bytes, parts=error.parts) from None
     return Budgeted(plan, extra_bytes, covers)

@@ -97,7 +97,6 @@ def _budget(report: RunReport) -> Table:
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_row("budget", f"{human_bytes(report.budget_bytes)} ({report.budget_bytes:,} B)")
-    table.add_row("prediction covers", budgeted.covers)
     table.add_row("predicted peak", f"{human_bytes(budgeted.predicted_peak_bytes)} ({budgeted.predicted_peak_bytes:,} B)")
     table.add_row(f"measured peak, {report.measurement.source}", f"{human_bytes(measured)} ({measured:,} B)")
     ratio = budgeted.predicted_peak_bytes / measured
@@ -146,5 +145,6 @@ def print_report(report: RunReport, console: Console) -> None:
     console.print(figures)
     if report.budgeted is not None:
         console.print(_budget(report))
+        console.print(f"the prediction covers {report.budgeted.covers}", highlight=False, markup=False)
     if report.timeline_path is not None:
         console.print(f"memory timeline written to {report.timeline_path}", highlight=False, markup=False)

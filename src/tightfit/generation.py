@@ -41,6 +41,12 @@ def _check_ids(input_ids: Any) -> None:
         raise ValueError(f"input_ids must be a (1, n >= 1) int64 tensor, got shape {tuple(input_ids.shape)}, dtype {input_ids.dtype}")
 
 
+def _next_token(output: Any) -> tuple[torch.Tensor, Any]:
+    """The greedy next token and the KV cache of a forward; the rest of ``output`` (logits
+    over the whole prompt after the prefill) is dropped here, not held while decoding."""
+    return output.logits[:, -1].argmax(-1, keepdim=True), output.past_key_values
+
+
 @torch.inference_mode()
 def generate_greedy(model: Any, input_ids: torch.Tensor, max_new_tokens: int, synchronize: Any = None) -> Generation:
     """Generate exactly ``max_new_tokens`` tokens greedily with the model's KV cache.
@@ -55,17 +61,13 @@ def generate_greedy(model: Any, input_ids: torch.Tensor, max_new_tokens: int, sy
     wait = synchronize or (lambda: None)
     mark("prefill")
     start = time.perf_counter()
-    output = model(input_ids=input_ids, use_cache=True)
-    token = output.logits[:, -1].argmax(-1, keepdim=True)
+    token, cache = _next_token(model(input_ids=input_ids, use_cache=True))
     tokens = [int(token)]
     wait()
     prefilled = time.perf_counter()
     mark("decode")
-    cache = output.past_key_values
     for _ in range(max_new_tokens - 1):
-        output = model(input_ids=token, past_key_values=cache, use_cache=True)
-        cache = output.past_key_values
-        token = output.logits[:, -1].argmax(-1, keepdim=True)
+        token, cache = _next_token(model(input_ids=token, past_key_values=cache, use_cache=True))
         tokens.append(int(token))
     wait()
     return Generation(tuple(tokens), prefilled - start, time.perf_counter() - prefilled)
