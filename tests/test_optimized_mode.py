@@ -54,6 +54,13 @@ checks = [
     (lambda: RunOptions(storage_dtype="int4"), ValueError),
     (lambda: RunOptions(quant="nf4", storage_dtype="float8_e4m3fn"), ValueError),
     (lambda: RunOptions(offload="tape"), ValueError),
+    (lambda: RunOptions(budget="0"), ValueError),
+    (lambda: RunOptions(budget="nan"), ValueError),
+    (lambda: RunOptions(budget=True), TypeError),
+    (lambda: RunOptions(budget="40MB", quant="nf4"), ValueError),
+    (lambda: RunOptions(allow="keep"), ValueError),
+    (lambda: RunOptions(budget="40MB", allow="keep,tape"), ValueError),
+    (lambda: RunOptions(budget="40MB", allow=3), TypeError),
     (lambda: tightfit.hint(schedule="wide"), ValueError),
     (lambda: tightfit.hint(slices=0), ValueError),
     (lambda: tightfit.hint(slices="8"), TypeError),
@@ -99,4 +106,4 @@ print(f"{len(checks)} checks raised as documented")
 def test_bad_inputs_raise_under_python_O():
     done = subprocess.run([sys.executable, "-O", "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "62 checks raised as documented" in done.stdout
+    assert "69 checks raised as documented" in done.stdout
