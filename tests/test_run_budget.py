@@ -98,7 +98,7 @@ def test_cli_json_on_the_default_model_fits_the_budget(capsys):
     assert data["predicted_over_measured"] == pytest.approx(data["predicted_peak_bytes"] / data["measured_peak_bytes"])
     assert 0.99 < data["predicted_over_measured"] < 1.1  # measured 1.002
     assert data["device_weights_bytes"] == plan["predicted_weights_bytes"]  # held_bytes after apply, to the byte
-    assert data["applies_nothing"] is False and data["predicted_extra_bytes"] == 0
+    assert data["applies_nothing"] is False and data["kv_cache_growth_bytes"] == 0
     assert data["prediction_covers"] == "one forward over the 8 sentences (8 x 12 tokens)"
     assert data["min_cosine_to_full"] > 0.99 and data["quality"]["value"] == data["min_cosine_to_full"]
     assert any(entry["placement"] != "device" or entry["storage"] != "keep" for entry in plan["entries"])
@@ -122,8 +122,8 @@ def lm_report(tiny_llama, tmp_path_factory):
 
 def test_causal_lm_generation_fits_and_the_prediction_covers_it(lm_report):
     budgeted = lm_report.budgeted
-    assert budgeted.extra_bytes == 5 * TINY_KV_BYTES_PER_TOKEN  # 6 new tokens: 5 one-token forwards after the prefill
-    assert budgeted.plan.budget_bytes == 4_000_000 - budgeted.extra_bytes
+    assert budgeted.kv_cache_bytes == 5 * TINY_KV_BYTES_PER_TOKEN  # 6 new tokens: 5 one-token forwards after the prefill
+    assert budgeted.plan.budget_bytes == 4_000_000 - budgeted.kv_cache_bytes
     assert "prefill forward over the" in budgeted.covers and "KV cache's growth over the 5 one-token decode forwards" in budgeted.covers
     measured = lm_report.measurement.peak_bytes
     assert measured <= lm_report.budget_bytes == 4_000_000
@@ -174,7 +174,8 @@ def test_a_budget_above_the_model_s_needs_applies_nothing(tiny_llama, capsys):
 def test_allow_is_respected_and_a_budget_nothing_meets_is_a_fit_error(tiny_llama):
     options = RunOptions(model=str(tiny_llama), budget="8MB", allow="keep,disk", repeat=1, max_new_tokens=2)
     assert {(e.storage, e.placement) for e in run(options).budgeted.plan.changed_entries()} == {("keep", "disk")}
-    with pytest.raises(FitError, match=r"cannot be met on cpu.*planned for the budget less 256 B \(256 B\)") as caught:
+    with pytest.raises(FitError, match=r"^budget=7.6 MiB \(8000000 B\) less 256 B \(256 B\) of KV cache growth while decoding "
+                                       r"leaves the prefill forward 7999744 B\. budget=7.6 MiB \(7999744 B\) cannot be met on cpu") as caught:
         run(RunOptions(model=str(tiny_llama), budget="8MB", allow="device", max_new_tokens=2))  # the embeddings must stay
     assert caught.value.budget_bytes == 8_000_000 < caught.value.smallest_peak_bytes
 
@@ -185,3 +186,9 @@ def test_cli_no_fit_exits_non_zero_with_the_fit_error_also_under_python_O(tiny_l
     assert done.returncode == 2
     assert "tightfit run: budget=" in done.stdout and "cannot be met on cpu" in done.stdout and "dominated by" in done.stdout
     assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_a_budget_below_the_kv_cache_growth_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match=r"budget=200 B \(200 B\) leaves nothing for the model: the KV cache's growth while decoding "
+                                         r"alone needs 256 B \(256 B\); generate fewer tokens"):
+        run(RunOptions(model=str(tiny_llama), budget=200, max_new_tokens=2))

@@ -71,33 +71,35 @@ def kv_cache_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
 class Budgeted:
     """A plan for a run and what its prediction covers.
 
-    ``extra_bytes``: added to the plan's peak for the whole run (a causal LM's KV cache
-    growth while decoding; 0 for an encoder); ``covers``: that, in words.
+    ``kv_cache_bytes``: a causal LM's KV cache growth while decoding, added to the plan's
+    peak for the whole generation (0 for an encoder); ``covers``: what is predicted, in words.
     """
 
     plan: Plan
-    extra_bytes: int
+    kv_cache_bytes: int
     covers: str
 
     @property
     def predicted_peak_bytes(self) -> int:
-        return self.plan.predicted_peak_bytes + self.extra_bytes
+        return self.plan.predicted_peak_bytes + self.kv_cache_bytes
 
 
 def plan_run(model: Any, example_inputs: dict, budget_bytes: int, *, device: torch.device, allow: Allow | None,
-             extra_bytes: int, covers: str) -> Budgeted:
-    """Fit ``model`` for ``example_inputs`` into ``budget_bytes`` less ``extra_bytes`` (what
-    the run needs beyond that forward); ``fit`` raises FitError when nothing fits."""
-    planned_budget = budget_bytes - extra_bytes
+             kv_cache_bytes: int, covers: str) -> Budgeted:
+    """Fit ``model`` for ``example_inputs`` (the forward the run makes, a causal LM's
+    prefill) into ``budget_bytes`` less ``kv_cache_bytes`` (the cache's growth while
+    decoding); ``fit`` raises FitError when nothing fits."""
+    planned_budget = budget_bytes - kv_cache_bytes
     if planned_budget <= 0:
-        raise ValueError(f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) leaves nothing for the model: the run needs "
-                         f"{human_bytes(extra_bytes)} ({extra_bytes} B) beyond the planned forward ({covers})")
+        raise ValueError(f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) leaves nothing for the model: the KV cache's growth "
+                         f"while decoding alone needs {human_bytes(kv_cache_bytes)} ({kv_cache_bytes} B); generate fewer tokens")
     try:
         plan = fit(model, example_inputs, planned_budget, backend=device, allow=allow)
     except FitError as error:
-        if not extra_bytes:
+        if not kv_cache_bytes:
             raise
-        raise FitError(f"{error} (planned for the budget less {human_bytes(extra_bytes)} ({extra_bytes} B) that the run needs beyond "
-                       f"the planned forward: {covers})", budget_bytes=budget_bytes,
-                       smallest_peak_bytes=error.smallest_peak_bytes + extra_bytes, parts=error.parts) from None
-    return Budgeted(plan, extra_bytes, covers)
+        raise FitError(f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) less {human_bytes(kv_cache_bytes)} ({kv_cache_bytes} B) "
+                       f"of KV cache growth while decoding leaves the prefill forward {planned_budget} B. {error}",
+                       budget_bytes=budget_bytes, smallest_peak_bytes=error.smallest_peak_bytes + kv_cache_bytes,
+                       parts=error.parts) from None
+    return Budgeted(plan, kv_cache_bytes, covers)

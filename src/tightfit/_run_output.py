@@ -27,12 +27,12 @@ def _budget_data(report: RunReport) -> dict[str, Any]:
     budgeted, measured = report.budgeted, report.measurement.peak_bytes
     if budgeted is None:
         keys = ("budget_bytes", "predicted_peak_bytes", "measured_peak_bytes", "within_budget", "predicted_over_measured",
-                "prediction_covers", "predicted_extra_bytes", "applies_nothing", "plan")
+                "prediction_covers", "kv_cache_growth_bytes", "applies_nothing", "plan")
         return dict.fromkeys(keys)
     return {
         "budget_bytes": report.budget_bytes, "predicted_peak_bytes": budgeted.predicted_peak_bytes, "measured_peak_bytes": measured,
         "within_budget": measured <= report.budget_bytes, "predicted_over_measured": budgeted.predicted_peak_bytes / measured,
-        "prediction_covers": budgeted.covers, "predicted_extra_bytes": budgeted.extra_bytes,
+        "prediction_covers": budgeted.covers, "kv_cache_growth_bytes": budgeted.kv_cache_bytes,
         "applies_nothing": budgeted.plan.applies_nothing, "plan": budgeted.plan.to_dict(),
     }
 
@@ -82,11 +82,11 @@ def _print_plan(report: RunReport, console: Console) -> None:
     plan = report.budgeted.plan
     if plan.applies_nothing:
         console.print(f"budget {human_bytes(report.budget_bytes)} covers the unchanged model "
-                      f"({human_bytes(plan.full_peak_bytes + report.budgeted.extra_bytes)} predicted): nothing applied, weights as loaded",
+                      f"({human_bytes(plan.full_peak_bytes + report.budgeted.kv_cache_bytes)} predicted): nothing applied, weights as loaded",
                       highlight=False)
         return
-    if report.budgeted.extra_bytes:
-        console.print(f"planned for {human_bytes(plan.budget_bytes)}: the budget less {human_bytes(report.budgeted.extra_bytes)} "
+    if report.budgeted.kv_cache_bytes:
+        console.print(f"planned for {human_bytes(plan.budget_bytes)}: the budget less {human_bytes(report.budgeted.kv_cache_bytes)} "
                       f"of KV cache growth while decoding", highlight=False)
     console.print(escape(str(plan)), highlight=False, soft_wrap=True)
 

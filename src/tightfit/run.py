@@ -220,7 +220,7 @@ def run(options: RunOptions | None = None) -> RunReport:
     budgeted = None
     if options.budget is not None:
         budgeted = plan_run(job.model, job.example_inputs(), options.budget, device=device, allow=options.allow,
-                            extra_bytes=job.extra_bytes(), covers=job.covers())
+                            kv_cache_bytes=job.kv_cache_bytes(), covers=job.covers())
         changes = not budgeted.plan.applies_nothing
     else:
         changes = bool(options.quant or options.storage_dtype or options.offload)
@@ -301,7 +301,8 @@ class _Encoder:
         """The batch ``call`` embeds: what a plan is made for."""
         return dict(self.tokenizer(list(self.sentences), padding=True, truncation=True, return_tensors="pt").to(self.device))
 
-    def extra_bytes(self) -> int:
+    def kv_cache_bytes(self) -> int:
+        """An encoder keeps no cache between forwards."""
         return 0
 
     def covers(self) -> str:
@@ -342,14 +343,14 @@ class _CausalLM:
         """The prefill over the prompt: what a plan is made for (its KV cache included)."""
         return {"input_ids": self.input_ids}
 
-    def extra_bytes(self) -> int:
+    def kv_cache_bytes(self) -> int:
         """The KV cache's growth over the one-token forwards after the prefill."""
         dtype = next(self.model.parameters()).dtype
         return (self.max_new_tokens - 1) * kv_cache_bytes_per_token(self.model.config, dtype)
 
     def covers(self) -> str:
         return (f"the prefill forward over the {self.input_ids.shape[1]}-token prompt, plus the KV cache's growth over the "
-                f"{self.max_new_tokens - 1} one-token decode forwards ({human_bytes(self.extra_bytes())})")
+                f"{self.max_new_tokens - 1} one-token decode forwards ({human_bytes(self.kv_cache_bytes())})")
 
     def result(self) -> Generation:
         """One generation: what quality compares."""
