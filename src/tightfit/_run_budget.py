@@ -32,8 +32,6 @@ def parse_allow(text: str) -> Allow:
     placement allowed; ``device`` rules out offloading and leaves every storage allowed.
     ``keep`` and ``device`` are always added (the planner must be able to leave a unit alone).
     """
-    if not isinstance(text, str):
-        raise TypeError(f"allow must be a str, got {type(text).__name__}: {text!r}; accepted: {_ALLOW_ACCEPTED}")
     names = [name.strip().lower() for name in text.split(",") if name.strip()]
     if not names:
         raise ValueError(f"allow={text!r} names nothing; accepted: {_ALLOW_ACCEPTED}")
