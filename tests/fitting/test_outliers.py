@@ -11,7 +11,7 @@ from tightfit.fitting import held_bytes
 from tightfit.fitting.outliers import assumed_outliers, observe_outliers
 from tightfit.memory import measure
 
-from fit_models import figures
+from fit_models import allocated_peak, figures
 
 
 def _model() -> nn.Sequential:
@@ -39,16 +39,22 @@ def test_meta_models_are_not_observed():
     assert assumed_outliers(256) == 8 and assumed_outliers(16) == 1
 
 
-@pytest.mark.parametrize("outlier_columns", [0, 5])
-def test_int8_prediction_matches_the_measured_peak(outlier_columns):
-    model, x = _model(), _inputs(outlier_columns)
+@pytest.mark.parametrize("outlier_columns, dtype", [(0, torch.float32), (5, torch.float32), (200, torch.float32),
+                                                     (0, torch.bfloat16), (200, torch.bfloat16)])
+def test_int8_prediction_matches_the_allocated_peak(outlier_columns, dtype):
+    model, x = _model().to(dtype), _inputs(outlier_columns).to(dtype)
     allow = {"storage": {"keep", "int8"}, "placement": {"device"}}
-    full = tightfit.fit(model, (x,), "1GiB", calibration=figures()).full_peak_bytes
-    plan = tightfit.fit(model, (x,), int(full * 0.35), calibration=figures(), allow=allow)
+    with pytest.raises(tightfit.FitError) as error:  # the least peak keep and int8 reach: both layers in int8
+        tightfit.fit(model, (x,), 1024, calibration=figures(), allow=allow)
+    plan = tightfit.fit(model, (x,), int(error.value.smallest_peak_bytes * 1.01), calibration=figures(), allow=allow)
     assert [e.storage for e in plan.entries if e.module in ("0", "2")] == ["int8", "int8"]
     plan.apply(model)
     held = held_bytes(model, "cpu")
     with torch.inference_mode():  # the input counts too: it is on the device, made before the call
-        result = measure(lambda: model(x), "cpu", repeat=1, baseline_bytes=held + x.nbytes)
-    assert result.peak_bytes <= plan.budget_bytes
-    assert plan.predicted_peak_bytes == result.peak_bytes, str(plan)
+        allocated = held + x.nbytes + allocated_peak(lambda: model(x))
+        live = measure(lambda: model(x), "cpu", repeat=1, baseline_bytes=held + x.nbytes).peak_bytes
+    assert allocated <= plan.budget_bytes
+    assert plan.predicted_peak_bytes == allocated, str(plan)
+    # a per-op count of live tensors misses int8_mm_dequant's float32 temporaries, which the prediction counts; they
+    # make the peak unless most columns take the outlier path (whose buffers are ops' outputs, seen by both counts)
+    assert live < allocated if outlier_columns < 200 else live == allocated
