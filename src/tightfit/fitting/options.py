@@ -254,24 +254,32 @@ def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[s
 
 
 def _int8_transient(shape: tuple[int, ...], rows: int, outliers: int, itemsize: int) -> int:
-    """Bytes an LLM.int8() forward (``LinearInt8.forward``) allocates above what the kept
-    layer holds at its end (its output, ``itemsize`` bytes a value, which the int8 output
-    replaces), at the larger of its two peaks. Alive to the end: the int8 input, the row
-    scales, the int32 product and the outlier columns' indices. Peak one, inside ``int8_mm_dequant`` (the reference
-    kernel, used on the CPU): the float32 outer product of the scales, the product cast
-    to float32 and the scaled result, three float32 buffers the size of the output that
-    no per-op count sees. Peak two, only with ``outliers`` input columns: the output and
-    the larger of dequantizing those columns' weights (the int8 columns, them as float32,
-    the scales / 127, the scaled columns) or adding them back (the columns in the
-    activation dtype, the input's columns, a second output)."""
+    """Bytes an LLM.int8() forward (``LinearInt8.forward`` with a threshold, as planned)
+    allocates above what the kept layer holds at its end (its output, ``itemsize`` bytes
+    a value, which the int8 output replaces), at the largest of its three peaks. The
+    kernels are the reference ones (used on the CPU); their buffers inside one op are
+    counted too, though no per-op count of live tensors sees them.
+
+    1. ``int8_vectorwise_quant``: the input with outliers masked, the outlier mask, and
+       scaling and rounding in float32 (the input cast to float32 first where it is not).
+    2. ``int8_mm_dequant``, with the int8 input, row scales, outlier indices and int32
+       product alive: the float32 outer product of the scales, the product cast to
+       float32 and the scaled result.
+    3. Only with ``outliers`` input columns, with the same alive and the output: the
+       larger of dequantizing those columns' weights (the int8 columns, them as float32,
+       the scales / 127, the scaled columns) or adding them back (the columns in the
+       activation dtype, the input's columns, a second output).
+    """
     out_features, in_features = shape
+    output = itemsize * rows * out_features
+    quantize = (itemsize + 9) * rows * in_features - output
     held = rows * in_features + 4 * rows + 4 * rows * out_features + 8 * outliers
-    peak = 12 * rows * out_features - itemsize * rows * out_features
+    dequantize = 12 * rows * out_features - output
     if outliers:
-        dequantize = 9 * out_features * outliers + 4 * out_features
-        add_back = itemsize * (out_features * outliers + rows * outliers + rows * out_features)
-        peak = max(peak, max(dequantize, add_back))
-    return held + peak
+        weights = 9 * out_features * outliers + 4 * out_features
+        add_back = itemsize * (out_features * outliers + rows * outliers) + output
+        dequantize = max(dequantize, weights, add_back)
+    return max(quantize, held + dequantize)
 
 
 def _scales_held(unit: Unit, storage: str) -> int:
