@@ -58,3 +58,14 @@ def test_int8_prediction_matches_the_allocated_peak(outlier_columns, dtype):
     # a per-op count of live tensors misses int8_mm_dequant's float32 temporaries, which the prediction counts; they
     # make the peak unless most columns take the outlier path (whose buffers are ops' outputs, seen by both counts)
     assert live < allocated if outlier_columns < 200 else live == allocated
+
+
+def test_no_real_forward_when_nothing_is_quantized_to_int8(monkeypatch):
+    calls = []
+    monkeypatch.setattr("tightfit.fitting.planner.observe_outliers", lambda *args: calls.append(args) or {})
+    model, x = _model(), _inputs(5)
+    full = tightfit.fit(model, (x,), "1GiB", calibration=figures()).full_peak_bytes
+    tightfit.fit(model, (x,), int(full * 0.5), calibration=figures(), allow={"storage": {"keep", "nf4"}})
+    assert calls == []  # the budget covers the model, or int8 is not allowed
+    tightfit.fit(model, (x,), int(full * 0.5), calibration=figures())
+    assert len(calls) == 1

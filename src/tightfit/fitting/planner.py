@@ -154,15 +154,19 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
     backends, device = resolve_backend(backend)
     figures = calibration if calibration is not None else calibrate(backends[0], remeasure=remeasure)
     memory, rows, spans = _trace(model, args, kwargs, backends[0])
-    outliers = observe_outliers(model, args, kwargs, QUANT_CONFIGS["int8"].threshold) if "int8" in allowed.storage else None
     planned = memory.devices.get(str(device))
     activations = planned.live_peak_bytes + planned.inputs_bytes if planned else 0
     peak_node = planned.peak_node if planned else None
     live = _live_while_computing(memory, device, spans, activations)
     units = find_units(model)
-    options = [options_for(unit, storages=allowed.storage, placements=allowed.placement, device=device, rows=rows, live=live,
-                           figures=figures, outliers=outliers)
-               for unit in units]
+
+    def build(outliers: dict[str, int] | None) -> list[list[Option]]:
+        return [options_for(unit, storages=allowed.storage, placements=allowed.placement, device=device, rows=rows, live=live,
+                            figures=figures, outliers=outliers)
+                for unit in units]
+
+    options = build(None)
+    outliers = None
     keep = [next(i for i, o in enumerate(unit_options) if o.storage == "keep" and o.placement == "device") for unit_options in options]
     full = peak_of(options, tuple(keep), activations)
     full_peak = full.peak_bytes
@@ -170,6 +174,9 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
     if applies_nothing:
         choice = full
     else:
+        if "int8" in allowed.storage:  # only int8's options depend on the data; a real forward when it can run
+            outliers = observe_outliers(model, args, kwargs, QUANT_CONFIGS["int8"].threshold)
+            options = build(outliers) if outliers is not None else options
         found = search(options, budget_bytes, activations)
         if found.best is None:
             smallest = found.smallest
