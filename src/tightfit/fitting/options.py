@@ -260,8 +260,9 @@ def _int8_transient(shape: tuple[int, ...], rows: int, outliers: int, itemsize: 
     kernels are the reference ones (used on the CPU); their buffers inside one op are
     counted too, though no per-op count of live tensors sees them.
 
-    1. ``int8_vectorwise_quant``: the input with outliers masked, the outlier mask, and
-       scaling and rounding in float32 (the input cast to float32 first where it is not).
+    1. ``int8_vectorwise_quant``: the input with outliers masked, the outlier mask, the
+       outlier indices, the row scales and their reciprocals, and scaling and rounding
+       in float32 (the input cast to float32 first where it is not).
     2. ``int8_mm_dequant``, with the int8 input, row scales, outlier indices and int32
        product alive: the float32 outer product of the scales, the product cast to
        float32 and the scaled result.
@@ -272,7 +273,7 @@ def _int8_transient(shape: tuple[int, ...], rows: int, outliers: int, itemsize: 
     """
     out_features, in_features = shape
     output = itemsize * rows * out_features
-    quantize = (itemsize + 9) * rows * in_features - output
+    quantize = (itemsize + 9) * rows * in_features + 8 * rows + 8 * outliers - output
     held = rows * in_features + 4 * rows + 4 * rows * out_features + 8 * outliers
     dequantize = 12 * rows * out_features - output
     if outliers:
