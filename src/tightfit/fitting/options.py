@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tightfit.fitting.outliers import assumed_outliers
 from tightfit.memory import tensor_bytes
 from tightfit.quant import Blockwise8Config, FP4Config, Int8Config, NF4Config, QuantConfig, layer_stack
 
@@ -193,12 +194,15 @@ def _dtype_deciders(model: nn.Module) -> set[int]:
 
 
 def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[str], device: torch.device,
-                rows: dict[str, int], live: dict[str, int], figures: Calibration) -> list[Option]:
+                rows: dict[str, int], live: dict[str, int], figures: Calibration,
+                outliers: dict[str, int] | None = None) -> list[Option]:
     """The options of ``unit`` that ``storages`` and ``placements`` allow, each with bytes and seconds.
 
     ``rows``: rows each leaf computed in the traced forward (summed over calls); ``live``:
-    the most activation and input bytes alive while each leaf computes;
-    ``figures``: the time model's figures.
+    the most activation and input bytes alive while each leaf computes (its own output
+    included); ``figures``: the time model's figures; ``outliers``: input columns each
+    Linear's LLM.int8() outlier path takes (:func:`~tightfit.fitting.outliers.observe_outliers`),
+    or None where not observed (then :func:`~tightfit.fitting.outliers.assumed_outliers`).
     """
     if unit.fixed:
         storages, placements = frozenset({"keep"}), frozenset({"device"})
@@ -226,7 +230,11 @@ def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[s
             if leaf_storage != "keep":
                 noise += numel * _NOISE[leaf_storage]
                 decode_seconds += numel * figures.decode_seconds[leaf_storage]
-                copy = numel * dtype.itemsize if leaf_storage != "int8" else _int8_transient(shape, count)
+                if leaf_storage == "int8":
+                    columns = assumed_outliers(shape[1]) if outliers is None else outliers.get(name, 0)
+                    copy = _int8_transient(shape, count, columns, dtype.itemsize)
+                else:
+                    copy = numel * dtype.itemsize
                 decoded = max(decoded, live.get(name, 0) + copy)
         for placement in PLACEMENTS:
             if placement not in placements or (placement == "cpu" and on_host):
@@ -245,13 +253,34 @@ def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[s
     return options
 
 
-def _int8_transient(shape: tuple[int, ...], rows: int) -> int:
-    """Bytes an LLM.int8() forward adds to its output: the int8 input and the int32
-    product, a second output where outlier columns are added back, and those columns'
-    weights and inputs (allowing up to 1/32 of the input columns to hold outliers)."""
+def _int8_transient(shape: tuple[int, ...], rows: int, outliers: int, itemsize: int) -> int:
+    """Bytes an LLM.int8() forward (``LinearInt8.forward`` with a threshold, as planned)
+    allocates above what the kept layer holds at its end (its output, ``itemsize`` bytes
+    a value, which the int8 output replaces), at the largest of its three peaks. The
+    kernels are the reference ones (used on the CPU); their buffers inside one op are
+    counted too, though no per-op count of live tensors sees them.
+
+    1. ``int8_vectorwise_quant``: the input with outliers masked, the outlier mask, the
+       outlier indices, the row scales and their reciprocals, and scaling and rounding
+       in float32 (the input cast to float32 first where it is not).
+    2. ``int8_mm_dequant``, with the int8 input, row scales, outlier indices and int32
+       product alive: the float32 outer product of the scales, the product cast to
+       float32 and the scaled result.
+    3. Only with ``outliers`` input columns, with the same alive and the output: the
+       larger of dequantizing those columns' weights (the int8 columns, them as float32,
+       the scales / 127, the scaled columns) or adding them back (the columns in the
+       activation dtype, the input's columns, a second output).
+    """
     out_features, in_features = shape
-    outliers = max(1, in_features // 32)
-    return rows * in_features + 8 * rows * out_features + outliers * (5 * out_features + 4 * rows)
+    output = itemsize * rows * out_features
+    quantize = (itemsize + 9) * rows * in_features + 8 * rows + 8 * outliers - output
+    held = rows * in_features + 4 * rows + 4 * rows * out_features + 8 * outliers
+    dequantize = 12 * rows * out_features - output
+    if outliers:
+        weights = 9 * out_features * outliers + 4 * out_features
+        add_back = itemsize * (out_features * outliers + rows * outliers) + output
+        dequantize = max(dequantize, weights, add_back)
+    return max(quantize, held + dequantize)
 
 
 def _scales_held(unit: Unit, storage: str) -> int:

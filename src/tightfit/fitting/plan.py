@@ -62,7 +62,8 @@ class Plan:
     ``predicted_transient_bytes`` (decoded weights above the activation peak, onloaded
     copies of offloaded units).
     ``full_peak_bytes``: what the unchanged model needs; ``applies_nothing``: the budget
-    covers that, so ``apply`` leaves the model as it is.
+    covers that, so ``apply`` leaves the model as it is. ``int8_outliers``: whether the
+    int8 units' LLM.int8() outlier columns were observed or assumed.
     """
 
     model: str
@@ -81,6 +82,7 @@ class Plan:
     peak_node: str | None = None
     allow: dict[str, list[str]] | None = None
     calibration: dict[str, Any] | None = None
+    int8_outliers: str = ""  # what the int8 units' prediction assumes about outlier columns ("" without int8 units)
 
     # -- apply ------------------------------------------------------------------------
     def apply(self, model: nn.Module) -> nn.Module:

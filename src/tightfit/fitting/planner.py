@@ -14,7 +14,8 @@ from tightfit._format import human_bytes
 from tightfit._validate import check_type
 from tightfit.fitting.allow import Allow
 from tightfit.fitting.calibration import Calibration, calibrate
-from tightfit.fitting.options import Option, Unit, find_units, options_for
+from tightfit.fitting.options import QUANT_CONFIGS, Option, Unit, find_units, options_for
+from tightfit.fitting.outliers import ASSUMED_OUTLIER_FRACTION, observe_outliers
 from tightfit.fitting.plan import Plan, PlanEntry
 from tightfit.fitting.search import Choice, peak_of, search
 from tightfit.fitting.size import parse_size
@@ -158,9 +159,14 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
     peak_node = planned.peak_node if planned else None
     live = _live_while_computing(memory, device, spans, activations)
     units = find_units(model)
-    options = [options_for(unit, storages=allowed.storage, placements=allowed.placement, device=device, rows=rows, live=live,
-                           figures=figures)
-               for unit in units]
+
+    def build(outliers: dict[str, int] | None) -> list[list[Option]]:
+        return [options_for(unit, storages=allowed.storage, placements=allowed.placement, device=device, rows=rows, live=live,
+                            figures=figures, outliers=outliers)
+                for unit in units]
+
+    options = build(None)
+    outliers = None
     keep = [next(i for i, o in enumerate(unit_options) if o.storage == "keep" and o.placement == "device") for unit_options in options]
     full = peak_of(options, tuple(keep), activations)
     full_peak = full.peak_bytes
@@ -168,6 +174,9 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
     if applies_nothing:
         choice = full
     else:
+        if "int8" in allowed.storage:  # only int8's options depend on the data; a real forward when it can run
+            outliers = observe_outliers(model, args, kwargs, QUANT_CONFIGS["int8"].threshold)
+            options = build(outliers) if outliers is not None else options
         found = search(options, budget_bytes, activations)
         if found.best is None:
             smallest = found.smallest
@@ -193,4 +202,17 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
         predicted_transient_bytes=choice.peak_bytes - choice.held_bytes - activations, predicted_seconds=choice.seconds,
         full_peak_bytes=full_peak, full_seconds=full.seconds, applies_nothing=applies_nothing, entries=entries,
         peak_node=peak_node, allow=allowed.to_dict(), calibration=figures.to_dict(),
+        int8_outliers=_int8_outliers(entries, outliers),
     )
+
+
+def _int8_outliers(entries: tuple[PlanEntry, ...], outliers: dict[str, int] | None) -> str:
+    """What the int8 units' predicted transient assumes about LLM.int8()'s outlier path."""
+    if not any(e.storage == "int8" for e in entries):
+        return ""
+    if outliers is None:
+        return (f"assumed: up to {ASSUMED_OUTLIER_FRACTION:.1%} of each layer's input columns (not observed: the model "
+                f"has meta tensors, or its tensors and the inputs are on different devices)")
+    leaves = [leaf for e in entries if e.storage == "int8" for leaf in e.leaves]
+    taking = sum(1 for leaf in leaves if outliers.get(leaf, 0))
+    return f"observed in one real forward of the example inputs: {taking} of {len(leaves)} int8 layers take the outlier path"

@@ -25,6 +25,8 @@ def render(plan: Plan) -> str:
         f"; unchanged model {human_bytes(plan.full_peak_bytes)}",
         f"predicted time per forward {_ms(plan.predicted_seconds)} (unchanged {_ms(plan.full_seconds)})",
     ]
+    if plan.int8_outliers:
+        lines.append(f"int8 outlier columns {plan.int8_outliers}")
     if plan.applies_nothing:
         lines.append("the budget covers the unchanged model: apply() changes nothing")
     header = ("module", "before", "after", "held", "storage", "where", "time", "why")
