@@ -28,7 +28,6 @@ import tempfile
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import tightfit
 from tightfit._format import human_bytes
@@ -37,17 +36,6 @@ from tightfit.memory import measure
 from tightfit.models import default_model_dir, embed, load_encoder
 from tightfit.run import DEFAULT_SENTENCES
 
-
-def allocated_peak(fn) -> int:
-    """The most bytes the CPU allocator held at once during ``fn()`` above what it held before."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        fn()
-    events = sorted((e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    current = peak = 0
-    for event in events:
-        current += event.nbytes()
-        peak = max(peak, current)
-    return peak
 
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs into the forest where"
@@ -132,11 +120,11 @@ def bench(workload, fractions: list[float], figures, repeat: int) -> list[dict]:
         plan.apply(model)
         held = held_bytes(model, device)
         call = lambda model=model: workload.forward(model)  # noqa: E731
-        live = measure(call, device, repeat=1, baseline_bytes=held)  # also warms the call up
+        measured = measure(call, device, repeat=1, baseline_bytes=held)  # also warms the call up
         runs.append(call)
         rows.append({"model": workload.name, "fraction": fraction, "budget_bytes": budget,
-                     "predicted_peak_bytes": plan.predicted_peak_bytes, "measured_peak_bytes": held + allocated_peak(call),
-                     "live_peak_bytes": live.peak_bytes, "predicted_weights_bytes": plan.predicted_weights_bytes,
+                     "predicted_peak_bytes": plan.predicted_peak_bytes, "measured_peak_bytes": measured.allocated_peak_bytes,
+                     "live_peak_bytes": measured.peak_bytes, "predicted_weights_bytes": plan.predicted_weights_bytes,
                      "measured_weights_bytes": held, "predicted_seconds": plan.predicted_seconds,
                      "quality_name": workload.quality_name, "quality": workload.quality(model, reference),
                      "int8_outliers": plan.int8_outliers,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tightfit.memory import LiveTensorBytes, measure, tensor_bytes
+from tightfit.memory import LiveTensorBytes, allocated_peak, measure, tensor_bytes
 
 
 def test_tracker_counts_live_bytes_and_keeps_the_peak():
@@ -58,6 +58,29 @@ def test_measure_rejects_non_callable_and_bad_device():
         measure(42, "cpu")
     with pytest.raises(ValueError, match="device_type must be"):
         LiveTensorBytes("")
+
+
+@torch.library.custom_op("tightfit_test::sum_through_scratch", mutates_args=())
+def _sum_through_scratch(x: torch.Tensor) -> torch.Tensor:
+    """One op that allocates a 16 MiB temporary inside its kernel and frees it before returning."""
+    return (x.expand(1 << 22).contiguous() * 1.0).sum()
+
+
+def test_allocated_peak_sees_scratch_inside_one_op_that_the_live_count_misses():
+    x = torch.ones(1)
+    with LiveTensorBytes() as tracker:
+        _sum_through_scratch(x)
+    scratch = 2 * (16 << 20)  # the contiguous copy and the product
+    assert tracker.peak < 1 << 10  # only the scalar result is seen between ops
+    assert allocated_peak(lambda: _sum_through_scratch(x)) >= scratch
+    measured = measure(lambda: _sum_through_scratch(x), "cpu", repeat=1, baseline_bytes=100)
+    assert measured.peak_bytes < 100 + (1 << 10)
+    assert measured.allocated_peak_bytes >= 100 + scratch
+
+
+def test_allocated_peak_rejects_a_non_callable():
+    with pytest.raises(TypeError, match="fn must be callable, got int"):
+        allocated_peak(3)
 
 
 def test_tracker_ignores_pre_existing_storages_returned_by_views_and_in_place_ops():

@@ -93,7 +93,7 @@ def test_cli_json_on_the_default_model_fits_the_budget(capsys):
     data = json.loads(capsys.readouterr().out)
     plan = data["plan"]
     assert data["budget_bytes"] == 40_000_000 == plan["budget_bytes"]
-    assert data["measured_peak_bytes"] == data["peak_bytes"] <= data["budget_bytes"] and data["within_budget"] is True
+    assert data["measured_peak_bytes"] == data["allocated_peak_bytes"] <= data["budget_bytes"] and data["within_budget"] is True
     assert data["predicted_peak_bytes"] == plan["predicted_peak_bytes"]  # an encoder's run is the planned forward
     assert data["predicted_over_measured"] == pytest.approx(data["predicted_peak_bytes"] / data["measured_peak_bytes"])
     assert 0.99 < data["predicted_over_measured"] < 1.1  # measured 1.002

@@ -18,13 +18,17 @@ from tightfit.run import RunReport
 __all__: list[str] = []
 
 
+#: what ``Measurement.allocated_peak_bytes`` counts, for labels
+_ALLOCATED = "allocated: weights + the run's tensors + scratch inside ops"
+
+
 def _milliseconds(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
 
 def _budget_data(report: RunReport) -> dict[str, Any]:
     """The budget's figures for ``--json``; None everywhere without a budget."""
-    budgeted, measured = report.budgeted, report.measurement.peak_bytes
+    budgeted, measured = report.budgeted, report.measurement.allocated_peak_bytes
     if budgeted is None:
         keys = ("budget_bytes", "predicted_peak_bytes", "measured_peak_bytes", "within_budget", "predicted_over_measured",
                 "prediction_covers", "kv_cache_growth_bytes", "applies_nothing", "plan")
@@ -44,6 +48,7 @@ def report_data(report: RunReport) -> dict[str, Any]:
         "model": report.model, "kind": report.kind, "backend": report.backend, "device": report.device,
         "weights_bytes": report.weights_bytes, "embedding_dim": report.embedding_dim,
         "latency_ms_median": measured.median_seconds * 1e3, "peak_bytes": measured.peak_bytes,
+        "allocated_peak_bytes": measured.allocated_peak_bytes,
         "peak_rss_bytes": measured.peak_rss_bytes, "memory_source": measured.source,
         "pairs": [{"a": a, "b": b, "cosine": score} for a, b, score in report.pairs],
         "prompt": report.prompt, "prompt_tokens": report.prompt_tokens, "generated_text": report.generated_text,
@@ -92,13 +97,13 @@ def _print_plan(report: RunReport, console: Console) -> None:
 
 
 def _budget(report: RunReport) -> Table:
-    budgeted, measured = report.budgeted, report.measurement.peak_bytes
+    budgeted, measured = report.budgeted, report.measurement.allocated_peak_bytes
     table = Table(title="budget: predicted against measured")
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_row("budget", f"{human_bytes(report.budget_bytes)} ({report.budget_bytes:,} B)")
     table.add_row("predicted peak", f"{human_bytes(budgeted.predicted_peak_bytes)} ({budgeted.predicted_peak_bytes:,} B)")
-    table.add_row(f"measured peak, {report.measurement.source}", f"{human_bytes(measured)} ({measured:,} B)")
+    table.add_row(f"measured peak, {_ALLOCATED}", f"{human_bytes(measured)} ({measured:,} B)")
     ratio = budgeted.predicted_peak_bytes / measured
     table.add_row("predicted / measured", f"{ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
     table.add_row("measured within budget", "yes" if measured <= report.budget_bytes else "[red]NO[/red]")
@@ -140,7 +145,8 @@ def print_report(report: RunReport, console: Console) -> None:
         figures.add_row(f"generation of {report.new_tokens} tokens (median of {len(measured.seconds)})",
                         f"{measured.median_seconds * 1e3:.1f} ms")
     figures.add_row(f"peak memory, {measured.source}", human_bytes(measured.peak_bytes))
-    if measured.peak_rss_bytes is not None:
+    if measured.peak_rss_bytes is not None:  # the CPU: the allocator's view beside the per-op count
+        figures.add_row(f"peak memory, {_ALLOCATED}", human_bytes(measured.allocated_peak_bytes))
         figures.add_row("peak RSS, whole process (code and libraries too)", human_bytes(measured.peak_rss_bytes))
     console.print(figures)
     if report.budgeted is not None:

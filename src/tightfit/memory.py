@@ -1,27 +1,32 @@
 """Measuring memory honestly (see the design): accelerators report their allocator's
 peak; on the CPU torch keeps no statistics, so tightfit counts the bytes of live tensor
-storages itself and also reads the process's peak resident set size. Asked for, a
-measurement also keeps a timeline: the bytes after every op of one call."""
+storages itself, reads the allocator's own allocation events (which also see the scratch
+buffers a kernel allocates and frees inside one op) and the process's peak resident set
+size. Asked for, a measurement also keeps a timeline: the bytes after every op of one call."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import statistics
+import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from tightfit.backends import get
 from tightfit.backends.cpu import read_process_memory, reset_process_peak
 
-__all__ = ["AllocatedBytes", "LiveTensorBytes", "Measurement", "MemoryTimeline", "mark", "measure", "tensor_bytes"]
+__all__ = ["AllocatedBytes", "LiveTensorBytes", "Measurement", "MemoryTimeline", "allocated_peak", "mark", "measure", "tensor_bytes"]
 
 _RECORDING: list[_Recorder] = []  # the recording modes now active, innermost last
 
@@ -118,6 +123,47 @@ class LiveTensorBytes(_Recorder):
         return result
 
 
+@contextlib.contextmanager
+def _native_stderr_muted() -> Iterator[None]:
+    """Silence file descriptor 2 for a moment: the profiler's native library prints a line
+    at every start and stop that no setting turns off. Only start and stop run muted."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def allocated_peak(fn: Callable[[], Any]) -> int:
+    """The most bytes the CPU allocator held at once during ``fn()``, above what it held before.
+
+    Read from the profiler's allocation events: unlike :class:`LiveTensorBytes`, which
+    counts once per op, it sees the scratch buffers a kernel allocates and frees inside one
+    op (LLM.int8's float32 temporaries, for instance). Too slow for timed calls.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _native_stderr_muted():
+        profiler.start()
+    try:
+        fn()
+    finally:
+        with _native_stderr_muted():
+            profiler.stop()
+    events = sorted((e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    current = peak = 0
+    for event in events:
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak
+
+
 def _allocated_reader(device: torch.device) -> Callable[[], int]:
     """Reads ``torch.accelerator``'s allocated bytes; the backend's figure before torch 2.9 had them."""
     if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "memory_allocated"):
@@ -180,7 +226,10 @@ class Measurement:
 
     ``peak_bytes`` is the accelerator allocator's peak, or on the CPU the peak bytes of
     live tensors created during the calls plus ``baseline_bytes`` (what existed before,
-    such as weights). ``peak_rss_bytes`` is the process's peak RSS (CPU only).
+    such as weights). ``allocated_peak_bytes`` also counts what kernels allocate and free
+    inside one op: the same as ``peak_bytes`` on an accelerator, on the CPU
+    ``baseline_bytes`` plus :func:`allocated_peak` of one more call; what a budget is held
+    to. ``peak_rss_bytes`` is the process's peak RSS (CPU only).
     ``timeline``: the bytes after each op of one more call, when asked for.
     """
 
@@ -191,6 +240,7 @@ class Measurement:
     peak_rss_bytes: int | None
     source: str
     timeline: MemoryTimeline | None = None
+    allocated_peak_bytes: int | None = None
 
     @property
     def median_seconds(self) -> float:
@@ -204,7 +254,8 @@ def measure(fn: Callable[[], Any], device: torch.device | str, *, repeat: int = 
     Timing runs untracked; on the CPU one more call runs under :class:`LiveTensorBytes`,
     whose per-op bookkeeping would otherwise inflate the latency. With ``timeline`` that
     call also keeps a sample per op (on an accelerator, one more call under
-    :class:`AllocatedBytes`, after the peak is read).
+    :class:`AllocatedBytes`, after the peak is read). On the CPU a last call runs under
+    :func:`allocated_peak`.
     """
     if not isinstance(timeline, bool):
         raise TypeError(f"timeline must be a bool, got {type(timeline).__name__}: {timeline!r}")
@@ -234,7 +285,7 @@ def measure(fn: Callable[[], Any], device: torch.device | str, *, repeat: int = 
                 fn()
             backend.synchronize(device)
             recorded = MemoryTimeline(str(device), tuple(sampler.samples), tuple(sampler.marks), info.source)
-        return Measurement(str(device), seconds, baseline_bytes, info.peak, None, info.source, recorded)
+        return Measurement(str(device), seconds, baseline_bytes, info.peak, None, info.source, recorded, info.peak)
     rss_reset = reset_process_peak()
     with LiveTensorBytes("cpu", record=timeline) as tracker:
         fn()
@@ -244,4 +295,5 @@ def measure(fn: Callable[[], Any], device: torch.device | str, *, repeat: int = 
     if timeline:
         samples = tuple(baseline_bytes + sample for sample in [0, *tracker.samples])
         recorded = MemoryTimeline(str(device), samples, tuple((index + 1, label) for index, label in tracker.marks), source)
-    return Measurement(str(device), seconds, baseline_bytes, baseline_bytes + tracker.peak, peak_rss, source, recorded)
+    allocated = baseline_bytes + allocated_peak(fn)
+    return Measurement(str(device), seconds, baseline_bytes, baseline_bytes + tracker.peak, peak_rss, source, recorded, allocated)

@@ -4,23 +4,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 from tightfit.fitting import Calibration
 
-
-def allocated_peak(fn) -> int:
-    """The most bytes the CPU allocator held at once during ``fn()``, above what it held
-    before (the profiler's allocation events): unlike a per-op count of live tensors, it
-    sees the buffers a kernel allocates and frees inside one op."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        fn()
-    events = sorted((e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    current = peak = 0
-    for event in events:
-        current += event.nbytes()
-        peak = max(peak, current)
-    return peak
 
 
 def figures(**changes) -> Calibration:

@@ -9,9 +9,9 @@ from torch import nn
 import tightfit
 from tightfit.fitting import held_bytes
 from tightfit.fitting.outliers import assumed_outliers, observe_outliers
-from tightfit.memory import measure
+from tightfit.memory import allocated_peak, measure
 
-from fit_models import allocated_peak, figures
+from fit_models import figures
 
 
 def _model() -> nn.Sequential:

@@ -12,10 +12,10 @@ import tightfit
 from tightfit.fitting import Plan, held_bytes
 from tightfit.hooks import LAYERWISE_CASTING, OFFLOADING
 from tightfit.hooks.registry import HookRegistry
-from tightfit.memory import measure
+from tightfit.memory import allocated_peak, measure
 from tightfit.quant import Linear4bit, Linear8bit, LinearInt8
 
-from fit_models import allocated_peak, figures, tiny_lm, token_ids
+from fit_models import figures, tiny_lm, token_ids
 
 
 @pytest.fixture(scope="module")
