@@ -4,10 +4,11 @@ weights, ``models.save_causal_lm``, one forward over a prompt). For budgets that
 fractions of what the unchanged model needs: plan with ``tightfit.fit``, apply to a
 freshly loaded model, then measure the peak, the latency and the quality.
 
-Measured peak: the weights held on the device (``held_bytes``) plus the most bytes the
-CPU allocator held at once during one call (the profiler's allocation events), which
-includes the buffers a kernel allocates and frees inside one op; "live" is the
-per-op count of live tensors (``tightfit.memory.measure``), which misses those.
+Measured peak: ``tightfit.memory.measure``'s ``allocated_peak_bytes``: the weights held
+on the device (``held_bytes``) plus, on the CPU, the most bytes the allocator held at
+once during one call (the profiler's allocation events, which include the buffers a
+kernel allocates and frees inside one op), on an accelerator its allocator's peak;
+"live" (CPU) is the per-op count of live tensors, which misses those buffers.
 "pred/meas" is predicted over measured (target: within 10%); "fits" checks measured <=
 budget. Latency is the median over ``--repeat`` rounds in which every planned model of
 a workload runs once in turn (after three warm-up rounds), so that load from other

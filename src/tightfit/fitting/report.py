@@ -23,7 +23,7 @@ def render(plan: Plan) -> str:
         f"predicted peak {human_bytes(plan.predicted_peak_bytes)} = weights {human_bytes(plan.predicted_weights_bytes)}"
         f" + activations {human_bytes(plan.predicted_activation_bytes)} + transient {human_bytes(plan.predicted_transient_bytes)}"
         f"; unchanged model {human_bytes(plan.full_peak_bytes)}",
-        f"predicted time per forward {_ms(plan.predicted_seconds)} (unchanged {_ms(plan.full_seconds)})",
+        f"time model, weight work per forward (ranks plans; not a latency) {_ms(plan.predicted_seconds)} (unchanged {_ms(plan.full_seconds)})",
     ]
     if plan.int8_outliers:
         lines.append(f"int8 outlier columns {plan.int8_outliers}")
