@@ -96,3 +96,23 @@ def test_a_plan_for_an_accelerator_needs_the_host_to_device_figure():
     with pytest.raises(ValueError, match="calibration has host_to_device_bandwidth=None, which a plan for cuda:0 needs"):
         planner._check_calibration(figures(backend="cuda"), "cuda", torch.device("cuda:0"))
     planner._check_calibration(figures(backend="cuda", host_to_device_bandwidth=1e10), "cuda", torch.device("cuda:0"))
+
+
+@pytest.mark.parametrize("model, device, error, message", [
+    (MODEL, "bogus", ValueError, "device='bogus' is not a valid torch device"),
+    (MODEL, 5, TypeError, "device must be torch.device or str, got int: 5"),
+    (MODEL, None, TypeError, "device must be torch.device or str, got NoneType"),
+    ("model", "cpu", TypeError, "model must be Module, got str"),
+])
+def test_held_bytes_refuses_bad_arguments(model, device, error, message):
+    from tightfit.fitting import held_bytes
+
+    with pytest.raises(error, match=message):
+        held_bytes(model, device)
+
+
+def test_held_bytes_accepts_strings_and_devices():
+    from tightfit.fitting import held_bytes
+
+    assert held_bytes(MODEL, "cpu") == held_bytes(MODEL, torch.device("cpu")) == 4 * (16 + 4)
+    assert held_bytes(MODEL, "meta") == 0
