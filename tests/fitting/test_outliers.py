@@ -139,3 +139,34 @@ def test_other_errors_of_the_observing_forward_are_not_swallowed(monkeypatch):
     full = tightfit.fit(model, (x,), "1GiB", calibration=figures()).full_peak_bytes
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         tightfit.fit(model, (x,), int(full * 0.6), calibration=figures(), allow={"storage": {"keep", "int8"}})
+
+
+class _CalledTwice(nn.Module):
+    """Each Linear runs twice per forward: its int8 buffers exist per call, its time adds up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(256, 1024)
+        self.down = nn.Linear(1024, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = self.down(torch.relu(self.up(x)))
+        return self.down(torch.relu(self.up(first)))
+
+
+def test_int8_transient_of_a_layer_called_twice_counts_one_call():
+    torch.manual_seed(0)
+    model, x = _CalledTwice().eval(), _inputs(0)
+    allow = {"storage": {"keep", "int8"}, "placement": {"device"}}
+    with pytest.raises(tightfit.FitError) as error:
+        tightfit.fit(model, (x,), 1024, calibration=figures(), allow=allow)
+    plan = tightfit.fit(model, (x,), int(error.value.smallest_peak_bytes * 1.01), calibration=figures(), allow=allow)
+    assert [e.storage for e in plan.entries] == ["int8", "int8"]
+    once = tightfit.fit(model, (x,), "1GiB", calibration=figures(matmul_flops=1e9))
+    twice_rows = 2 * x.shape[0]  # the time still counts both calls: 2 * weights * rows per call, twice
+    assert once.entries[0].seconds >= 2 * 256 * 1024 * twice_rows / 1e9
+    plan.apply(model)
+    held = held_bytes(model, "cpu")
+    with torch.inference_mode():
+        allocated = held + x.nbytes + allocated_peak(lambda: model(x))
+    assert plan.predicted_peak_bytes == allocated, str(plan)

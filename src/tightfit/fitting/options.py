@@ -195,10 +195,12 @@ def _dtype_deciders(model: nn.Module) -> set[int]:
 
 def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[str], device: torch.device,
                 rows: dict[str, int], live: dict[str, int], figures: Calibration,
-                outliers: dict[str, int] | None = None) -> list[Option]:
+                outliers: dict[str, int] | None = None, call_rows: dict[str, int] | None = None) -> list[Option]:
     """The options of ``unit`` that ``storages`` and ``placements`` allow, each with bytes and seconds.
 
-    ``rows``: rows each leaf computed in the traced forward (summed over calls); ``live``:
+    ``rows``: rows each leaf computed in the traced forward (summed over calls: its time);
+    ``call_rows``: the most rows of one of its calls (the buffers an int8 forward allocates
+    exist per call; default ``rows``, for a leaf called once); ``live``:
     the most activation and input bytes alive while each leaf computes (its own output
     included); ``figures``: the time model's figures; ``outliers``: input columns each
     Linear's LLM.int8() outlier path takes (:func:`~tightfit.fitting.outliers.observe_outliers`),
@@ -232,7 +234,8 @@ def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[s
                 decode_seconds += numel * figures.decode_seconds[leaf_storage]
                 if leaf_storage == "int8":
                     columns = assumed_outliers(shape[1]) if outliers is None else outliers.get(name, 0)
-                    copy = _int8_transient(shape, count, columns, dtype.itemsize)
+                    one_call = count if call_rows is None else call_rows.get(name, count)
+                    copy = _int8_transient(shape, one_call, columns, dtype.itemsize)
                 else:
                     copy = numel * dtype.itemsize
                 decoded = max(decoded, live.get(name, 0) + copy)

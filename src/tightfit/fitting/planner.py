@@ -52,13 +52,17 @@ def _split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]
                     f"got {type(example_inputs).__name__}")
 
 
-def _trace(model: nn.Module, args: tuple, kwargs: dict, backend: Any) -> tuple[Any, dict[str, int], dict[str, list[tuple[int, int]]]]:
+def _trace(model: nn.Module, args: tuple, kwargs: dict,
+           backend: Any) -> tuple[Any, dict[str, int], dict[str, int], dict[str, list[tuple[int, int]]]]:
     """The eager memory plan of one forward; the rows each Linear / Embedding computed in
-    it; and the steps of the plan's timeline each one's forward covered."""
+    it, summed over its calls (what its time scales with) and the most of one call (what
+    the buffers of one call scale with); and the steps of the plan's timeline each one's
+    forward covered."""
     from tightfit.planning import plan_memory
     from tightfit.planning.simulate import current_step
 
     rows: dict[str, int] = {}
+    call_rows: dict[str, int] = {}
     spans: dict[str, list[tuple[int, int]]] = {}
     starts: dict[str, list[int | None]] = {}
     handles = []
@@ -68,6 +72,7 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, backend: Any) -> tuple[A
         if x is not None:
             count = x.numel() // module.in_features if isinstance(module, nn.Linear) else x.numel()
             rows[name] = rows.get(name, 0) + count
+            call_rows[name] = max(call_rows.get(name, 0), count)
         starts.setdefault(name, []).append(current_step())
 
     def leave(name: str) -> None:
@@ -84,7 +89,7 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, backend: Any) -> tuple[A
     finally:
         for handle in handles:
             handle.remove()
-    return memory, rows, spans
+    return memory, rows, call_rows, spans
 
 
 def _live_while_computing(memory: Any, device: torch.device, spans: dict[str, list[tuple[int, int]]], fallback: int) -> dict[str, int]:
@@ -167,7 +172,7 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
     backends, device = resolve_backend(backend)
     figures = calibration if calibration is not None else calibrate(backends[0], remeasure=remeasure)
     _check_calibration(figures, backends[0].name, device)
-    memory, rows, spans = _trace(model, args, kwargs, backends[0])
+    memory, rows, call_rows, spans = _trace(model, args, kwargs, backends[0])
     planned = memory.devices.get(str(device))
     activations = planned.live_peak_bytes + planned.inputs_bytes if planned else 0
     peak_node = planned.peak_node if planned else None
@@ -176,7 +181,7 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
 
     def build(outliers: dict[str, int] | None) -> list[list[Option]]:
         return [options_for(unit, storages=allowed.storage, placements=allowed.placement, device=device, rows=rows, live=live,
-                            figures=figures, outliers=outliers)
+                            figures=figures, outliers=outliers, call_rows=call_rows)
                 for unit in units]
 
     options = build(None)
