@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from tightfit._validate import check_device
 from tightfit.backends import get
 from tightfit.backends.cpu import read_process_memory, reset_process_peak
 
@@ -33,6 +34,8 @@ _RECORDING: list[_Recorder] = []  # the recording modes now active, innermost la
 
 def mark(label: str) -> None:
     """Label the next sample of every timeline being recorded (``"prefill"``, ``"decode"``); else nothing."""
+    if not isinstance(label, str):
+        raise TypeError(f"label must be a str, got {type(label).__name__}: {label!r}")
     for recorder in _RECORDING:
         recorder.marks.append((len(recorder.samples), label))
 
@@ -182,8 +185,9 @@ class AllocatedBytes(_Recorder):
 
     def __init__(self, device: torch.device | str, read: Callable[[], int] | None = None) -> None:
         super().__init__(record=True)
+        device = check_device("device", device)
         if read is None:
-            read = _allocated_reader(torch.device(device))
+            read = _allocated_reader(device)
         if not callable(read):
             raise TypeError(f"read must be callable, got {type(read).__name__}")
         self._read = read
