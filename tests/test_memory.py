@@ -193,3 +193,15 @@ def test_mark_needs_a_str_label():
     with pytest.raises(TypeError, match="label must be a str, got NoneType"):
         mark(None)
     mark("prefill")  # nothing records: nothing happens
+
+
+def test_measure_keeps_what_the_timed_calls_returned_and_only_those():
+    from itertools import count
+
+    counter = count()
+    measured = measure(lambda: next(counter), "cpu", repeat=3, warmup=2, timeline=True, keep_results=True)
+    assert measured.results == (2, 3, 4)  # not the warmups (0, 1) nor the tracked calls after (5, 6, ...)
+    assert next(counter) > 5
+    assert measure(lambda: 1, "cpu", repeat=2).results == ()
+    with pytest.raises(TypeError, match="keep_results must be a bool, got int: 1"):
+        measure(lambda: 1, "cpu", keep_results=1)
