@@ -171,3 +171,37 @@ def test_allocated_bytes_samples_the_reading_after_each_op():
     assert sampler.samples == [100, 200, 300] and sampler.marks == [(1, "start")]
     with pytest.raises(TypeError, match="read must be callable"):
         AllocatedBytes("cpu", read=5)
+
+
+@pytest.mark.parametrize("device, error, message", [
+    ("bogus", ValueError, "device='bogus' is not a valid torch device"),
+    (3, TypeError, "device must be torch.device or str, got int: 3"),
+    (None, TypeError, "device must be torch.device or str, got NoneType"),
+])
+def test_allocated_bytes_checks_the_device(device, error, message):
+    from tightfit.memory import AllocatedBytes
+
+    with pytest.raises(error, match=message):
+        AllocatedBytes(device, read=lambda: 0)
+
+
+def test_mark_needs_a_str_label():
+    from tightfit.memory import mark
+
+    with pytest.raises(TypeError, match="label must be a str, got int: 3"):
+        mark(3)
+    with pytest.raises(TypeError, match="label must be a str, got NoneType"):
+        mark(None)
+    mark("prefill")  # nothing records: nothing happens
+
+
+def test_measure_keeps_what_the_timed_calls_returned_and_only_those():
+    from itertools import count
+
+    counter = count()
+    measured = measure(lambda: next(counter), "cpu", repeat=3, warmup=2, timeline=True, keep_results=True)
+    assert measured.results == (2, 3, 4)  # not the warmups (0, 1) nor the tracked calls after (5, 6, ...)
+    assert next(counter) > 5
+    assert measure(lambda: 1, "cpu", repeat=2).results == ()
+    with pytest.raises(TypeError, match="keep_results must be a bool, got int: 1"):
+        measure(lambda: 1, "cpu", keep_results=1)

@@ -18,6 +18,9 @@ def twice():
     hooks.apply_layerwise_casting(model, torch.float8_e4m3fn, torch.float32)
 import tightfit.graph
 import tightfit.graph.memory
+import tightfit.fitting, tightfit.memory, tightfit.generation
+FIG = dict(backend="cpu", device_name="test", torch_version=torch.__version__, matmul_flops=1e10, device_bandwidth=1e10,
+           host_to_device_bandwidth=None, disk_bandwidth=1e9, decode_seconds=dict.fromkeys(("float8", "8bit", "int8", "nf4", "fp4"), 0.0))
 import torch.fx
 assert False, "asserts must be off under -O"
 checks = [
@@ -90,6 +93,15 @@ checks = [
     (lambda: tightfit.graph.memory.place_arena("cpu", [], alignment=0), ValueError),
     (lambda: tightfit.graph.memory.plan_graph(torch.fx.symbolic_trace(torch.nn.ReLU()), order="sideways"), ValueError),
     (lambda: tightfit.graph.memory.graph_timeline(torch.fx.symbolic_trace(torch.nn.ReLU()), order="relu"), TypeError),
+    (lambda: tightfit.fit(layer(), [torch.ones(2, 4), 3], "1MB"), TypeError),
+    (lambda: tightfit.fitting.Plan.from_json(tightfit.fit(layer(), torch.ones(2, 4), "1MB", calibration=tightfit.fitting.Calibration(**FIG)).to_json().replace('"applies_nothing": true', '"applies_nothing": "yes"')), ValueError),
+    (lambda: tightfit.fitting.held_bytes(layer(), "bogus"), ValueError),
+    (lambda: tightfit.fitting.held_bytes(layer(), 5), TypeError),
+    (lambda: tightfit.fitting.Calibration(**{**FIG, "decode_seconds": {**FIG["decode_seconds"], "gguf": 0.0}}), ValueError),
+    (lambda: tightfit.fit(layer(), torch.ones(2, 4), "1MB", calibration=tightfit.fitting.Calibration(**{**FIG, "backend": "cuda"})), ValueError),
+    (lambda: tightfit.memory.AllocatedBytes("bogus", read=lambda: 0), ValueError),
+    (lambda: tightfit.memory.mark(3), TypeError),
+    (lambda: tightfit.generation.generate_greedy(None, torch.ones(1, 2, dtype=torch.long), 1, synchronize=3), TypeError),
 ]
 for index, (call, expected) in enumerate(checks):
     try:
@@ -106,4 +118,4 @@ print(f"{len(checks)} checks raised as documented")
 def test_bad_inputs_raise_under_python_O():
     done = subprocess.run([sys.executable, "-O", "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "69 checks raised as documented" in done.stdout
+    assert "78 checks raised as documented" in done.stdout

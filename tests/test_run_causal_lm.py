@@ -113,6 +113,8 @@ def test_generation_rejects_bad_input(tiny_llama):
         token_agreement(model, [[101]], (1,))
     with pytest.raises(ValueError, match="reference must be a non-empty tuple of token ids"):
         token_agreement(model, ids, ())
+    with pytest.raises(TypeError, match="synchronize must be None or a callable taking no argument, got str: 'cuda'"):
+        generate_greedy(model, ids, 2, synchronize="cuda")
 
 
 def test_nf4_reports_token_agreement(tiny_llama):

@@ -43,3 +43,13 @@ def check_non_negative_number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0.0:
         raise ValueError(f"{name} must be a number >= 0, got {value!r}")
     return float(value)
+
+
+def check_device(name: str, value: Any) -> torch.device:
+    """A ``torch.device`` or a device string (``"cpu"``, ``"cuda:1"``), as torch.device."""
+    if not isinstance(value, (str, torch.device)):
+        raise TypeError(f"{name} must be torch.device or str, got {type(value).__name__}: {_describe(value)}")
+    try:
+        return torch.device(value)
+    except RuntimeError as error:
+        raise ValueError(f"{name}={value!r} is not a valid torch device (such as 'cpu' or 'cuda:0'): {error}") from None

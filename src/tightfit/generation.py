@@ -58,6 +58,9 @@ def generate_greedy(model: Any, input_ids: torch.Tensor, max_new_tokens: int, sy
     _check_ids(input_ids)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if synchronize is not None and not callable(synchronize):
+        raise TypeError(f"synchronize must be None or a callable taking no argument, got "
+                        f"{type(synchronize).__name__}: {synchronize!r}")
     wait = synchronize or (lambda: None)
     mark("prefill")
     start = time.perf_counter()

@@ -13,7 +13,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from tightfit._validate import check_device
 from tightfit.backends import get
 from tightfit.backends.cpu import read_process_memory, reset_process_peak
 
@@ -33,6 +34,8 @@ _RECORDING: list[_Recorder] = []  # the recording modes now active, innermost la
 
 def mark(label: str) -> None:
     """Label the next sample of every timeline being recorded (``"prefill"``, ``"decode"``); else nothing."""
+    if not isinstance(label, str):
+        raise TypeError(f"label must be a str, got {type(label).__name__}: {label!r}")
     for recorder in _RECORDING:
         recorder.marks.append((len(recorder.samples), label))
 
@@ -182,8 +185,9 @@ class AllocatedBytes(_Recorder):
 
     def __init__(self, device: torch.device | str, read: Callable[[], int] | None = None) -> None:
         super().__init__(record=True)
+        device = check_device("device", device)
         if read is None:
-            read = _allocated_reader(torch.device(device))
+            read = _allocated_reader(device)
         if not callable(read):
             raise TypeError(f"read must be callable, got {type(read).__name__}")
         self._read = read
@@ -231,6 +235,8 @@ class Measurement:
     ``baseline_bytes`` plus :func:`allocated_peak` of one more call; what a budget is held
     to. ``peak_rss_bytes`` is the process's peak RSS (CPU only).
     ``timeline``: the bytes after each op of one more call, when asked for.
+    ``results``: what ``fn`` returned in each timed call, in order, when asked for
+    (``keep_results``); the warmup and the memory-tracking calls are not among them.
     """
 
     device: str
@@ -241,6 +247,7 @@ class Measurement:
     source: str
     timeline: MemoryTimeline | None = None
     allocated_peak_bytes: int | None = None
+    results: tuple[Any, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def median_seconds(self) -> float:
@@ -248,17 +255,19 @@ class Measurement:
 
 
 def measure(fn: Callable[[], Any], device: torch.device | str, *, repeat: int = 5, warmup: int = 1, baseline_bytes: int = 0,
-            timeline: bool = False) -> Measurement:
+            timeline: bool = False, keep_results: bool = False) -> Measurement:
     """Time ``fn`` ``repeat`` times after ``warmup`` calls, then record its peak memory.
 
     Timing runs untracked; on the CPU one more call runs under :class:`LiveTensorBytes`,
     whose per-op bookkeeping would otherwise inflate the latency. With ``timeline`` that
     call also keeps a sample per op (on an accelerator, one more call under
     :class:`AllocatedBytes`, after the peak is read). On the CPU a last call runs under
-    :func:`allocated_peak`.
+    :func:`allocated_peak`. With ``keep_results``, ``Measurement.results`` holds what
+    the timed calls returned (kept alive until the measurement is dropped).
     """
-    if not isinstance(timeline, bool):
-        raise TypeError(f"timeline must be a bool, got {type(timeline).__name__}: {timeline!r}")
+    for name, flag in (("timeline", timeline), ("keep_results", keep_results)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}: {flag!r}")
     for name, value, low in (("repeat", repeat, 1), ("warmup", warmup, 0), ("baseline_bytes", baseline_bytes, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -271,12 +280,15 @@ def measure(fn: Callable[[], Any], device: torch.device | str, *, repeat: int = 
     backend.synchronize(device)
     if device.type != "cpu":
         backend.reset_peak_memory(device)
-    seconds = []
+    seconds, results = [], []
     for _ in range(repeat):
         start = time.perf_counter()
-        fn()
+        result = fn()
         backend.synchronize(device)
         seconds.append(time.perf_counter() - start)
+        if keep_results:
+            results.append(result)
+        del result
     if device.type != "cpu":
         info = backend.memory(device)
         recorded = None
@@ -285,7 +297,7 @@ def measure(fn: Callable[[], Any], device: torch.device | str, *, repeat: int = 
                 fn()
             backend.synchronize(device)
             recorded = MemoryTimeline(str(device), tuple(sampler.samples), tuple(sampler.marks), info.source)
-        return Measurement(str(device), seconds, baseline_bytes, info.peak, None, info.source, recorded, info.peak)
+        return Measurement(str(device), seconds, baseline_bytes, info.peak, None, info.source, recorded, info.peak, tuple(results))
     rss_reset = reset_process_peak()
     with LiveTensorBytes("cpu", record=timeline) as tracker:
         fn()
@@ -296,4 +308,5 @@ def measure(fn: Callable[[], Any], device: torch.device | str, *, repeat: int = 
         samples = tuple(baseline_bytes + sample for sample in [0, *tracker.samples])
         recorded = MemoryTimeline(str(device), samples, tuple((index + 1, label) for index, label in tracker.marks), source)
     allocated = baseline_bytes + allocated_peak(fn)
-    return Measurement(str(device), seconds, baseline_bytes, baseline_bytes + tracker.peak, peak_rss, source, recorded, allocated)
+    return Measurement(str(device), seconds, baseline_bytes, baseline_bytes + tracker.peak, peak_rss, source, recorded, allocated,
+                       tuple(results))

@@ -237,9 +237,8 @@ def run(options: RunOptions | None = None) -> RunReport:
         on_device = held_bytes(job.model, device)  # counts the scales of offloaded quantized units too
     else:
         on_device = resident_bytes(job.model, device) if options.offload else weights
-    calls: list[Any] = []
-    measurement = measure(lambda: calls.append(job.call()), device, repeat=options.repeat, warmup=1, baseline_bytes=on_device,
-                          timeline=options.timeline is not None)
+    measurement = measure(job.call, device, repeat=options.repeat, warmup=1, baseline_bytes=on_device,
+                          timeline=options.timeline is not None, keep_results=True)
     report = RunReport(
         model=str(folder) if options.model is not None else "all-MiniLM-L6-v2 (built-in default)",
         backend=backend.name,
@@ -259,7 +258,7 @@ def run(options: RunOptions | None = None) -> RunReport:
         budget_bytes=options.budget,
         budgeted=budgeted,
     )
-    job.fill(report, calls[1:1 + options.repeat], reference)  # the timed calls: after the warmup, before the tracked one
+    job.fill(report, list(measurement.results), reference)  # what the timed calls returned
     if options.timeline is not None:
         title = f"{Path(report.model).name if options.model else 'all-MiniLM-L6-v2'}, {report.changes or 'as loaded'}, on {device}"
         report.timeline_path = str(measurement.timeline.plot(options.timeline, title=title, budget_bytes=report.budget_bytes,

@@ -31,7 +31,7 @@ def test_bad_budgets(budget, error, message):
 def test_bad_model_inputs_and_options():
     with pytest.raises(TypeError, match="model must be Module"):
         tightfit.fit("model", X, "1MB", calibration=figures())
-    with pytest.raises(TypeError, match="example_inputs must be a tuple of tensors, a dict"):
+    with pytest.raises(TypeError, match="example_inputs must be a tuple or list of tensors, a dict"):
         tightfit.fit(MODEL, 3, "1MB", calibration=figures())
     with pytest.raises(TypeError, match="example_inputs key must be str"):
         tightfit.fit(MODEL, {1: X[0]}, "1MB", calibration=figures())
@@ -69,3 +69,50 @@ def test_allow_defaults_and_coercion():
     assert Allow().to_dict() == {"storage": ["8bit", "float8", "fp4", "int8", "keep", "nf4"], "placement": ["cpu", "device", "disk"]}
     allow = Allow(storage={"keep"}, placement=("device", "disk"))
     assert isinstance(allow.storage, frozenset) and hash(allow)
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ([X[0], 3], r"example_inputs\[1\] must be Tensor, got int: 3"),
+    ((X[0], None), r"example_inputs\[1\] must be Tensor, got NoneType"),
+    ({"input": [1.0]}, r"example_inputs\['input'\] must be Tensor, got list"),
+])
+def test_every_example_input_must_be_a_tensor(inputs, message):
+    with pytest.raises(TypeError, match=message):
+        tightfit.fit(MODEL, inputs, "1MB", calibration=figures())
+
+
+def test_a_list_of_tensors_is_positional_inputs():
+    assert tightfit.fit(MODEL, [X[0]], "1MB", calibration=figures()).applies_nothing
+
+
+def test_calibration_must_be_of_the_plans_backend():
+    with pytest.raises(ValueError, match="calibration is of backend 'cuda' but the plan is for backend 'cpu'"):
+        tightfit.fit(MODEL, X, "1MB", calibration=figures(backend="cuda", host_to_device_bandwidth=1e10))
+
+
+def test_a_plan_for_an_accelerator_needs_the_host_to_device_figure():
+    from tightfit.fitting import planner
+
+    with pytest.raises(ValueError, match="calibration has host_to_device_bandwidth=None, which a plan for cuda:0 needs"):
+        planner._check_calibration(figures(backend="cuda"), "cuda", torch.device("cuda:0"))
+    planner._check_calibration(figures(backend="cuda", host_to_device_bandwidth=1e10), "cuda", torch.device("cuda:0"))
+
+
+@pytest.mark.parametrize("model, device, error, message", [
+    (MODEL, "bogus", ValueError, "device='bogus' is not a valid torch device"),
+    (MODEL, 5, TypeError, "device must be torch.device or str, got int: 5"),
+    (MODEL, None, TypeError, "device must be torch.device or str, got NoneType"),
+    ("model", "cpu", TypeError, "model must be Module, got str"),
+])
+def test_held_bytes_refuses_bad_arguments(model, device, error, message):
+    from tightfit.fitting import held_bytes
+
+    with pytest.raises(error, match=message):
+        held_bytes(model, device)
+
+
+def test_held_bytes_accepts_strings_and_devices():
+    from tightfit.fitting import held_bytes
+
+    assert held_bytes(MODEL, "cpu") == held_bytes(MODEL, torch.device("cpu")) == 4 * (16 + 4)
+    assert held_bytes(MODEL, "meta") == 0

@@ -73,6 +73,10 @@ def test_real_measurement_gives_valid_figures():
     (dict(device_bandwidth=True), "device_bandwidth must be a finite number > 0"),
     (dict(decode_seconds={"float8": 0.0}), "decode_seconds lacks"),
     (dict(decode_seconds={"float8": -1, "8bit": 0, "int8": 0, "nf4": 0, "fp4": 0}), r"decode_seconds\['float8'\] must be"),
+    (dict(decode_seconds={"float8": 0, "8bit": 0, "int8": 0, "nf4": 0, "fp4": 0, "gguf": 0}),
+     "decode_seconds has unknown storage\\(s\\) 'gguf'; accepted: float8, 8bit, int8, nf4, fp4"),
+    (dict(decode_seconds={"float8": 0, "8bit": 0, "int8": 0, "nf4": 0, "fp4": 0, "keep": 0}),
+     "decode_seconds has unknown storage\\(s\\) 'keep'"),
 ])
 def test_bad_figures_rejected(change, message):
     with pytest.raises(ValueError, match=message):

@@ -140,3 +140,57 @@ def test_measured_peak_within_budget_and_near_prediction(ids, vocab, fraction, a
     assert live <= measured <= plan.budget_bytes
     assert plan.predicted_peak_bytes >= measured - 4096, str(plan)  # a few KiB: inputs the run makes itself
     assert plan.predicted_peak_bytes - measured <= 0.1 * measured, str(plan)
+
+
+def _small_plan():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    return tightfit.fit(model, (torch.randn(2, 8),), "1MB", calibration=figures())
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("budget_bytes", "lots", r"Plan.budget_bytes must be an int >= 0 \(bytes\), got 'lots'"),
+    ("budget_bytes", -1, r"Plan.budget_bytes must be an int >= 0"),
+    ("predicted_peak_bytes", 1.5, r"Plan.predicted_peak_bytes must be an int >= 0"),
+    ("full_peak_bytes", True, r"Plan.full_peak_bytes must be an int >= 0"),
+    ("applies_nothing", "yes", r"Plan.applies_nothing must be a bool, got str: 'yes'"),
+    ("predicted_seconds", "fast", r"Plan.predicted_seconds must be a finite number >= 0"),
+    ("model", 3, r"Plan.model must be a str, got int"),
+    ("peak_node", 3, r"Plan.peak_node must be a str"),
+    ("allow", ["keep"], r"Plan.allow must be a dict or None"),
+    ("entries", {"a": 1}, r"'entries' must be a list of objects"),
+    ("entries", [3], r"'entries\[0\]' must be an object"),
+])
+def test_from_json_names_the_field_of_the_wrong_type(field, value, message):
+    data = _small_plan().to_dict()
+    data[field] = value
+    with pytest.raises(ValueError, match=message):
+        Plan.from_json(json.dumps(data))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("held_bytes", "many", r"PlanEntry.held_bytes must be an int >= 0 \(bytes\), got 'many'"),
+    ("seconds", -1.0, r"PlanEntry.seconds must be a finite number >= 0"),
+    ("storage", "gguf", r"PlanEntry.storage='gguf' is not accepted; accepted: keep, float8"),
+    ("placement", "cloud", r"PlanEntry.placement='cloud' is not accepted; accepted: device, cpu, disk"),
+    ("kind", "block", r"PlanEntry.kind='block' is not accepted; accepted: layer, linear, embedding, rest"),
+    ("why", None, r"PlanEntry.why must be a str"),
+    ("leaves", "0", r"PlanEntry.leaves must be a tuple of str"),
+    ("leaves", [1], r"PlanEntry.leaves must be a tuple of str"),
+])
+def test_from_json_names_the_entry_and_its_field(field, value, message):
+    data = _small_plan().to_dict()
+    data["entries"][1][field] = value
+    with pytest.raises(ValueError, match=r"plan JSON field 'entries\[1\]' does not describe a plan entry: " + message):
+        Plan.from_json(json.dumps(data))
+
+
+def test_plan_and_entry_check_their_fields_when_built():
+    plan = _small_plan()
+    with pytest.raises(TypeError, match=r"Plan.entries\[0\] must be a PlanEntry, got dict"):
+        dataclasses.replace(plan, entries=({"module": "0"},))
+    with pytest.raises(TypeError, match="Plan.applies_nothing must be a bool"):
+        dataclasses.replace(plan, applies_nothing=1)
+    with pytest.raises(ValueError, match="PlanEntry.bytes_after must be an int >= 0"):
+        dataclasses.replace(plan.entries[0], bytes_after=None)
+    assert dataclasses.replace(plan, entries=list(plan.entries)).entries == plan.entries  # a list becomes a tuple
+    assert Plan.from_json(plan.to_json()) == plan

@@ -34,3 +34,19 @@ def test_a_model_that_is_a_list_and_one_without_a_list():
 def test_bad_input():
     with pytest.raises(TypeError, match="model must be Module"):
         layer_stack("encoder")
+
+
+def test_the_weighing_decides_which_list_is_the_stack():
+    from tightfit.quant.layers import largest_repeated_list
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norms = nn.ModuleList([nn.LayerNorm(4096) for _ in range(2)])  # many bytes, no Linear
+            self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    model = Model()
+    assert layer_stack(model) == ("blocks.0", "blocks.1", "blocks.2")
+    by_bytes = largest_repeated_list(model, lambda m: sum(t.nbytes for t in m.parameters()))
+    assert by_bytes == ("norms.0", "norms.1")
+    assert largest_repeated_list(model, lambda m: 0) == ()

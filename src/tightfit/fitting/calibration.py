@@ -67,6 +67,10 @@ class Calibration:
         if missing:
             raise ValueError(f"decode_seconds lacks {', '.join(sorted(missing))}; it needs one figure per storage: "
                              f"{', '.join(DECODED_STORAGES)}")
+        unknown = [key for key in self.decode_seconds if key not in DECODED_STORAGES]
+        if unknown:
+            raise ValueError(f"decode_seconds has unknown storage(s) {', '.join(map(repr, unknown))}; accepted: "
+                             f"{', '.join(DECODED_STORAGES)}")
         for key, value in self.decode_seconds.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < math.inf):
                 raise ValueError(f"decode_seconds[{key!r}] must be a finite number >= 0, got {value!r}")

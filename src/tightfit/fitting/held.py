@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tightfit._validate import check_type
+from tightfit._validate import check_device, check_type
 from tightfit.hooks import resident_bytes
 from tightfit.quant import QuantState
 
@@ -18,7 +18,7 @@ def held_bytes(model: nn.Module, device: str | torch.device) -> int:
     plus the scales and maps of quantized layers (a QuantState is neither, and offloading
     leaves it on the device)."""
     check_type("model", model, nn.Module)
-    target = torch.device(device)
+    target = check_device("device", device)
     storages = {}
     for module in model.modules():
         state = getattr(module, "quant_state", None)

@@ -19,8 +19,10 @@ import torch
 from torch import nn
 
 from tightfit.fitting.outliers import assumed_outliers
+from tightfit.hooks.casting import dtype_deciders
 from tightfit.memory import tensor_bytes
 from tightfit.quant import Blockwise8Config, FP4Config, Int8Config, NF4Config, QuantConfig, layer_stack
+from tightfit.quant.layers import largest_repeated_list
 
 if TYPE_CHECKING:
     from tightfit.fitting.calibration import Calibration
@@ -110,11 +112,6 @@ def _tensors(module: nn.Module) -> dict[int, torch.Tensor]:
     return {id(t): t for t in [*module.parameters(), *module.buffers()]}
 
 
-def _nbytes(tensors: dict[int, torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors``, as the measurements count them."""
-    return tensor_bytes(tensors.values())
-
-
 def _owners(root: nn.Module) -> dict[int, int]:
     """How many modules under ``root`` (shared modules once) hold each tensor directly."""
     owners: dict[int, int] = {}
@@ -125,22 +122,13 @@ def _owners(root: nn.Module) -> dict[int, int]:
     return owners
 
 
-def _repeated_list(model: nn.Module) -> tuple[str, ...]:
-    """The ``nn.ModuleList`` of two or more children of one type holding the most bytes:
-    the layer stack of a model whose layers hold no ``nn.Linear`` (GPT-2's Conv1D)."""
-    best: tuple[str, ...] = ()
-    most = 0
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(child) for child in module}) == 1:
-            size = _nbytes(_tensors(module))
-            if size > most:
-                prefix = f"{name}." if name else ""
-                best, most = tuple(f"{prefix}{index}" for index in range(len(module))), size
-    return best
+def _stored_bytes(module: nn.Module) -> int:
+    """Bytes of the distinct storages behind ``module``'s parameters and buffers."""
+    return tensor_bytes(_tensors(module).values())
 
 
 def _groups(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
-    stack = set(layer_stack(model) or _repeated_list(model))
+    stack = set(layer_stack(model) or largest_repeated_list(model, _stored_bytes))  # GPT-2's Conv1D: by bytes
     groups: list[tuple[str, str, nn.Module]] = []
     inside: set[str] = set()
     for name, module in model.named_modules():
@@ -162,14 +150,15 @@ def find_units(model: nn.Module) -> list[Unit]:
     it is; the tensor counts in the first unit that holds it.
     """
     owners = _owners(model)
-    deciders = _dtype_deciders(model)
+    deciders = dtype_deciders(model)  # model.dtype reads them: layerwise casting leaves them as they are
     units, covered = [], {}
     for name, kind, module in _groups(model):
         tensors = _tensors(module)
         inner = _owners(module)
         if any(inner[key] < owners[key] for key in tensors):
             own = {k: v for k, v in tensors.items() if k not in covered}
-            units.append(Unit(name, kind, (), _nbytes(own), _nbytes(own), "shares a tensor with a module outside it (tied weights)"))
+            size = tensor_bytes(own.values())
+            units.append(Unit(name, kind, (), size, size, "shares a tensor with a module outside it (tied weights)"))
             covered.update(tensors)
             continue
         leaves = [(f"{name}.{leaf_name}" if leaf_name else name, leaf) for leaf_name, leaf in module.named_modules()
@@ -177,28 +166,24 @@ def find_units(model: nn.Module) -> list[Unit]:
         weights = tuple((leaf_name, type(leaf).__name__, tuple(leaf.weight.shape), leaf.weight.dtype) for leaf_name, leaf in leaves)
         weight_ids = {id(leaf.weight) for _, leaf in leaves}
         no_float8 = "model.dtype reads its weight, which must keep its dtype" if weight_ids & deciders else ""
-        other = _nbytes({k: v for k, v in tensors.items() if k not in weight_ids})
-        units.append(Unit(name, kind, weights, _nbytes(tensors), other, "", no_float8))
+        other = tensor_bytes(v for k, v in tensors.items() if k not in weight_ids)
+        units.append(Unit(name, kind, weights, tensor_bytes(tensors.values()), other, "", no_float8))
         covered.update(tensors)
     rest = {k: v for k, v in _tensors(model).items() if k not in covered}
     if rest:
-        units.append(Unit("(rest)", "rest", (), _nbytes(rest), _nbytes(rest), "norms, biases and buffers outside the units"))
+        size = tensor_bytes(rest.values())
+        units.append(Unit("(rest)", "rest", (), size, size, "norms, biases and buffers outside the units"))
     return units
-
-
-def _dtype_deciders(model: nn.Module) -> set[int]:
-    """Tensors that layerwise casting leaves as they are (``model.dtype`` reads them)."""
-    from tightfit.hooks.casting import _dtype_deciders as deciders
-
-    return deciders(model)
 
 
 def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[str], device: torch.device,
                 rows: dict[str, int], live: dict[str, int], figures: Calibration,
-                outliers: dict[str, int] | None = None) -> list[Option]:
+                outliers: dict[str, int] | None = None, call_rows: dict[str, int] | None = None) -> list[Option]:
     """The options of ``unit`` that ``storages`` and ``placements`` allow, each with bytes and seconds.
 
-    ``rows``: rows each leaf computed in the traced forward (summed over calls); ``live``:
+    ``rows``: rows each leaf computed in the traced forward (summed over calls: its time);
+    ``call_rows``: the most rows of one of its calls (the buffers an int8 forward allocates
+    exist per call; default ``rows``, for a leaf called once); ``live``:
     the most activation and input bytes alive while each leaf computes (its own output
     included); ``figures``: the time model's figures; ``outliers``: input columns each
     Linear's LLM.int8() outlier path takes (:func:`~tightfit.fitting.outliers.observe_outliers`),
@@ -232,7 +217,8 @@ def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[s
                 decode_seconds += numel * figures.decode_seconds[leaf_storage]
                 if leaf_storage == "int8":
                     columns = assumed_outliers(shape[1]) if outliers is None else outliers.get(name, 0)
-                    copy = _int8_transient(shape, count, columns, dtype.itemsize)
+                    one_call = count if call_rows is None else call_rows.get(name, count)
+                    copy = _int8_transient(shape, one_call, columns, dtype.itemsize)
                 else:
                     copy = numel * dtype.itemsize
                 decoded = max(decoded, live.get(name, 0) + copy)

@@ -18,6 +18,22 @@ from tightfit.fitting.options import FLOAT8_DTYPE, PLACEMENTS, QUANT_CONFIGS, ST
 __all__ = ["Plan", "PlanEntry"]
 
 _FORMAT = "tightfit.plan/1"
+_KINDS = ("layer", "linear", "embedding", "rest")
+
+
+def _check_str(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{owner}.{name} must be a str, got {type(value).__name__}: {value!r}")
+
+
+def _check_bytes(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{owner}.{name} must be an int >= 0 (bytes), got {value!r}")
+
+
+def _check_seconds(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(f"{owner}.{name} must be a finite number >= 0 (seconds), got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -42,10 +58,19 @@ class PlanEntry:
     leaves: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("module", "kind", "storage", "placement", "why"):
+            _check_str("PlanEntry", name, getattr(self, name))
+        if self.kind not in _KINDS:
+            raise ValueError(f"PlanEntry.kind={self.kind!r} is not accepted; accepted: {', '.join(_KINDS)}")
         if self.storage not in STORAGES:
-            raise ValueError(f"storage={self.storage!r} is not accepted; accepted: {', '.join(STORAGES)}")
+            raise ValueError(f"PlanEntry.storage={self.storage!r} is not accepted; accepted: {', '.join(STORAGES)}")
         if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement={self.placement!r} is not accepted; accepted: {', '.join(PLACEMENTS)}")
+            raise ValueError(f"PlanEntry.placement={self.placement!r} is not accepted; accepted: {', '.join(PLACEMENTS)}")
+        for name in ("bytes_before", "bytes_after", "held_bytes"):
+            _check_bytes("PlanEntry", name, getattr(self, name))
+        _check_seconds("PlanEntry", "seconds", self.seconds)
+        if not isinstance(self.leaves, (tuple, list)) or not all(isinstance(leaf, str) for leaf in self.leaves):
+            raise TypeError(f"PlanEntry.leaves must be a tuple of str (module names), got {self.leaves!r}")
         object.__setattr__(self, "leaves", tuple(self.leaves))
 
     @property
@@ -83,6 +108,30 @@ class Plan:
     allow: dict[str, list[str]] | None = None
     calibration: dict[str, Any] | None = None
     int8_outliers: str = ""  # what the int8 units' prediction assumes about outlier columns ("" without int8 units)
+
+    def __post_init__(self) -> None:
+        for name in ("model", "backend", "device", "int8_outliers"):
+            _check_str("Plan", name, getattr(self, name))
+        for name in ("budget_bytes", "predicted_peak_bytes", "predicted_weights_bytes", "predicted_activation_bytes",
+                     "predicted_transient_bytes", "full_peak_bytes"):
+            _check_bytes("Plan", name, getattr(self, name))
+        for name in ("predicted_seconds", "full_seconds"):
+            _check_seconds("Plan", name, getattr(self, name))
+        if not isinstance(self.applies_nothing, bool):
+            raise TypeError(f"Plan.applies_nothing must be a bool, got {type(self.applies_nothing).__name__}: "
+                            f"{self.applies_nothing!r}")
+        if not isinstance(self.entries, (tuple, list)):
+            raise TypeError(f"Plan.entries must be a tuple of PlanEntry, got {type(self.entries).__name__}")
+        for index, entry in enumerate(self.entries):
+            if not isinstance(entry, PlanEntry):
+                raise TypeError(f"Plan.entries[{index}] must be a PlanEntry, got {type(entry).__name__}: {entry!r}")
+        object.__setattr__(self, "entries", tuple(self.entries))
+        if self.peak_node is not None:
+            _check_str("Plan", "peak_node", self.peak_node)
+        for name in ("allow", "calibration"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, dict):
+                raise TypeError(f"Plan.{name} must be a dict or None, got {type(value).__name__}: {value!r}")
 
     # -- apply ------------------------------------------------------------------------
     def apply(self, model: nn.Module) -> nn.Module:
@@ -168,11 +217,22 @@ class Plan:
         unknown = sorted(set(data) - known - {"format"})
         if unknown:
             raise ValueError(f"plan JSON has unknown keys {unknown}; known: {sorted(known)}")
+        entries = data.get("entries", [])
+        if not isinstance(entries, list):
+            raise ValueError(f"plan JSON field 'entries' must be a list of objects, got {type(entries).__name__}")
+        built = []
+        for index, entry in enumerate(entries):
+            if not isinstance(entry, dict):
+                raise ValueError(f"plan JSON field 'entries[{index}]' must be an object, got {type(entry).__name__}")
+            try:
+                built.append(PlanEntry(**entry))
+            except (TypeError, ValueError) as error:  # a key missing or unknown, or a value of the wrong type
+                raise ValueError(f"plan JSON field 'entries[{index}]' does not describe a plan entry: {error}") from None
         try:
-            entries = tuple(PlanEntry(**entry) for entry in data.get("entries", ()))
-            return cls(**{key: value for key, value in data.items() if key in known and key != "entries"}, entries=entries)
-        except TypeError as error:  # a key missing or unknown
+            return cls(**{key: value for key, value in data.items() if key in known and key != "entries"}, entries=tuple(built))
+        except (TypeError, ValueError) as error:  # a key missing, or a field of the wrong type (the error names it)
             raise ValueError(f"plan JSON does not describe a plan: {error}") from None
+
 
 def _move_kept(model: nn.Module, offloaded: set[str], device: torch.device) -> None:
     """Move every tensor outside the offloaded units onto ``device`` (a no-op where they

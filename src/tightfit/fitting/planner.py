@@ -35,25 +35,34 @@ class FitError(ValueError):
 
 
 def _split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Positional and keyword inputs: a tensor, a tuple or list of tensors, or a dict of
+    keyword tensors; every value must be a tensor."""
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,), {}
     if isinstance(example_inputs, Mapping):
-        for key in example_inputs:
+        for key, value in example_inputs.items():
             check_type("example_inputs key", key, str)
+            check_type(f"example_inputs[{key!r}]", value, torch.Tensor)
         return (), dict(example_inputs)
     if isinstance(example_inputs, (tuple, list)):
+        for index, value in enumerate(example_inputs):
+            check_type(f"example_inputs[{index}]", value, torch.Tensor)
         return tuple(example_inputs), {}
-    raise TypeError(f"example_inputs must be a tuple of tensors, a dict of keyword tensors or a tensor, "
+    raise TypeError(f"example_inputs must be a tuple or list of tensors, a dict of keyword tensors or a tensor, "
                     f"got {type(example_inputs).__name__}")
 
 
-def _trace(model: nn.Module, args: tuple, kwargs: dict, backend: Any) -> tuple[Any, dict[str, int], dict[str, list[tuple[int, int]]]]:
+def _trace(model: nn.Module, args: tuple, kwargs: dict,
+           backend: Any) -> tuple[Any, dict[str, int], dict[str, int], dict[str, list[tuple[int, int]]]]:
     """The eager memory plan of one forward; the rows each Linear / Embedding computed in
-    it; and the steps of the plan's timeline each one's forward covered."""
+    it, summed over its calls (what its time scales with) and the most of one call (what
+    the buffers of one call scale with); and the steps of the plan's timeline each one's
+    forward covered."""
     from tightfit.planning import plan_memory
     from tightfit.planning.simulate import current_step
 
     rows: dict[str, int] = {}
+    call_rows: dict[str, int] = {}
     spans: dict[str, list[tuple[int, int]]] = {}
     starts: dict[str, list[int | None]] = {}
     handles = []
@@ -63,6 +72,7 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, backend: Any) -> tuple[A
         if x is not None:
             count = x.numel() // module.in_features if isinstance(module, nn.Linear) else x.numel()
             rows[name] = rows.get(name, 0) + count
+            call_rows[name] = max(call_rows.get(name, 0), count)
         starts.setdefault(name, []).append(current_step())
 
     def leave(name: str) -> None:
@@ -79,7 +89,7 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, backend: Any) -> tuple[A
     finally:
         for handle in handles:
             handle.remove()
-    return memory, rows, spans
+    return memory, rows, call_rows, spans
 
 
 def _live_while_computing(memory: Any, device: torch.device, spans: dict[str, list[tuple[int, int]]], fallback: int) -> dict[str, int]:
@@ -140,7 +150,15 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
     ``storage`` and ``placement``); ``calibration``: the time model's figures (default:
     measured once per device and cached; ``remeasure`` measures again). Raises
     :class:`FitError` when nothing allowed fits, naming the smallest peak reachable and
-    what dominates it. The model is not changed: call ``plan.apply(model)``.
+    what dominates it. ``example_inputs``: a tensor, a tuple or list of tensors (positional
+    inputs) or a dict of keyword tensors.
+
+    The model is not changed: call ``plan.apply(model)``. Planning traces the model with
+    fake tensors; only when the budget needs more than keeping the model as it is and
+    int8 storage is allowed, it runs one real forward of the example inputs under
+    ``torch.inference_mode`` (in eval mode, every module's training flag restored after)
+    to count LLM.int8()'s outlier columns; if that forward runs out of memory, the
+    planner assumes a bound instead and says so in ``plan.int8_outliers``.
     """
     from tightfit.planning.trace import resolve_backend
 
@@ -153,7 +171,8 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
     check_type("remeasure", remeasure, bool)
     backends, device = resolve_backend(backend)
     figures = calibration if calibration is not None else calibrate(backends[0], remeasure=remeasure)
-    memory, rows, spans = _trace(model, args, kwargs, backends[0])
+    _check_calibration(figures, backends[0].name, device)
+    memory, rows, call_rows, spans = _trace(model, args, kwargs, backends[0])
     planned = memory.devices.get(str(device))
     activations = planned.live_peak_bytes + planned.inputs_bytes if planned else 0
     peak_node = planned.peak_node if planned else None
@@ -162,11 +181,11 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
 
     def build(outliers: dict[str, int] | None) -> list[list[Option]]:
         return [options_for(unit, storages=allowed.storage, placements=allowed.placement, device=device, rows=rows, live=live,
-                            figures=figures, outliers=outliers)
+                            figures=figures, outliers=outliers, call_rows=call_rows)
                 for unit in units]
 
     options = build(None)
-    outliers = None
+    outliers, not_observed = None, ""
     keep = [next(i for i, o in enumerate(unit_options) if o.storage == "keep" and o.placement == "device") for unit_options in options]
     full = peak_of(options, tuple(keep), activations)
     full_peak = full.peak_bytes
@@ -175,7 +194,7 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
         choice = full
     else:
         if "int8" in allowed.storage:  # only int8's options depend on the data; a real forward when it can run
-            outliers = observe_outliers(model, args, kwargs, QUANT_CONFIGS["int8"].threshold)
+            outliers, not_observed = _observe(model, args, kwargs, device)
             options = build(outliers) if outliers is not None else options
         found = search(options, budget_bytes, activations)
         if found.best is None:
@@ -202,17 +221,46 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
         predicted_transient_bytes=choice.peak_bytes - choice.held_bytes - activations, predicted_seconds=choice.seconds,
         full_peak_bytes=full_peak, full_seconds=full.seconds, applies_nothing=applies_nothing, entries=entries,
         peak_node=peak_node, allow=allowed.to_dict(), calibration=figures.to_dict(),
-        int8_outliers=_int8_outliers(entries, outliers),
+        int8_outliers=_int8_outliers(entries, outliers, not_observed),
     )
 
 
-def _int8_outliers(entries: tuple[PlanEntry, ...], outliers: dict[str, int] | None) -> str:
+def _check_calibration(figures: Calibration, backend: str, device: torch.device) -> None:
+    """The figures must be of the backend the plan is for, with the figures its device needs."""
+    if figures.backend != backend:
+        raise ValueError(f"calibration is of backend {figures.backend!r} but the plan is for backend {backend!r} "
+                         f"({device}); pass calibrate({backend!r}) or figures measured with that backend")
+    if device.type != "cpu" and figures.host_to_device_bandwidth is None:
+        raise ValueError(f"calibration has host_to_device_bandwidth=None, which a plan for {device} needs (offloaded "
+                         f"weights are copied onto the device); pass calibrate({backend!r}) or give that figure")
+
+
+def _is_out_of_memory(error: RuntimeError) -> bool:
+    """An accelerator's out-of-memory error, or the CPU allocator's failure to allocate;
+    other RuntimeErrors are real errors of the model or its inputs."""
+    return isinstance(error, torch.OutOfMemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error)
+
+
+def _observe(model: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> tuple[dict[str, int] | None, str]:
+    """The observed outlier columns, or None and why they were not observed."""
+    try:
+        found = observe_outliers(model, args, kwargs, QUANT_CONFIGS["int8"].threshold)
+    except RuntimeError as error:
+        if not _is_out_of_memory(error):
+            raise
+        return None, f"the observing forward ran out of memory on {device}"
+    if found is None:
+        return None, "the model has meta tensors, or its tensors and the inputs are on different devices"
+    return found, ""
+
+
+def _int8_outliers(entries: tuple[PlanEntry, ...], outliers: dict[str, int] | None, not_observed: str = "") -> str:
     """What the int8 units' predicted transient assumes about LLM.int8()'s outlier path."""
     if not any(e.storage == "int8" for e in entries):
         return ""
     if outliers is None:
-        return (f"assumed: up to {ASSUMED_OUTLIER_FRACTION:.1%} of each layer's input columns (not observed: the model "
-                f"has meta tensors, or its tensors and the inputs are on different devices)")
+        why = not_observed or "the model has meta tensors, or its tensors and the inputs are on different devices"
+        return (f"assumed: up to {ASSUMED_OUTLIER_FRACTION:.1%} of each layer's input columns (not observed: {why})")
     leaves = [leaf for e in entries if e.storage == "int8" for leaf in e.leaves]
     taking = sum(1 for leaf in leaves if outliers.get(leaf, 0))
     return f"observed in one real forward of the example inputs: {taking} of {len(leaves)} int8 layers take the outlier path"

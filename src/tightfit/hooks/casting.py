@@ -254,7 +254,7 @@ def _apply_layerwise_casting(module: nn.Module, units: list[Unit], storage_dtype
                              scale_mode: str | None, keep_originals: bool) -> list[str]:
     covered = {(id(slot.owner), slot.name) for unit in units for slot in unit.slots}
     keep = {id(slot.get()) for slot in all_slots(module) if (id(slot.owner), slot.name) not in covered}
-    keep |= _dtype_deciders(module)
+    keep |= dtype_deciders(module)
     records: dict[int, _Record] = {}
     plans = []
     for unit in units:
@@ -293,8 +293,11 @@ def _apply_layerwise_casting(module: nn.Module, units: list[Unit], storage_dtype
     return [unit.name for unit, _ in plans]
 
 
-def _dtype_deciders(module: nn.Module) -> set[int]:
-    """The first floating-point parameter of every module with a ``dtype`` property.
+def dtype_deciders(module: nn.Module) -> set[int]:
+    """Ids of the first floating-point parameter of every module with a ``dtype`` property.
+
+    Internal to tightfit (not in ``__all__``): layerwise casting and the fit planner both
+    leave these tensors as they are.
 
     diffusers' ``ModelMixin`` and transformers' ``PreTrainedModel`` report that parameter's
     dtype as ``model.dtype`` and create tensors in it during forward (timestep embeddings,

@@ -26,7 +26,7 @@ from torch import nn
 
 from tightfit import backends
 from tightfit._progress import task
-from tightfit._validate import check_choice, check_type
+from tightfit._validate import check_choice, check_device, check_type
 from tightfit.hooks._disk import DISK_DTYPES, MappedFile
 from tightfit.hooks._units import Granularity, Slot, Unit, check_granularity, select_units
 from tightfit.hooks.registry import HookRegistry, ModuleHook
@@ -308,7 +308,7 @@ def resident_bytes(module: nn.Module, device: str | torch.device) -> int:
     (the OS may drop their pages at any time).
     """
     check_type("module", module, nn.Module)
-    target = torch.device(device)
+    target = check_device("device", device)
     mapped = set()
     for submodule in _hooked(module, OFFLOADING):
         state = HookRegistry.get(submodule).hook(OFFLOADING).state

@@ -3,6 +3,8 @@ half of the layers in 8 bits" applies to any architecture without knowing its na
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 
 from tightfit._validate import check_type
@@ -14,6 +16,25 @@ def _linear_weights(module: nn.Module) -> int:
     return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
 
 
+def largest_repeated_list(model: nn.Module, weigh: Callable[[nn.Module], int]) -> tuple[str, ...]:
+    """Qualified names of the children of the ``nn.ModuleList`` of two or more children of
+    one type that ``weigh`` finds heaviest (the first of equals, none weighing 0), in order.
+
+    Internal to tightfit (not in ``__all__``): :func:`layer_stack` weighs ``nn.Linear``
+    weights; the fit planner weighs bytes, for stacks without ``nn.Linear`` (GPT-2's Conv1D).
+    """
+    stack: tuple[str, ...] = ()
+    most = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2 or len({type(child) for child in module}) != 1:
+            continue
+        weight = weigh(module)
+        if weight > most:
+            prefix = f"{name}." if name else ""
+            stack, most = tuple(f"{prefix}{index}" for index in range(len(module))), weight
+    return stack
+
+
 def layer_stack(model: nn.Module) -> tuple[str, ...]:
     """Qualified names of the model's main stack of repeated layers, in order.
 
@@ -23,13 +44,4 @@ def layer_stack(model: nn.Module) -> tuple[str, ...]:
     has no such list.
     """
     check_type("model", model, nn.Module)
-    stack: tuple[str, ...] = ()
-    most = 0
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) < 2 or len({type(child) for child in module}) != 1:
-            continue
-        weights = _linear_weights(module)
-        if weights > most:
-            prefix = f"{name}." if name else ""
-            stack, most = tuple(f"{prefix}{index}" for index in range(len(module))), weights
-    return stack
+    return largest_repeated_list(model, _linear_weights)
