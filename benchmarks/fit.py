@@ -16,7 +16,21 @@ processes hits them alike. Quality: the lowest cosine of the sentence embeddings
 the unchanged model (MiniLM); token agreement (teacher forcing) with the unchanged
 model's 16 greedy tokens (causal LM).
 
-Run: OMP_WAIT_POLICY=PASSIVE python benchmarks/fit.py [--models minilm,causal-lm] [--fractions 1,0.6,0.4,0.25]
+A third workload, ``--models activations``, is a synthetic attention stack whose
+activations (batch 8 x 256 tokens, the attention scores materialized) are about 25 times its
+weights: below its unchanged peak no storage or placement meets the budget, so ``fit``
+slices each layer over the batch (DFS hints). Those plans run as ``plan.compile(model)``
+(the tightfit backend, FX execution); the measured peak is the weights held, plus the
+input (512 KiB here, on the device during the call; the plan counts it), plus
+``tightfit.memory.allocated_peak`` of one compiled call (what ``measure`` reports as
+``allocated_peak_bytes``, called directly: ``measure``'s live-tensor call enters a dispatch
+mode that sends dynamo back to eager for later calls); "live" is ``compiled_peak``, the
+per-op count of the compiled call's live tensors, with the same weights and input. A plan
+without hints (the budget covers the model) predicts an eager call and runs eagerly,
+measured with ``measure``. Latency: the hinted plan compiled,
+against the same model compiled without hints and run eagerly, in rounds as above.
+
+Run: OMP_WAIT_POLICY=PASSIVE python benchmarks/fit.py [--models minilm,causal-lm,activations] [--fractions 1,0.6,0.4,0.25]
      [--repeat R] [--threads N] [--remeasure] [--json PATH]
 """
 
@@ -102,7 +116,113 @@ class CausalLM:
         return token_agreement(model, self.ids, reference)
 
 
-WORKLOADS = {"minilm": Encoder, "causal-lm": CausalLM}
+class AttentionLayer(torch.nn.Module):
+    """Pre-norm attention (scores materialized) and an MLP, with residuals."""
+
+    def __init__(self, width: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.qkv, self.out = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        qkv = self.qkv(self.norm1(x)).view(batch, seq, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        scores = (q @ k.transpose(-2, -1)) * (width // self.heads) ** -0.5
+        x = x + self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, width))
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm2(x))))
+
+
+class AttentionStack(torch.nn.Module):
+    def __init__(self, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(AttentionLayer() for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _attention_stack() -> AttentionStack:
+    torch.manual_seed(0)
+    return AttentionStack().eval()
+
+
+def bench_activations(fractions: list[float], figures, repeat: int) -> list[dict]:
+    """Plan a fresh attention stack at each fraction of its unchanged peak, apply, compile, measure; then time in rounds."""
+    from tightfit.memory import allocated_peak
+    from tightfit.planning.measure import compiled_peak
+
+    x = torch.randn(8, 256, 64, generator=torch.Generator().manual_seed(1))
+    eager = _attention_stack()
+    plain = torch.compile(_attention_stack(), backend=tightfit.graph.compiler(execution="fx"))  # the same weights, no hints
+    full_peak = tightfit.fit(eager, (x,), 1 << 40, calibration=figures).full_peak_bytes
+    with torch.inference_mode():
+        reference = eager(x)
+    rows, runs = [], []
+    for fraction in fractions:
+        model = _attention_stack()
+        budget = int(full_peak * fraction)
+        plan = tightfit.fit(model, (x,), budget, calibration=figures)
+        print(f"\nattention stack, {fraction:.0%} of {human_bytes(full_peak)}:\n{plan}")
+        plan.apply(model)
+        held, inputs = held_bytes(model, "cpu"), x.untyped_storage().nbytes()
+        if plan.runtime == "compiled":
+            compiled = plan.compile(model)
+            call = lambda compiled=compiled: compiled(x)  # noqa: E731
+            with torch.inference_mode():
+                same = torch.allclose(call(), reference, atol=1e-5)  # compiles, and warms up
+                measured = held + inputs + allocated_peak(call)
+                live = held + inputs + compiled_peak(call)
+        else:  # the plan's prediction is for eager calls: run it so
+            call = lambda model=model: model(x)  # noqa: E731
+            with torch.inference_mode():
+                same = torch.allclose(call(), reference, atol=1e-5)
+                found = measure(call, "cpu", repeat=1, baseline_bytes=held + inputs)
+            measured, live = found.allocated_peak_bytes, found.peak_bytes
+        runs.append(call)
+        slices = next(iter(plan.hints.values()))["slices"] if plan.hints else 0
+        rows.append({"model": "attention stack", "fraction": fraction, "budget_bytes": budget, "slices": slices,
+                     "runtime": plan.runtime, "predicted_peak_bytes": plan.predicted_peak_bytes, "measured_peak_bytes": measured,
+                     "live_peak_bytes": live, "predicted_weights_bytes": plan.predicted_weights_bytes,
+                     "measured_weights_bytes": held, "same_output": same,
+                     "changes": sorted({f"{e.storage}/{e.placement}" for e in plan.changed_entries()})})
+    runs += [lambda: plain(x), lambda: eager(x)]
+    seconds: list[list[float]] = [[] for _ in runs]
+    with torch.inference_mode():
+        for round_index in range(3 + repeat):
+            for index, run in enumerate(runs):
+                start = time.perf_counter()
+                run()
+                if round_index >= 3:
+                    seconds[index].append(time.perf_counter() - start)
+    plain_seconds, eager_seconds = (statistics.median(timings) for timings in seconds[-2:])
+    for row, timings in zip(rows, seconds):
+        row.update(median_seconds=statistics.median(timings), compiled_unhinted_seconds=plain_seconds, eager_seconds=eager_seconds)
+    return rows
+
+
+def activations_table(rows: list[dict]) -> str:
+    lines = ["attention stack (batch 8 x 256 tokens, 4 layers, width 64; plans with slices run as plan.compile(model), "
+             "FX execution; the others eagerly); measured: weights + input + the allocator's peak during one call",
+             f"{'budget':>6}  {'bytes':>10}  {'slices':>6}  {'predicted':>10}  {'measured':>10}  {'pred/meas':>9}  fits  "
+             f"{'live':>10}  {'latency':>9}  {'x no hints':>10}  same  changes"]
+    for row in rows:
+        lines.append(
+            f"{row['fraction']:>6.0%}  {row['budget_bytes']:>10}  {row['slices'] or '-':>6}  {row['predicted_peak_bytes']:>10}  "
+            f"{row['measured_peak_bytes']:>10}  {row['predicted_peak_bytes'] / row['measured_peak_bytes']:>9.3f}  "
+            f"{'yes' if row['measured_peak_bytes'] <= row['budget_bytes'] else 'NO':>4}  {row['live_peak_bytes']:>10}  "
+            f"{row['median_seconds'] * 1e3:>6.1f} ms  {row['median_seconds'] / row['compiled_unhinted_seconds']:>9.2f}x  "
+            f"{'yes' if row['same_output'] else 'NO'}  {', '.join(row['changes']) or '-'}")
+    lines.append(f"the same model compiled without hints: {rows[0]['compiled_unhinted_seconds'] * 1e3:.1f} ms; "
+                 f"eager: {rows[0]['eager_seconds'] * 1e3:.1f} ms")
+    return "\n".join(lines)
+
+
+WORKLOADS = {"minilm": Encoder, "causal-lm": CausalLM, "activations": AttentionStack}  # the default: minilm and causal-lm
 
 
 def bench(workload, fractions: list[float], figures, repeat: int) -> list[dict]:
@@ -181,13 +301,16 @@ def main() -> None:
     tables = []
     with tempfile.TemporaryDirectory(prefix="tightfit-fit-bench-") as folder:
         for name in names:
+            if name == "activations":
+                tables.append(bench_activations(fractions, figures, args.repeat))
+                continue
             workload = CausalLM(device, folder) if name == "causal-lm" else Encoder(device)
             tables.append(bench(workload, fractions, figures, args.repeat))
     print("\nbytes: budget, predicted and measured peak (weights held + the allocator's peak during one call); live: "
           "weights + the per-op count of live tensors")
     for rows in tables:
         print()
-        print(table(rows))
+        print(activations_table(rows) if rows[0]["model"] == "attention stack" else table(rows))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump([row for rows in tables for row in rows], handle, indent=1)

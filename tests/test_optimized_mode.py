@@ -96,6 +96,9 @@ checks = [
     (lambda: tightfit.fit(layer(), [torch.ones(2, 4), 3], "1MB"), TypeError),
     (lambda: tightfit.fitting.Plan.from_json(tightfit.fit(layer(), torch.ones(2, 4), "1MB", calibration=tightfit.fitting.Calibration(**FIG)).to_json().replace('"applies_nothing": true', '"applies_nothing": "yes"')), ValueError),
     (lambda: tightfit.fitting.held_bytes(layer(), "bogus"), ValueError),
+    (lambda: tightfit.fitting.Allow(hints="yes"), TypeError),
+    (lambda: tightfit.fitting.add_hints(layer(), {"nope": {"slices": 2}}), ValueError),
+    (lambda: tightfit.fitting.add_hints(layer(), {"": {"slices": 0}}), ValueError),
     (lambda: tightfit.fitting.held_bytes(layer(), 5), TypeError),
     (lambda: tightfit.fitting.Calibration(**{**FIG, "decode_seconds": {**FIG["decode_seconds"], "gguf": 0.0}}), ValueError),
     (lambda: tightfit.fit(layer(), torch.ones(2, 4), "1MB", calibration=tightfit.fitting.Calibration(**{**FIG, "backend": "cuda"})), ValueError),
@@ -118,4 +121,4 @@ print(f"{len(checks)} checks raised as documented")
 def test_bad_inputs_raise_under_python_O():
     done = subprocess.run([sys.executable, "-O", "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "78 checks raised as documented" in done.stdout
+    assert "81 checks raised as documented" in done.stdout

@@ -11,7 +11,7 @@ taken off the budget the planner sees, so that the whole generation stays within
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -86,13 +86,14 @@ def plan_run(model: Any, example_inputs: dict, budget_bytes: int, *, device: tor
              kv_cache_bytes: int, covers: str) -> Budgeted:
     """Fit ``model`` for ``example_inputs`` (the forward the run makes, a causal LM's
     prefill) into ``budget_bytes`` less ``kv_cache_bytes`` (the cache's growth while
-    decoding); ``fit`` raises FitError when nothing fits."""
+    decoding); ``fit`` raises FitError when nothing fits. The run is eager, where region
+    hints save nothing, so the planner may not add them."""
     planned_budget = budget_bytes - kv_cache_bytes
     if planned_budget <= 0:
         raise ValueError(f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) leaves nothing for the model: the KV cache's growth "
                          f"while decoding alone needs {human_bytes(kv_cache_bytes)} ({kv_cache_bytes} B); generate fewer tokens")
     try:
-        plan = fit(model, example_inputs, planned_budget, backend=device, allow=allow)
+        plan = fit(model, example_inputs, planned_budget, backend=device, allow=replace(allow or Allow(), hints=False))
     except FitError as error:
         if not kv_cache_bytes:
             raise

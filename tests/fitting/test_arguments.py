@@ -56,6 +56,8 @@ def test_a_single_tensor_is_one_positional_input():
     ({"placement": {"disk"}}, ValueError, "lacks 'device', which is always allowed"),
     ({"storage": set()}, ValueError, "allow storage is empty"),
     ({"quant": {"nf4"}}, ValueError, "allow has key\\(s\\) 'quant'"),
+    ({"hints": "no"}, TypeError, "allow hints must be a bool, got str: 'no'; accepted: True, False"),
+    ({"hints": 0}, TypeError, "allow hints must be a bool, got int: 0"),
     (["keep"], TypeError, "allow must be None, an Allow or a dict"),
 ])
 def test_bad_allow(allow, error, message):
@@ -66,7 +68,9 @@ def test_bad_allow(allow, error, message):
 def test_allow_defaults_and_coercion():
     assert Allow() == Allow.coerce(None) == Allow.coerce({})
     assert Allow.coerce({"storage": ["keep", "float8"]}).storage == frozenset({"keep", "float8"})
-    assert Allow().to_dict() == {"storage": ["8bit", "float8", "fp4", "int8", "keep", "nf4"], "placement": ["cpu", "device", "disk"]}
+    assert Allow().to_dict() == {"storage": ["8bit", "float8", "fp4", "int8", "keep", "nf4"], "placement": ["cpu", "device", "disk"],
+                                 "hints": True}
+    assert Allow.coerce({"hints": False}).hints is False
     allow = Allow(storage={"keep"}, placement=("device", "disk"))
     assert isinstance(allow.storage, frozenset) and hash(allow)
 

@@ -157,6 +157,11 @@ def _small_plan():
     ("model", 3, r"Plan.model must be a str, got int"),
     ("peak_node", 3, r"Plan.peak_node must be a str"),
     ("allow", ["keep"], r"Plan.allow must be a dict or None"),
+    ("hints", ["0"], r"Plan.hints must be a dict of module name -> hint dict, got list"),
+    ("hints", {"0": 4}, r"Plan.hints\['0'\] must be a dict of hints"),
+    ("hints", {"0": {"slices": 0}}, r"hint slices=0 is not accepted; accepted: an int >= 1"),
+    ("hints", {"0": {"schedule": "dfs"}}, r"Plan.runtime='eager' with hints: hints save memory only when compiled"),
+    ("runtime", "arena", r"Plan.runtime='arena' is not accepted; accepted: eager, compiled"),
     ("entries", {"a": 1}, r"'entries' must be a list of objects"),
     ("entries", [3], r"'entries\[0\]' must be an object"),
 ])

@@ -27,7 +27,9 @@ def _names(name: str, value: Any, accepted: tuple[str, ...]) -> frozenset[str]:
 @dataclass(frozen=True)
 class Allow:
     """Storages (``keep``, ``float8``, ``nf4``, ``fp4``, ``int8``, ``8bit``) and placements
-    (``device``, ``cpu``, ``disk``) the planner may choose from; everything by default.
+    (``device``, ``cpu``, ``disk``) the planner may choose from, and whether it may add
+    region hints (``hints``: DFS slicing of the layer stack, which saves memory only under
+    ``torch.compile`` with the tightfit backend); everything by default.
 
     ``keep`` and ``device`` are always allowed: the planner must be able to leave a module
     as it is (norms and biases always are).
@@ -35,6 +37,7 @@ class Allow:
 
     storage: frozenset[str] = field(default=frozenset(STORAGES))
     placement: frozenset[str] = field(default=frozenset(PLACEMENTS))
+    hints: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "storage", _names("storage", self.storage, STORAGES))
@@ -42,21 +45,24 @@ class Allow:
         for name, value, needed in (("storage", self.storage, "keep"), ("placement", self.placement, "device")):
             if needed not in value:
                 raise ValueError(f"allow {name}={sorted(value)!r} lacks {needed!r}, which is always allowed; add it")
+        if not isinstance(self.hints, bool):
+            raise TypeError(f"allow hints must be a bool, got {type(self.hints).__name__}: {self.hints!r}; accepted: True, False")
 
     @classmethod
     def coerce(cls, value: Allow | Mapping[str, Iterable[str]] | None) -> Allow:
         """An :class:`Allow` from None (everything), an Allow, or a mapping with keys
-        ``storage`` and/or ``placement``."""
+        ``storage``, ``placement`` and/or ``hints``."""
         if value is None:
             return cls()
         if isinstance(value, cls):
             return value
         if not isinstance(value, Mapping):
-            raise TypeError(f"allow must be None, an Allow or a dict with keys storage and placement, got {type(value).__name__}: {value!r}")
-        unknown = sorted(str(k) for k in value if k not in ("storage", "placement"))
+            raise TypeError(f"allow must be None, an Allow or a dict with keys storage, placement and hints, got {type(value).__name__}: {value!r}")
+        unknown = sorted(str(k) for k in value if k not in ("storage", "placement", "hints"))
         if unknown:
-            raise ValueError(f"allow has key(s) {', '.join(map(repr, unknown))}, which is not accepted; accepted: 'storage', 'placement'")
+            raise ValueError(f"allow has key(s) {', '.join(map(repr, unknown))}, which is not accepted; "
+                             f"accepted: 'storage', 'placement', 'hints'")
         return cls(**{key: value[key] for key in value})
 
-    def to_dict(self) -> dict[str, list[str]]:
-        return {"storage": sorted(self.storage), "placement": sorted(self.placement)}
+    def to_dict(self) -> dict[str, list[str] | bool]:
+        return {"storage": sorted(self.storage), "placement": sorted(self.placement), "hints": self.hints}

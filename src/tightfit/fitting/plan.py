@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import glob
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -14,11 +14,15 @@ from torch import nn
 
 from tightfit._validate import check_type
 from tightfit.fitting.options import FLOAT8_DTYPE, PLACEMENTS, QUANT_CONFIGS, STORAGES
+from tightfit.fitting.regions import add_hints, check_module_hints
 
 __all__ = ["Plan", "PlanEntry"]
 
 _FORMAT = "tightfit.plan/1"
 _KINDS = ("layer", "linear", "embedding", "rest")
+#: How a plan's prediction runs the model: op by op (``eager``), or as
+#: ``torch.compile(model, backend=tightfit.graph.compiler(execution="fx"))`` runs it (``compiled``).
+_RUNTIMES = ("eager", "compiled")
 
 
 def _check_str(owner: str, name: str, value: Any) -> None:
@@ -89,6 +93,12 @@ class Plan:
     ``full_peak_bytes``: what the unchanged model needs; ``applies_nothing``: the budget
     covers that, so ``apply`` leaves the model as it is. ``int8_outliers``: whether the
     int8 units' LLM.int8() outlier columns were observed or assumed.
+
+    ``hints``: module name -> the ``tightfit.hint`` keywords ``apply`` wraps its forward
+    in (DFS slicing of the layer stack); ``runtime``: what the prediction assumes,
+    ``"eager"`` or ``"compiled"``. A plan with hints is ``"compiled"``: in eager mode
+    hints are no-ops, so its predicted peak holds only for the model
+    :meth:`compile` returns (the tightfit backend with FX execution).
     """
 
     model: str
@@ -108,6 +118,8 @@ class Plan:
     allow: dict[str, list[str]] | None = None
     calibration: dict[str, Any] | None = None
     int8_outliers: str = ""  # what the int8 units' prediction assumes about outlier columns ("" without int8 units)
+    hints: dict[str, dict[str, Any]] = field(default_factory=dict)
+    runtime: str = "eager"
 
     def __post_init__(self) -> None:
         for name in ("model", "backend", "device", "int8_outliers"):
@@ -132,13 +144,24 @@ class Plan:
             value = getattr(self, name)
             if value is not None and not isinstance(value, dict):
                 raise TypeError(f"Plan.{name} must be a dict or None, got {type(value).__name__}: {value!r}")
+        object.__setattr__(self, "hints", check_module_hints("Plan.hints", self.hints))
+        _check_str("Plan", "runtime", self.runtime)
+        if self.runtime not in _RUNTIMES:
+            raise ValueError(f"Plan.runtime={self.runtime!r} is not accepted; accepted: {', '.join(_RUNTIMES)}")
+        if self.hints and self.runtime != "compiled":
+            raise ValueError(f"Plan.runtime={self.runtime!r} with hints: hints save memory only when compiled; "
+                             f"accepted: 'compiled' with hints")
 
     # -- apply ------------------------------------------------------------------------
     def apply(self, model: nn.Module) -> nn.Module:
         """Quantize, cast to float8 and offload ``model``'s units as planned (in that
         order, in place), then move what stays on the device there (a model loaded on the
-        CPU and planned for an accelerator); returns ``model``. With ``applies_nothing``
-        it changes nothing."""
+        CPU and planned for an accelerator), then wrap the hinted modules' forward in
+        ``tightfit.hint(...)`` (``tightfit.fitting.remove_hints(model)`` undoes that);
+        returns ``model``. With ``applies_nothing`` it changes nothing.
+
+        Hints are no-ops in eager mode: a plan with hints meets its predicted peak only
+        when the model runs as :meth:`compile` returns it."""
         check_type("model", model, nn.Module)
         self._check_matches(model)
         if self.applies_nothing:
@@ -165,7 +188,18 @@ class Plan:
                 for name in sorted(units):
                     apply_offloading(model.get_submodule(name), device, storage=placement, granularity="model")
         _move_kept(model, {e.module for e in self.entries if e.placement != "device"}, device)
+        if self.hints:
+            add_hints(model, self.hints)
         return model
+
+    def compile(self, model: nn.Module) -> nn.Module:
+        """``model`` (applied) compiled as this plan's prediction runs it: the tightfit
+        backend with FX execution, which carries out the DFS hints; the prediction does
+        not describe inductor-compiled splits (``execution="auto"``), which fuse ops."""
+        check_type("model", model, nn.Module)
+        import tightfit.graph
+
+        return torch.compile(model, backend=tightfit.graph.compiler(execution="fx"))
 
     def _check_matches(self, model: nn.Module) -> None:
         on_meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
@@ -183,6 +217,10 @@ class Plan:
                 if type(names.get(leaf)) not in (nn.Linear, nn.Embedding):
                     raise ValueError(f"model's {leaf!r} is {type(names.get(leaf)).__name__}, not the Linear or Embedding "
                                      f"this plan expects; was the plan applied already, or made for another model?")
+        for name in self.hints:
+            if name not in names:
+                raise ValueError(f"model has no module {name!r}, which this plan hints; "
+                                 f"apply a plan to the model it was made for ({self.model})")
 
     # -- report ---------------------------------------------------------------------
     def changed_entries(self) -> tuple[PlanEntry, ...]:

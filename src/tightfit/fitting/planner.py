@@ -17,6 +17,7 @@ from tightfit.fitting.calibration import Calibration, calibrate
 from tightfit.fitting.options import QUANT_CONFIGS, Option, Unit, find_units, options_for
 from tightfit.fitting.outliers import ASSUMED_OUTLIER_FRACTION, observe_outliers
 from tightfit.fitting.plan import Plan, PlanEntry
+from tightfit.fitting.regions import Sliced, slice_layers
 from tightfit.fitting.search import Choice, peak_of, search
 from tightfit.fitting.size import parse_size
 
@@ -131,11 +132,21 @@ def _parts(units: list[Unit], options: list[list[Option]], choice: Choice, activ
     return sorted(parts, key=lambda part: -part[1])
 
 
-def _slicing_note(parts: list[tuple[str, int]], activations: int) -> str:
+def _slicing_note(parts: list[tuple[str, int]], activations: int, allowed: Allow, layers: list[str],
+                  tried: tuple[int, ...], refused: str) -> str:
     if parts[0][1] != activations:
         return ""
+    if not allowed.hints:
+        why = "allow hints=True lets fit add them" if layers else "the model has no layer stack for fit to hint"
+    elif not layers:
+        why = "the model has no layer stack for fit to hint"
+    elif refused:
+        why = f"fit did not add them: {refused}"
+    else:
+        why = (f"fit tried {', '.join(map(str, tried))} slices of the layer stack over dimension 0 with every unit kept "
+               f"on the device (hints are not combined with quantization or offloading), and none reached the budget")
     return (". Activations dominate: running that region slice by slice (tightfit.hint(schedule='dfs', slices=N) under "
-            "torch.compile(backend='tightfit'), docs/hints.md) can cut them; fit does not add such hints yet")
+            f"torch.compile(backend='tightfit'), docs/hints.md) can cut them; {why}")
 
 
 def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: Any = None,
@@ -146,8 +157,8 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
 
     ``budget``: bytes, as an int or a size string (``"40MB"``, ``"1.5GiB"``); ``backend``:
     a backend name, device or Backend (default: the default backend); ``allow``: the
-    storages and placements the planner may use (:class:`Allow` or a dict with keys
-    ``storage`` and ``placement``); ``calibration``: the time model's figures (default:
+    storages and placements the planner may use, and whether it may add region hints
+    (:class:`Allow` or a dict with keys ``storage``, ``placement`` and ``hints``); ``calibration``: the time model's figures (default:
     measured once per device and cached; ``remeasure`` measures again). Raises
     :class:`FitError` when nothing allowed fits, naming the smallest peak reachable and
     what dominates it. ``example_inputs``: a tensor, a tuple or list of tensors (positional
@@ -159,6 +170,15 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
     ``torch.inference_mode`` (in eval mode, every module's training flag restored after)
     to count LLM.int8()'s outlier columns; if that forward runs out of memory, the
     planner assumes a bound instead and says so in ``plan.int8_outliers``.
+
+    Region hints: when no choice of storages and placements meets the budget, the model
+    has a layer stack and ``allow`` permits hints, the planner keeps every unit as it is
+    on the device and slices each layer over dimension 0 of its input (the batch):
+    ``tightfit.hint(schedule="dfs", slices=N, slice_dim=0)`` with the fewest N of 2, 4,
+    8, ... whose peak, predicted by ``plan_memory(runtime="compiled")`` with the hints
+    under strict mode (a region the slicing proof refuses is not counted), is within
+    the budget. Such a plan has ``plan.hints`` and ``plan.runtime == "compiled"``: its
+    peak holds only for ``plan.compile(model)``, not for eager calls.
     """
     from tightfit.planning.trace import resolve_backend
 
@@ -168,6 +188,9 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
     allowed = Allow.coerce(allow)
     if calibration is not None:
         check_type("calibration", calibration, Calibration)
+    sliced: Sliced | None = None
+    tried: tuple[int, ...] = ()
+    refused = ""
     check_type("remeasure", remeasure, bool)
     backends, device = resolve_backend(backend)
     figures = calibration if calibration is not None else calibrate(backends[0], remeasure=remeasure)
@@ -197,31 +220,42 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
             outliers, not_observed = _observe(model, args, kwargs, device)
             options = build(outliers) if outliers is not None else options
         found = search(options, budget_bytes, activations)
-        if found.best is None:
+        choice = found.best
+        layers = [unit.name for unit in units if unit.kind == "layer"]
+        if choice is None and allowed.hints and layers:
+            sliced, tried, refused = slice_layers(model, args, kwargs, backends[0], layers, str(device), budget_bytes - full.held_bytes)
+            choice = full if sliced is not None else None
+        if choice is None:
             smallest = found.smallest
             peak = smallest.peak_bytes
             parts = _parts(units, options, smallest, activations, peak_node)
             listed = "; ".join(f"{what}: {human_bytes(size)}" for what, size in parts[:4])
             raise FitError(f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) cannot be met on {device}: the smallest "
                            f"predicted peak that allow={allowed.to_dict()} reaches is {human_bytes(peak)} ({peak} B), "
-                           f"dominated by {parts[0][0]}. Largest parts: {listed}{_slicing_note(parts, activations)}",
+                           f"dominated by {parts[0][0]}. Largest parts: {listed}"
+                           f"{_slicing_note(parts, activations, allowed, layers, tried, refused)}",
                            budget_bytes=budget_bytes, smallest_peak_bytes=peak, parts=parts)
-        choice = found.best
     entries = tuple(
         PlanEntry(module=unit.name, kind=unit.kind, storage=unit_options[pick].storage, placement=unit_options[pick].placement,
                   bytes_before=unit.bytes, bytes_after=unit_options[pick].stored_bytes, held_bytes=unit_options[pick].held_bytes,
-                  seconds=unit_options[pick].seconds, why=_why(unit, unit_options[pick], unit_options[k], applies_nothing),
+                  seconds=unit_options[pick].seconds,
+                  why=_why(unit, unit_options[pick], unit_options[k], applies_nothing) if sliced is None or unit.name not in sliced.hints
+                  else f"kept; runs in {sliced.hints[unit.name]['slices']} slices over dimension 0 when compiled (DFS hint)",
                   leaves=tuple(name for name, *_ in unit.weights))
         for unit, unit_options, pick, k in zip(units, options, choice.picks, keep)
     )
+    transient = choice.peak_bytes - choice.held_bytes - activations
+    if sliced is not None:  # the compiled plan of the hinted model replaces the eager activations
+        activations, peak_node = sliced.activation_bytes, sliced.peak_node
     return Plan(
         model=type(model).__name__, backend=backends[0].name, device=str(device), budget_bytes=budget_bytes,
-        predicted_peak_bytes=choice.peak_bytes,
+        predicted_peak_bytes=choice.held_bytes + activations + transient,
         predicted_weights_bytes=choice.held_bytes, predicted_activation_bytes=activations,
-        predicted_transient_bytes=choice.peak_bytes - choice.held_bytes - activations, predicted_seconds=choice.seconds,
+        predicted_transient_bytes=transient, predicted_seconds=choice.seconds,
         full_peak_bytes=full_peak, full_seconds=full.seconds, applies_nothing=applies_nothing, entries=entries,
         peak_node=peak_node, allow=allowed.to_dict(), calibration=figures.to_dict(),
         int8_outliers=_int8_outliers(entries, outliers, not_observed),
+        hints=sliced.hints if sliced is not None else {}, runtime="eager" if sliced is None else "compiled",
     )
 
 

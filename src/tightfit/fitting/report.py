@@ -27,6 +27,13 @@ def render(plan: Plan) -> str:
     ]
     if plan.int8_outliers:
         lines.append(f"int8 outlier columns {plan.int8_outliers}")
+    if plan.hints:
+        first = next(iter(plan.hints.values()))
+        hinted = ", ".join(f"{k}={v!r}" for k, v in first.items())
+        same = all(region == first for region in plan.hints.values())
+        lines.append(f"hints on {len(plan.hints)} module(s) ({', '.join(plan.hints)}): "
+                     f"{hinted if same else 'see plan.hints'}; the predicted peak holds only compiled "
+                     f"(plan.compile(model): torch.compile with the tightfit backend, FX execution), not in eager calls")
     if plan.applies_nothing:
         lines.append("the budget covers the unchanged model: apply() changes nothing")
     header = ("module", "before", "after", "held", "storage", "where", "time", "why")

@@ -1,0 +1,127 @@
+"""Region hints in a plan: DFS slicing of the layer stack where activations dominate.
+
+``add_hints`` wraps each chosen module's ``forward`` in ``tightfit.hint(...)``, written
+inside the wrapper so that dynamo traces it; ``remove_hints`` puts ``forward`` back.
+In eager mode a hint changes nothing: the saving needs ``torch.compile`` with the
+tightfit backend (``Plan.compile``). ``slice_layers`` chooses the fewest slices whose
+compiled peak, predicted by ``tightfit.plan_memory(runtime="compiled")``, meets a budget.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from tightfit._validate import check_type
+from tightfit.hints.schema import canonical_hints
+
+__all__ = ["SLICE_COUNTS", "Sliced", "add_hints", "check_module_hints", "remove_hints", "slice_layers"]
+
+#: Slice counts ``fit`` tries, fewest first (fewer slices: less loop overhead).
+SLICE_COUNTS = (2, 4, 8, 16, 32, 64)
+_ORIGINAL = "_tightfit_plan_forward"  # the forward that add_hints wrapped
+
+
+def check_module_hints(owner: str, hints: Any) -> dict[str, dict[str, Any]]:
+    """``hints`` as {module name: canonical hint dict}, or TypeError/ValueError naming ``owner``."""
+    if not isinstance(hints, Mapping):
+        raise TypeError(f"{owner} must be a dict of module name -> hint dict, got {type(hints).__name__}: {hints!r}")
+    checked = {}
+    for name, region in hints.items():
+        check_type(f"{owner} key", name, str)
+        if not isinstance(region, Mapping):
+            raise TypeError(f"{owner}[{name!r}] must be a dict of hints (tightfit.hint's keywords), got "
+                            f"{type(region).__name__}: {region!r}")
+        checked[name] = dict(canonical_hints(region))
+    return checked
+
+
+def _hinted_forward(hints: dict[str, Any], forward: Any, *args: Any, **kwargs: Any) -> Any:
+    from tightfit.hints import hint
+
+    with hint(**hints):
+        return forward(*args, **kwargs)
+
+
+def add_hints(model: nn.Module, hints: Mapping[str, Mapping[str, Any]]) -> nn.Module:
+    """Wrap the ``forward`` of each module named in ``hints`` so it runs inside
+    ``tightfit.hint(**its hints)``; returns ``model``. A module hinted already is refused."""
+    check_type("model", model, nn.Module)
+    checked = check_module_hints("hints", hints)
+    modules = dict(model.named_modules())
+    for name in checked:
+        if name not in modules:
+            raise ValueError(f"hints names module {name!r}, which model ({type(model).__name__}) does not have")
+        if _ORIGINAL in modules[name].__dict__:
+            raise ValueError(f"model's {name!r} has region hints already; remove_hints(model) first")
+    for name, region in checked.items():
+        module = modules[name]
+        forward = module.forward
+        module.__dict__[_ORIGINAL] = module.__dict__.get("forward")
+        module.__dict__["forward"] = functools.update_wrapper(functools.partial(_hinted_forward, region, forward), forward)
+    return model
+
+
+def remove_hints(model: nn.Module) -> list[str]:
+    """Undo :func:`add_hints` on every module of ``model``; returns the names unhinted."""
+    check_type("model", model, nn.Module)
+    removed = []
+    for name, module in model.named_modules():
+        if _ORIGINAL not in module.__dict__:
+            continue
+        original = module.__dict__.pop(_ORIGINAL)
+        if original is None:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = original
+        removed.append(name)
+    return removed
+
+
+@dataclass(frozen=True)
+class Sliced:
+    """The slicing ``slice_layers`` found: the hints per module, and the compiled plan's
+    activation peak with the inputs (bytes) and the node it is at."""
+
+    hints: dict[str, dict[str, Any]]
+    activation_bytes: int
+    peak_node: str | None
+
+
+def slice_layers(model: nn.Module, args: tuple, kwargs: dict, backend: Any, layers: list[str], device: str,
+                 room: int) -> tuple[Sliced | None, tuple[int, ...], str]:
+    """The fewest slices (of :data:`SLICE_COUNTS`, over dimension 0 of each layer's input)
+    whose compiled activation peak with the inputs is <= ``room``, the counts whose
+    prediction was made, and why the search stopped short ("" when it did not). The
+    search stops once more slices stop lowering the peak. Each count is planned under
+    strict mode, so a region the slicing proof refuses (a hint the backend would ignore)
+    stops the search instead of counting as a saving."""
+    from tightfit._errors import StrictModeError
+    from tightfit._strict import strict
+    from tightfit.planning import plan_memory
+
+    tried: list[int] = []
+    previous = None
+    for slices in SLICE_COUNTS:
+        hints = {name: {"schedule": "dfs", "slices": slices, "slice_dim": 0} for name in layers}
+        add_hints(model, hints)
+        try:
+            with strict():
+                memory = plan_memory(model, *args, kwargs=kwargs, backend=backend, runtime="compiled")
+        except StrictModeError as error:
+            return None, tuple(tried), str(error)
+        finally:
+            remove_hints(model)
+        tried.append(slices)
+        planned = memory.devices.get(device)
+        activations = planned.live_peak_bytes + planned.inputs_bytes if planned else 0
+        if activations <= room:
+            return Sliced(hints, activations, planned.peak_node if planned else None), tuple(tried), ""
+        if previous is not None and activations >= previous:  # more slices than the dimension has, or no gain left
+            break
+        previous = activations
+    return None, tuple(tried), ""
