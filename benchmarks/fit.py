@@ -56,6 +56,19 @@ from tightfit.run import DEFAULT_SENTENCES
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs into the forest where"
 
 
+def median_seconds_in_rounds(runs: list, repeat: int, warmup: int = 3) -> list[float]:
+    """Each run's median seconds over ``repeat`` rounds in which every run goes once in turn
+    (after ``warmup`` rounds), so that load from other processes hits them alike."""
+    seconds: list[list[float]] = [[] for _ in runs]
+    for round_index in range(warmup + repeat):
+        for index, run in enumerate(runs):
+            start = time.perf_counter()
+            run()
+            if round_index >= warmup:
+                seconds[index].append(time.perf_counter() - start)
+    return [statistics.median(timings) for timings in seconds]
+
+
 class Encoder:
     """all-MiniLM-L6-v2 embedding the default sentences; quality: lowest cosine to the unchanged model."""
 
@@ -191,17 +204,11 @@ def bench_activations(fractions: list[float], figures, repeat: int) -> list[dict
                      "measured_weights_bytes": held, "same_output": same,
                      "changes": sorted({f"{e.storage}/{e.placement}" for e in plan.changed_entries()})})
     runs += [lambda: plain(x), lambda: eager(x)]
-    seconds: list[list[float]] = [[] for _ in runs]
     with torch.inference_mode():
-        for round_index in range(3 + repeat):
-            for index, run in enumerate(runs):
-                start = time.perf_counter()
-                run()
-                if round_index >= 3:
-                    seconds[index].append(time.perf_counter() - start)
-    plain_seconds, eager_seconds = (statistics.median(timings) for timings in seconds[-2:])
-    for row, timings in zip(rows, seconds):
-        row.update(median_seconds=statistics.median(timings), compiled_unhinted_seconds=plain_seconds, eager_seconds=eager_seconds)
+        medians = median_seconds_in_rounds(runs, repeat)
+    plain_seconds, eager_seconds = medians[-2:]
+    for row, median in zip(rows, medians):
+        row.update(median_seconds=median, compiled_unhinted_seconds=plain_seconds, eager_seconds=eager_seconds)
     return rows
 
 
@@ -250,15 +257,8 @@ def bench(workload, fractions: list[float], figures, repeat: int) -> list[dict]:
                      "quality_name": workload.quality_name, "quality": workload.quality(model, reference),
                      "int8_outliers": plan.int8_outliers,
                      "changes": sorted({f"{e.storage}/{e.placement}" for e in plan.changed_entries()})})
-    seconds: list[list[float]] = [[] for _ in runs]
-    for round_index in range(3 + repeat):
-        for index, run in enumerate(runs):
-            start = time.perf_counter()
-            run()
-            if round_index >= 3:
-                seconds[index].append(time.perf_counter() - start)
-    for row, timings in zip(rows, seconds):
-        row["median_seconds"] = statistics.median(timings)
+    for row, median in zip(rows, median_seconds_in_rounds(runs, repeat)):
+        row["median_seconds"] = median
     return rows
 
 
