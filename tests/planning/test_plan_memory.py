@@ -218,6 +218,46 @@ def test_a_dfs_hint_shrinks_the_plan_to_one_slice_and_its_workspace():
     assert any(b.kind == "scratch" for b in sliced.timeline.buffers)
 
 
+class Softmaxed(torch.nn.Module):
+    def forward(self, x):
+        t = (x * 2).softmax(-1).exp()  # the softmax split's output is last read here
+        return t.sin().cos()
+
+
+def test_a_split_output_dies_at_its_last_use_in_the_next_split():
+    """The softmax (a split of its own) is freed inside the next split, not when that split returns."""
+    from graph_models import restricted_cpu
+
+    model, x, backend = Softmaxed(), torch.randn(64, 1024), restricted_cpu()
+    with pytest.warns(tightfit.FallbackWarning, match="_softmax"):
+        plan = verified(tightfit.plan_memory(model, x, backend=backend, order="written"))
+    compiled = torch.compile(model, backend=compiler(execution="fx", backends=[backend]))
+
+    def step():
+        with torch.no_grad():
+            compiled(x)
+
+    step()
+    assert compiled_peak(step) == plan.devices["cpu"].live_peak_bytes == 2 * x.nbytes
+
+
+@pytest.mark.parametrize("slices", [2, 4])
+def test_a_dfs_split_is_planned_to_the_byte(slices):
+    """No slice's output outlives its write into the result (it would overlap the next slice's body)."""
+    torch.manual_seed(0)
+    model = Attention(embed=64, heads=8, hints={"schedule": "dfs", "slices": slices, "slice_dim": 1})
+    x = torch.randn(2, 128, 64)
+    plan = verified(tightfit.plan_memory(model, x, order="written"))
+    compiled = torch.compile(model, backend=compiler(execution="fx"))
+
+    def step():
+        with torch.no_grad():
+            compiled(x)
+
+    step()
+    assert compiled_peak(step) == plan.devices["cpu"].live_peak_bytes
+
+
 def test_the_report_the_dict_and_the_plot(tmp_path):
     plan = tightfit.plan_memory(mlp(), torch.randn(16, 64), training=True)
     text = str(plan)

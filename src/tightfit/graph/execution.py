@@ -152,8 +152,8 @@ class SlicedRun:
             pieces = [take(arg, state, extent, start, length) for arg, state in zip(args, self.input_states)]
             outputs = self.bodies[length](pieces)
             del pieces
-            for result, output, state in zip(results, outputs, self.output_states):
-                put(result, output, state, extent, start, length)
+            for index, (result, state) in enumerate(zip(results, self.output_states)):
+                put(result, outputs[index], state, extent, start, length)  # no loop variable holds an output on
             del outputs  # this slice's intermediates are gone before the next slice starts
         return tuple(results)
 
@@ -235,8 +235,7 @@ class Program:
             for node in dead:  # the split holds the only reference now, and frees it after its last use
                 env.pop(node, None)
             outputs = step.run(inputs, arenas) if isinstance(step.run, ArenaRun) else step.run(inputs)
-            for node, value in zip(split.outputs, outputs):
-                env[node] = value
+            env.update(zip(split.outputs, outputs))  # no loop variable holds an output into the next split
             del outputs
             for observer in observers:
                 observer("end", split)
