@@ -111,7 +111,8 @@ def slice_layers(model: nn.Module, args: tuple, kwargs: dict, backend: Any, laye
         add_hints(model, hints)
         try:
             with strict():
-                memory = plan_memory(model, *args, kwargs=kwargs, backend=backend, runtime="compiled")
+                # the written order: what plan.compile's FX execution runs (a "best" order would predict a reordering it never makes)
+                memory = plan_memory(model, *args, kwargs=kwargs, backend=backend, runtime="compiled", order="written")
         except StrictModeError as error:
             return None, tuple(tried), str(error)
         finally:
