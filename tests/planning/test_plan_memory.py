@@ -224,11 +224,12 @@ class Softmaxed(torch.nn.Module):
         return t.sin().cos()
 
 
-def test_a_split_output_dies_at_its_last_use_in_the_next_split():
-    """The softmax (a split of its own) is freed inside the next split, not when that split returns."""
+def _planned_and_run_on_restricted_cpu(model, x):
+    """The written-order plan and the measured compiled peak of ``model(x)`` on a CPU backend
+    that refuses softmax, so that softmax runs as a split of its own (with a fallback warning)."""
     from graph_models import restricted_cpu
 
-    model, x, backend = Softmaxed(), torch.randn(64, 1024), restricted_cpu()
+    backend = restricted_cpu()
     with pytest.warns(tightfit.FallbackWarning, match="_softmax"):
         plan = verified(tightfit.plan_memory(model, x, backend=backend, order="written"))
     compiled = torch.compile(model, backend=compiler(execution="fx", backends=[backend]))
@@ -238,7 +239,14 @@ def test_a_split_output_dies_at_its_last_use_in_the_next_split():
             compiled(x)
 
     step()
-    assert compiled_peak(step) == plan.devices["cpu"].live_peak_bytes == 2 * x.nbytes
+    return plan, compiled_peak(step)
+
+
+def test_a_split_output_dies_at_its_last_use_in_the_next_split():
+    """The softmax (a split of its own) is freed inside the next split, not when that split returns."""
+    x = torch.randn(64, 1024)
+    plan, measured = _planned_and_run_on_restricted_cpu(Softmaxed(), x)
+    assert measured == plan.devices["cpu"].live_peak_bytes == 2 * x.nbytes
 
 
 @pytest.mark.parametrize("slices", [2, 4])
@@ -314,21 +322,10 @@ def test_the_backend_may_be_named_a_device_or_an_object(backend):
 
 def test_a_run_of_several_splits_is_planned_to_the_byte():
     """A backend that refuses softmax: three splits; the plan matches the split-by-split run to the byte."""
-    from graph_models import restricted_cpu
-
     torch.manual_seed(0)
     model = Attention(embed=64, heads=8)
     x = torch.randn(2, 64, 64)
-    backend = restricted_cpu()
-    with pytest.warns(tightfit.FallbackWarning, match="_softmax"):
-        plan = verified(tightfit.plan_memory(model, x, backend=backend, order="written"))
-    compiled = torch.compile(model, backend=compiler(execution="fx", backends=[backend]))
-
-    def step():
-        with torch.no_grad():
-            compiled(x)
-
-    step()
-    assert compiled_peak(step) == plan.devices["cpu"].live_peak_bytes
+    plan, measured = _planned_and_run_on_restricted_cpu(model, x)
+    assert measured == plan.devices["cpu"].live_peak_bytes
     single = tightfit.plan_memory(model, x, order="written").devices["cpu"]
     assert plan.devices["cpu"].live_peak_bytes >= single.live_peak_bytes
