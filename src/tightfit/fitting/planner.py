@@ -188,9 +188,6 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
     allowed = Allow.coerce(allow)
     if calibration is not None:
         check_type("calibration", calibration, Calibration)
-    sliced: Sliced | None = None
-    tried: tuple[int, ...] = ()
-    refused = ""
     check_type("remeasure", remeasure, bool)
     backends, device = resolve_backend(backend)
     figures = calibration if calibration is not None else calibrate(backends[0], remeasure=remeasure)
@@ -209,6 +206,9 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
 
     options = build(None)
     outliers, not_observed = None, ""
+    sliced: Sliced | None = None  # DFS hints, chosen only when no storage or placement meets the budget
+    tried: tuple[int, ...] = ()
+    refused = ""
     keep = [next(i for i, o in enumerate(unit_options) if o.storage == "keep" and o.placement == "device") for unit_options in options]
     full = peak_of(options, tuple(keep), activations)
     full_peak = full.peak_bytes
