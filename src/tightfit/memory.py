@@ -2,7 +2,11 @@
 peak; on the CPU torch keeps no statistics, so tightfit counts the bytes of live tensor
 storages itself, reads the allocator's own allocation events (which also see the scratch
 buffers a kernel allocates and frees inside one op) and the process's peak resident set
-size. Asked for, a measurement also keeps a timeline: the bytes after every op of one call."""
+size. Asked for, a measurement also keeps a timeline: the bytes after every op of one call.
+
+Threads: torch's profiler and the process's peak RSS are process-wide, so the CPU
+measurements that use them (:func:`allocated_peak`, the memory part of :func:`measure`)
+run one thread at a time; a second thread waits for the first to finish."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import functools
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -29,14 +34,23 @@ from tightfit.backends.cpu import read_process_memory, reset_process_peak
 
 __all__ = ["AllocatedBytes", "LiveTensorBytes", "Measurement", "MemoryTimeline", "allocated_peak", "mark", "measure", "tensor_bytes"]
 
-_RECORDING: list[_Recorder] = []  # the recording modes now active, innermost last
+_THREAD = threading.local()  # .recording: this thread's recording modes, innermost last (dispatch modes are per thread)
+# Held while torch's profiler runs, and while measure resets and reads the process's peak RSS:
+# both are process-wide, and two profiler sessions at once crash the process (SIGSEGV).
+_PROCESS_WIDE = threading.RLock()
+
+
+def _recording() -> list[_Recorder]:
+    if not hasattr(_THREAD, "recording"):
+        _THREAD.recording = []
+    return _THREAD.recording
 
 
 def mark(label: str) -> None:
-    """Label the next sample of every timeline being recorded (``"prefill"``, ``"decode"``); else nothing."""
+    """Label the next sample of every timeline this thread is recording (``"prefill"``, ``"decode"``); else nothing."""
     if not isinstance(label, str):
         raise TypeError(f"label must be a str, got {type(label).__name__}: {label!r}")
-    for recorder in _RECORDING:
+    for recorder in _recording():
         recorder.marks.append((len(recorder.samples), label))
 
 
@@ -63,12 +77,12 @@ class _Recorder(TorchDispatchMode):
     def __enter__(self) -> Any:
         entered = super().__enter__()
         if self.record:
-            _RECORDING.append(self)
+            _recording().append(self)
         return entered
 
     def __exit__(self, *exc: Any) -> Any:
         if self.record:
-            _RECORDING.remove(self)
+            _recording().remove(self)
         return super().__exit__(*exc)
 
 
@@ -129,17 +143,22 @@ class LiveTensorBytes(_Recorder):
 @contextlib.contextmanager
 def _native_stderr_muted() -> Iterator[None]:
     """Silence file descriptor 2 for a moment: the profiler's native library prints a line
-    at every start and stop that no setting turns off. Only start and stop run muted."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
+    at every start and stop that no setting turns off. Only start and stop run muted (other
+    threads' writes to fd 2 in that moment are lost too); callers hold ``_PROCESS_WIDE``, so
+    no other muting can save our /dev/null as "the" stderr. Where fd 2 is closed or /dev/null
+    cannot be opened, nothing is muted."""
+    if sys.stderr is not None:
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken sys.stderr has nothing to flush
+            sys.stderr.flush()
+    with contextlib.ExitStack() as restore:  # undone last in, first out, on any exit
+        with contextlib.suppress(OSError):  # fd 2 closed, no /dev/null, no free fd: print rather than fail
+            saved = os.dup(2)
+            restore.callback(os.close, saved)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            restore.callback(os.close, devnull)
+            restore.callback(os.dup2, saved, 2)  # registered before the switch: an interrupt cannot skip it
+            os.dup2(devnull, 2)
         yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
 
 
 def allocated_peak(fn: Callable[[], Any]) -> int:
@@ -148,18 +167,29 @@ def allocated_peak(fn: Callable[[], Any]) -> int:
     Read from the profiler's allocation events: unlike :class:`LiveTensorBytes`, which
     counts once per op, it sees the scratch buffers a kernel allocates and frees inside one
     op (LLM.int8's float32 temporaries, for instance). Too slow for timed calls.
+
+    Only this thread's allocations count (torch's profiler records the thread that started
+    it). Calls from several threads take turns: a second waits until the first returns. A
+    torch profiler already running in this thread (``torch.profiler.profile``, or
+    ``allocated_peak`` inside ``fn``) is refused with a RuntimeError; one that another thread
+    runs outside tightfit cannot be seen, and must not overlap.
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _native_stderr_muted():
-        profiler.start()
-    try:
-        fn()
-    finally:
+    if torch._C._autograd._profiler_enabled():
+        raise RuntimeError("allocated_peak needs torch's profiler to itself, but a profiler is already running in this thread "
+                           "(torch.profiler.profile, or allocated_peak inside fn); call it outside that profiler")
+    with _PROCESS_WIDE:
+        profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         with _native_stderr_muted():
-            profiler.stop()
-    events = sorted((e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+            profiler.start()
+        try:
+            fn()
+        finally:
+            with _native_stderr_muted():
+                profiler.stop()
+        events = sorted((e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns())
     current = peak = 0
     for event in events:
         current += event.nbytes()
@@ -298,15 +328,16 @@ def measure(fn: Callable[[], Any], device: torch.device | str, *, repeat: int = 
             backend.synchronize(device)
             recorded = MemoryTimeline(str(device), tuple(sampler.samples), tuple(sampler.marks), info.source)
         return Measurement(str(device), seconds, baseline_bytes, info.peak, None, info.source, recorded, info.peak, tuple(results))
-    rss_reset = reset_process_peak()
-    with LiveTensorBytes("cpu", record=timeline) as tracker:
-        fn()
-    peak_rss = read_process_memory()[1] if rss_reset else None  # without a reset it is the lifetime peak
+    with _PROCESS_WIDE:  # another thread's measure would reset the peak RSS in the middle of this one
+        rss_reset = reset_process_peak()
+        with LiveTensorBytes("cpu", record=timeline) as tracker:
+            fn()
+        peak_rss = read_process_memory()[1] if rss_reset else None  # without a reset it is the lifetime peak
+        allocated = baseline_bytes + allocated_peak(fn)
     source = "live tensors: weights + created by the run"
     recorded = None
     if timeline:
         samples = tuple(baseline_bytes + sample for sample in [0, *tracker.samples])
         recorded = MemoryTimeline(str(device), samples, tuple((index + 1, label) for index, label in tracker.marks), source)
-    allocated = baseline_bytes + allocated_peak(fn)
     return Measurement(str(device), seconds, baseline_bytes, baseline_bytes + tracker.peak, peak_rss, source, recorded, allocated,
                        tuple(results))
