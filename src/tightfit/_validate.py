@@ -3,6 +3,7 @@ the argument, the value received and what is accepted."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from typing import Any
 
@@ -39,10 +40,13 @@ def check_same_device(name: str, value: torch.Tensor, other_name: str, other: to
 
 
 def check_non_negative_number(name: str, value: Any) -> float:
-    """A real number >= 0 (bool and NaN rejected), as float."""
+    """A real number >= 0 (bool and NaN rejected), as float; an int past float's range is inf."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0.0:
-        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-    return float(value)
+        raise ValueError(f"{name} must be a number >= 0, got {_describe(value)}")
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
 
 
 def check_device(name: str, value: Any) -> torch.device:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from tightfit._hugepages import empty_with_huge_pages
+from tightfit.ops._arg_checks import block_count
 from tightfit.ops._numba import kernel_lock, load_numba, usable_numba
 
 __all__: list[str] = []
@@ -95,6 +96,8 @@ def _kernels():
         reference scales it: times the reciprocal in full blocks, divided in the partial one."""
         value = np.uint32(np.uint32(bits[i]) * widen).view(np.float32)
         scaled = value * factor if full else value / factor
+        if scaled != scaled:  # NaN of either sign sorts above every bound, as in torch.bucketize
+            return np.float32(np.nan)
         return min(max(scaled, np.float32(-1.0)), np.float32(1.0))
 
     @numba.njit(parallel=True, nogil=True, cache=True)
@@ -110,14 +113,15 @@ def _kernels():
             peak = np.uint32(0)
             for i in range(start, end):  # an integer max over |x|'s bits: vectorizes, and NaN is the largest
                 peak = max(peak, np.uint32(np.uint32(bits[i]) * widen) & np.uint32(0x7FFFFFFF))
-            if peak > np.uint32(0x7F800000):
-                absmax[block] = np.float32(np.nan)  # the caller reports it; codes are left unwritten
-                continue
-            amax = np.uint32(peak).view(np.float32)
-            clamped = max(amax, np.float32(1e-38))
             full = end - start == blocksize
-            absmax[block] = amax if full else clamped
-            factor = np.float32(1.0) / clamped if full else clamped
+            if peak > np.uint32(0x7F800000):  # NaN: every value scales to NaN, as in the reference
+                absmax[block] = np.float32(np.nan)
+                factor = np.float32(np.nan)
+            else:
+                amax = np.uint32(peak).view(np.float32)
+                clamped = max(amax, np.float32(1e-38))
+                absmax[block] = amax if full else clamped
+                factor = np.float32(1.0) / clamped if full else clamped
             if not four_bit:
                 for i in range(start, end):
                     out[i] = code_of(scaled(bits, i, widen, factor, full), table)
@@ -203,11 +207,6 @@ def _kernels():
                 out[m, j] = acc
 
     return SimpleNamespace(quantize=quantize, dequantize=dequantize, gemv_4bit=gemv_4bit)
-
-
-def block_count(numel: int, blocksize: int) -> int:
-    """Blocks of ``blocksize`` covering ``numel`` values (the last may be partial)."""
-    return -(-numel // blocksize)
 
 
 def search_table(code_sorted: torch.Tensor, order: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray, bool]:

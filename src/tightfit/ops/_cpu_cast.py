@@ -78,8 +78,6 @@ def _lookup_into(x: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _cast_into(x: torch.Tensor, out: torch.Tensor, op: str) -> None:
-    if x.shape != out.shape:  # the raw op is callable directly: never let numba write out of bounds
-        raise ValueError(f"out has shape {tuple(out.shape)} but x has shape {tuple(x.shape)}; they must match")
     if x.numel() < MIN_FAST_NUMEL or not _has_table(x.dtype, out.dtype):
         out.copy_(x)
         return

@@ -6,6 +6,11 @@ The default kernel only runs when the tensor's device has no kernel of its own, 
 is where fallbacks are reported: once per (op, device) as a warning, or as an error in
 strict mode. Where the reference cannot run on the device at all, the op runs on the
 CPU with copies in and out.
+
+An op's ``check`` is what keeps its kernels memory-safe (D9): lengths, shapes, dtypes,
+strides, blocksizes, devices. It reads metadata only, never values (no device sync), and
+runs on every path before any kernel: the direct call, every registered kernel, the
+default kernel and the fake kernel (so a compiled graph is refused while tracing).
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ class KernelInfo:
     source: str
 
 
+def _no_check(*args: Any) -> None:
+    """The check of an op whose kernels are safe for anything its schema admits."""
+
+
 @dataclass
 class OpDef:
     """Everything tightfit knows about one op."""
@@ -56,11 +65,13 @@ class OpDef:
     cases: Callable[[], Iterable[Case]]
     metric: str | float
     unsupported: Callable[[torch.device, tuple[Any, ...]], str | None] | None = None
+    check: Callable[..., None] = _no_check
     kernels: dict[str, KernelInfo] = field(default_factory=dict)
 
     def __call__(self, *args: Any) -> Any:
-        """Dispatch on the arguments' device (callers validate first)."""
-        if not torch.compiler.is_compiling():  # when tracing, the fake kernel loads them
+        """Dispatch on the arguments' device; the op's check runs first on every path."""
+        if not torch.compiler.is_compiling():  # when tracing, the fake kernel checks and loads them
+            self.check(*args)  # here too, so a wrong type is named before the schema sees it
             _ensure_plugins_loaded()
             kernel = self._direct_kernel(args)
             if kernel is not None:
@@ -116,7 +127,19 @@ def _run_on_cpu(opdef: OpDef, args: tuple[Any, ...], device: torch.device) -> An
     return tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, result)
 
 
+def _checked(opdef: OpDef, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` behind the op's check: what the dispatcher calls for a device's kernel."""
+
+    @functools.wraps(fn)
+    def kernel(*args: Any) -> Any:
+        opdef.check(*args)
+        return fn(*args)
+
+    return kernel
+
+
 def _default_kernel(opdef: OpDef, args: tuple[Any, ...]) -> Any:
+    opdef.check(*args)
     device = _first_device(args)
     _ensure_plugins_loaded()  # the raw torch.ops entry point may get here before any plugin loaded
     kernel = opdef.kernels.get(device.type)
@@ -144,12 +167,16 @@ def define_op(
     metric: str | float = "bitwise",
     mutates_args: tuple[str, ...] = (),
     unsupported: Callable[[torch.device, tuple[Any, ...]], str | None] | None = None,
+    check: Callable[..., None] | None = None,
 ) -> OpDef:
     """Declare ``tightfit::<name>`` with ``reference`` as its specification.
 
     ``metric`` is ``"bitwise"`` or a normalized-MSE threshold for conformance;
-    ``unsupported(device, args)`` returns why the op cannot run on a device, or None.
+    ``unsupported(device, args)`` returns why the op cannot run on a device, or None;
+    ``check(*args)`` raises ValueError / TypeError for arguments a kernel must not see.
     """
+    if check is not None and not callable(check):
+        raise TypeError(f"check must be callable or None, got {type(check).__name__}: {check!r}")
     if name in _ops:
         raise ValueError(f"op {name!r} is already defined")
     parameters = list(inspect.signature(reference).parameters)
@@ -164,6 +191,7 @@ def define_op(
         cases=cases,
         metric=metric,
         unsupported=unsupported,
+        check=check or _no_check,
     )
 
     @functools.wraps(reference)
@@ -174,6 +202,7 @@ def define_op(
     @functools.wraps(fake)
     def traced(*args: Any) -> Any:
         _ensure_plugins_loaded()  # runs while compiling, before the compiled graph ever dispatches
+        opdef.check(*args)
         return fake(*args)
 
     opdef.custom_op.register_fake(traced)
@@ -217,7 +246,7 @@ def register_kernel(op: str, device_type: str, fn: Callable[..., Any], *, label:
         ) from None
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}: {fn!r}")
-    opdef.custom_op.register_kernel(device_type)(fn)
+    opdef.custom_op.register_kernel(device_type)(_checked(opdef, fn))
     opdef.kernels[device_type] = KernelInfo(
         device_type=device_type,
         fn=fn,

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
-from tightfit._validate import check_choice, check_type
+from tightfit.ops import _arg_checks as checks
 from tightfit.ops import _cpu_blockwise as cpu
+from tightfit.ops._arg_checks import BLOCKSIZES_4BIT, BLOCKSIZES_8BIT, FLOAT_DTYPES, block_count, packed_bytes
 from tightfit.ops._registry import Case, define_op, register_kernel
 from tightfit.ops.codes import QUANT_TYPES_4BIT, code_4bit, dynamic_map
 
@@ -31,10 +32,6 @@ __all__ = [
     "quantize_4bit",
     "quantize_blockwise",
 ]
-
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-BLOCKSIZES_8BIT = (64, 128, 256, 512, 1024, 2048, 4096)
-BLOCKSIZES_4BIT = (32, *BLOCKSIZES_8BIT)
 
 
 # -- reference kernels (the specification) ----------------------------------------------
@@ -126,7 +123,7 @@ def _gemv_4bit_reference(A: torch.Tensor, B: torch.Tensor, shape: list[int], abs
 
 
 def _quantize_blockwise_fake(A, code, blocksize):
-    return torch.empty(A.shape, dtype=torch.uint8, device=A.device), torch.empty(cpu.block_count(A.numel(), blocksize), device=A.device)
+    return torch.empty(A.shape, dtype=torch.uint8, device=A.device), torch.empty(block_count(A.numel(), blocksize), device=A.device)
 
 
 def _dequantize_blockwise_fake(A, absmax, code, blocksize, dtype):
@@ -134,9 +131,8 @@ def _dequantize_blockwise_fake(A, absmax, code, blocksize, dtype):
 
 
 def _quantize_4bit_fake(A, blocksize, quant_type, quant_storage):
-    packed_bytes = (A.numel() + 1) // 2
-    packed = torch.empty(packed_bytes // quant_storage.itemsize, 1, dtype=quant_storage, device=A.device)
-    return packed, torch.empty(cpu.block_count(A.numel(), blocksize), device=A.device)
+    packed = torch.empty(packed_bytes(A.numel()) // quant_storage.itemsize, 1, dtype=quant_storage, device=A.device)
+    return packed, torch.empty(block_count(A.numel(), blocksize), device=A.device)
 
 
 def _dequantize_4bit_fake(A, absmax, blocksize, quant_type, shape, dtype):
@@ -150,7 +146,15 @@ def _gemv_4bit_fake(A, B, shape, absmax, blocksize, quant_type):
 # -- CPU kernels ----------------------------------------------------------------------------
 
 
+def _check_sorted(code: torch.Tensor, device: torch.device) -> None:
+    """The nearest-entry search needs a code sorted ascending. Reading it costs a sync on an
+    accelerator, so the dynamic map, sorted by construction, is not read."""
+    if code is not _code_on("dynamic", device) and not bool((code[1:] >= code[:-1]).all()):
+        raise ValueError("code must be sorted ascending (nearest-entry search assumes it)")
+
+
 def _quantize_blockwise_cpu(A, code, blocksize):
+    _check_sorted(code, A.device)
     return cpu.quantize_cpu("quantize_blockwise", A, blocksize, code, None, lambda: _quantize_blockwise_reference(A, code, blocksize))
 
 
@@ -197,6 +201,7 @@ def _named_search(name: str, device: torch.device):
 
 
 def _quantize_blockwise_gpu(A, code, blocksize):
+    _check_sorted(code, A.device)
     default = code is _code_on("dynamic", A.device)
     search = _named_search("dynamic", A.device) if default else _triton().search_tables(code, A.device)
     return _triton().quantize(A, blocksize, search, four_bit=False)
@@ -218,7 +223,7 @@ def _dequantize_4bit_gpu(A, absmax, blocksize, quant_type, shape, dtype):
 def _gemv_4bit_gpu(A, B, shape, absmax, blocksize, quant_type):
     code = _code_on(quant_type, A.device)
     if A.numel() // shape[1] <= _GEMV_MAX_TOKENS and shape[1] % 2 == 0:  # rows start on a byte
-        return _triton().gemv_4bit(A, B, shape, absmax, code, blocksize)
+        return _triton().gemv_4bit(A, B, shape, absmax.float(), code, blocksize)
     weight = _triton().dequantize(B, absmax, code, blocksize, shape, A.dtype, four_bit=True)
     return torch.nn.functional.linear(A, weight)
 
@@ -292,11 +297,15 @@ def _gemv_4bit_cases() -> list[Case]:
     return cases
 
 
-_QUANTIZE_BLOCKWISE = define_op("quantize_blockwise", _quantize_blockwise_reference, fake=_quantize_blockwise_fake, cases=_blockwise_cases)
-_DEQUANTIZE_BLOCKWISE = define_op("dequantize_blockwise", _dequantize_blockwise_reference, fake=_dequantize_blockwise_fake, cases=_dequantize_blockwise_cases)
-_QUANTIZE_4BIT = define_op("quantize_4bit", _quantize_4bit_reference, fake=_quantize_4bit_fake, cases=_4bit_cases)
-_DEQUANTIZE_4BIT = define_op("dequantize_4bit", _dequantize_4bit_reference, fake=_dequantize_4bit_fake, cases=_dequantize_4bit_cases)
-_GEMV_4BIT = define_op("gemv_4bit", _gemv_4bit_reference, fake=_gemv_4bit_fake, cases=_gemv_4bit_cases, metric=1e-4)
+_QUANTIZE_BLOCKWISE = define_op("quantize_blockwise", _quantize_blockwise_reference, fake=_quantize_blockwise_fake,
+                                cases=_blockwise_cases, check=checks.quantize_blockwise)
+_DEQUANTIZE_BLOCKWISE = define_op("dequantize_blockwise", _dequantize_blockwise_reference, fake=_dequantize_blockwise_fake,
+                                  cases=_dequantize_blockwise_cases, check=checks.dequantize_blockwise)
+_QUANTIZE_4BIT = define_op("quantize_4bit", _quantize_4bit_reference, fake=_quantize_4bit_fake, cases=_4bit_cases, check=checks.quantize_4bit)
+_DEQUANTIZE_4BIT = define_op("dequantize_4bit", _dequantize_4bit_reference, fake=_dequantize_4bit_fake,
+                             cases=_dequantize_4bit_cases, check=checks.dequantize_4bit)
+_GEMV_4BIT = define_op("gemv_4bit", _gemv_4bit_reference, fake=_gemv_4bit_fake, cases=_gemv_4bit_cases, metric=1e-4,
+                       check=checks.gemv_4bit)
 register_kernel("gemv_4bit", "cpu", _gemv_4bit_cpu, label="fused decode + dot (numba)")
 register_kernel("quantize_blockwise", "cpu", _quantize_blockwise_cpu, label="block scan (numba)")
 register_kernel("dequantize_blockwise", "cpu", _dequantize_blockwise_cpu, label="block scan (numba)")
@@ -311,43 +320,7 @@ if importlib.util.find_spec("triton") is not None:  # checked without importing 
     register_kernel("gemv_4bit", "cuda", _gemv_4bit_gpu, label="fused decode + dot (triton)")
 
 
-# -- public functions: validation, then dispatch ----------------------------------------------
-
-
-def _check_float_input(A: object) -> torch.Tensor:
-    check_type("A", A, torch.Tensor)
-    check_choice("A.dtype", A.dtype, FLOAT_DTYPES)
-    return A
-
-
-def _check_blocksize(blocksize: object, accepted: tuple[int, ...]) -> int:
-    if isinstance(blocksize, bool) or not isinstance(blocksize, int):
-        raise TypeError(f"blocksize must be int, got {type(blocksize).__name__}: {blocksize!r}")
-    check_choice("blocksize", blocksize, accepted)
-    return blocksize
-
-
-def _check_code(code: object, device: torch.device) -> torch.Tensor:
-    check_type("code", code, torch.Tensor)
-    if code.dtype != torch.float32 or code.dim() != 1 or code.numel() != 256:
-        raise ValueError(f"code must be a 1-D float32 tensor of 256 values, got dtype {code.dtype}, shape {tuple(code.shape)}")
-    if code.device != device:
-        raise ValueError(f"code is on {code.device} but A is on {device}; both must be on one device")
-    if not torch.compiler.is_compiling() and not bool((code[1:] >= code[:-1]).all()):
-        raise ValueError("code must be sorted ascending (nearest-entry search assumes it)")
-    return code
-
-
-def _check_absmax(absmax: object, numel: int, blocksize: int, device: torch.device) -> torch.Tensor:
-    check_type("absmax", absmax, torch.Tensor)
-    expected = cpu.block_count(numel, blocksize)
-    if absmax.dim() != 1 or absmax.numel() != expected:
-        raise ValueError(f"absmax has shape {tuple(absmax.shape)}; {numel} values in blocks of {blocksize} need {expected} (1-D)")
-    if not absmax.is_floating_point():
-        raise TypeError(f"absmax must be a floating-point tensor, got dtype {absmax.dtype}")
-    if absmax.device != device:
-        raise ValueError(f"absmax is on {absmax.device} but A is on {device}; both must be on one device")
-    return absmax
+# -- public functions: defaults and value checks, then the op (which checks the rest) ----------
 
 
 def _reject_non_finite(absmax: torch.Tensor) -> None:
@@ -357,31 +330,27 @@ def _reject_non_finite(absmax: torch.Tensor) -> None:
         raise ValueError(f"A has NaN or inf values (first in block {block}); quantization needs finite values")
 
 
+def _code_for(code: torch.Tensor | None, A: object) -> torch.Tensor | None:
+    """The dynamic map on A's device for ``code=None``."""
+    if code is None and isinstance(A, torch.Tensor):
+        return _code_on("dynamic", A.device)
+    return code
+
+
 def quantize_blockwise(A: torch.Tensor, code: torch.Tensor | None = None, blocksize: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """8-bit blockwise quantization: (codes as uint8 shaped like ``A``, float32 absmax per block).
 
     ``code`` defaults to the dynamic map; ``blocksize`` is 64..4096, a power of two.
     Raises ValueError for NaN or inf in ``A``.
     """
-    _check_float_input(A)
-    _check_blocksize(blocksize, BLOCKSIZES_8BIT)
-    code = _code_on("dynamic", A.device) if code is None else _check_code(code, A.device)
-    q, absmax = _QUANTIZE_BLOCKWISE(A, code, blocksize)
+    q, absmax = _QUANTIZE_BLOCKWISE(A, _code_for(code, A), blocksize)
     _reject_non_finite(absmax)
     return q, absmax
 
 
 def dequantize_blockwise(A: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor | None = None, blocksize: int = 4096, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Decode 8-bit blockwise codes: ``code[A] * absmax[block]`` in float32, returned as ``dtype``."""
-    check_type("A", A, torch.Tensor)
-    if A.dtype != torch.uint8:
-        raise TypeError(f"A must be uint8 codes, got dtype {A.dtype}")
-    _check_blocksize(blocksize, BLOCKSIZES_8BIT)
-    _check_absmax(absmax, A.numel(), blocksize, A.device)
-    code = _code_on("dynamic", A.device) if code is None else _check_code(code, A.device)
-    check_type("dtype", dtype, torch.dtype)
-    check_choice("dtype", dtype, FLOAT_DTYPES)
-    return _DEQUANTIZE_BLOCKWISE(A, absmax, code, blocksize, dtype)
+    return _DEQUANTIZE_BLOCKWISE(A, absmax, _code_for(code, A), blocksize, dtype)
 
 
 def quantize_4bit(A: torch.Tensor, blocksize: int = 64, quant_type: str = "fp4", quant_storage: torch.dtype = torch.uint8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -391,13 +360,6 @@ def quantize_4bit(A: torch.Tensor, blocksize: int = 64, quant_type: str = "fp4",
     with the code of a scaled zero. ``quant_storage`` reinterprets the packed bytes
     (their count must divide evenly). Raises ValueError for NaN or inf in ``A``.
     """
-    _check_float_input(A)
-    _check_blocksize(blocksize, BLOCKSIZES_4BIT)
-    check_choice("quant_type", quant_type, QUANT_TYPES_4BIT)
-    check_type("quant_storage", quant_storage, torch.dtype)
-    packed_bytes = (A.numel() + 1) // 2
-    if quant_storage.is_complex or packed_bytes % quant_storage.itemsize:
-        raise ValueError(f"quant_storage={quant_storage} cannot hold {packed_bytes} packed bytes (itemsize {quant_storage.itemsize}); use torch.uint8")
     packed, absmax = _QUANTIZE_4BIT(A, blocksize, quant_type, quant_storage)
     _reject_non_finite(absmax)
     return packed, absmax
@@ -405,21 +367,7 @@ def quantize_4bit(A: torch.Tensor, blocksize: int = 64, quant_type: str = "fp4",
 
 def dequantize_4bit(A: torch.Tensor, absmax: torch.Tensor, blocksize: int = 64, quant_type: str = "fp4", shape: Sequence[int] | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Decode packed 4-bit codes into a tensor of ``shape`` and ``dtype``."""
-    check_type("A", A, torch.Tensor)
-    _check_blocksize(blocksize, BLOCKSIZES_4BIT)
-    check_choice("quant_type", quant_type, QUANT_TYPES_4BIT)
-    if shape is None or isinstance(shape, (str, bytes)) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise TypeError(f"shape must be a sequence of non-negative ints, got {shape!r}")
-    numel = math.prod(shape)
-    packed_bytes = A.numel() * A.element_size()
-    if packed_bytes != (numel + 1) // 2:
-        raise ValueError(f"A holds {packed_bytes} packed bytes but shape {tuple(shape)} needs {(numel + 1) // 2}")
-    if not A.is_contiguous():
-        raise ValueError("A must be contiguous (packed bytes are read in memory order)")
-    _check_absmax(absmax, numel, blocksize, A.device)
-    check_type("dtype", dtype, torch.dtype)
-    check_choice("dtype", dtype, FLOAT_DTYPES)
-    return _DEQUANTIZE_4BIT(A, absmax, blocksize, quant_type, list(shape), dtype)
+    return _DEQUANTIZE_4BIT(A, absmax, blocksize, quant_type, checks.check_shape(shape, matrix=False), dtype)
 
 
 def gemv_4bit(A: torch.Tensor, B: torch.Tensor, shape: Sequence[int], absmax: torch.Tensor, blocksize: int = 64, quant_type: str = "nf4") -> torch.Tensor:
@@ -428,18 +376,4 @@ def gemv_4bit(A: torch.Tensor, B: torch.Tensor, shape: Sequence[int], absmax: to
 
     ``A`` has shape (..., in); the result (..., out) has ``A``'s dtype. The CPU kernel
     accumulates in float32, so results agree with the reference to rounding."""
-    _check_float_input(A)
-    check_type("B", B, torch.Tensor)
-    _check_blocksize(blocksize, BLOCKSIZES_4BIT)
-    check_choice("quant_type", quant_type, QUANT_TYPES_4BIT)
-    if isinstance(shape, (str, bytes)) or len(shape) != 2 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
-        raise ValueError(f"shape must be (out_features, in_features) with positive ints, got {shape!r}")
-    if A.dim() < 1 or A.shape[-1] != shape[1]:
-        raise ValueError(f"A has {A.shape[-1] if A.dim() else 0} features in its last dimension; the weight takes {shape[1]}")
-    numel = shape[0] * shape[1]
-    if B.numel() * B.element_size() != (numel + 1) // 2 or not B.is_contiguous():
-        raise ValueError(f"B must be contiguous and hold {(numel + 1) // 2} packed bytes for shape {tuple(shape)}")
-    _check_absmax(absmax, numel, blocksize, A.device)
-    if B.device != A.device:
-        raise ValueError(f"B is on {B.device} but A is on {A.device}; both must be on one device")
-    return _GEMV_4BIT(A, B, list(shape), absmax.float(), blocksize, quant_type)
+    return _GEMV_4BIT(A, B, checks.check_shape(shape, matrix=True), absmax, blocksize, quant_type)

@@ -7,6 +7,7 @@ reference kernel; the CPU kernel is a table lookup that runs at memory speed.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from tightfit._validate import check_choice, check_same_device, check_type
 from tightfit.backends.base import FLOAT8_DTYPES
@@ -105,10 +106,32 @@ def _cast_into_cases() -> list[Case]:
     return [Case(case.name, (case.args[0], torch.empty(case.args[0].shape, dtype=case.args[1]))) for case in _cast_cases()]
 
 
-_CAST = define_op("cast", _cast_reference, fake=_cast_fake, cases=_cast_cases)
+def _check_cast(x: object, dtype: object) -> None:
+    check_type("x", x, torch.Tensor)
+    check_type("dtype", dtype, torch.dtype)
+    check_choice("x.dtype", x.dtype, CAST_DTYPES)
+    check_choice("dtype", dtype, CAST_DTYPES)
+
+
+def _has_data(tensor: torch.Tensor) -> bool:
+    """False for the fake and meta tensors of a trace, which have shapes but no memory."""
+    return tensor.device.type != "meta" and not is_fake(tensor)
+
+
+def _check_cast_into(x: object, out: object) -> None:
+    check_type("out", out, torch.Tensor)
+    _check_cast(x, out.dtype)
+    if out.shape != x.shape:
+        raise ValueError(f"out has shape {tuple(out.shape)} but x has shape {tuple(x.shape)}; they must match")
+    check_same_device("out", out, "x", x)
+    if out.numel() and _has_data(out) and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        raise ValueError("out shares its storage with x; pass a separate buffer")
+
+
+_CAST = define_op("cast", _cast_reference, fake=_cast_fake, cases=_cast_cases, check=_check_cast)
 _CAST.custom_op.register_autograd(_cast_backward, setup_context=_cast_setup_context)
 _CAST_INTO = define_op(
-    "cast_into", _cast_into_reference, fake=_cast_into_fake, cases=_cast_into_cases, mutates_args=("out",)
+    "cast_into", _cast_into_reference, fake=_cast_into_fake, cases=_cast_into_cases, mutates_args=("out",), check=_check_cast_into
 )
 register_kernel("cast", "cpu", cast_cpu, label="table lookup (numba)")
 register_kernel("cast_into", "cpu", cast_into_cpu, label="table lookup (numba)")
@@ -126,20 +149,11 @@ def cast(x: torch.Tensor, dtype: torch.dtype, *, out: torch.Tensor | None = None
     so a layer can reuse one buffer. The result is contiguous. Gradients pass straight
     through, back in ``x``'s dtype.
     """
-    check_type("x", x, torch.Tensor)
-    check_type("dtype", dtype, torch.dtype)
-    check_choice("x.dtype", x.dtype, CAST_DTYPES)
-    check_choice("dtype", dtype, CAST_DTYPES)
     if out is None:
         return _CAST(x, dtype)
     check_type("out", out, torch.Tensor)
     if out.dtype != dtype:
         raise ValueError(f"out has dtype {out.dtype} but dtype={dtype}; they must match")
-    if out.shape != x.shape:
-        raise ValueError(f"out has shape {tuple(out.shape)} but x has shape {tuple(x.shape)}; they must match")
-    check_same_device("out", out, "x", x)
-    if not torch.compiler.is_compiling() and out.numel() and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-        raise ValueError("out shares its storage with x; pass a separate buffer")
     if out.requires_grad:
         raise ValueError("out requires grad; cast(..., out=) writes in place, which autograd cannot follow")
     _CAST_INTO(x, out)

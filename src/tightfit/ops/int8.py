@@ -2,13 +2,18 @@
 matmul into int32, and dequantization of the product, as bitsandbytes defines them.
 
 An all-zero row has scale 0 and quantizes to zeros (bitsandbytes divides by zero there).
+A row is the last dimension; every other dimension counts rows, so (3, 0) is three empty
+rows and a scalar is refused.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tightfit._validate import check_non_negative_number, check_type
+from tightfit.ops._arg_checks import FLOAT_DTYPES, check_dtype, check_on
 from tightfit.ops._registry import Case, define_op, register_kernel
 
 __all__ = ["int8_linear_matmul", "int8_mm_dequant", "int8_vectorwise_dequant", "int8_vectorwise_quant"]
@@ -17,8 +22,17 @@ __all__ = ["int8_linear_matmul", "int8_mm_dequant", "int8_vectorwise_dequant", "
 INV_127_SQUARED = 6.200124e-05
 
 
+def _row_count(A: torch.Tensor) -> int:
+    return math.prod(A.shape[:-1])
+
+
+def _rows(A: torch.Tensor) -> torch.Tensor:
+    """A as a (rows, last dimension) matrix; explicit sizes, since -1 is ambiguous for zero width."""
+    return A.reshape(_row_count(A), A.shape[-1])
+
+
 def _vectorwise_reference(A: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows = A.reshape(-1, A.shape[-1])
+    rows = _rows(A)
     outlier_cols = torch.empty(0, dtype=torch.int64, device=A.device)
     if threshold > 0.0:
         outliers = rows.abs() >= threshold
@@ -33,15 +47,14 @@ def _vectorwise_reference(A: torch.Tensor, threshold: float) -> tuple[torch.Tens
 
 
 def _vectorwise_fake(A, threshold):
-    rows = A.numel() // A.shape[-1] if A.shape[-1] else 0
     ctx = torch.library.get_ctx()
     cols = ctx.new_dynamic_size()
-    return (torch.empty(A.shape, dtype=torch.int8, device=A.device), torch.empty(rows, device=A.device),
+    return (torch.empty(A.shape, dtype=torch.int8, device=A.device), torch.empty(_row_count(A), device=A.device),
             torch.empty(cols, dtype=torch.int64, device=A.device))
 
 
 def _linear_matmul_reference(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    return (A.reshape(-1, A.shape[-1]).to(torch.int32) @ B.to(torch.int32).t()).reshape(*A.shape[:-1], B.shape[0])
+    return (_rows(A).to(torch.int32) @ B.to(torch.int32).t()).reshape(*A.shape[:-1], B.shape[0])
 
 
 def _linear_matmul_fake(A, B):
@@ -50,14 +63,14 @@ def _linear_matmul_fake(A, B):
 
 def _linear_matmul_cpu(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """oneDNN's int8 GEMM through torch; exact like the reference (int32 accumulation)."""
-    rows = A.reshape(-1, A.shape[-1])
+    rows = _rows(A)
     if rows.shape[0] == 0 or rows.shape[1] == 0 or B.shape[0] == 0:
         return _linear_matmul_reference(A, B)
     return torch._int_mm(rows.contiguous(), B.t()).reshape(*A.shape[:-1], B.shape[0])
 
 
 def _mm_dequant_reference(A: torch.Tensor, row_stats: torch.Tensor, col_stats: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
-    rows = A.reshape(-1, A.shape[-1])
+    rows = _rows(A)
     out = rows * (row_stats.reshape(-1, 1) * col_stats.reshape(1, -1)) * INV_127_SQUARED
     if bias is not None:
         out = out + bias
@@ -81,7 +94,7 @@ def _cases_matmul() -> list[Case]:
     def ints(*shape):
         return torch.randint(-127, 128, shape, generator=generator, dtype=torch.int8)
     return [Case("17x64 @ 48x64", (ints(17, 64), ints(48, 64))), Case("one token", (ints(1, 1, 4096), ints(8, 4096))),
-            Case("empty", (ints(0, 64), ints(8, 64)))]
+            Case("empty", (ints(0, 64), ints(8, 64))), Case("zero width", (ints(3, 0), ints(8, 0)))]
 
 
 def _cases_dequant() -> list[Case]:
@@ -92,29 +105,65 @@ def _cases_dequant() -> list[Case]:
             for dtype in (torch.float32, torch.float16, torch.bfloat16) for b in (False, True)]
 
 
-_VECTORWISE = define_op("int8_vectorwise_quant", _vectorwise_reference, fake=_vectorwise_fake, cases=_cases_vectorwise)
-_MATMUL = define_op("int8_linear_matmul", _linear_matmul_reference, fake=_linear_matmul_fake, cases=_cases_matmul)
-_DEQUANT = define_op("int8_mm_dequant", _mm_dequant_reference, fake=_mm_dequant_fake, cases=_cases_dequant)
+# -- checks (D9): what every kernel relies on, run inside the op on every path --------------
+
+
+def _check_int_tensor(name: str, tensor: object, dtype: torch.dtype) -> torch.Tensor:
+    check_type(name, tensor, torch.Tensor)
+    if tensor.dtype != dtype:
+        raise TypeError(f"{name} must be {str(dtype).removeprefix('torch.')}, got dtype {tensor.dtype}")
+    if tensor.dim() < 1:
+        raise ValueError(f"{name} must have at least one dimension (rows x features), got a scalar")
+    return tensor
+
+
+def _check_vectorwise(A: object, threshold: object) -> None:
+    check_type("A", A, torch.Tensor)
+    if A.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"A has dtype {A.dtype}; accepted: float32, float16, bfloat16")
+    if A.dim() < 1:
+        raise ValueError("A must have at least one dimension (rows x features), got a scalar")
+    check_non_negative_number("threshold", threshold)
+
+
+def _check_matmul(A: object, B: object) -> None:
+    _check_int_tensor("A", A, torch.int8)
+    _check_int_tensor("B", B, torch.int8)
+    if B.dim() != 2 or A.shape[-1] != B.shape[1]:
+        raise ValueError(f"shapes do not match for A @ B.T: A {tuple(A.shape)}, B {tuple(B.shape)} (B must be N x K)")
+    check_on("B", B, "A", A.device)
+
+
+def _check_dequant(A: object, row_stats: object, col_stats: object, dtype: object, bias: object) -> None:
+    _check_int_tensor("A", A, torch.int32)
+    for name, stats, expected in (("row_stats", row_stats, _row_count(A)), ("col_stats", col_stats, A.shape[-1])):
+        check_type(name, stats, torch.Tensor)
+        if stats.dtype != torch.float32 or stats.numel() != expected:
+            raise ValueError(f"{name} must be float32 with {expected} values, got {stats.dtype} with {stats.numel()}")
+        check_on(name, stats, "A", A.device)
+    check_dtype("dtype", dtype)
+    if bias is not None:
+        check_type("bias", bias, torch.Tensor)
+        if bias.shape != (A.shape[-1],) or not bias.is_floating_point():
+            raise ValueError(f"bias must be a float tensor of shape ({A.shape[-1]},), got {bias.dtype} {tuple(bias.shape)}")
+        check_on("bias", bias, "A", A.device)
+
+
+_VECTORWISE = define_op("int8_vectorwise_quant", _vectorwise_reference, fake=_vectorwise_fake, cases=_cases_vectorwise,
+                        check=_check_vectorwise)
+_MATMUL = define_op("int8_linear_matmul", _linear_matmul_reference, fake=_linear_matmul_fake, cases=_cases_matmul, check=_check_matmul)
+_DEQUANT = define_op("int8_mm_dequant", _mm_dequant_reference, fake=_mm_dequant_fake, cases=_cases_dequant, check=_check_dequant)
 register_kernel("int8_linear_matmul", "cpu", _linear_matmul_cpu, label="oneDNN int8 GEMM")
 register_kernel("int8_vectorwise_quant", "cpu", _vectorwise_reference, label="vectorized torch")
 register_kernel("int8_mm_dequant", "cpu", _mm_dequant_reference, label="vectorized torch")
-
-
-def _check_float(name: str, A: object) -> torch.Tensor:
-    check_type(name, A, torch.Tensor)
-    if A.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"{name} has dtype {A.dtype}; accepted: float32, float16, bfloat16")
-    if A.dim() < 1:
-        raise ValueError(f"{name} must have at least one dimension, got a scalar")
-    return A
 
 
 def int8_vectorwise_quant(A: torch.Tensor, threshold: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Row-wise int8: (q, row_stats, outlier_cols). With ``threshold`` > 0, entries with
     |A| >= threshold are left out of the scales and their columns zeroed in ``q``
     (``outlier_cols`` lists them; None when ``threshold`` is 0). ``A`` is not modified."""
-    _check_float("A", A)
-    check_non_negative_number("threshold", threshold)
+    threshold = check_non_negative_number("threshold", threshold)
+    _check_vectorwise(A, threshold)
     if not torch.compiler.is_compiling() and A.numel() and not bool(torch.isfinite(A).all()):
         raise ValueError("A has NaN or inf values; int8 quantization needs finite values")
     q, row_stats, cols = _VECTORWISE(A, float(threshold))
@@ -123,45 +172,20 @@ def int8_vectorwise_quant(A: torch.Tensor, threshold: float = 0.0) -> tuple[torc
 
 def int8_vectorwise_dequant(A: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
     """float32 ``A * stats / 127`` per row: the inverse of :func:`int8_vectorwise_quant`."""
-    check_type("A", A, torch.Tensor)
-    if A.dtype != torch.int8:
-        raise TypeError(f"A must be int8, got dtype {A.dtype}")
+    _check_int_tensor("A", A, torch.int8)
     check_type("stats", stats, torch.Tensor)
-    if stats.numel() != A.numel() // max(A.shape[-1], 1):
-        raise ValueError(f"stats has {stats.numel()} values; A has {A.numel() // max(A.shape[-1], 1)} rows")
+    if stats.numel() != _row_count(A):
+        raise ValueError(f"stats has {stats.numel()} values; A has {_row_count(A)} rows")
+    check_on("stats", stats, "A", A.device)
     return A.float() * (stats.reshape(-1, 1).float() / 127.0).reshape(*A.shape[:-1], 1)
 
 
 def int8_linear_matmul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """``A @ B.T`` for int8 ``A`` (..., K) and ``B`` (N, K), exact, as int32."""
-    for name, tensor in (("A", A), ("B", B)):
-        check_type(name, tensor, torch.Tensor)
-        if tensor.dtype != torch.int8:
-            raise TypeError(f"{name} must be int8, got dtype {tensor.dtype}")
-    if B.dim() != 2 or A.dim() < 1 or A.shape[-1] != B.shape[1]:
-        raise ValueError(f"shapes do not match for A @ B.T: A {tuple(A.shape)}, B {tuple(B.shape)} (B must be N x K)")
-    if A.device != B.device:
-        raise ValueError(f"A is on {A.device} but B is on {B.device}; both must be on one device")
     return _MATMUL(A, B)
 
 
 def int8_mm_dequant(A: torch.Tensor, row_stats: torch.Tensor, col_stats: torch.Tensor, dtype: torch.dtype | None = None,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """Scale an int32 product back: ``A * row_stats * col_stats / 127**2`` (+ bias), as ``dtype`` (default float16)."""
-    check_type("A", A, torch.Tensor)
-    if A.dtype != torch.int32:
-        raise TypeError(f"A must be int32, got dtype {A.dtype}")
-    rows, cols = A.numel() // max(A.shape[-1], 1), A.shape[-1]
-    for name, stats, expected in (("row_stats", row_stats, rows), ("col_stats", col_stats, cols)):
-        check_type(name, stats, torch.Tensor)
-        if stats.dtype != torch.float32 or stats.numel() != expected:
-            raise ValueError(f"{name} must be float32 with {expected} values, got {stats.dtype} with {stats.numel()}")
-    if bias is not None:
-        check_type("bias", bias, torch.Tensor)
-        if bias.shape != (cols,):
-            raise ValueError(f"bias must have shape ({cols},), got {tuple(bias.shape)}")
-    dtype = torch.float16 if dtype is None else dtype
-    check_type("dtype", dtype, torch.dtype)
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"dtype={dtype} is not accepted; accepted: float32, float16, bfloat16")
-    return _DEQUANT(A, row_stats, col_stats, dtype, bias)
+    return _DEQUANT(A, row_stats, col_stats, torch.float16 if dtype is None else dtype, bias)

@@ -1,0 +1,155 @@
+"""The checks that keep the quantization kernels memory-safe (D9), one per op.
+
+They run inside the op on every path (see ``_registry``), so the raw
+``torch.ops.tightfit.*`` entry points are as safe as the public functions. They read
+metadata only (shapes, dtypes, strides, devices, ints), never values, so they cost no
+device synchronization and also run on the fake tensors of a trace. Each error names
+the argument, the value received and what is accepted (D7).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from tightfit._validate import check_choice, check_type
+from tightfit.ops.codes import QUANT_TYPES_4BIT
+
+__all__: list[str] = []
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+BLOCKSIZES_8BIT = (64, 128, 256, 512, 1024, 2048, 4096)
+BLOCKSIZES_4BIT = (32, *BLOCKSIZES_8BIT)
+#: dtypes that packed 4-bit codes may be stored as (bitsandbytes' ``quant_storage``).
+PACKED_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, *FLOAT_DTYPES)
+
+
+def block_count(numel: int, blocksize: int) -> int:
+    """Blocks of ``blocksize`` covering ``numel`` values (the last may be partial)."""
+    return -(-numel // blocksize)
+
+
+def packed_bytes(numel: int) -> int:
+    """Bytes that hold ``numel`` 4-bit codes, two per byte."""
+    return (numel + 1) // 2
+
+
+def check_float_input(name: str, A: object) -> torch.Tensor:
+    check_type(name, A, torch.Tensor)
+    check_choice(f"{name}.dtype", A.dtype, FLOAT_DTYPES)
+    return A
+
+
+def check_blocksize(blocksize: object, accepted: tuple[int, ...]) -> int:
+    if isinstance(blocksize, bool) or not isinstance(blocksize, int):
+        raise TypeError(f"blocksize must be int, got {type(blocksize).__name__}: {blocksize!r}")
+    check_choice("blocksize", blocksize, accepted)
+    return blocksize
+
+
+def check_dtype(name: str, dtype: object) -> None:
+    check_type(name, dtype, torch.dtype)
+    check_choice(name, dtype, FLOAT_DTYPES)
+
+
+def check_quant_type(quant_type: object) -> None:
+    check_type("quant_type", quant_type, str)
+    check_choice("quant_type", quant_type, QUANT_TYPES_4BIT)
+
+
+def check_on(name: str, tensor: torch.Tensor, other: str, device: torch.device) -> None:
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device} but {other} is on {device}; both must be on one device")
+
+
+def check_code(code: object, device: torch.device) -> torch.Tensor:
+    """The 8-bit code table: 256 float32 values, since codes are bytes that index it."""
+    check_type("code", code, torch.Tensor)
+    if code.dtype != torch.float32 or code.dim() != 1 or code.numel() != 256:
+        raise ValueError(f"code must be a 1-D float32 tensor of 256 values, got dtype {code.dtype}, shape {tuple(code.shape)}")
+    check_on("code", code, "A", device)
+    return code
+
+
+def check_absmax(absmax: object, numel: int, blocksize: int, device: torch.device) -> torch.Tensor:
+    check_type("absmax", absmax, torch.Tensor)
+    if absmax.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"absmax must be a floating-point tensor (float32, float16 or bfloat16), got dtype {absmax.dtype}")
+    expected = block_count(numel, blocksize)
+    if absmax.dim() != 1 or absmax.numel() != expected:
+        raise ValueError(f"absmax has shape {tuple(absmax.shape)}; {numel} values in blocks of {blocksize} need {expected} (1-D)")
+    check_on("absmax", absmax, "A", device)
+    return absmax
+
+
+def check_shape(shape: object, *, matrix: bool) -> list[int]:
+    """A weight shape as a list of ints: any rank >= 0 with sizes >= 0, or (out, in) > 0."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, (list, tuple, torch.Size)) \
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise TypeError(f"shape must be a sequence of non-negative ints, got {type(shape).__name__}: {shape!r}")
+    if matrix and (len(shape) != 2 or min(shape) == 0):
+        raise ValueError(f"shape must be (out_features, in_features) with positive ints, got {list(shape)!r}")
+    return list(shape)
+
+
+def check_packed(name: str, packed: object, numel: int, shape: list[int]) -> torch.Tensor:
+    """Packed 4-bit codes for ``numel`` values: contiguous (read in memory order), exactly their bytes."""
+    check_type(name, packed, torch.Tensor)
+    check_choice(f"{name}.dtype", packed.dtype, PACKED_DTYPES)
+    have, need = packed.numel() * packed.element_size(), packed_bytes(numel)
+    if have != need:
+        raise ValueError(f"{name} holds {have} packed bytes but shape {tuple(shape)} needs {need}")
+    if not packed.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (packed bytes are read in memory order), got strides {packed.stride()}")
+    return packed
+
+
+def quantize_blockwise(A: Any, code: Any, blocksize: Any) -> None:
+    check_float_input("A", A)
+    check_blocksize(blocksize, BLOCKSIZES_8BIT)
+    check_code(code, A.device)
+
+
+def dequantize_blockwise(A: Any, absmax: Any, code: Any, blocksize: Any, dtype: Any) -> None:
+    check_type("A", A, torch.Tensor)
+    if A.dtype != torch.uint8:
+        raise TypeError(f"A must be uint8 codes, got dtype {A.dtype}")
+    check_blocksize(blocksize, BLOCKSIZES_8BIT)
+    check_absmax(absmax, A.numel(), blocksize, A.device)
+    check_code(code, A.device)
+    check_dtype("dtype", dtype)
+
+
+def quantize_4bit(A: Any, blocksize: Any, quant_type: Any, quant_storage: Any) -> None:
+    check_float_input("A", A)
+    check_blocksize(blocksize, BLOCKSIZES_4BIT)
+    check_quant_type(quant_type)
+    check_type("quant_storage", quant_storage, torch.dtype)
+    check_choice("quant_storage", quant_storage, PACKED_DTYPES)
+    nbytes = packed_bytes(A.numel())
+    if nbytes % quant_storage.itemsize:
+        raise ValueError(f"quant_storage={quant_storage} cannot hold {nbytes} packed bytes (itemsize {quant_storage.itemsize}); use torch.uint8")
+
+
+def dequantize_4bit(A: Any, absmax: Any, blocksize: Any, quant_type: Any, shape: Any, dtype: Any) -> None:
+    check_blocksize(blocksize, BLOCKSIZES_4BIT)
+    check_quant_type(quant_type)
+    shape = check_shape(shape, matrix=False)
+    numel = math.prod(shape)
+    check_packed("A", A, numel, shape)
+    check_absmax(absmax, numel, blocksize, A.device)
+    check_dtype("dtype", dtype)
+
+
+def gemv_4bit(A: Any, B: Any, shape: Any, absmax: Any, blocksize: Any, quant_type: Any) -> None:
+    check_float_input("A", A)
+    check_blocksize(blocksize, BLOCKSIZES_4BIT)
+    check_quant_type(quant_type)
+    shape = check_shape(shape, matrix=True)
+    if A.dim() < 1 or A.shape[-1] != shape[1]:
+        raise ValueError(f"A has shape {tuple(A.shape)}; its last dimension must be the weight's in_features, {shape[1]}")
+    check_packed("B", B, shape[0] * shape[1], shape)
+    check_on("B", B, "A", A.device)
+    check_absmax(absmax, shape[0] * shape[1], blocksize, A.device)
