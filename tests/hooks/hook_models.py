@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -71,3 +75,12 @@ def unet(seed: int = 0):
     return diffusers.UNet2DModel(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(32, 32),
                                  down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
                                  norm_num_groups=8).eval()
+
+
+def held_files(pid: int, folder: Path) -> set[str]:
+    """The distinct files in ``folder`` that process ``pid`` holds open (Linux; unnamed ones end in '(deleted)')."""
+    links = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # closed meanwhile
+            links.add(os.readlink(fd))
+    return {link for link in links if link.startswith(f"{folder}/")}

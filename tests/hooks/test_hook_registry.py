@@ -103,6 +103,25 @@ def test_abort_runs_when_forward_raises():
     assert log == ["pre a", "pre b", "abort b", "abort a"]
 
 
+class FailingPost(Recorder):
+    def post_forward(self, module, output):
+        super().post_forward(module, output)
+        raise ValueError("post_forward failed")
+
+
+def test_the_enclosing_hooks_abort_when_a_post_forward_raises():
+    log = []
+    layer = nn.Linear(2, 2)
+    registry = HookRegistry.of(layer)
+    registry.register("a", Recorder("a", log, order=10))
+    registry.register("b", FailingPost("b", log, order=20))
+    registry.register("c", Recorder("c", log, order=30))
+    log.clear()
+    with pytest.raises(ValueError, match="post_forward failed"):
+        layer(torch.ones(1, 2))
+    assert log == ["pre a", "pre b", "pre c", "post c", "post b", "abort a"]
+
+
 def test_a_later_wrapper_is_kept_when_ours_goes():
     layer = nn.Linear(2, 2)
     registry = HookRegistry.of(layer)

@@ -1,12 +1,17 @@
 """Offloading: CPU and memory-mapped disk storage, block and leaf units, prefetch order,
 composition with casting, exact removal, bad inputs; on a GPU (skipped without one) the
-copies, the side-stream prefetch and the memory they save."""
+copies, the side-stream prefetch and the memory they save. Damaged files, full disks and
+killed processes are in test_offload_files.py."""
 
 from __future__ import annotations
 
+import gc
+import os
+import sys
+
 import pytest
 import torch
-from hook_models import bert_and_output, cosine, same_state, snapshot, stack
+from hook_models import bert_and_output, cosine, held_files, same_state, snapshot, stack
 from torch import nn
 
 from tightfit.hooks import (OFFLOADING, HookRegistry, apply_layerwise_casting, apply_offloading,
@@ -14,9 +19,9 @@ from tightfit.hooks import (OFFLOADING, HookRegistry, apply_layerwise_casting, a
 from tightfit.hooks._disk import MappedFile
 from tightfit.memory import tensor_bytes
 
-pytest.importorskip("safetensors")
 F8 = torch.float8_e4m3fn
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+LINUX = sys.platform == "linux"
 
 
 def state_of(module):
@@ -37,32 +42,36 @@ def test_cpu_storage_on_the_cpu_is_a_no_op():
 
 
 @pytest.mark.parametrize("granularity", ["block", "leaf"])
-def test_disk_storage_maps_safetensors_files_and_removal_restores_bit_for_bit(tmp_path, granularity):
+def test_disk_storage_maps_unnamed_files_and_removal_restores_bit_for_bit(tmp_path, granularity):
     model = stack()
     x = torch.randn(2, 32)
     expected, saved = model(x), snapshot(model)
     apply_offloading(model, "cpu", storage="disk", granularity=granularity, path=tmp_path)
-    (folder,) = tmp_path.iterdir()
-    files = sorted(folder.glob("*.safetensors"))
-    assert len(files) == (3 if granularity == "block" else 9)  # leaf: a norm and two Linears a block
+    assert len(state_of(model[0].up if granularity == "leaf" else model[0]).files) == (3 if granularity == "block" else 9)
+    assert list(tmp_path.iterdir()) == []  # no names: nothing to find, nothing left behind
+    if LINUX:
+        assert len(held_files(os.getpid(), tmp_path)) == len(state_of(model[0].up if granularity == "leaf" else model[0]).files)
     assert resident_bytes(model, "cpu") == 0  # every weight lives in the page cache of a mapped file
     assert torch.equal(model(x), expected) and torch.equal(model(x), expected)
     remove_offloading(model)
-    assert same_state(model, saved) and not folder.exists()
+    assert same_state(model, saved)
     assert all(HookRegistry.get(m) is None for m in model.modules())
+    gc.collect()
+    if LINUX:
+        assert held_files(os.getpid(), tmp_path) == set()  # closed: the OS has freed the space
 
 
 def test_prefetch_learns_the_order_and_reads_the_next_file_ahead(tmp_path, monkeypatch):
     model = stack()
     read_ahead = []
-    monkeypatch.setattr(MappedFile, "will_need", lambda self: read_ahead.append(self.path.name))
+    monkeypatch.setattr(MappedFile, "will_need", lambda self: read_ahead.append(self.unit))
     apply_offloading(model, "cpu", storage="disk", path=tmp_path)
     x = torch.randn(2, 32)
     model(x)  # first pass: records the order
     state = state_of(model[0])
     assert [HookRegistry.get(m).hook(OFFLOADING) for m in model] == state.order and read_ahead == []
     model(x)
-    assert read_ahead == ["unit-00000.safetensors", "unit-00001.safetensors", "unit-00002.safetensors"]
+    assert read_ahead == ["0", "1", "2"]
     remove_offloading(model)
     read_ahead.clear()
     apply_offloading(model, "cpu", storage="disk", prefetch=False, path=tmp_path)
@@ -148,7 +157,7 @@ def test_bad_state(tmp_path):
         apply_offloading(model, "cpu")
     odd = nn.Sequential(nn.Linear(2, 2))
     odd[0].register_buffer("phase", torch.zeros(2, dtype=torch.complex64))
-    with pytest.raises(ValueError, match="dtype torch.complex64, which safetensors files do not hold"):
+    with pytest.raises(ValueError, match="dtype torch.complex64, which disk storage does not hold"):
         apply_offloading(odd, "cpu", storage="disk", path=tmp_path)
 
 
@@ -190,6 +199,23 @@ def test_gpu_prefetch_uses_a_side_stream_and_holds_at_most_two_units():
         model(x)
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base < 3 * unit  # current unit, next unit, activations
+
+
+@cuda
+def test_gpu_a_failed_store_offloads_nothing(monkeypatch):
+    model = stack(width=64).cuda()
+    saved, pin, calls = snapshot(model), torch.Tensor.pin_memory, []
+
+    def out_of_pinned_memory(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:  # in the second block
+            raise RuntimeError("out of pinned memory")
+        return pin(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", out_of_pinned_memory)
+    with pytest.raises(RuntimeError, match="out of pinned memory"):
+        apply_offloading(model, "cuda")
+    assert same_state(model, saved) and all(HookRegistry.get(m) is None for m in model.modules())
 
 
 @cuda

@@ -1,61 +1,114 @@
-"""Tensors kept in a safetensors file and read back through a memory map, without a copy. Private.
+"""Tensors kept in an unnamed file on disk and read back through a memory map, without a copy. Private.
 
-The file is written with the ``safetensors`` package and mapped copy-on-write: the
-tensors are views of the page cache, so the OS reads them in on first touch and may
-drop them again under memory pressure.
+The file is created without a name (``O_TMPFILE``, or unlinked at once where the file
+system lacks it), so no other process can find it by name to overwrite or truncate it,
+and the OS frees its space when the process ends, however it ends. The tensors are
+views of a copy-on-write map: the OS reads them in on first touch and may drop them
+again under memory pressure.
+
+Data read from outside is checked (D9): the file's modification time is set to a
+sentinel after writing, so any later write or truncation shows in one ``fstat``
+(:meth:`MappedFile.check`, before every touch of the map); a CRC-32 per tensor, taken
+when writing, is verified wherever the bytes are copied out for good
+(:meth:`MappedFile.read`, with ordinary reads, so a short file is an error, not a SIGBUS).
 """
 
 from __future__ import annotations
 
-import json
 import mmap
+import os
+import tempfile
+import time
+import zlib
 from pathlib import Path
 
 import torch
 
-from tightfit.models import _require
-
 __all__: list[str] = []
 
-#: safetensors' dtype names (the ones torch has).
-_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-
 #: dtypes a disk store holds.
-DISK_DTYPES: frozenset[torch.dtype] = frozenset(_DTYPES.values())
+DISK_DTYPES: frozenset[torch.dtype] = frozenset({
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+})
+
+#: Byte alignment of each tensor in the file (a view of any dtype needs its element size).
+_ALIGN = 64
+
+
+class OffloadFileError(RuntimeError):
+    """An offload file changed after tightfit wrote it: the weights it holds can no longer be trusted."""
 
 
 class MappedFile:
-    """A safetensors file of named tensors, memory-mapped; ``tensors`` are views of the map."""
+    """One unit's tensors in an unnamed file, memory-mapped; ``tensors`` are views of the map."""
 
-    def __init__(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
-        _require("safetensors")
-        from safetensors.torch import save_file
+    def __init__(self, folder: Path, unit: str, tensors: dict[str, torch.Tensor]) -> None:
+        self.folder = folder
+        self.unit = unit
+        self._file = tempfile.TemporaryFile(prefix="tightfit-offload-", dir=folder)
+        try:
+            self._layout = self._write(tensors)
+            self._file.flush()
+            target = self._file.fileno() if os.utime in os.supports_fd else self._file.name  # Windows: by name
+            os.utime(target, ns=(time.time_ns(), 0))  # mtime 0: any later write sets it to the present
+            written = os.fstat(self._file.fileno())
+            self._stamp = (written.st_size, written.st_mtime_ns, written.st_ctime_ns)
+            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
+        except BaseException:
+            self._file.close()
+            raise
+        self.tensors = {key: self._view(key) for key in self._layout}
 
-        self.path = path
-        save_file({key: tensor.detach().to("cpu").contiguous() for key, tensor in tensors.items()}, str(path))
-        with open(path, "rb") as handle:
-            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-        self.tensors = self._read_tensors()
+    def _write(self, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, int, torch.dtype, torch.Size, int]]:
+        """Write each tensor's bytes; returns key -> (offset, bytes, dtype, shape, CRC-32)."""
+        layout, offset = {}, 0
+        for key, tensor in tensors.items():
+            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+            padding = -offset % _ALIGN
+            self._file.write(bytes(padding))
+            offset += padding
+            self._file.write(data)
+            layout[key] = (offset, data.nbytes, tensor.dtype, tensor.shape, zlib.crc32(data))
+            offset += data.nbytes
+        return layout
 
-    def _read_tensors(self) -> dict[str, torch.Tensor]:
-        header_size = int.from_bytes(self._map[:8], "little")
-        header = json.loads(self._map[8:8 + header_size])
-        base = 8 + header_size
-        tensors = {}
-        for key, info in header.items():
-            if key == "__metadata__":
-                continue
-            dtype, (start, end) = _DTYPES[info["dtype"]], info["data_offsets"]
-            if end > start:
-                raw = torch.frombuffer(self._map, dtype=torch.uint8, count=end - start, offset=base + start)
-            else:
-                raw = torch.empty(0, dtype=torch.uint8)
-            tensors[key] = raw.view(dtype).reshape(info["shape"])
-        return tensors
+    def _view(self, key: str) -> torch.Tensor:
+        offset, nbytes, dtype, shape, _ = self._layout[key]
+        raw = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset)
+        return raw.view(dtype).reshape(shape)
+
+    def _error(self, what: str) -> OffloadFileError:
+        return OffloadFileError(
+            f"the offload file of unit {self.unit!r} (unnamed, in {self.folder}) {what} after tightfit wrote it: "
+            f"the weights it holds can no longer be trusted, and nothing is read from it. Another process wrote to it "
+            f"(through /proc/{os.getpid()}/fd) or the disk failed; load the model's weights again")
+
+    def check(self) -> None:
+        """Raise :class:`OffloadFileError` when the file was written to or resized since tightfit wrote it."""
+        now = os.fstat(self._file.fileno())
+        size, mtime, ctime = self._stamp
+        if now.st_size != size:
+            raise self._error(f"was resized from {size} to {now.st_size} bytes")
+        if (now.st_mtime_ns, now.st_ctime_ns) != (mtime, ctime):
+            raise self._error("was written to")
+
+    def read(self, key: str) -> torch.Tensor:
+        """A fresh CPU copy of one tensor, read with ordinary file reads and checked against its CRC-32."""
+        self.check()
+        offset, nbytes, dtype, shape, crc = self._layout[key]
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        buffer = memoryview(out.numpy())
+        self._file.seek(offset)
+        done = 0
+        while done < nbytes:
+            count = self._file.readinto(buffer[done:])
+            if not count:
+                raise self._error(f"ends {nbytes - done} bytes short of tensor {key!r}")
+            done += count
+        if zlib.crc32(buffer) != crc:
+            raise self._error(f"holds other bytes than written for tensor {key!r} (CRC-32 mismatch)")
+        return out.view(dtype).reshape(shape)
 
     def will_need(self) -> None:
         """Ask the OS to start reading the file's pages in now (a hint; returns at once)."""
@@ -63,8 +116,9 @@ class MappedFile:
             self._map.madvise(mmap.MADV_WILLNEED)
 
     def close(self) -> None:
-        """Drop the views and unmap; a view still held elsewhere keeps the map alive until it goes."""
+        """Drop the views, unmap and close; the OS frees the space once no view holds the map."""
         self.tensors = {}
+        self._file.close()
         try:
             self._map.close()
         except BufferError:  # a tensor still exported from the map: it is unmapped when that tensor dies

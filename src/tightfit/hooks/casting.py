@@ -20,6 +20,7 @@ from tightfit import backends, ops
 from tightfit._progress import task
 from tightfit._validate import check_choice, check_type
 from tightfit.backends.base import FLOAT8_DTYPES
+from tightfit.hooks._exclusive import OneForwardAtATime
 from tightfit.hooks._units import Granularity, Slot, Unit, all_slots, check_granularity, compile_patterns, select_units
 from tightfit.hooks.offload import OFFLOADING
 from tightfit.hooks.registry import HookRegistry, ModuleHook
@@ -131,6 +132,7 @@ class LayerwiseCastingHook(ModuleHook):
         self.storage_dtype = storage_dtype
         self.compute_dtype = compute_dtype
         self._saved: list[list[torch.Tensor]] = []  # a stack: a module may run inside itself
+        self._claim = OneForwardAtATime(LAYERWISE_CASTING)
 
     def __repr__(self) -> str:
         stored = sum(entry.record.stored for entry in self.entries)
@@ -143,8 +145,13 @@ class LayerwiseCastingHook(ModuleHook):
         return current.to(self.compute_dtype)
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self._claim.enter(module)
         stored = [entry.slot.get() for entry in self.entries]
-        presented = [self._present(entry, tensor) for entry, tensor in zip(self.entries, stored)]  # may raise: nothing changed yet
+        try:
+            presented = [self._present(entry, tensor) for entry, tensor in zip(self.entries, stored)]  # nothing changed yet
+        except BaseException:
+            self._claim.exit()
+            raise
         for entry, tensor in zip(self.entries, presented):
             entry.slot.set(tensor)
         self._saved.append(stored)
@@ -156,11 +163,13 @@ class LayerwiseCastingHook(ModuleHook):
 
     def post_forward(self, module: nn.Module, output: object) -> object:
         self._restore()
+        self._claim.exit()
         return output
 
     def abort(self, module: nn.Module) -> None:
         if self._saved:
             self._restore()
+        self._claim.exit()
 
     def detach(self, module: nn.Module) -> None:
         for entry in self.entries:

@@ -1,4 +1,4 @@
-"""Offloading: weights live off the device (CPU memory or memory-mapped safetensors files)
+"""Offloading: weights live off the device (CPU memory, or unnamed memory-mapped files on disk)
 and each unit's tensors are copied onto the device right before the unit runs, then
 dropped after it.
 
@@ -12,9 +12,7 @@ file ahead (``madvise(WILLNEED)``).
 
 from __future__ import annotations
 
-import shutil
 import tempfile
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +25,12 @@ from torch import nn
 from tightfit import backends
 from tightfit._progress import task
 from tightfit._validate import check_choice, check_device, check_type
-from tightfit.hooks._disk import DISK_DTYPES, MappedFile
+from tightfit.hooks._disk import DISK_DTYPES, MappedFile, OffloadFileError
+from tightfit.hooks._exclusive import OneForwardAtATime
 from tightfit.hooks._units import Granularity, Slot, Unit, check_granularity, select_units
 from tightfit.hooks.registry import HookRegistry, ModuleHook
 
-__all__ = ["OFFLOADING", "OFFLOADING_SCHEDULE", "STORAGES", "OffloadHook", "apply_offloading", "remove_offloading", "resident_bytes"]
+__all__ = ["OFFLOADING", "OFFLOADING_SCHEDULE", "STORAGES", "OffloadFileError", "OffloadHook", "apply_offloading", "remove_offloading", "resident_bytes"]
 
 #: Name of the per-unit offloading hook in a module's :class:`HookRegistry`.
 OFFLOADING = "tightfit.offloading"
@@ -48,7 +47,9 @@ class _Record:
 
     tensor: torch.Tensor  # its ``.data`` is the stored copy while offloaded
     device: torch.device  # where it lived before
-    file: MappedFile | None = None
+    file: MappedFile | None = None  # disk storage: the file it is a view of, under ``key``
+    key: str = ""
+    version: int = 0  # ``tensor._version`` when it became a view: a change made in place shows
 
 
 class _Offload:
@@ -60,6 +61,7 @@ class _Offload:
         self.folder = folder
         self.records: dict[int, _Record] = {}
         self.files: list[MappedFile] = []
+        self.pending: list[tuple[_Record, MappedFile, str]] = []  # written to disk, not yet swapped in
         self.streams = streams  # torch.cuda-like module when the backend copies asynchronously
         self.side_stream = streams.Stream(device) if streams is not None else None
         self.order: list[OffloadHook] = []
@@ -86,35 +88,70 @@ class _Offload:
         if index is not None and index + 1 < len(self.order):
             self.order[index + 1].prefetch()
 
-    def restore(self) -> None:
-        for record in self.records.values():
-            record.tensor.data = record.tensor.data.to(record.device, copy=True)
+    def swap_in(self) -> None:
+        """Point every tensor written to disk at its view of the file (the last step of applying)."""
+        for record, file, key in self.pending:
+            record.tensor.data = file.tensors[key]
+            record.file, record.key, record.version = file, key, record.tensor._version
+        self.pending.clear()
+
+    def read_back(self) -> dict[int, torch.Tensor]:
+        """The data of the disk records on their own devices again, by record; nothing assigned yet.
+
+        Each is read from its file with ordinary reads and checked against its CRC-32
+        (:class:`OffloadFileError` when a file changed). A tensor changed in place while
+        offloaded is not read: its copy-on-write view holds the change.
+        """
+        restored = {}
+        for key, record in self.records.items():
+            if record.file is not None:
+                record.file.check()
+                if record.tensor._version == record.version:
+                    restored[key] = record.file.read(record.key).to(record.device)
+        return restored
+
+    def restore(self, restored: dict[int, torch.Tensor]) -> None:
+        """Put every stored tensor back on its device (from ``restored`` where it has it) and free the storage."""
+        for key, record in self.records.items():
+            if key in restored:
+                record.tensor.data = restored[key]
+            elif record.file is not None or self.storage == "cpu":  # a disk record not swapped in holds its own data
+                record.tensor.data = record.tensor.data.to(record.device, copy=True)
         self.records.clear()
+        self.pending.clear()
         for file in self.files:
             file.close()
         self.files.clear()
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class OffloadHook(ModuleHook):
-    """Copies the unit's stored tensors onto the device for its forward and drops them afterwards."""
+    """Copies the unit's stored tensors onto the device for its forward and drops them afterwards.
+
+    With disk storage every forward first checks that the unit's files are as written.
+    """
 
     order = 10
 
-    def __init__(self, state: _Offload, slots: list[Slot], files: list[MappedFile]) -> None:
+    def __init__(self, state: _Offload, slots: list[Slot]) -> None:
         self.state = state
         self.slots = slots
-        self.files = files  # the disk files this unit reads (for prefetch on the CPU)
+        files = (state.records[id(slot.get())].file for slot in slots if id(slot.get()) in state.records)
+        self.files = list({id(file): file for file in files if file is not None}.values())  # the disk files it reads
         self.moves = any(slot.get().device != state.device for slot in slots)
         self._prefetched: tuple[list[torch.Tensor], Any] | None = None
         self._saved: list[list[torch.Tensor]] = []
+        self._claim = OneForwardAtATime(OFFLOADING)
 
     def __repr__(self) -> str:
         return f"OffloadHook({len(self.slots)} tensors, storage {self.state.storage}, compute on {self.state.device})"
 
     def prefetch(self) -> None:
         """Start bringing this unit's tensors in: a side-stream copy, or a read-ahead of its file."""
+        try:
+            for file in self.files:
+                file.check()
+        except OffloadFileError:
+            return  # the unit raises when it runs
         for file in self.files:
             file.will_need()
         state = self.state
@@ -138,12 +175,23 @@ class OffloadHook(ModuleHook):
         return copies
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self.moves:
-            saved = [slot.get() for slot in self.slots]
-            for slot, copy in zip(self.slots, self._onload()):
-                slot.set(copy)
-            self._saved.append(saved)
-        self.state.entered(self)
+        self._claim.enter(module)
+        swapped = False
+        try:
+            for file in self.files:
+                file.check()
+            if self.moves:
+                saved = [slot.get() for slot in self.slots]
+                for slot, copy in zip(self.slots, self._onload()):
+                    slot.set(copy)
+                self._saved.append(saved)
+                swapped = True
+            self.state.entered(self)
+        except BaseException:
+            if swapped:
+                self._restore()
+            self._claim.exit()
+            raise
         return args, kwargs
 
     def _restore(self) -> None:
@@ -153,10 +201,12 @@ class OffloadHook(ModuleHook):
 
     def post_forward(self, module: nn.Module, output: object) -> object:
         self._restore()
+        self._claim.exit()
         return output
 
     def abort(self, module: nn.Module) -> None:
         self._restore()
+        self._claim.exit()
 
 
 class _ScheduleHook(ModuleHook):
@@ -166,17 +216,25 @@ class _ScheduleHook(ModuleHook):
 
     def __init__(self, state: _Offload) -> None:
         self.state = state
+        self._claim = OneForwardAtATime(OFFLOADING_SCHEDULE)
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        self.state.start_pass()
+        self._claim.enter(module)
+        try:
+            self.state.start_pass()
+        except BaseException:
+            self._claim.exit()
+            raise
         return args, kwargs
 
     def post_forward(self, module: nn.Module, output: object) -> object:
         self.state.end_pass()
+        self._claim.exit()
         return output
 
     def abort(self, module: nn.Module) -> None:
         self.state.end_pass()
+        self._claim.exit()
 
 
 def _check_device(device: object) -> tuple[backends.Backend, torch.device]:
@@ -208,10 +266,13 @@ def apply_offloading(
     """Keep ``module``'s parameters and buffers in ``storage`` and compute each unit on ``device``.
 
     ``storage="cpu"`` keeps them in CPU memory (pinned by default where the device copies
-    asynchronously); ``"disk"`` writes one safetensors file per unit into a fresh folder
-    under ``path`` (default: the system's temporary folder) and maps it back. Units are
-    picked by ``granularity`` as in layerwise casting (``"block"`` by default). Apply
-    layerwise casting first to offload float8 weights. Returns the hooked units' names.
+    asynchronously); ``"disk"`` writes one unnamed file per unit in the folder ``path``
+    (default: the system's temporary folder) and maps it back; the OS frees the files
+    when the process ends, however it ends. Units are picked by ``granularity`` as in
+    layerwise casting (``"block"`` by default). Apply layerwise casting first to offload
+    float8 weights. All or nothing: when storing any unit fails (a full disk), what was
+    done is undone and the error (an ``OSError`` for the disk) says nothing was offloaded.
+    Returns the hooked units' names.
     """
     check_type("module", module, nn.Module)
     backend, device = _check_device(device)
@@ -238,21 +299,34 @@ def apply_offloading(
             for slot in unit.slots:
                 if slot.get().dtype not in DISK_DTYPES:
                     raise ValueError(f"{unit.name or type(module).__name__}.{slot.name} has dtype {slot.get().dtype}, "
-                                     f"which safetensors files do not hold; use storage='cpu'")
+                                     f"which disk storage does not hold; use storage='cpu'")
     streams = torch.get_device_module(device.type) if async_copy and hasattr(torch.get_device_module(device.type), "Stream") else None
-    folder = Path(tempfile.mkdtemp(prefix="tightfit-offload-", dir=path)) if storage == "disk" else None
+    folder = Path(path if path is not None else tempfile.gettempdir()) if storage == "disk" else None
     state = _Offload(device, storage, folder, streams if prefetch else None)
-    if folder is not None:
-        weakref.finalize(state, shutil.rmtree, folder, True)
     pin = async_copy if pin_memory is None else pin_memory
     with task(f"offloading to {storage}", len(units)) as advance:
-        for index, unit in enumerate(units):
-            files = _store_unit(state, index, unit, pin and storage == "cpu")
-            HookRegistry.of(unit.module).register(OFFLOADING, OffloadHook(state, _unique(unit.slots), files))
-            advance(1)
+        try:
+            for unit in units:
+                _store_unit(state, unit, pin and storage == "cpu")
+                advance(1)
+            state.swap_in()
+        except BaseException as error:
+            state.restore(state.read_back())
+            if isinstance(error, OSError):
+                raise _nothing_offloaded(error, folder) from error
+            raise
+    for unit in units:
+        HookRegistry.of(unit.module).register(OFFLOADING, OffloadHook(state, _unique(unit.slots)))
     if prefetch and (streams is not None or storage == "disk"):
         HookRegistry.of(module).register(OFFLOADING_SCHEDULE, _ScheduleHook(state))
     return [unit.name for unit in units]
+
+
+def _nothing_offloaded(error: OSError, folder: Path | None) -> OSError:
+    """``error`` again (same errno, so callers may catch OSError), saying that applying was undone."""
+    where = f" in {folder}; free space there or pass path= on another disk" if folder is not None else ""
+    message = f"offloading failed ({error.strerror or error}){where}. Nothing was offloaded: the module is as it was"
+    return OSError(error.errno, message, error.filename) if error.errno is not None else OSError(message)
 
 
 def _unique(slots: Iterable[Slot]) -> list[Slot]:
@@ -262,43 +336,42 @@ def _unique(slots: Iterable[Slot]) -> list[Slot]:
     return list(seen.values())
 
 
-def _store_unit(state: _Offload, index: int, unit: Unit, pin: bool) -> list[MappedFile]:
-    """Move the unit's tensors not stored yet into storage; returns the files it created."""
+def _store_unit(state: _Offload, unit: Unit, pin: bool) -> None:
+    """Put the unit's tensors not stored yet into storage: CPU copies at once, a disk file to swap in at the end."""
     fresh = []
     for slot in unit.slots:
         tensor = slot.get()
-        if id(tensor) not in state.records:
+        if id(tensor) not in state.records and (state.storage == "cpu" or tensor.numel()):
             state.records[id(tensor)] = _Record(tensor, tensor.device)
             fresh.append(tensor)
     if state.storage == "cpu":
         for tensor in fresh:
             data = tensor.data.to("cpu")
             tensor.data = data.pin_memory() if pin else data
-        return []
-    if not fresh:
-        return []
-    file = MappedFile(state.folder / f"unit-{index:05d}.safetensors", {str(i): t for i, t in enumerate(fresh)})
-    for i, tensor in enumerate(fresh):
-        tensor.data = file.tensors[str(i)]
-        state.records[id(tensor)].file = file
-    state.files.append(file)
-    return [file]
+    elif fresh:
+        file = MappedFile(state.folder, unit.name, {str(i): t for i, t in enumerate(fresh)})
+        state.files.append(file)
+        state.pending += [(state.records[id(tensor)], file, str(i)) for i, tensor in enumerate(fresh)]
 
 
 def remove_offloading(module: nn.Module) -> None:
-    """Remove the offloading hooks under ``module``; every tensor goes back to its device, bit for bit."""
+    """Remove the offloading hooks under ``module``; every tensor goes back to its device, bit for bit.
+
+    Disk files are read back and checked first: when one changed since it was written,
+    :class:`OffloadFileError` is raised and nothing is changed (no bad byte reaches the model).
+    """
     check_type("module", module, nn.Module)
     hooked = _hooked(module, OFFLOADING)
     if not hooked:
         raise ValueError("no offloading is applied to this module")
-    states = {}
+    states = {id(hook.state): hook.state for hook in (HookRegistry.get(m).hook(OFFLOADING) for m in hooked)}
+    restored = [(state, state.read_back()) for state in states.values()]
     for submodule in hooked:
-        hook = HookRegistry.get(submodule).remove(OFFLOADING)
-        states[id(hook.state)] = hook.state
+        HookRegistry.get(submodule).remove(OFFLOADING)
     for submodule in _hooked(module, OFFLOADING_SCHEDULE):
         HookRegistry.get(submodule).remove(OFFLOADING_SCHEDULE)
-    for state in states.values():
-        state.restore()
+    for state, data in restored:
+        state.restore(data)
 
 
 def resident_bytes(module: nn.Module, device: str | torch.device) -> int:

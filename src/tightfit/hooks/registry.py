@@ -49,9 +49,10 @@ class ModuleHook:
         return output
 
     def abort(self, module: nn.Module) -> None:
-        """Runs instead of ``post_forward`` when the forward (or a later hook) raised: undo ``pre_forward``.
+        """Runs instead of ``post_forward`` when the forward, or a hook it encloses, raised: undo ``pre_forward``.
 
-        A ``pre_forward`` that raises gets no ``abort``: it must leave the module as it found it.
+        A ``pre_forward`` or ``post_forward`` that raises gets no ``abort``: it must leave
+        the module as it found it (or as ``post_forward`` would have).
         """
 
 
@@ -177,6 +178,11 @@ def _hooked_forward(registry: HookRegistry, *args: Any, **kwargs: Any) -> Any:
         for hook in reversed(hooks[:entered]):
             hook.abort(module)
         raise
-    for hook in reversed(hooks):
-        output = hook.post_forward(module, output)
+    for index in reversed(range(len(hooks))):
+        try:
+            output = hooks[index].post_forward(module, output)
+        except BaseException:
+            for hook in reversed(hooks[:index]):  # the enclosing hooks still undo their pre_forward
+                hook.abort(module)
+            raise
     return output
