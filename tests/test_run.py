@@ -145,4 +145,5 @@ def test_run_rejects_missing_or_bad_model_folder(tmp_path):
 def test_cli_reports_errors_without_a_traceback(tmp_path):
     done = subprocess.run([sys.executable, "-m", "tightfit.cli", "run", "--model", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
-    assert "has no config.json" in done.stdout and "Traceback" not in done.stdout + done.stderr
+    assert done.stderr.startswith("tightfit run: error: model=") and "has no config.json" in done.stderr
+    assert done.stderr.count("\n") == 1 and done.stdout == ""

@@ -83,7 +83,8 @@ def test_cli_rejects_bad_budgets_without_a_traceback(capsys):
                           (["--budget", "40MB", "--quant", "int8"], "cannot be combined with quant"),
                           (["--allow", "disk"], "runs only with a budget")):
         assert main(["run", *argv]) == 2
-        assert message in capsys.readouterr().out
+        err = capsys.readouterr().err
+        assert err.startswith("tightfit run: error: ") and message in err and err.count("\n") == 1
 
 
 # -- the built-in encoder -------------------------------------------------------------
@@ -184,7 +185,8 @@ def test_cli_no_fit_exits_non_zero_with_the_fit_error_also_under_python_O(tiny_l
     done = subprocess.run([sys.executable, "-O", "-m", "tightfit.cli", "run", "--model", str(tiny_llama), "--budget", "1MB"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
-    assert "tightfit run: budget=" in done.stdout and "cannot be met on cpu" in done.stdout and "dominated by" in done.stdout
+    assert done.stderr.startswith("tightfit run: error: budget=") and done.stderr.count("\n") == 1
+    assert "cannot be met on cpu" in done.stderr and "dominated by" in done.stderr
     assert "Traceback" not in done.stdout + done.stderr
 
 

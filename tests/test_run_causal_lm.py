@@ -192,7 +192,7 @@ def test_cli_reports_bad_generation_flags(tiny_llama, tmp_path, capsys):
         (["--timeline", str(tmp_path / "t.jpg")], "must end in .png"),
     ]:
         assert main(["run", "--model", str(tiny_llama), *flags]) == 2
-        assert message in capsys.readouterr().out
+        assert message in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["run", "--max-new-tokens", "many"])
     assert "invalid int value: 'many'" in capsys.readouterr().err

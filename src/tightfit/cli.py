@@ -1,8 +1,14 @@
-"""The ``tightfit`` command: ``backends``, ``check``, ``run`` and ``plan``."""
+"""The ``tightfit`` command: ``backends``, ``check``, ``run`` and ``plan``.
+
+A user error (a bad argument, a broken model folder, a full disk, a device that cannot
+be used) is one line on stderr and exit status 2, as argparse reports a bad flag;
+anything else is a bug and keeps its traceback. ``--traceback`` shows it for both.
+"""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Sequence
@@ -12,7 +18,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from tightfit._strict import is_strict
+
 __all__ = ["main"]
+
+#: What describes the user's input or machine rather than a bug in tightfit: D7's ValueError
+#: and TypeError, RuntimeError for device state, OSError (unreadable files, a full disk),
+#: MemoryError.
+_USER_ERRORS = (ValueError, TypeError, RuntimeError, OSError, MemoryError)
 
 
 def _backend_row(entry) -> dict:
@@ -128,13 +141,16 @@ def _plan_command(args: argparse.Namespace, console: Console) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tightfit", description="Run a model on any accelerator and make it fit in its memory.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--traceback", action="store_true", help="on an error, print the full traceback instead of one line")
     commands = parser.add_subparsers(dest="command", required=True)
-    backends = commands.add_parser("backends", help="list backends: availability, memory, capabilities, load errors")
+    command = functools.partial(commands.add_parser, parents=[common])
+    backends = command("backends", help="list backends: availability, memory, capabilities, load errors")
     backends.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    check = commands.add_parser("check", help="run the conformance harness: every op on every backend vs the reference")
+    check = command("check", help="run the conformance harness: every op on every backend vs the reference")
     check.add_argument("--op", action="append", help="check only this op (repeatable)")
     check.add_argument("--failures-only", action="store_true", help="list only checks that did not pass")
-    run = commands.add_parser("run", help="run a model (default: the built-in all-MiniLM-L6-v2) and measure it")
+    run = command("run", help="run a model (default: the built-in all-MiniLM-L6-v2) and measure it")
     run.add_argument("--model", help="a local Hugging Face model folder, an encoder (embeds sentences) or a causal LM "
                                      "(generates text) (default: the built-in model)")
     run.add_argument("--backend", help="backend name or device, e.g. cpu, cuda, cuda:1 (default: best available)")
@@ -155,7 +171,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--max-new-tokens", type=int, help="causal LMs: tokens to generate greedily (default: 16)")
     run.add_argument("--timeline", help="also write a PNG of memory over one run to this path (needs tightfit[plot])")
     run.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    plan = commands.add_parser("plan", help="plan a model's memory before running it (no weight is loaded)")
+    plan = command("plan", help="plan a model's memory before running it (no weight is loaded)")
     plan.add_argument("--model", help="a local Hugging Face model folder (default: the built-in model); only its config is read")
     plan.add_argument("--batch", type=int, default=8, help="batch size of the planned call (default: 8)")
     plan.add_argument("--seq", type=int, default=128, help="sequence length of the planned call (default: 128)")
@@ -177,9 +193,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=160)
     handlers = {"backends": _backends_command, "check": _check_command, "run": _run_command, "plan": _plan_command}
     try:
+        is_strict()  # an invalid TIGHTFIT_STRICT is refused now, not at the first fallback (or never)
         return handlers[args.command](args, console)
-    except (ValueError, TypeError, RuntimeError) as error:
-        console.print(f"[red]tightfit {args.command}: {escape(str(error))}[/red]", highlight=False)
+    except _USER_ERRORS as error:
+        if args.traceback:
+            raise
+        message = " ".join(str(error).split()) or type(error).__name__  # one line, whatever the message holds
+        print(f"tightfit {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -9,6 +9,8 @@ without a download."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ def default_model_dir() -> Path:
 
 
 def _model_folder(path: str | Path) -> Path:
+    """The folder, once its config.json is known to be a JSON object of a model type transformers knows."""
     if not isinstance(path, (str, Path)):
         raise TypeError(f"model must be a folder path, got {type(path).__name__}: {path!r}")
     folder = Path(path)
@@ -48,7 +51,66 @@ def _model_folder(path: str | Path) -> Path:
     if not (folder / "config.json").is_file():
         raise ValueError(f"model={str(path)!r} has no config.json; pass a local Hugging Face model folder")
     _require("transformers")
+    _check_config(folder / "config.json")
     return folder
+
+
+def _read_json(file: Path) -> Any:
+    """The JSON in ``file``; a ValueError naming the file where it is not JSON (OSError where unreadable)."""
+    try:
+        return json.loads(file.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{file} is not valid JSON: {error}") from None
+
+
+def _check_config(file: Path) -> None:
+    """Refuse, naming the file, a config.json that transformers would fail on with a message naming neither."""
+    config = _read_json(file)
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} must hold a JSON object (a model config), got a JSON {type(config).__name__}")
+    model_type = config.get("model_type")
+    if model_type is None:
+        return  # transformers may still tell the type from the folder's name, or says it cannot
+    from transformers import __version__
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise ValueError(f"{file}: model_type={model_type!r} is not a model type that transformers {__version__} knows")
+
+
+#: Checkpoint files in the order transformers prefers them.
+_WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def _check_weights(folder: Path) -> None:
+    """Refuse, naming the file, a folder without weights or with a damaged safetensors header (read, not the data)."""
+    found = next((folder / name for name in _WEIGHTS_FILES if (folder / name).is_file()), None)
+    if found is None:
+        raise ValueError(f"model={str(folder)!r} has no weights: none of {', '.join(_WEIGHTS_FILES)} is there")
+    shards = [found]
+    if found.name.endswith(".index.json"):
+        index = _read_json(found)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+            raise ValueError(f"{found} must hold a JSON object whose 'weight_map' maps tensor names to shard file names")
+        shards = [folder / name for name in sorted(set(weight_map.values()))]
+    for shard in shards:
+        if not shard.is_file():
+            raise ValueError(f"{shard} is missing; the checkpoint's index names it")
+        if shard.stat().st_size == 0:
+            raise ValueError(f"{shard} is empty")
+        if shard.suffix == ".safetensors":
+            _check_safetensors(shard)
+
+
+def _check_safetensors(file: Path) -> None:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), "pt"):
+            pass  # opening parses the header and checks that the data it describes is all there
+    except SafetensorError as error:
+        raise ValueError(f"{file} is not a valid safetensors file: {error}") from None
 
 
 def model_skeleton(path: str | Path) -> tuple[Any, Any]:
@@ -100,9 +162,21 @@ def _load(path: str | Path, device: torch.device, auto_class: str) -> tuple[Any,
 
     from tightfit._progress import transformers_bars
 
+    _check_weights(folder)
     with transformers_bars():
-        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        model = getattr(transformers, auto_class).from_pretrained(folder, local_files_only=True)
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        except (OSError, ValueError, TypeError) as error:
+            raise ValueError(f"model={str(folder)!r}: its tokenizer does not load: {error}") from error
+        try:
+            model = getattr(transformers, auto_class).from_pretrained(folder, local_files_only=True)
+        except pickle.UnpicklingError as error:
+            detail = " ".join(str(error).partition("WeightsUnpickler error:")[2].split("Check the documentation")[0].split())
+            raise ValueError(f"model={str(folder)!r}: torch.load(weights_only=True) refuses its pickled weights "
+                             f"(pytorch_model*.bin): they hold more than tensors, and unpickling them could run code "
+                             f"({detail or 'no detail'}); if you trust them, convert them to safetensors") from error
+        except EOFError as error:
+            raise ValueError(f"model={str(folder)!r}: its pickled weights (pytorch_model*.bin) end early: truncated") from error
     return model.to(device).eval(), tokenizer
 
 
