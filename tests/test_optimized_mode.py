@@ -22,6 +22,21 @@ import tightfit.fitting, tightfit.memory, tightfit.generation
 FIG = dict(backend="cpu", device_name="test", torch_version=torch.__version__, matmul_flops=1e10, device_bandwidth=1e10,
            host_to_device_bandwidth=None, disk_bandwidth=1e9, decode_seconds=dict.fromkeys(("float8", "8bit", "int8", "nf4", "fp4"), 0.0))
 import torch.fx
+import os, tempfile, tightfit.models
+class Branches(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 if x.sum() > 0 else x
+def list_config():
+    folder = tempfile.mkdtemp()
+    with open(os.path.join(folder, "config.json"), "w") as file:
+        file.write("[1, 2]")
+    return tightfit.models.folder_kind(folder)
+def strict_from(value):
+    os.environ["TIGHTFIT_STRICT"] = value
+    try:
+        tightfit.is_strict()
+    finally:
+        del os.environ["TIGHTFIT_STRICT"]
 assert False, "asserts must be off under -O"
 checks = [
     (lambda: tightfit.ops.cast([1.0], torch.bfloat16), TypeError),
@@ -105,6 +120,10 @@ checks = [
     (lambda: tightfit.memory.AllocatedBytes("bogus", read=lambda: 0), ValueError),
     (lambda: tightfit.memory.mark(3), TypeError),
     (lambda: tightfit.generation.generate_greedy(None, torch.ones(1, 2, dtype=torch.long), 1, synchronize=3), TypeError),
+    (lambda: tightfit.memory.allocated_peak(lambda: tightfit.memory.allocated_peak(lambda: None)), RuntimeError),
+    (lambda: tightfit.plan_memory(Branches(), torch.ones(2)), ValueError),
+    (list_config, ValueError),
+    (lambda: strict_from("ture"), ValueError),
 ]
 for index, (call, expected) in enumerate(checks):
     try:
@@ -121,4 +140,4 @@ print(f"{len(checks)} checks raised as documented")
 def test_bad_inputs_raise_under_python_O():
     done = subprocess.run([sys.executable, "-O", "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "81 checks raised as documented" in done.stdout
+    assert "85 checks raised as documented" in done.stdout

@@ -230,7 +230,7 @@ def plan_memory(model: torch.nn.Module, *example_inputs: Any, backend: Any = Non
     always aligns its own arenas to ``tightfit.graph.memory.ARENA_ALIGNMENT``).
     """
     from tightfit.planning.simulate import simulate_eager
-    from tightfit.planning.trace import resolve_backend
+    from tightfit.planning.trace import refuse_data_dependence, resolve_backend
 
     check_type("model", model, torch.nn.Module)
     check_type("training", training, bool)
@@ -247,15 +247,17 @@ def plan_memory(model: torch.nn.Module, *example_inputs: Any, backend: Any = Non
         check_type("kwargs", kwargs, Mapping)
     backends, device = resolve_backend(backend)
     if runtime == "eager":
-        timeline = simulate_eager(model, example_inputs, dict(kwargs or {}), device=device, training=training)
+        with refuse_data_dependence(model):
+            timeline = simulate_eager(model, example_inputs, dict(kwargs or {}), device=device, training=training)
         graphs = tuple(dict.fromkeys(timeline.step_graphs))
         orders = {graph: "written" for graph in graphs}
         order_peaks = {graph: {} for graph in graphs}
         layouts = []
     else:
-        timeline, orders, order_peaks, layouts = _plan_compiled(
-            model, example_inputs, dict(kwargs or {}), backends, device, training,
-            "written" if runtime == "arena" else order, alignment, runtime == "arena")
+        with refuse_data_dependence(model):
+            timeline, orders, order_peaks, layouts = _plan_compiled(
+                model, example_inputs, dict(kwargs or {}), backends, device, training,
+                "written" if runtime == "arena" else order, alignment, runtime == "arena")
     arenas = plan_arenas(timeline, alignment)
     for arena in arenas.values():
         verify_arena(arena)

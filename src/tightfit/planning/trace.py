@@ -11,8 +11,9 @@ does after dynamo.
 from __future__ import annotations
 
 import contextlib
-
-from collections.abc import Mapping, Sequence
+import os
+import traceback
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from tightfit._validate import check_type
 from tightfit.backends.base import Backend
 
-__all__ = ["Traced", "resolve_backend", "trace"]
+__all__ = ["Traced", "refuse_data_dependence", "resolve_backend", "trace"]
 
 
 @dataclass
@@ -191,3 +192,29 @@ def _saved(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule) -> lis
     return pairs
 
 
+@contextlib.contextmanager
+def refuse_data_dependence(model: torch.nn.Module) -> Iterator[None]:
+    """Turn torch's bare exception for a forward that depends on tensor values into a ValueError
+    saying so, where in the model's code, and what to do: a plan runs on fake tensors, which have
+    shapes and dtypes but no values."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    kinds = (
+        (DataDependentOutputException, "reads a tensor's value into Python (`if tensor`, `.item()`, `int(tensor)`)"),
+        (DynamicOutputShapeException, "makes a tensor whose shape depends on values (`nonzero`, `x[mask]`, `unique`)"),
+        (GuardOnDataDependentSymNode, "branches on a value computed from tensor data"),
+    )
+    try:
+        yield
+    except tuple(kind for kind, _ in kinds) as error:
+        what = next(text for kind, text in kinds if isinstance(error, kind))
+        library = (os.path.dirname(os.path.abspath(torch.__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        frames = [frame for frame in traceback.extract_tb(error.__traceback__) if not frame.filename.startswith((*library, "<"))]
+        where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
+        detail = " ".join(str(error).split()[:12])
+        raise ValueError(
+            f"{type(model).__name__}'s forward {what}{where}: a plan runs the model on fake tensors, which have shapes but "
+            f"no values, so it cannot follow that (torch: {type(error).__name__}: {detail}). Make the forward independent "
+            "of tensor values (torch.where instead of a Python branch, a Python argument instead of a tensor flag), or "
+            "measure real calls with tightfit.memory.measure instead of planning") from error
