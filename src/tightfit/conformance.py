@@ -43,7 +43,8 @@ def _with_sentinel(template: torch.Tensor, device: torch.device) -> tuple[torch.
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    # a fresh layout: a one-element tensor counts as contiguous whatever its stride, and view needs stride 1
+    return tensor.detach().cpu().reshape(-1).clone(memory_format=torch.contiguous_format).view(torch.uint8)
 
 
 def _bytes_differing(want: torch.Tensor, got: torch.Tensor) -> int:

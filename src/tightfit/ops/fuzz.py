@@ -1,0 +1,525 @@
+"""Hostile-input harness for the raw ops (D9): generated arguments, run in a child process.
+
+Each case starts from valid arguments of one op and applies up to two mutations (wrong
+lengths, shapes, dtypes, strides, blocksizes, code tables, ``out`` buffers, devices,
+non-finite values, zero sizes). A mutation is either harmless (the op must return what
+the reference kernel returns on the CPU) or harmful (the op must raise ValueError,
+TypeError or RuntimeError). Cases run in a worker process through both entry points,
+``torch.ops.tightfit.<op>`` and the direct path ``get_op(name)(...)``, so a crash or a
+hang is recorded against the case that caused it instead of ending the campaign.
+
+Outcomes: ``equal`` (a valid case returned the reference's result), ``clean`` (a
+harmful case raised a clean error), ``refused`` (a valid case raised), ``unclean``
+(another exception type), ``wrong`` (a harmful case returned, a valid case differed from
+the reference, or an input was modified), ``hang``, ``crash``. Run it with
+``python -m tightfit.ops.fuzz --count N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tightfit.ops import _arg_checks as checks
+from tightfit.ops._registry import get_op
+from tightfit.ops.codes import QUANT_TYPES_4BIT, dynamic_map
+
+__all__ = ["OUTCOMES", "FuzzCase", "make_case", "run_campaign"]
+
+OUTCOMES = ("equal", "clean", "refused", "unclean", "wrong", "hang", "crash")
+CLEAN_ERRORS = (ValueError, TypeError, RuntimeError)
+#: dtypes a mutation may swap in (complex and bool included: kernels must not reinterpret them).
+_ANY_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.uint8, torch.int8,
+               torch.int32, torch.int64, torch.bool, torch.complex64)
+_BAD_BLOCKSIZES = (0, -64, 1, 63, 100, 8192, 1 << 31, 1 << 62)
+
+
+@dataclass
+class FuzzCase:
+    """One generated call: op name, arguments in schema order, and whether they are valid."""
+
+    op: str
+    args: list[Any]
+    valid: bool
+    label: str
+
+
+class _Builder:
+    """Generates one case: a valid base, then mutations that say whether it stays valid."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.generator = torch.Generator().manual_seed(rng.getrandbits(31))
+        self.labels: list[str] = []
+        self.valid = True
+
+    def floats(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        values = torch.randn(shape, generator=self.generator) * self.rng.choice((1e-3, 1.0, 50.0))
+        if values.numel() and self.rng.random() < 0.1:
+            values.view(-1)[self.rng.randrange(values.numel())] = self.rng.choice((math.nan, math.inf, -math.inf))
+        return values.to(dtype)
+
+    def bytes_(self, count: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        raw = torch.randint(0, 256, (count,), generator=self.generator, dtype=torch.int32).to(torch.uint8)
+        return raw.view(dtype) if count % dtype.itemsize == 0 else raw
+
+    def shape(self, max_rank: int = 3, max_dim: int = 40) -> tuple[int, ...]:
+        rank = self.rng.randint(1, max_rank)
+        shape = tuple(self.rng.randint(0 if self.rng.random() < 0.1 else 1, max_dim) for _ in range(rank))
+        if self.rng.random() < 0.1:
+            shape = (self.rng.randint(4000, 9000),)  # several blocks of the largest blocksize
+        return shape
+
+    def mutate(self, label: str, harmless: bool) -> None:
+        self.labels.append(label)
+        self.valid = self.valid and harmless
+
+    def tensor_mutation(self, args: list[Any], index: int, name: str, valid: Callable[[torch.Tensor], bool], *,
+                        primary: bool = False) -> None:
+        """One mutation of tensor argument ``index``; ``valid(new)`` says whether the op must accept it
+        (the oracle, written from the op's documented contract, not from its checks)."""
+        tensor = args[index]
+        kind = self.rng.choice(("dtype", "strided", "length", "rank", "not a tensor") + (() if primary else ("meta",)))
+        if kind == "dtype":
+            dtype = self.rng.choice(_ANY_DTYPES)
+            new = tensor.to(dtype) if dtype != torch.float8_e4m3fn else tensor.float().clamp(-448, 448).to(dtype)
+        elif kind == "strided":
+            spread = torch.empty(tensor.numel() * 2, dtype=tensor.dtype)[::2]
+            new = spread.copy_(tensor.reshape(-1)).reshape(tensor.shape) if tensor.dim() else tensor
+        elif kind == "length":
+            delta = self.rng.choice((-1, 1, 7))
+            flat = tensor.reshape(-1)
+            new = torch.cat([flat, flat.new_zeros(max(delta, 0))])[: max(flat.numel() + delta, 0)]
+        elif kind == "rank":
+            new = tensor.reshape(-1, 1) if tensor.dim() == 1 else tensor.reshape(-1)
+        elif kind == "meta":
+            new = tensor.to("meta")
+        else:
+            args[index] = self.rng.choice((None, 3, [1.0, 2.0], "x"))
+            self.mutate(f"{name} = {args[index]!r}", False)
+            return
+        args[index] = new
+        self.mutate(f"{name} {kind}: {new.dtype} {tuple(new.shape)} {new.device.type}", new.device.type == "cpu" and valid(new))
+
+    def blocksize(self, args: list[Any], index: int, accepted: tuple[int, ...], numel: int | None = None) -> None:
+        """A new blocksize; with ``numel`` (decoding), it stays valid only if absmax still has one value a block."""
+        old, value = args[index], self.rng.choice(_BAD_BLOCKSIZES + accepted)
+        args[index] = value
+        same_blocks = numel is None or (value > 0 and checks.block_count(numel, value) == checks.block_count(numel, old))
+        self.mutate(f"blocksize {value}", value in accepted and same_blocks)
+
+    def choice_arg(self, args: list[Any], index: int, name: str, values: tuple[Any, ...], accepted: tuple[Any, ...]) -> None:
+        value = self.rng.choice(values)
+        args[index] = value
+        self.mutate(f"{name} {value!r}", value in accepted)
+
+    def which(self, names: tuple[str, ...], most: int = 1) -> list[str]:
+        """Up to ``most`` different arguments to mutate; one by default, since arguments are coupled
+        (A and absmax, A and shape) and two harmful changes can cancel out."""
+        return self.rng.sample(names, self.rng.randint(0, min(most, len(names))))
+
+
+def _floats_ok(t: torch.Tensor) -> bool:
+    return t.dtype in checks.FLOAT_DTYPES
+
+
+def _absmax_ok(numel: int, blocksize: int) -> Callable[[torch.Tensor], bool]:
+    return lambda t: t.dtype in checks.FLOAT_DTYPES and t.dim() == 1 and t.numel() == checks.block_count(numel, blocksize)
+
+
+def _packed_ok(numel: int) -> Callable[[torch.Tensor], bool]:
+    return lambda t: (t.dtype in checks.PACKED_DTYPES and t.is_contiguous()
+                      and t.numel() * t.element_size() == checks.packed_bytes(numel))
+
+
+def _code_ok(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.dim() == 1 and t.numel() == 256
+
+
+def _absmax(b: _Builder, numel: int, blocksize: int) -> torch.Tensor:
+    absmax = torch.rand(checks.block_count(numel, blocksize), generator=b.generator) * 4
+    if absmax.numel() and b.rng.random() < 0.1:
+        absmax[b.rng.randrange(absmax.numel())] = b.rng.choice((math.nan, math.inf, -1.0, 0.0))  # decodes as the reference does
+    return absmax
+
+
+def _sorted_code(b: _Builder) -> torch.Tensor:
+    if b.rng.random() < 0.7:
+        return dynamic_map()
+    return torch.sort(torch.rand(256, generator=b.generator) * 2 - 1).values
+
+
+def _quantize_blockwise(b: _Builder) -> list[Any]:
+    args = [b.floats(b.shape(), b.rng.choice(checks.FLOAT_DTYPES)), _sorted_code(b), b.rng.choice(checks.BLOCKSIZES_8BIT)]
+    for what in b.which(("A", "code", "blocksize")):
+        if what == "A":
+            b.tensor_mutation(args, 0, "A", _floats_ok, primary=True)
+        elif what == "code" and b.rng.random() < 0.3:
+            args[1] = args[1][torch.randperm(256, generator=b.generator)]
+            b.mutate("code shuffled", False)
+        elif what == "code":
+            b.tensor_mutation(args, 1, "code", _code_ok)
+        else:
+            b.blocksize(args, 2, checks.BLOCKSIZES_8BIT)
+    return args
+
+
+def _dequantize_blockwise(b: _Builder) -> list[Any]:
+    shape, blocksize = b.shape(), b.rng.choice(checks.BLOCKSIZES_8BIT)
+    A = b.bytes_(math.prod(shape)).reshape(shape)
+    args = [A, _absmax(b, A.numel(), blocksize), _sorted_code(b), blocksize, b.rng.choice(checks.FLOAT_DTYPES)]
+    for what in b.which(("A", "absmax", "code", "blocksize", "dtype")):
+        if what == "A":
+            b.tensor_mutation(args, 0, "A", lambda t: t.dtype == torch.uint8 and checks.block_count(t.numel(), blocksize) == args[1].numel(),
+                              primary=True)
+        elif what == "absmax":
+            b.tensor_mutation(args, 1, "absmax", _absmax_ok(A.numel(), blocksize))
+        elif what == "code":
+            b.tensor_mutation(args, 2, "code", _code_ok)
+        elif what == "blocksize":
+            b.blocksize(args, 3, checks.BLOCKSIZES_8BIT, numel=A.numel())
+        else:
+            b.choice_arg(args, 4, "dtype", _ANY_DTYPES, checks.FLOAT_DTYPES)
+    return args
+
+
+def _quantize_4bit(b: _Builder) -> list[Any]:
+    args = [b.floats(b.shape(), b.rng.choice(checks.FLOAT_DTYPES)), b.rng.choice(checks.BLOCKSIZES_4BIT),
+            b.rng.choice(QUANT_TYPES_4BIT), torch.uint8]
+    for what in b.which(("A", "blocksize", "quant_type", "quant_storage"), most=2):
+        if what == "A":
+            b.tensor_mutation(args, 0, "A", _floats_ok, primary=True)
+        elif what == "blocksize":
+            b.blocksize(args, 1, checks.BLOCKSIZES_4BIT)
+        elif what == "quant_type":
+            b.choice_arg(args, 2, "quant_type", ("nf5", "", "NF4", "fp4", "nf4"), QUANT_TYPES_4BIT)
+        else:
+            storage = b.rng.choice(_ANY_DTYPES)
+            numel = args[0].numel() if isinstance(args[0], torch.Tensor) else 0
+            args[3] = storage
+            b.mutate(f"quant_storage {storage}", storage in checks.PACKED_DTYPES and checks.packed_bytes(numel) % storage.itemsize == 0)
+    return args
+
+
+def _packed_weight(b: _Builder, numel: int) -> torch.Tensor:
+    count = checks.packed_bytes(numel)
+    storage = b.rng.choice((torch.uint8, torch.uint8, torch.bfloat16, torch.int32))
+    return b.bytes_(count, storage).reshape(-1, 1)
+
+
+def _dequantize_4bit(b: _Builder) -> list[Any]:
+    shape, blocksize = list(b.shape()), b.rng.choice(checks.BLOCKSIZES_4BIT)
+    numel = math.prod(shape)
+    args = [_packed_weight(b, numel), _absmax(b, numel, blocksize), blocksize, b.rng.choice(QUANT_TYPES_4BIT), shape,
+            b.rng.choice(checks.FLOAT_DTYPES)]
+    for what in b.which(("A", "absmax", "blocksize", "shape", "dtype")):
+        if what == "A":
+            b.tensor_mutation(args, 0, "A", _packed_ok(numel), primary=True)
+        elif what == "absmax":
+            b.tensor_mutation(args, 1, "absmax", _absmax_ok(numel, blocksize))
+        elif what == "blocksize":
+            b.blocksize(args, 2, checks.BLOCKSIZES_4BIT, numel=numel)
+        elif what == "shape":
+            args[4] = b.rng.choice(([*shape, 2], [-numel, -1], [1 << 40, 1 << 40], [numel + 2], []))
+            new = math.prod(args[4])
+            b.mutate(f"shape {args[4]}", min(args[4], default=0) >= 0 and checks.packed_bytes(new) == checks.packed_bytes(numel)
+                     and checks.block_count(new, blocksize) == checks.block_count(numel, blocksize))
+        else:
+            b.choice_arg(args, 5, "dtype", _ANY_DTYPES, checks.FLOAT_DTYPES)
+    return args
+
+
+def _gemv_4bit(b: _Builder) -> list[Any]:
+    rows, cols, blocksize = b.rng.randint(1, 40), b.rng.randint(1, 70), b.rng.choice(checks.BLOCKSIZES_4BIT)
+    tokens = b.rng.choice(((cols,), (1, cols), (3, cols), (2, 2, cols)))
+    args = [b.floats(tokens, b.rng.choice(checks.FLOAT_DTYPES)), _packed_weight(b, rows * cols), [rows, cols],
+            _absmax(b, rows * cols, blocksize), blocksize, b.rng.choice(QUANT_TYPES_4BIT)]
+    for what in b.which(("A", "B", "shape", "absmax", "blocksize")):
+        if what == "A":
+            b.tensor_mutation(args, 0, "A", lambda t: _floats_ok(t) and t.dim() >= 1 and t.shape[-1] == cols, primary=True)
+        elif what == "B":
+            b.tensor_mutation(args, 1, "B", _packed_ok(rows * cols))
+        elif what == "shape":
+            args[2] = b.rng.choice(([rows, cols + 1], [rows + 1, cols], [0, cols], [rows * cols], [-rows, -cols]))
+            b.mutate(f"shape {args[2]}", False)
+        elif what == "absmax":
+            b.tensor_mutation(args, 3, "absmax", _absmax_ok(rows * cols, blocksize))
+        else:
+            b.blocksize(args, 4, checks.BLOCKSIZES_4BIT, numel=rows * cols)
+    return args
+
+
+def _int8_vectorwise_quant(b: _Builder) -> list[Any]:
+    shape = b.rng.choice(((b.rng.randint(0, 9), b.rng.randint(0, 40)), (b.rng.randint(1, 40),), (2, 3, b.rng.randint(0, 9))))
+    args = [b.floats(shape, b.rng.choice(checks.FLOAT_DTYPES)), b.rng.choice((0.0, 0.5, 2.0, 6.0))]
+    for what in b.which(("A", "threshold")):
+        if what == "A":
+            b.tensor_mutation(args, 0, "A", lambda t: _floats_ok(t) and t.dim() >= 1, primary=True)
+        else:
+            args[1] = b.rng.choice((-1.0, math.nan, math.inf, 1e300))
+            b.mutate(f"threshold {args[1]}", args[1] >= 0)
+    return args
+
+
+def _int8_linear_matmul(b: _Builder) -> list[Any]:
+    rows, inner, out = b.rng.randint(0, 9), b.rng.randint(0, 40), b.rng.randint(0, 9)
+
+    def ints(*shape: int) -> torch.Tensor:
+        return torch.randint(-127, 128, shape, generator=b.generator, dtype=torch.int8)
+
+    args = [ints(rows, inner), ints(out, inner)]
+    for what in b.which(("A", "B")):
+        if what == "A":
+            b.tensor_mutation(args, 0, "A", lambda t: t.dtype == torch.int8 and t.dim() >= 1 and t.shape[-1] == inner, primary=True)
+        else:
+            b.tensor_mutation(args, 1, "B", lambda t: t.dtype == torch.int8 and t.shape == (out, inner))
+    return args
+
+
+def _int8_mm_dequant(b: _Builder) -> list[Any]:
+    rows, cols = b.rng.randint(0, 9), b.rng.randint(0, 20)
+    product = torch.randint(-(1 << 20), 1 << 20, (rows, cols), generator=b.generator, dtype=torch.int32)
+    bias = b.floats((cols,), torch.float32) if b.rng.random() < 0.5 else None
+    args = [product, torch.rand(rows, generator=b.generator) * 5, torch.rand(cols, generator=b.generator) * 5,
+            b.rng.choice(checks.FLOAT_DTYPES), bias]
+
+    def stats_ok(count: int) -> Callable[[torch.Tensor], bool]:
+        return lambda t: t.dtype == torch.float32 and t.numel() == count
+
+    for what in b.which(("A", "row_stats", "col_stats", "dtype", "bias")):
+        if what == "A":
+            b.tensor_mutation(args, 0, "A", lambda t: t.dtype == torch.int32 and t.dim() >= 1 and t.shape[-1] == cols
+                              and t.numel() == rows * cols, primary=True)
+        elif what == "row_stats":
+            b.tensor_mutation(args, 1, "row_stats", stats_ok(rows))
+        elif what == "col_stats":
+            b.tensor_mutation(args, 2, "col_stats", stats_ok(cols))
+        elif what == "dtype":
+            b.choice_arg(args, 3, "dtype", _ANY_DTYPES, checks.FLOAT_DTYPES)
+        elif bias is not None:
+            b.tensor_mutation(args, 4, "bias", lambda t: t.is_floating_point() and t.shape == (cols,))
+    return args
+
+
+def _cast_dtypes() -> tuple[torch.dtype, ...]:
+    from tightfit.ops.cast import CAST_DTYPES
+
+    return tuple(sorted(CAST_DTYPES, key=str))
+
+
+def _cast(b: _Builder) -> list[Any]:
+    accepted = _cast_dtypes()
+    args = [b.floats(b.shape(), b.rng.choice(accepted)), b.rng.choice(accepted)]
+    for what in b.which(("x", "dtype")):
+        if what == "x":
+            b.tensor_mutation(args, 0, "x", lambda t: t.dtype in accepted, primary=True)
+        else:
+            b.choice_arg(args, 1, "dtype", _ANY_DTYPES, accepted)
+    return args
+
+
+def _cast_into(b: _Builder) -> list[Any]:
+    accepted = _cast_dtypes()
+    x = b.floats(b.shape(), b.rng.choice(accepted))
+    args = [x, torch.empty(x.shape, dtype=b.rng.choice(accepted))]
+    for what in b.which(("x", "out", "alias")):
+        if what == "alias" and x.numel():
+            args[1] = x.reshape(-1).view(torch.uint8)[: x.numel()].reshape(x.shape) if x.dtype.itemsize > 1 else x
+            b.mutate("out aliases x", False)
+        elif what == "x":
+            b.tensor_mutation(args, 0, "x", lambda t: t.dtype in accepted and t.shape == x.shape, primary=True)
+        elif what == "out":
+            b.tensor_mutation(args, 1, "out", lambda t: t.dtype in accepted and t.shape == x.shape)
+    return args
+
+
+_GENERATORS: dict[str, Callable[[_Builder], list[Any]]] = {
+    "quantize_blockwise": _quantize_blockwise, "dequantize_blockwise": _dequantize_blockwise,
+    "quantize_4bit": _quantize_4bit, "dequantize_4bit": _dequantize_4bit, "gemv_4bit": _gemv_4bit,
+    "int8_vectorwise_quant": _int8_vectorwise_quant, "int8_linear_matmul": _int8_linear_matmul,
+    "int8_mm_dequant": _int8_mm_dequant, "cast": _cast, "cast_into": _cast_into,
+}
+
+
+def make_case(seed: int, index: int) -> FuzzCase:
+    """Case ``index`` of campaign ``seed``: the same arguments every time, in any process."""
+    rng = random.Random(f"{seed}:{index}")
+    op = rng.choice(sorted(_GENERATORS))
+    builder = _Builder(rng)
+    args = _GENERATORS[op](builder)
+    return FuzzCase(op, args, builder.valid, ", ".join(builder.labels) or "valid")
+
+
+def _snapshot(args: list[Any]) -> list[Any]:
+    return [arg.clone() if isinstance(arg, torch.Tensor) and arg.device.type != "meta" else arg for arg in args]
+
+
+def _unchanged(before: list[Any], after: list[Any], skip: tuple[int, ...]) -> bool:
+    from tightfit.conformance import _bytes_differing
+
+    return all(i in skip or not isinstance(a, torch.Tensor) or a.device.type == "meta" or _bytes_differing(a, b) == 0
+               for i, (a, b) in enumerate(zip(before, after)))
+
+
+def run_case(case: FuzzCase, direct: bool) -> tuple[str, str]:
+    """(outcome, detail) of one case, run in this process."""
+    from tightfit.conformance import _compare
+
+    opdef = get_op(case.op)
+    before = _snapshot(case.args)
+    call = opdef if direct else getattr(torch.ops.tightfit, case.op)
+    try:
+        result = call(*case.args)
+    except CLEAN_ERRORS as error:
+        return ("clean" if not case.valid else "refused"), f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    except Exception as error:
+        return "unclean", f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+    if not case.valid:
+        return "wrong", "returned a result for invalid arguments"
+    if not _unchanged(before, case.args, opdef.mutated):
+        return "wrong", "modified an input it only reads"
+    expected_args = _snapshot(before)
+    expected = opdef.reference(*expected_args)
+    if opdef.mutated:
+        expected, result = [expected_args[i] for i in opdef.mutated], [case.args[i] for i in opdef.mutated]
+    problem = _compare(*_finite_parts(expected, result, opdef.metric), opdef.metric)
+    return ("wrong", problem) if problem else ("equal", "")
+
+
+def _finite_parts(expected: Any, actual: Any, metric: str | float) -> tuple[Any, Any]:
+    """For a tolerance metric, where non-finite values sit must match and the rest is compared:
+    a reassociated sum over inf and -inf may give NaN where the reference gives inf."""
+    if metric == "bitwise" or not isinstance(expected, torch.Tensor) or not isinstance(actual, torch.Tensor) \
+            or expected.shape != actual.shape or bool(torch.isfinite(expected).all()):
+        return expected, actual
+    finite = torch.isfinite(expected)
+    if not torch.equal(finite, torch.isfinite(actual)):
+        return expected, actual  # _compare reports the difference
+    return expected[finite], actual[finite]
+
+
+def _worker(seed: int, start: int, stop: int) -> None:
+    """Run cases start..stop-1, announcing each before it runs, so the parent can blame a crash."""
+    import warnings
+
+    import tightfit  # noqa: F401  (registers the ops and their kernels)
+
+    warnings.simplefilter("ignore")
+    # "crash:N,hang:M" makes cases N and M crash and stall: how the harness proves it catches both
+    selftest = set(os.environ.get("TIGHTFIT_FUZZ_SELFTEST", "").split(","))
+    for index in range(start, stop):
+        print(f"start {index}", flush=True)
+        if f"crash:{index}" in selftest:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if f"hang:{index}" in selftest:
+            time.sleep(3600)
+        case = make_case(seed, index)
+        outcome, detail = run_case(case, direct=index % 2 == 0)
+        print(f"done {index} {outcome} {case.op} | {case.label} | {detail}", flush=True)
+
+
+@dataclass
+class CampaignResult:
+    counts: Counter
+    findings: list[str]
+    seconds: float
+
+
+def _lines(stream: Any) -> queue.Queue:
+    """The worker's output lines, read by a thread (None at the end), so waits can time out."""
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in stream:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def _run_worker(seed: int, start: int, count: int, counts: Counter, findings: list[str],
+                case_timeout: float, first_timeout: float) -> int:
+    """Run cases from ``start`` in one worker until it finishes, crashes or hangs; the next index to run."""
+    with tempfile.TemporaryFile() as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "tightfit.ops.fuzz", "--worker", str(seed), str(start), str(count)],
+                                stdout=subprocess.PIPE, stderr=stderr, text=True)
+        lines, in_flight, outcome = _lines(proc.stdout), None, None
+        timeout = first_timeout  # the first case loads (or compiles) the kernels
+        while True:
+            try:
+                line = lines.get(timeout=timeout)
+            except queue.Empty:
+                proc.kill()
+                outcome = "hang"
+                break
+            if line is None:
+                outcome = "crash"
+                break
+            words = line.split(" ", 3)
+            if words[0] == "start":
+                in_flight = int(words[1])
+                continue
+            in_flight, start, timeout = None, int(words[1]) + 1, case_timeout
+            counts[words[2]] += 1
+            if words[2] not in ("equal", "clean"):
+                findings.append(f"case {words[1]}: {words[2]} {words[3].rstrip()}")
+        proc.wait()
+        stderr.seek(0)
+        last_words = stderr.read().decode(errors="replace").strip().splitlines()[-1:]
+    if in_flight is None:
+        if proc.returncode != 0 or start < count:
+            raise RuntimeError(f"a fuzz worker failed outside any case (exit {proc.returncode}, {outcome}): {last_words}")
+        return start
+    counts[outcome] += 1
+    case = make_case(seed, in_flight)
+    findings.append(f"case {in_flight}: {outcome} {case.op} | {case.label} (exit {proc.returncode}) {last_words}")
+    return in_flight + 1
+
+
+def run_campaign(count: int, seed: int = 0, *, case_timeout: float = 20.0, first_timeout: float = 180.0) -> CampaignResult:
+    """Run ``count`` cases in worker processes; a worker that crashes or hangs is replaced."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be an int >= 1, got {count!r}")
+    counts: Counter = Counter()
+    findings: list[str] = []
+    started = time.perf_counter()
+    next_index = 0
+    while next_index < count:
+        next_index = _run_worker(seed, next_index, count, counts, findings, case_timeout, first_timeout)
+    return CampaignResult(counts, findings, time.perf_counter() - started)
+
+
+def _main(argv: list[str]) -> int:
+    if argv[:1] == ["--worker"]:
+        _worker(*(int(a) for a in argv[1:4]))
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m tightfit.ops.fuzz", description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    result = run_campaign(args.count, args.seed)
+    print(" | ".join(["tried", *OUTCOMES]))
+    print(" | ".join(str(n) for n in [sum(result.counts.values()), *(result.counts[o] for o in OUTCOMES)]))
+    for finding in result.findings[:50]:
+        print(finding)
+    return 0 if not result.findings else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))

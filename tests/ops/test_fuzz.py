@@ -1,0 +1,35 @@
+"""The raw ops under generated hostile arguments (D9): every case ends in the reference's
+result or a clean error. Cases run in worker processes, so a crash or a hang fails the
+test with the case that caused it instead of killing the run (the harness is
+tightfit.ops.fuzz; `make fuzz` runs a longer campaign)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tightfit.ops.fuzz import make_case, run_campaign
+
+
+def test_generated_cases_end_in_the_reference_or_a_clean_error():
+    result = run_campaign(300, seed=12)
+    assert result.findings == []
+    assert sum(result.counts.values()) == 300
+    # both kinds are exercised: valid calls that must match, hostile calls that must be refused
+    assert result.counts["equal"] > 80 and result.counts["clean"] > 80
+
+
+def test_cases_are_reproducible_from_seed_and_index():
+    first, again = make_case(3, 17), make_case(3, 17)
+    assert (first.op, first.label, first.valid) == (again.op, again.label, again.valid)
+
+
+def test_a_crashing_and_a_hanging_case_are_recorded_and_the_campaign_goes_on(monkeypatch):
+    monkeypatch.setenv("TIGHTFIT_FUZZ_SELFTEST", "crash:1,hang:3")  # the worker kills itself at case 1, stalls at 3
+    result = run_campaign(5, seed=0, case_timeout=8.0)
+    assert result.counts["crash"] == 1 and result.counts["hang"] == 1 and sum(result.counts.values()) == 5
+    assert [finding.split(" ")[:3] for finding in result.findings] == [["case", "1:", "crash"], ["case", "3:", "hang"]]
+
+
+def test_count_is_validated():
+    with pytest.raises(ValueError, match="count must be an int >= 1"):
+        run_campaign(0)
