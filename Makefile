@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test check backends bench clean
+.PHONY: run test check backends bench fuzz clean
 
 $(VENV)/.installed-hf: pyproject.toml scripts/setup-env.sh
 	TIGHTFIT_VENV=$(VENV) scripts/setup-env.sh hf
@@ -31,6 +31,10 @@ bench: $(VENV)/.installed-test
 	$(PY) benchmarks/casting.py
 	$(PY) benchmarks/schedules.py
 	$(PY) benchmarks/memory_plan.py
+
+# A longer hostile-input campaign than the tests run: 10,000 generated raw-op calls, each in a worker process.
+fuzz: $(VENV)/.installed-test
+	$(PY) -m tightfit.ops.fuzz --count 10000 --seed $${SEED:-0}
 
 clean:
 	rm -rf $(VENV)
