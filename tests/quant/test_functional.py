@@ -103,10 +103,10 @@ def test_state_tensors_are_every_tensor_it_holds():
         (lambda: QuantState(absmax=torch.ones(1), code=torch.zeros(16), blocksize=64, dtype=torch.int8), ValueError, "dtype=torch.int8"),
         (lambda: QuantState(absmax=torch.ones(1), code=torch.zeros(16), blocksize=64, dtype=torch.float32, quant_type="int4"), ValueError, "quant_type='int4'"),
         (lambda: QuantState(absmax=torch.ones(1), code=torch.zeros(16), blocksize=64, dtype=torch.float32, offset=torch.tensor(1.0)), ValueError, "go together"),
-        (lambda: QuantState.from_dict([]), TypeError, "items must be a dict"),
+        (lambda: QuantState.from_dict([]), TypeError, "items must be dict"),
         (lambda: QuantState.from_dict({"absmax": torch.ones(1)}), ValueError, "missing"),
-        (lambda: QuantState.from_dict({"absmax": torch.ones(1), "quant_map": torch.zeros(16), "quant_state.bitsandbytes__nf4": torch.tensor([123], dtype=torch.uint8)}), ValueError, "valid JSON"),
-        (lambda: QuantState.from_dict({"absmax": torch.ones(1), "quant_map": torch.zeros(16), "blocksize": 64, "dtype": "int8"}), ValueError, "dtype 'int8'"),
+        (lambda: QuantState.from_dict({"absmax": torch.ones(1), "quant_map": torch.zeros(16), "quant_state.bitsandbytes__nf4": torch.tensor([123], dtype=torch.uint8)}), ValueError, "valid UTF-8 JSON"),
+        (lambda: QuantState.from_dict({"absmax": torch.ones(1), "quant_map": torch.zeros(16), "blocksize": 64, "dtype": "int8"}), ValueError, "dtype='int8' is not accepted"),
         (lambda: F.dequantize_blockwise(torch.zeros(4, dtype=torch.uint8)), ValueError, "needs quant_state"),
         (lambda: F.dequantize_4bit(torch.zeros(4, dtype=torch.uint8), absmax=torch.ones(1)), ValueError, "needs quant_state, or both"),
         (lambda: F.dequantize_4bit(torch.zeros(4, dtype=torch.uint8), quant_state="state"), TypeError, "quant_state must be QuantState"),
@@ -137,7 +137,7 @@ def test_gemv_4bit_signature_checks():
     packed, state = F.quantize_4bit(weight((8, 64), torch.float32), quant_type="fp4")
     with pytest.raises(ValueError, match="transposed_A and transposed_B are not supported"):
         F.gemv_4bit(torch.randn(1, 64), packed, transposed_B=True, state=state)
-    with pytest.raises(ValueError, match="A has 63 features"):
+    with pytest.raises(ValueError, match=r"A has (63 features|shape \(1, 63\))"):
         F.gemv_4bit(torch.randn(1, 63), packed, state=state)
     with pytest.raises(ValueError, match="quant_state must describe a 4-bit weight"):
         F.matmul_4bit(torch.randn(1, 64), packed, F.quantize_blockwise(torch.randn(64))[1])

@@ -3,12 +3,14 @@ device and are decoded per call into the activation's dtype.
 
 State dicts use the bitsandbytes / transformers layout (``weight`` plus
 ``weight.absmax``, ``weight.quant_map``, ... and the packed ``quant_state`` entry), so
-a checkpoint saved by one loads in the other.
+a checkpoint saved by one loads in the other. Loading checks a layer's entries together
+and applies all of them or none: a new weight never meets stale scales.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -16,6 +18,8 @@ from torch import nn
 
 from tightfit import ops
 from tightfit._validate import check_non_negative_number, check_type
+from tightfit.ops._arg_checks import FLOAT_DTYPES, block_count
+from tightfit.quant import _checkpoint as checks
 from tightfit.quant import functional as F
 from tightfit.quant.state import QuantState
 
@@ -28,11 +32,56 @@ def _frozen_copy(bias: torch.Tensor | None) -> nn.Parameter | None:
 
 def _check_input(x: torch.Tensor, in_features: int) -> None:
     check_type("x", x, torch.Tensor)
+    if x.dtype not in FLOAT_DTYPES:  # as nn.Linear refuses them; decoding into an integer dtype would truncate
+        raise TypeError(f"x has dtype {x.dtype}; accepted: float32, float16, bfloat16")
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"input has {x.shape[-1] if x.dim() else 0} features in its last dimension; this layer takes {in_features}")
 
 
-class QuantizedLinear(nn.Module, abc.ABC):
+class _CheckedLoading(nn.Module, abc.ABC):
+    """``load_state_dict`` for a layer whose entries only make sense together (D9): they
+    are taken out of the state dict, all checked, then all applied. When some are absent
+    they are reported in ``missing_keys`` (so ``strict=True`` fails, as torch reports
+    missing keys) and the layer keeps what it had; a bad entry raises ValueError or
+    TypeError with the layer unchanged."""
+
+    @abc.abstractmethod
+    def _owns(self, name: str) -> bool:
+        """Whether the entry ``name`` (without prefix) is this layer's to read."""
+
+    @abc.abstractmethod
+    def _required(self, names: Iterable[str]) -> list[str]:
+        """The entries a complete checkpoint of this layer has, given those present."""
+
+    @abc.abstractmethod
+    def _read_entries(self, entries: dict[str, Any], prefix: str, device: torch.device) -> dict[str, Any]:
+        """The checked attributes to set, on ``device``, from the entries other than the bias."""
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        entries = {key[len(prefix):]: state_dict.pop(key) for key in list(state_dict)
+                   if isinstance(key, str) and key.startswith(prefix) and self._owns(key[len(prefix):])}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        taken = {prefix + name for name in entries}
+        missing_keys[:] = [key for key in missing_keys if key not in taken]  # torch saw them popped, not absent
+        absent = [prefix + name for name in self._required(entries) if name not in entries]
+        if absent:
+            missing_keys.extend([key for key in absent if key not in missing_keys])
+            return
+        assign = local_metadata.get("assign_to_params_buffers", False)  # load_state_dict(assign=True): keep their device
+        device = entries["weight"].device if assign and isinstance(entries["weight"], torch.Tensor) else self.weight.device
+        values = self._read_entries(entries, prefix, device)
+        bias = checks.bias(prefix + "bias", entries["bias"], self.bias) if self.bias is not None else None
+        for name, value in values.items():
+            setattr(self, name, value)
+        if bias is not None and assign:
+            self.bias = nn.Parameter(bias, requires_grad=False)
+        elif bias is not None:
+            with torch.no_grad():
+                self.bias.copy_(bias)
+
+
+class QuantizedLinear(_CheckedLoading):
     """Shared machinery: a packed weight buffer, its QuantState, an optional bias."""
 
     def __init__(self, in_features: int, out_features: int, packed: torch.Tensor, state: QuantState, bias: torch.Tensor | None) -> None:
@@ -67,17 +116,23 @@ class QuantizedLinear(nn.Module, abc.ABC):
         for key, value in self.quant_state.as_dict(packed=True).items():
             destination[f"{prefix}weight.{key}"] = value if keep_vars else value.detach()
 
-    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
-                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
-        state_prefix = f"{prefix}weight."
-        items = {key[len(state_prefix):]: state_dict[key] for key in list(state_dict) if key.startswith(state_prefix)}
-        if items:
-            self.quant_state = QuantState.from_dict(items, device=self.weight.device)
-            for key in items:
-                state_dict.pop(state_prefix + key)
-            if prefix + "weight" in state_dict:
-                self.weight = state_dict[prefix + "weight"].to(self.weight.device)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+    def _owns(self, name: str) -> bool:
+        return name == "weight" or name.startswith("weight.") or (name == "bias" and self.bias is not None)
+
+    def _required(self, names: Iterable[str]) -> list[str]:
+        required = ["weight"] + (["bias"] if self.bias is not None else [])
+        if not any(name.startswith("weight.") for name in names):  # none given: name those this layer has
+            required += [f"weight.{key}" for key in self.quant_state.as_dict(packed=True)]
+        return required
+
+    @abc.abstractmethod
+    def _checked_weight(self, name: str, weight: object, state: QuantState) -> torch.Tensor:
+        """``weight`` from a checkpoint, checked against this layer and ``state``."""
+
+    def _read_entries(self, entries: dict[str, Any], prefix: str, device: torch.device) -> dict[str, Any]:
+        state = QuantState.from_dict({prefix + name: value for name, value in entries.items() if name.startswith("weight.")}, device=device)
+        weight = self._checked_weight(prefix + "weight", entries["weight"], state)
+        return {"weight": weight.to(device), "quant_state": state}
 
     def extra_repr(self) -> str:
         state = self.quant_state
@@ -106,6 +161,13 @@ class Linear4bit(QuantizedLinear):
     def _decode(self) -> torch.Tensor:
         return F.dequantize_4bit(self.weight, self.quant_state)
 
+    def _checked_weight(self, name: str, weight: object, state: QuantState) -> torch.Tensor:
+        shape = (self.out_features, self.in_features)
+        if state.quant_type is None or state.shape != shape:
+            raise ValueError(f"{name}'s quant state is {state.quant_type or '8-bit blockwise'} of shape {state.shape}; "
+                             f"accepted: nf4 or fp4 of shape {shape}")
+        return checks.packed_4bit(name, weight, shape)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.in_features)
         return F.matmul_4bit(x, self.weight, self.quant_state, bias=self.bias)
@@ -123,8 +185,18 @@ class Linear8bit(QuantizedLinear):
     def _decode(self) -> torch.Tensor:
         return F.dequantize_blockwise(self.weight, self.quant_state)
 
+    def _checked_weight(self, name: str, weight: object, state: QuantState) -> torch.Tensor:
+        shape = (self.out_features, self.in_features)
+        if state.quant_type is not None or state.shape not in (None, shape):
+            raise ValueError(f"{name}'s quant state is {state.quant_type or '8-bit blockwise'} of shape {state.shape}; "
+                             f"accepted: 8-bit blockwise of shape {shape}")
+        blocks = block_count(self.out_features * self.in_features, state.blocksize)
+        if state.absmax.numel() != blocks:
+            raise ValueError(f"{name}.absmax has {state.absmax.numel()} values; {shape} in blocks of {state.blocksize} needs {blocks}")
+        return checks.exact_tensor(name, weight, torch.uint8, shape)
 
-class LinearInt8(nn.Module):
+
+class LinearInt8(_CheckedLoading):
     """LLM.int8(): int8 weights with one scale per output row; activations are quantized
     per row at run time and multiplied in int8, except columns holding an activation of
     magnitude >= ``threshold``, which are multiplied in the activation's dtype.
@@ -153,6 +225,19 @@ class LinearInt8(nn.Module):
     def dequantize(self) -> torch.Tensor:
         """The weight in float32."""
         return ops.int8_vectorwise_dequant(self.weight, self.SCB)
+
+    def _owns(self, name: str) -> bool:
+        return name in ("weight", "SCB", "weight_format") or (name == "bias" and self.bias is not None)
+
+    def _required(self, names: Iterable[str]) -> list[str]:
+        return ["weight", "SCB"] + (["bias"] if self.bias is not None else [])
+
+    def _read_entries(self, entries: dict[str, Any], prefix: str, device: torch.device) -> dict[str, Any]:
+        weight = checks.exact_tensor(prefix + "weight", entries["weight"], torch.int8, (self.out_features, self.in_features))
+        scales = checks.scales(prefix + "SCB", entries["SCB"], self.out_features)
+        if "weight_format" in entries:
+            checks.weight_format(prefix + "weight_format", entries["weight_format"])
+        return {"weight": weight.to(device), "SCB": scales.to(device)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.in_features)

@@ -16,16 +16,16 @@ from typing import Any
 
 import torch
 
+from tightfit._validate import check_device
 from tightfit.ops.blockwise import BLOCKSIZES_4BIT, BLOCKSIZES_8BIT, FLOAT_DTYPES
 from tightfit.ops.codes import QUANT_TYPES_4BIT
+from tightfit.quant._checkpoint import DTYPE_NAMES, read_quant_state
 
 __all__ = ["QuantState", "PACKED_KEY_8BIT", "PACKED_KEY_PREFIX"]
 
 PACKED_KEY_PREFIX = "quant_state.bitsandbytes__"
 #: bitsandbytes has no format for blockwise 8-bit weights; tightfit packs them under this key.
 PACKED_KEY_8BIT = "quant_state.tightfit__blockwise8"
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-_DTYPES_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class QuantState:
             "absmax": self.absmax,
             "blocksize": self.blocksize,
             "quant_map": self.code,
-            "dtype": _DTYPE_NAMES[self.dtype],
+            "dtype": DTYPE_NAMES[self.dtype],
             "shape": tuple(self.shape) if self.shape is not None else None,
         }
         if self.nested:
@@ -103,7 +103,7 @@ class QuantState:
                 nested_absmax=self.state2.absmax,
                 nested_blocksize=self.state2.blocksize,
                 nested_quant_map=self.state2.code.clone(),  # a separate tensor: safetensors drops shared ones
-                nested_dtype=_DTYPE_NAMES[self.state2.dtype],
+                nested_dtype=DTYPE_NAMES[self.state2.dtype],
                 nested_offset=float(self.offset),
             )
         if not packed:
@@ -116,46 +116,23 @@ class QuantState:
 
     @classmethod
     def from_dict(cls, items: dict[str, Any], device: torch.device | str = "cpu") -> QuantState:
-        """Rebuild a state from :meth:`as_dict` output, packed or not, keys with or without prefixes."""
-        if not isinstance(items, dict):
-            raise TypeError(f"items must be a dict, got {type(items).__name__}")
-        def is_packed(key: str) -> bool:
-            return key.split(".")[-1].startswith(("bitsandbytes__", "tightfit__"))
-
-        plain = {key.split(".")[-1]: value for key, value in items.items() if not is_packed(key)}
-        packed = [key for key in items if is_packed(key)]
-        if len(packed) > 1:
-            raise ValueError(f"expected at most one packed quant_state entry, found {packed}")
-        if packed:
-            blob = items[packed[0]]
-            if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8:
-                raise TypeError(f"{packed[0]} must be a uint8 tensor of JSON bytes")
-            try:
-                plain.update(json.loads(bytes(blob.cpu().numpy()).decode("utf-8")))
-            except (UnicodeDecodeError, json.JSONDecodeError) as error:
-                raise ValueError(f"{packed[0]} does not hold valid JSON: {error}") from None
-        missing = {"absmax", "quant_map", "blocksize", "dtype"} - set(plain)
-        if missing:
-            raise ValueError(f"quant state is missing {sorted(missing)}; found keys {sorted(plain)}")
-
-        def dtype_of(name: str) -> torch.dtype:
-            if name not in _DTYPES_BY_NAME:
-                raise ValueError(f"dtype {name!r} is not accepted; accepted: {', '.join(_DTYPES_BY_NAME)}")
-            return _DTYPES_BY_NAME[name]
-
+        """Rebuild a state from :meth:`as_dict` output, packed or not, keys with or without
+        prefixes. Everything read is checked first (types, lengths, finite scales >= 0, the
+        code tables, the JSON): a damaged entry raises ValueError or TypeError naming it."""
+        fields = read_quant_state(items)
+        device = check_device("device", device)
         state2 = offset = None
-        if "nested_absmax" in plain:
-            state2 = cls(absmax=plain["nested_absmax"].to(device), code=plain["nested_quant_map"].to(device),
-                         blocksize=plain["nested_blocksize"], dtype=dtype_of(plain["nested_dtype"]))
-            offset = torch.tensor(float(plain["nested_offset"]), device=device)
-        shape = plain.get("shape")
+        if "nested_absmax" in fields:
+            state2 = cls(absmax=fields["nested_absmax"].to(device), code=fields["nested_quant_map"].to(device),
+                         blocksize=fields["nested_blocksize"], dtype=fields["nested_dtype"])
+            offset = torch.tensor(fields["nested_offset"], dtype=torch.float32, device=device)
         return cls(
-            absmax=plain["absmax"].to(device),
-            code=plain["quant_map"].to(device),
-            blocksize=plain["blocksize"],
-            dtype=dtype_of(plain["dtype"]),
-            shape=torch.Size(shape) if shape is not None else None,
-            quant_type=plain.get("quant_type"),
+            absmax=fields["absmax"].to(device),
+            code=fields["quant_map"].to(device),
+            blocksize=fields["blocksize"],
+            dtype=fields["dtype"],
+            shape=fields["shape"],
+            quant_type=fields["quant_type"],
             offset=offset,
             state2=state2,
         )
