@@ -90,7 +90,7 @@ class _Builder:
         self.valid = self.valid and harmless
 
     def tensor_mutation(self, args: list[Any], index: int, name: str, valid: Callable[[torch.Tensor], bool], *,
-                        primary: bool = False) -> None:
+                        primary: bool = False, optional: bool = False) -> None:
         """One mutation of tensor argument ``index``; ``valid(new)`` says whether the op must accept it
         (the oracle, written from the op's documented contract, not from its checks)."""
         tensor = args[index]
@@ -111,7 +111,7 @@ class _Builder:
             new = tensor.to("meta")
         else:
             args[index] = self.rng.choice((None, 3, [1.0, 2.0], "x"))
-            self.mutate(f"{name} = {args[index]!r}", False)
+            self.mutate(f"{name} = {args[index]!r}", optional and args[index] is None)
             return
         args[index] = new
         self.mutate(f"{name} {kind}: {new.dtype} {tuple(new.shape)} {new.device.type}", new.device.type == "cpu" and valid(new))
@@ -201,7 +201,7 @@ def _dequantize_blockwise(b: _Builder) -> list[Any]:
 def _quantize_4bit(b: _Builder) -> list[Any]:
     args = [b.floats(b.shape(), b.rng.choice(checks.FLOAT_DTYPES)), b.rng.choice(checks.BLOCKSIZES_4BIT),
             b.rng.choice(QUANT_TYPES_4BIT), torch.uint8]
-    for what in b.which(("A", "blocksize", "quant_type", "quant_storage"), most=2):
+    for what in b.which(("A", "blocksize", "quant_type", "quant_storage")):
         if what == "A":
             b.tensor_mutation(args, 0, "A", _floats_ok, primary=True)
         elif what == "blocksize":
@@ -304,7 +304,7 @@ def _int8_mm_dequant(b: _Builder) -> list[Any]:
     for what in b.which(("A", "row_stats", "col_stats", "dtype", "bias")):
         if what == "A":
             b.tensor_mutation(args, 0, "A", lambda t: t.dtype == torch.int32 and t.dim() >= 1 and t.shape[-1] == cols
-                              and t.numel() == rows * cols, primary=True)
+                              and math.prod(t.shape[:-1]) == rows, primary=True)
         elif what == "row_stats":
             b.tensor_mutation(args, 1, "row_stats", stats_ok(rows))
         elif what == "col_stats":
@@ -312,7 +312,8 @@ def _int8_mm_dequant(b: _Builder) -> list[Any]:
         elif what == "dtype":
             b.choice_arg(args, 3, "dtype", _ANY_DTYPES, checks.FLOAT_DTYPES)
         elif bias is not None:
-            b.tensor_mutation(args, 4, "bias", lambda t: t.is_floating_point() and t.shape == (cols,))
+            b.tensor_mutation(args, 4, "bias", lambda t: t.dtype in (*checks.FLOAT_DTYPES, torch.float64) and t.shape == (cols,),
+                              optional=True)
     return args
 
 

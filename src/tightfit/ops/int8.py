@@ -134,6 +134,10 @@ def _check_matmul(A: object, B: object) -> None:
     check_on("B", B, "A", A.device)
 
 
+#: float8 has no type promotion with the float32 product.
+_BIAS_DTYPES = (*FLOAT_DTYPES, torch.float64)
+
+
 def _check_dequant(A: object, row_stats: object, col_stats: object, dtype: object, bias: object) -> None:
     _check_int_tensor("A", A, torch.int32)
     for name, stats, expected in (("row_stats", row_stats, _row_count(A)), ("col_stats", col_stats, A.shape[-1])):
@@ -144,8 +148,9 @@ def _check_dequant(A: object, row_stats: object, col_stats: object, dtype: objec
     check_dtype("dtype", dtype)
     if bias is not None:
         check_type("bias", bias, torch.Tensor)
-        if bias.shape != (A.shape[-1],) or not bias.is_floating_point():
-            raise ValueError(f"bias must be a float tensor of shape ({A.shape[-1]},), got {bias.dtype} {tuple(bias.shape)}")
+        if bias.shape != (A.shape[-1],) or bias.dtype not in _BIAS_DTYPES:
+            raise ValueError(f"bias must be a float32, float16, bfloat16 or float64 tensor of shape ({A.shape[-1]},), "
+                             f"got {bias.dtype} {tuple(bias.shape)}")
         check_on("bias", bias, "A", A.device)
 
 
