@@ -32,9 +32,11 @@ bench: $(VENV)/.installed-test
 	$(PY) benchmarks/schedules.py
 	$(PY) benchmarks/memory_plan.py
 
-# A longer hostile-input campaign than the tests run: 10,000 generated raw-op calls, each in a worker process.
+# Longer hostile-input campaigns than the tests run, in worker processes: 10,000 generated raw-op
+# calls and 10,000 corrupted checkpoints (both run; the target fails if either finds something).
 fuzz: $(VENV)/.installed-test
-	$(PY) -m tightfit.ops.fuzz --count 10000 --seed $${SEED:-0}
+	$(PY) -m tightfit.ops.fuzz --count 10000 --seed $${SEED:-0}; ops=$$?; \
+	$(PY) -m tightfit.quant.fuzz --count 10000 --seed $${SEED:-0} && exit $$ops
 
 clean:
 	rm -rf $(VENV)

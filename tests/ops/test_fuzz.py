@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from tightfit.ops.fuzz import make_case, run_campaign
+from tightfit._fuzz_campaign import run_campaign
+from tightfit.ops.fuzz import make_case
 
 
 def test_generated_cases_end_in_the_reference_or_a_clean_error():
-    result = run_campaign(300, seed=12)
+    result = run_campaign("tightfit.ops.fuzz", 300, seed=12)
     assert result.findings == []
     assert sum(result.counts.values()) == 300
     # both kinds are exercised: valid calls that must match, hostile calls that must be refused
@@ -25,11 +26,13 @@ def test_cases_are_reproducible_from_seed_and_index():
 
 def test_a_crashing_and_a_hanging_case_are_recorded_and_the_campaign_goes_on(monkeypatch):
     monkeypatch.setenv("TIGHTFIT_FUZZ_SELFTEST", "crash:1,hang:3")  # the worker kills itself at case 1, stalls at 3
-    result = run_campaign(5, seed=0, case_timeout=8.0)
+    result = run_campaign("tightfit.ops.fuzz", 5, seed=0, case_timeout=8.0)
     assert result.counts["crash"] == 1 and result.counts["hang"] == 1 and sum(result.counts.values()) == 5
     assert [finding.split(" ")[:3] for finding in result.findings] == [["case", "1:", "crash"], ["case", "3:", "hang"]]
 
 
-def test_count_is_validated():
+def test_arguments_are_validated():
     with pytest.raises(ValueError, match="count must be an int >= 1"):
-        run_campaign(0)
+        run_campaign("tightfit.ops.fuzz", 0)
+    with pytest.raises(ValueError, match="target must name an importable module"):
+        run_campaign("tightfit.no_such_module", 5)

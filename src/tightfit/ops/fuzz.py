@@ -12,36 +12,27 @@ Outcomes: ``equal`` (a valid case returned the reference's result), ``clean`` (a
 harmful case raised a clean error), ``refused`` (a valid case raised), ``unclean``
 (another exception type), ``wrong`` (a harmful case returned, a valid case differed from
 the reference, or an input was modified), ``hang``, ``crash``. Run it with
-``python -m tightfit.ops.fuzz --count N``.
+``python -m tightfit.ops.fuzz --count N`` (``tightfit._fuzz_campaign`` runs the workers).
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import random
-import queue
-import signal
-import subprocess
 import sys
-import tempfile
-import threading
-import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tightfit._fuzz_campaign import main
 from tightfit.ops import _arg_checks as checks
 from tightfit.ops._registry import get_op
 from tightfit.ops.codes import QUANT_TYPES_4BIT, dynamic_map
 
-__all__ = ["OUTCOMES", "FuzzCase", "make_case", "run_campaign"]
+__all__ = ["FuzzCase", "make_case", "run_case"]
 
-OUTCOMES = ("equal", "clean", "refused", "unclean", "wrong", "hang", "crash")
 CLEAN_ERRORS = (ValueError, TypeError, RuntimeError)
 #: dtypes a mutation may swap in (complex and bool included: kernels must not reinterpret them).
 _ANY_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.uint8, torch.int8,
@@ -377,13 +368,13 @@ def _unchanged(before: list[Any], after: list[Any], skip: tuple[int, ...]) -> bo
                for i, (a, b) in enumerate(zip(before, after)))
 
 
-def run_case(case: FuzzCase, direct: bool) -> tuple[str, str]:
-    """(outcome, detail) of one case, run in this process."""
+def run_case(case: FuzzCase, index: int) -> tuple[str, str]:
+    """(outcome, detail) of one case, run in this process; even indices take the direct path."""
     from tightfit.conformance import _compare
 
     opdef = get_op(case.op)
     before = _snapshot(case.args)
-    call = opdef if direct else getattr(torch.ops.tightfit, case.op)
+    call = opdef if index % 2 == 0 else getattr(torch.ops.tightfit, case.op)
     try:
         result = call(*case.args)
     except CLEAN_ERRORS as error:
@@ -414,113 +405,5 @@ def _finite_parts(expected: Any, actual: Any, metric: str | float) -> tuple[Any,
     return expected[finite], actual[finite]
 
 
-def _worker(seed: int, start: int, stop: int) -> None:
-    """Run cases start..stop-1, announcing each before it runs, so the parent can blame a crash."""
-    import warnings
-
-    import tightfit  # noqa: F401  (registers the ops and their kernels)
-
-    warnings.simplefilter("ignore")
-    # "crash:N,hang:M" makes cases N and M crash and stall: how the harness proves it catches both
-    selftest = set(os.environ.get("TIGHTFIT_FUZZ_SELFTEST", "").split(","))
-    for index in range(start, stop):
-        print(f"start {index}", flush=True)
-        if f"crash:{index}" in selftest:
-            os.kill(os.getpid(), signal.SIGSEGV)
-        if f"hang:{index}" in selftest:
-            time.sleep(3600)
-        case = make_case(seed, index)
-        outcome, detail = run_case(case, direct=index % 2 == 0)
-        print(f"done {index} {outcome} {case.op} | {case.label} | {detail}", flush=True)
-
-
-@dataclass
-class CampaignResult:
-    counts: Counter
-    findings: list[str]
-    seconds: float
-
-
-def _lines(stream: Any) -> queue.Queue:
-    """The worker's output lines, read by a thread (None at the end), so waits can time out."""
-    lines: queue.Queue = queue.Queue()
-
-    def read() -> None:
-        for line in stream:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=read, daemon=True).start()
-    return lines
-
-
-def _run_worker(seed: int, start: int, count: int, counts: Counter, findings: list[str],
-                case_timeout: float, first_timeout: float) -> int:
-    """Run cases from ``start`` in one worker until it finishes, crashes or hangs; the next index to run."""
-    with tempfile.TemporaryFile() as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "tightfit.ops.fuzz", "--worker", str(seed), str(start), str(count)],
-                                stdout=subprocess.PIPE, stderr=stderr, text=True)
-        lines, in_flight, outcome = _lines(proc.stdout), None, None
-        timeout = first_timeout  # the first case loads (or compiles) the kernels
-        while True:
-            try:
-                line = lines.get(timeout=timeout)
-            except queue.Empty:
-                proc.kill()
-                outcome = "hang"
-                break
-            if line is None:
-                outcome = "crash"
-                break
-            words = line.split(" ", 3)
-            if words[0] == "start":
-                in_flight = int(words[1])
-                continue
-            in_flight, start, timeout = None, int(words[1]) + 1, case_timeout
-            counts[words[2]] += 1
-            if words[2] not in ("equal", "clean"):
-                findings.append(f"case {words[1]}: {words[2]} {words[3].rstrip()}")
-        proc.wait()
-        stderr.seek(0)
-        last_words = stderr.read().decode(errors="replace").strip().splitlines()[-1:]
-    if in_flight is None:
-        if proc.returncode != 0 or start < count:
-            raise RuntimeError(f"a fuzz worker failed outside any case (exit {proc.returncode}, {outcome}): {last_words}")
-        return start
-    counts[outcome] += 1
-    case = make_case(seed, in_flight)
-    findings.append(f"case {in_flight}: {outcome} {case.op} | {case.label} (exit {proc.returncode}) {last_words}")
-    return in_flight + 1
-
-
-def run_campaign(count: int, seed: int = 0, *, case_timeout: float = 20.0, first_timeout: float = 180.0) -> CampaignResult:
-    """Run ``count`` cases in worker processes; a worker that crashes or hangs is replaced."""
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"count must be an int >= 1, got {count!r}")
-    counts: Counter = Counter()
-    findings: list[str] = []
-    started = time.perf_counter()
-    next_index = 0
-    while next_index < count:
-        next_index = _run_worker(seed, next_index, count, counts, findings, case_timeout, first_timeout)
-    return CampaignResult(counts, findings, time.perf_counter() - started)
-
-
-def _main(argv: list[str]) -> int:
-    if argv[:1] == ["--worker"]:
-        _worker(*(int(a) for a in argv[1:4]))
-        return 0
-    parser = argparse.ArgumentParser(prog="python -m tightfit.ops.fuzz", description=__doc__.splitlines()[0])
-    parser.add_argument("--count", type=int, default=2000)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    result = run_campaign(args.count, args.seed)
-    print(" | ".join(["tried", *OUTCOMES]))
-    print(" | ".join(str(n) for n in [sum(result.counts.values()), *(result.counts[o] for o in OUTCOMES)]))
-    for finding in result.findings[:50]:
-        print(finding)
-    return 0 if not result.findings else 1
-
-
 if __name__ == "__main__":
-    raise SystemExit(_main(sys.argv[1:]))
+    raise SystemExit(main(sys.argv[1:], target="tightfit.ops.fuzz"))

@@ -1,4 +1,4 @@
-"""Corrupted quantized checkpoints, for the fuzz tests in ``test_checkpoints.py``.
+"""Corrupted quantized checkpoints: the hostile-input cases of checkpoint loading (D9).
 
 A case is a list of mutations of a valid state dict (of a Linear4bit, Linear8bit or
 LinearInt8) or of a QuantState's dict. Each mutation makes the data invalid or leaves
@@ -16,7 +16,9 @@ return the outcome of one case: "loaded" (equal to the reference), "refused"
 (ValueError or TypeError, the layer unchanged), "reported" (absent entries in
 ``missing_keys``, or torch's strict-mode RuntimeError listing missing or unexpected
 keys, the layer unchanged or equal to the reference), or "FAIL: ..." for anything else.
-They run in a worker process, so a crash ends the worker and fails the test.
+:func:`make_case` and :func:`run_case` make it a campaign target: ``python -m
+tightfit.quant.fuzz --count N`` runs cases in worker processes, so a crash or a hang is
+blamed on its case.
 """
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ import io
 import json
 import math
 import random
+import sys
 import traceback
-from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from tightfit._fuzz_campaign import main
 from tightfit.quant import Linear4bit, Linear8bit, LinearInt8, QuantState, QuantizedLinear
 from tightfit.quant import functional as F
 
@@ -78,8 +82,7 @@ def linear(seed: int, out_features: int = 7, in_features: int = 37) -> nn.Linear
     return nn.Linear(in_features, out_features)
 
 
-#: kind -> (reference layer, fresh layer holding other values); built once per process,
-#: or sent to the worker by :func:`install_layers` (so it compiles no quantization kernel).
+#: kind -> (reference layer, fresh layer holding other values); built once per process.
 _LAYERS: dict[str, tuple[nn.Module, nn.Module]] = {}
 
 
@@ -87,18 +90,6 @@ def layers(kind: str) -> tuple[nn.Module, nn.Module]:
     if kind not in _LAYERS:
         _LAYERS[kind] = KINDS[kind](linear(seed=0)), KINDS[kind](linear(seed=1))
     return _LAYERS[kind]
-
-
-def layers_blob() -> bytes:
-    buffer = io.BytesIO()
-    torch.save({kind: layers(kind) for kind in KINDS}, buffer)
-    return buffer.getvalue()
-
-
-def install_layers(blob: bytes) -> None:
-    """Worker initializer: the parent's layers, and one thread (the machine is shared)."""
-    torch.set_num_threads(1)
-    _LAYERS.update(torch.load(io.BytesIO(blob), weights_only=False))
 
 
 @functools.lru_cache(maxsize=None)
@@ -334,25 +325,36 @@ def run_from_dict(kind: str, packed: bool, mutations: list[tuple]) -> str:
         return "FAIL: " + traceback.format_exc(limit=-4)
 
 
-def run_batch(seed: int, count: int) -> tuple[Counter, list[str]]:
-    """``count`` seeded cases, load and from_dict alternating over every kind: (outcomes, failures)."""
-    rng = random.Random(seed)
-    outcomes: Counter = Counter()
-    failures = []
-    for index in range(count):
-        kind = rng.choice(sorted(KINDS) if index % 2 else STATE_KINDS)
-        if index % 2:
-            mutations = draw_mutations(rng, reference(kind)[1])
-            strict = rng.random() < 0.5
-            outcome, case = run_load(kind, mutations, strict), ("load", kind, strict, mutations)
-        else:
-            packed = rng.random() < 0.7
-            mutations = draw_mutations(rng, state_items(kind, packed))
-            outcome, case = run_from_dict(kind, packed, mutations), ("from_dict", kind, packed, mutations)
-        outcomes[outcome.split(":")[0]] += 1
-        if outcome.startswith("FAIL"):
-            failures.append(f"{describe(case)}\n{outcome}")
-    return outcomes, failures
+@dataclass
+class CheckpointCase:
+    """One generated case: ``call`` is ("load", kind, strict, mutations) or ("from_dict", kind, packed, mutations)."""
+
+    op: str
+    label: str
+    call: tuple
+
+
+def make_case(seed: int, index: int) -> CheckpointCase:
+    """Case ``index`` of campaign ``seed``: loading and from_dict alternate over every kind."""
+    rng = random.Random(f"{seed}:{index}")
+    kind = rng.choice(sorted(KINDS) if index % 2 else STATE_KINDS)
+    if index % 2:
+        mutations = draw_mutations(rng, reference(kind)[1])
+        call = ("load", kind, rng.random() < 0.5, mutations)
+    else:
+        packed = rng.random() < 0.7
+        call = ("from_dict", kind, packed, draw_mutations(rng, state_items(kind, packed)))
+    return CheckpointCase(f"{call[0]} {kind}", describe(call).replace("\n", " "), call)
+
+
+def run_case(case: CheckpointCase, index: int) -> tuple[str, str]:
+    """The campaign's outcome of one case: loaded is "equal", refused or reported is "clean",
+    a traceback is "unclean", a changed or wrong layer is "wrong"."""
+    what, kind, flag, mutations = case.call
+    outcome = run_load(kind, mutations, flag) if what == "load" else run_from_dict(kind, flag, mutations)
+    if not outcome.startswith("FAIL"):
+        return ("equal" if outcome == "loaded" else "clean"), outcome
+    return ("unclean" if "Traceback" in outcome else "wrong"), outcome
 
 
 def describe(case: tuple) -> str:
@@ -362,3 +364,7 @@ def describe(case: tuple) -> str:
     for mutation in case[-1]:
         print("  ", tuple(f"{part!r:.60}" for part in mutation), file=text)
     return text.getvalue()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:], target="tightfit.quant.fuzz"))
