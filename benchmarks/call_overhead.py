@@ -1,11 +1,12 @@
 """Per-call cost of small op calls: what argument checks and dispatch add where the work is tiny.
 
 Each row times one small call (microseconds; per round the best of 5 batches of 200
-calls, then the median over rounds) through the
-public function, the direct path past the dispatcher (``tightfit.ops.get_op(name)(...)``)
-and the raw dispatcher entry (``torch.ops.tightfit.<name>``). With ``--against DIR`` the
-same rows are measured for another checkout of tightfit (its ``src``) in alternating
-rounds, one process each, and printed side by side as after / before.
+calls, then the median over rounds) through the public function, the direct path past
+the dispatcher (``tightfit.ops.get_op(name)(...)``), the raw dispatcher entry
+(``torch.ops.tightfit.<name>``), and the op's argument check alone (which every path
+runs). With ``--against DIR`` the same rows are measured for another checkout of
+tightfit (its ``src``) in alternating rounds, one process each, and printed side by
+side as this / before.
 
 Run: python benchmarks/call_overhead.py [--rounds 5] [--against /path/to/other/checkout]
 """
@@ -72,6 +73,8 @@ def _calls():
         calls[(name, "public")] = public[name]
         calls[(name, "direct")] = lambda op=direct, args=raw[name]: op(*args)
         calls[(name, "torch.ops")] = lambda op=dispatched, args=raw[name]: op(*args)
+        if hasattr(direct, "check"):  # the op's own argument check alone (absent from older checkouts)
+            calls[(name, "check")] = lambda op=direct, args=raw[name]: op.check(*args)
     return calls
 
 
@@ -117,7 +120,7 @@ def main() -> None:
         for label, src in trees.items():  # alternate, so drift on a shared machine hits both alike
             rounds[label].append(_round(src))
     keys = list(rounds["this"][0])
-    medians = {label: {key: statistics.median(r[key] for r in runs) for key in keys} for label, runs in rounds.items()}
+    medians = {label: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for label, runs in rounds.items()}
     spread = max(max(r[key] for r in rounds["this"]) / min(r[key] for r in rounds["this"]) for key in keys)
     print(f"us per call, 1 thread: median over {args.rounds} rounds of the best of 5 batches of 200 calls; "
           f"largest max/min across rounds: {spread:.2f}")
@@ -126,7 +129,7 @@ def main() -> None:
     for key in keys:
         name, path = key.split("|")
         line = f"{name:<22} {path:<10} {medians['this'][key]:8.1f}"
-        if args.against:
+        if args.against and key in medians["before"]:
             line += f" {medians['before'][key]:8.1f} {medians['this'][key] / medians['before'][key]:12.2f}"
         print(line)
 
