@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tightfit._validate import check_choice, check_type
+from tightfit._validate import check_choice, check_same_device, check_type
 from tightfit.ops.codes import QUANT_TYPES_4BIT
 
 __all__: list[str] = []
@@ -59,28 +59,23 @@ def check_quant_type(quant_type: object) -> None:
     check_choice("quant_type", quant_type, QUANT_TYPES_4BIT)
 
 
-def check_on(name: str, tensor: torch.Tensor, other: str, device: torch.device) -> None:
-    if tensor.device != device:
-        raise ValueError(f"{name} is on {tensor.device} but {other} is on {device}; both must be on one device")
-
-
-def check_code(code: object, device: torch.device) -> torch.Tensor:
+def check_code(code: object, A: torch.Tensor) -> torch.Tensor:
     """The 8-bit code table: 256 float32 values, since codes are bytes that index it."""
     check_type("code", code, torch.Tensor)
     if code.dtype != torch.float32 or code.dim() != 1 or code.numel() != 256:
         raise ValueError(f"code must be a 1-D float32 tensor of 256 values, got dtype {code.dtype}, shape {tuple(code.shape)}")
-    check_on("code", code, "A", device)
+    check_same_device("code", code, "A", A)
     return code
 
 
-def check_absmax(absmax: object, numel: int, blocksize: int, device: torch.device) -> torch.Tensor:
+def check_absmax(absmax: object, numel: int, blocksize: int, A: torch.Tensor) -> torch.Tensor:
     check_type("absmax", absmax, torch.Tensor)
     if absmax.dtype not in FLOAT_DTYPES:
         raise TypeError(f"absmax must be a floating-point tensor (float32, float16 or bfloat16), got dtype {absmax.dtype}")
     expected = block_count(numel, blocksize)
     if absmax.dim() != 1 or absmax.numel() != expected:
         raise ValueError(f"absmax has shape {tuple(absmax.shape)}; {numel} values in blocks of {blocksize} need {expected} (1-D)")
-    check_on("absmax", absmax, "A", device)
+    check_same_device("absmax", absmax, "A", A)
     return absmax
 
 
@@ -109,7 +104,7 @@ def check_packed(name: str, packed: object, numel: int, shape: list[int]) -> tor
 def quantize_blockwise(A: Any, code: Any, blocksize: Any) -> None:
     check_float_input("A", A)
     check_blocksize(blocksize, BLOCKSIZES_8BIT)
-    check_code(code, A.device)
+    check_code(code, A)
 
 
 def dequantize_blockwise(A: Any, absmax: Any, code: Any, blocksize: Any, dtype: Any) -> None:
@@ -117,8 +112,8 @@ def dequantize_blockwise(A: Any, absmax: Any, code: Any, blocksize: Any, dtype: 
     if A.dtype != torch.uint8:
         raise TypeError(f"A must be uint8 codes, got dtype {A.dtype}")
     check_blocksize(blocksize, BLOCKSIZES_8BIT)
-    check_absmax(absmax, A.numel(), blocksize, A.device)
-    check_code(code, A.device)
+    check_absmax(absmax, A.numel(), blocksize, A)
+    check_code(code, A)
     check_dtype("dtype", dtype)
 
 
@@ -139,7 +134,7 @@ def dequantize_4bit(A: Any, absmax: Any, blocksize: Any, quant_type: Any, shape:
     shape = check_shape(shape, matrix=False)
     numel = math.prod(shape)
     check_packed("A", A, numel, shape)
-    check_absmax(absmax, numel, blocksize, A.device)
+    check_absmax(absmax, numel, blocksize, A)
     check_dtype("dtype", dtype)
 
 
@@ -151,5 +146,5 @@ def gemv_4bit(A: Any, B: Any, shape: Any, absmax: Any, blocksize: Any, quant_typ
     if A.dim() < 1 or A.shape[-1] != shape[1]:
         raise ValueError(f"A has shape {tuple(A.shape)}; its last dimension must be the weight's in_features, {shape[1]}")
     check_packed("B", B, shape[0] * shape[1], shape)
-    check_on("B", B, "A", A.device)
-    check_absmax(absmax, shape[0] * shape[1], blocksize, A.device)
+    check_same_device("B", B, "A", A)
+    check_absmax(absmax, shape[0] * shape[1], blocksize, A)

@@ -367,7 +367,7 @@ def quantize_4bit(A: torch.Tensor, blocksize: int = 64, quant_type: str = "fp4",
 
 def dequantize_4bit(A: torch.Tensor, absmax: torch.Tensor, blocksize: int = 64, quant_type: str = "fp4", shape: Sequence[int] | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Decode packed 4-bit codes into a tensor of ``shape`` and ``dtype``."""
-    return _DEQUANTIZE_4BIT(A, absmax, blocksize, quant_type, checks.check_shape(shape, matrix=False), dtype)
+    return _DEQUANTIZE_4BIT(A, absmax, blocksize, quant_type, shape, dtype)
 
 
 def gemv_4bit(A: torch.Tensor, B: torch.Tensor, shape: Sequence[int], absmax: torch.Tensor, blocksize: int = 64, quant_type: str = "nf4") -> torch.Tensor:
@@ -376,4 +376,4 @@ def gemv_4bit(A: torch.Tensor, B: torch.Tensor, shape: Sequence[int], absmax: to
 
     ``A`` has shape (..., in); the result (..., out) has ``A``'s dtype. The CPU kernel
     accumulates in float32, so results agree with the reference to rounding."""
-    return _GEMV_4BIT(A, B, checks.check_shape(shape, matrix=True), absmax, blocksize, quant_type)
+    return _GEMV_4BIT(A, B, shape, absmax, blocksize, quant_type)

@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from tightfit._validate import check_non_negative_number, check_type
-from tightfit.ops._arg_checks import FLOAT_DTYPES, check_dtype, check_on
+from tightfit._validate import check_non_negative_number, check_same_device, check_type
+from tightfit.ops._arg_checks import FLOAT_DTYPES, check_dtype
 from tightfit.ops._registry import Case, define_op, register_kernel
 
 __all__ = ["int8_linear_matmul", "int8_mm_dequant", "int8_vectorwise_dequant", "int8_vectorwise_quant"]
@@ -131,7 +131,7 @@ def _check_matmul(A: object, B: object) -> None:
     _check_int_tensor("B", B, torch.int8)
     if B.dim() != 2 or A.shape[-1] != B.shape[1]:
         raise ValueError(f"shapes do not match for A @ B.T: A {tuple(A.shape)}, B {tuple(B.shape)} (B must be N x K)")
-    check_on("B", B, "A", A.device)
+    check_same_device("B", B, "A", A)
 
 
 #: float8 has no type promotion with the float32 product.
@@ -144,14 +144,14 @@ def _check_dequant(A: object, row_stats: object, col_stats: object, dtype: objec
         check_type(name, stats, torch.Tensor)
         if stats.dtype != torch.float32 or stats.numel() != expected:
             raise ValueError(f"{name} must be float32 with {expected} values, got {stats.dtype} with {stats.numel()}")
-        check_on(name, stats, "A", A.device)
+        check_same_device(name, stats, "A", A)
     check_dtype("dtype", dtype)
     if bias is not None:
         check_type("bias", bias, torch.Tensor)
         if bias.shape != (A.shape[-1],) or bias.dtype not in _BIAS_DTYPES:
             raise ValueError(f"bias must be a float32, float16, bfloat16 or float64 tensor of shape ({A.shape[-1]},), "
                              f"got {bias.dtype} {tuple(bias.shape)}")
-        check_on("bias", bias, "A", A.device)
+        check_same_device("bias", bias, "A", A)
 
 
 _VECTORWISE = define_op("int8_vectorwise_quant", _vectorwise_reference, fake=_vectorwise_fake, cases=_cases_vectorwise,
@@ -181,7 +181,7 @@ def int8_vectorwise_dequant(A: torch.Tensor, stats: torch.Tensor) -> torch.Tenso
     check_type("stats", stats, torch.Tensor)
     if stats.numel() != _row_count(A):
         raise ValueError(f"stats has {stats.numel()} values; A has {_row_count(A)} rows")
-    check_on("stats", stats, "A", A.device)
+    check_same_device("stats", stats, "A", A)
     return A.float() * (stats.reshape(-1, 1).float() / 127.0).reshape(*A.shape[:-1], 1)
 
 
