@@ -20,7 +20,7 @@ import time
 import torch
 
 import tightfit
-from tightfit._hugepages import empty_with_huge_pages
+from tightfit.ops._hugepages import empty_with_huge_pages
 
 FLOAT8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 WIDE = [torch.bfloat16, torch.float16, torch.float32]

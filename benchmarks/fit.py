@@ -48,8 +48,8 @@ import tightfit
 from tightfit._format import human_bytes
 from tightfit.fitting import calibrate, held_bytes
 from tightfit.memory import measure
-from tightfit.models import default_model_dir, embed, load_encoder
-from tightfit.run import DEFAULT_SENTENCES
+from tightfit.app.models import default_model_dir, embed, load_encoder
+from tightfit.app.run import DEFAULT_SENTENCES
 
 
 
@@ -102,20 +102,20 @@ class CausalLM:
     quality_name = "agreement"
 
     def __init__(self, device: torch.device, folder: str) -> None:
-        from tightfit.models import save_causal_lm
+        from tightfit.app.models import save_causal_lm
 
         self.device = device
         self.folder = save_causal_lm(folder)
 
     def load(self) -> tuple[torch.nn.Module, dict]:
-        from tightfit.models import load_causal_lm
+        from tightfit.app.models import load_causal_lm
 
         self.model, tokenizer = load_causal_lm(self.folder, self.device)
         self.ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"].to(self.device)
         return self.model, {"input_ids": self.ids}
 
     def run(self, model: torch.nn.Module) -> tuple[int, ...]:
-        from tightfit.generation import generate_greedy
+        from tightfit.app.generation import generate_greedy
 
         return generate_greedy(model, self.ids, 16).tokens
 
@@ -124,7 +124,7 @@ class CausalLM:
             return model(input_ids=self.ids)
 
     def quality(self, model: torch.nn.Module, reference: tuple[int, ...]) -> float:
-        from tightfit.generation import token_agreement
+        from tightfit.app.generation import token_agreement
 
         return token_agreement(model, self.ids, reference)
 
@@ -167,7 +167,7 @@ def _attention_stack() -> AttentionStack:
 def bench_activations(fractions: list[float], figures, repeat: int) -> list[dict]:
     """Plan a fresh attention stack at each fraction of its unchanged peak, apply, compile, measure; then time in rounds."""
     from tightfit.memory import allocated_peak
-    from tightfit.planning.measure import compiled_peak
+    from tightfit.memory.compiled import compiled_peak
 
     x = torch.randn(8, 256, 64, generator=torch.Generator().manual_seed(1))
     eager = _attention_stack()

@@ -42,7 +42,7 @@ import torch._inductor.config
 import tightfit
 from tightfit.graph import compiler
 from tightfit.memory import LiveTensorBytes
-from tightfit.planning.measure import compiled_peak
+from tightfit.memory.compiled import compiled_peak
 
 MiB = 1024 * 1024
 

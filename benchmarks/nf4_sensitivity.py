@@ -18,9 +18,9 @@ import copy
 import torch
 from torch import nn
 
-from tightfit.models import default_model_dir, embed, load_encoder
+from tightfit.app.models import default_model_dir, embed, load_encoder
 from tightfit.quant import Blockwise8Config, FP4Config, Linear4bit, NF4Config, layer_stack, quantize_
-from tightfit.run import DEFAULT_SENTENCES, weights_bytes
+from tightfit.app.run import DEFAULT_SENTENCES, weights_bytes
 
 OTHER_SENTENCES = [
     "The cat sat quietly on the windowsill, watching the rain.",

@@ -95,7 +95,7 @@ def test_example_plugin_is_discovered_and_registers_kernels(plugin_site: Path) -
 
 
 def test_cli_lists_example_plugin(plugin_site: Path) -> None:
-    done = _run_fresh(["-m", "tightfit.cli", "backends", "--json"], plugin_site)
+    done = _run_fresh(["-m", "tightfit.app.cli", "backends", "--json"], plugin_site)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)
     assert report["conflict"] is None

@@ -7,7 +7,7 @@ import sys
 
 SCRIPT = r"""
 import torch, tightfit
-from tightfit.run import RunOptions
+from tightfit.app.run import RunOptions
 from tightfit.memory import measure
 import tightfit.quant as quant
 import tightfit.hooks as hooks
@@ -17,12 +17,12 @@ def twice():
     hooks.apply_layerwise_casting(model, torch.float8_e4m3fn, torch.float32)
     hooks.apply_layerwise_casting(model, torch.float8_e4m3fn, torch.float32)
 import tightfit.graph
-import tightfit.graph.memory
-import tightfit.fitting, tightfit.memory, tightfit.generation
+import tightfit.graph.alloc
+import tightfit.fitting, tightfit.memory, tightfit.app.generation
 FIG = dict(backend="cpu", device_name="test", torch_version=torch.__version__, matmul_flops=1e10, device_bandwidth=1e10,
            host_to_device_bandwidth=None, disk_bandwidth=1e9, decode_seconds=dict.fromkeys(("float8", "8bit", "int8", "nf4", "fp4"), 0.0))
 import torch.fx
-import os, tempfile, tightfit.models
+import os, tempfile, tightfit.app.models
 class Branches(torch.nn.Module):
     def forward(self, x):
         return x * 2 if x.sum() > 0 else x
@@ -30,7 +30,7 @@ def list_config():
     folder = tempfile.mkdtemp()
     with open(os.path.join(folder, "config.json"), "w") as file:
         file.write("[1, 2]")
-    return tightfit.models.folder_kind(folder)
+    return tightfit.app.models.folder_kind(folder)
 def strict_from(value):
     os.environ["TIGHTFIT_STRICT"] = value
     try:
@@ -108,9 +108,9 @@ checks = [
     (lambda: tightfit.plan_memory(torch.nn.Linear(2, 2).requires_grad_(False), torch.ones(2, 2), training=True), ValueError),
     (lambda: tightfit.plan_memory(torch.nn.Linear(2, 2), torch.ones(2, 2)).plot("plan.svg"), ValueError),
     (lambda: tightfit.plan_memory(torch.nn.Linear(2, 2), torch.ones(2, 2)).live_bytes("cuda:7"), ValueError),
-    (lambda: tightfit.graph.memory.place_arena("cpu", [], alignment=0), ValueError),
-    (lambda: tightfit.graph.memory.plan_graph(torch.fx.symbolic_trace(torch.nn.ReLU()), order="sideways"), ValueError),
-    (lambda: tightfit.graph.memory.graph_timeline(torch.fx.symbolic_trace(torch.nn.ReLU()), order="relu"), TypeError),
+    (lambda: tightfit.graph.alloc.place_arena("cpu", [], alignment=0), ValueError),
+    (lambda: tightfit.graph.alloc.plan_graph(torch.fx.symbolic_trace(torch.nn.ReLU()), order="sideways"), ValueError),
+    (lambda: tightfit.graph.alloc.graph_timeline(torch.fx.symbolic_trace(torch.nn.ReLU()), order="relu"), TypeError),
     (lambda: tightfit.fit(layer(), [torch.ones(2, 4), 3], "1MB"), TypeError),
     (lambda: tightfit.fitting.Plan.from_json(tightfit.fit(layer(), torch.ones(2, 4), "1MB", calibration=tightfit.fitting.Calibration(**FIG)).to_json().replace('"applies_nothing": true', '"applies_nothing": "yes"')), ValueError),
     (lambda: tightfit.fitting.held_bytes(layer(), "bogus"), ValueError),
@@ -122,7 +122,7 @@ checks = [
     (lambda: tightfit.fit(layer(), torch.ones(2, 4), "1MB", calibration=tightfit.fitting.Calibration(**{**FIG, "backend": "cuda"})), ValueError),
     (lambda: tightfit.memory.AllocatedBytes("bogus", read=lambda: 0), ValueError),
     (lambda: tightfit.memory.mark(3), TypeError),
-    (lambda: tightfit.generation.generate_greedy(None, torch.ones(1, 2, dtype=torch.long), 1, synchronize=3), TypeError),
+    (lambda: tightfit.app.generation.generate_greedy(None, torch.ones(1, 2, dtype=torch.long), 1, synchronize=3), TypeError),
     (lambda: tightfit.memory.allocated_peak(lambda: tightfit.memory.allocated_peak(lambda: None)), RuntimeError),
     (lambda: tightfit.plan_memory(Branches(), torch.ones(2)), ValueError),
     (list_config, ValueError),

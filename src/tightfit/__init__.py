@@ -9,7 +9,7 @@ from tightfit._strict import is_strict, strict
 from tightfit.fitting import FitError, Plan, fit, parse_size
 from tightfit.graph._register import register as _register_compile_backend
 from tightfit.hints import hint, hints_of
-from tightfit.planning import MemoryPlan, plan_memory
+from tightfit.memory import MemoryPlan, plan_memory
 
 __version__ = "0.1.0"
 

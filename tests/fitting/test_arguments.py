@@ -9,7 +9,7 @@ from torch import nn
 import tightfit
 from tightfit.fitting import Allow
 
-from fit_models import figures
+from zoo.lm import figures
 
 MODEL = nn.Sequential(nn.Linear(4, 4))
 X = (torch.randn(2, 4),)

@@ -12,7 +12,7 @@ from tightfit import backends
 from tightfit.fitting import Calibration, calibrate
 from tightfit.fitting.calibration import cache_path
 
-from fit_models import figures
+from zoo.lm import figures
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import tightfit
 from tightfit.fitting import FitError, Plan, remove_hints
 from tightfit.memory import allocated_peak
 
-from fit_models import figures, tiny_lm, token_ids
+from zoo.lm import figures, tiny_lm, token_ids
 
 KEEP = {"storage": {"keep"}, "placement": {"device"}}
 

@@ -11,7 +11,7 @@ from tightfit.fitting import held_bytes
 from tightfit.fitting.outliers import assumed_outliers, observe_outliers
 from tightfit.memory import allocated_peak, measure
 
-from fit_models import figures
+from zoo.lm import figures
 
 
 def _model() -> nn.Sequential:

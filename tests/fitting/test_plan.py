@@ -15,7 +15,7 @@ from tightfit.hooks.registry import HookRegistry
 from tightfit.memory import allocated_peak, measure
 from tightfit.quant import Linear4bit, Linear8bit, LinearInt8
 
-from fit_models import figures, tiny_lm, token_ids
+from zoo.lm import figures, tiny_lm, token_ids
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from tightfit.fitting import Allow, FitError
 from tightfit.fitting.options import Unit, options_for
 from tightfit.fitting.search import search
 
-from fit_models import figures, tiny_lm, token_ids
+from zoo.lm import figures, tiny_lm, token_ids
 
 
 def four_linears() -> nn.Module:

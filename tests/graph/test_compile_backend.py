@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from graph_models import Attention, fx_compile, run_recording
+from zoo.graph import Attention, fx_compile, run_recording
 
 import tightfit
 from tightfit.backends import RUNTIME_HINTS

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from graph_models import devices, fx_compile, restricted, restricted_cpu, run_recording
+from zoo.graph import devices, fx_compile, restricted, restricted_cpu, run_recording
 
 import tightfit
 from tightfit.backends.cpu import CPUBackend

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from graph_models import Attention, devices, fx_compile, run_recording
+from zoo.graph import Attention, devices, fx_compile, run_recording
 
 import tightfit
 from tightfit.graph.execution import observe_splits

@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 import torch
-from hook_models import Block, bert_and_output, cosine, relative_error, same_state, snapshot, stack, unet
+from zoo.hooks import Block, bert_and_output, cosine, relative_error, same_state, snapshot, stack, unet
 from torch import nn
 
 from tightfit.backends.cpu import CPUBackend
@@ -273,8 +273,8 @@ def test_transformers_and_diffusers_models_from_configs():
 
 
 def test_minilm_quality_and_exact_removal():
-    from tightfit.models import default_model_dir, embed, load_encoder
-    from tightfit.run import DEFAULT_SENTENCES
+    from tightfit.app.models import default_model_dir, embed, load_encoder
+    from tightfit.app.run import DEFAULT_SENTENCES
 
     device = torch.device("cpu")
     model, tokenizer = load_encoder(default_model_dir(), device)

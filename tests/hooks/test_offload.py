@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from hook_models import bert_and_output, cosine, held_files, same_state, snapshot, stack
+from zoo.hooks import bert_and_output, cosine, held_files, same_state, snapshot, stack
 from torch import nn
 
 from tightfit.hooks import (OFFLOADING, HookRegistry, apply_layerwise_casting, apply_offloading,

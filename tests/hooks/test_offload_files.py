@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 import torch
-from hook_models import held_files, same_state, snapshot, stack
+from zoo.hooks import held_files, same_state, snapshot, stack
 
 from tightfit.hooks import OFFLOADING, HookRegistry, OffloadFileError, apply_offloading, remove_offloading
 from tightfit.hooks._disk import MappedFile

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from hook_models import same_state, snapshot
+from zoo.hooks import same_state, snapshot
 from torch import nn
 
 from tightfit.hooks import apply_layerwise_casting, apply_offloading, remove_layerwise_casting, remove_offloading

@@ -110,8 +110,8 @@ def test_transformers_and_diffusers_models():
 
 
 def test_minilm_quality_under_each_format():
-    from tightfit.models import default_model_dir, embed, load_encoder
-    from tightfit.run import DEFAULT_SENTENCES
+    from tightfit.app.models import default_model_dir, embed, load_encoder
+    from tightfit.app.run import DEFAULT_SENTENCES
 
     device = torch.device("cpu")
     model, tokenizer = load_encoder(default_model_dir(), device)
@@ -165,11 +165,11 @@ def dataclass_config(cls):
         (lambda: Linear4bit.from_linear(nn.Linear(4, 4).double()), ValueError, "linear.weight has dtype torch.float64"),
         (lambda: Linear8bit.from_linear(nn.Linear(64, 4))(torch.randn(2, 63)), ValueError, "input has 63 features"),
         (lambda: LinearInt8.from_linear(nn.Linear(64, 4))(torch.randn(2, 63)), ValueError, "input has 63 features"),
-        (lambda: tightfit.run.RunOptions(quant="int4"), ValueError, "quant='int4' is not accepted"),
+        (lambda: tightfit.app.run.RunOptions(quant="int4"), ValueError, "quant='int4' is not accepted"),
     ],
 )
 def test_bad_input(call, error, match):
-    import tightfit.run  # noqa: F401 - the last case names it
+    import tightfit.app.run  # noqa: F401 - the last case names it
 
     with pytest.raises(error, match=match):
         call()

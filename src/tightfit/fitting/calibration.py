@@ -193,7 +193,7 @@ def _measure(backend: Any, device: torch.device) -> Calibration:
 def calibrate(backend: Any = None, *, remeasure: bool = False) -> Calibration:
     """The figures of ``backend``'s device (a name, device or Backend; None: the default),
     from the cache when there, else measured now and cached; ``remeasure`` measures again."""
-    from tightfit.planning.trace import resolve_backend
+    from tightfit.backends.resolve import resolve_backend
 
     check_type("remeasure", remeasure, bool)
     backends, device = resolve_backend(backend)

@@ -59,8 +59,8 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict,
     it, summed over its calls (what its time scales with) and the most of one call (what
     the buffers of one call scale with); and the steps of the plan's timeline each one's
     forward covered."""
-    from tightfit.planning import plan_memory
-    from tightfit.planning.simulate import current_step
+    from tightfit.memory import plan_memory
+    from tightfit.memory.simulate import current_step
 
     rows: dict[str, int] = {}
     call_rows: dict[str, int] = {}
@@ -180,7 +180,7 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
     the budget. Such a plan has ``plan.hints`` and ``plan.runtime == "compiled"``: its
     peak holds only for ``plan.compile(model)``, not for eager calls.
     """
-    from tightfit.planning.trace import resolve_backend
+    from tightfit.backends.resolve import resolve_backend
 
     check_type("model", model, nn.Module)
     args, kwargs = _split_inputs(example_inputs)

@@ -102,7 +102,7 @@ def slice_layers(model: nn.Module, args: tuple, kwargs: dict, backend: Any, laye
     stops the search instead of counting as a saving."""
     from tightfit._errors import StrictModeError
     from tightfit._strict import strict
-    from tightfit.planning import plan_memory
+    from tightfit.memory import plan_memory
 
     tried: list[int] = []
     previous = None

@@ -8,7 +8,7 @@ See docs/compile.md. Passes: :mod:`~tightfit.graph.placement`,
 :mod:`~tightfit.graph.partition`, :mod:`~tightfit.graph.execution`.
 """
 
-from tightfit.graph.backend import CompileOptions, compile_graph, compiler, tightfit_backend
+from tightfit.graph.compile import CompileOptions, compile_graph, compiler, tightfit_backend
 from tightfit.graph.execution import EXECUTIONS, MEMORY_MODES, Program, observe_splits
 from tightfit.graph.inline import inline_hints_wrappers
 from tightfit.graph.partition import Split

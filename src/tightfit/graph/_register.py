@@ -25,7 +25,7 @@ from typing import Any
 __all__: list[str] = []
 
 NAME = "tightfit"
-TARGET = "tightfit.graph.backend:tightfit_backend"
+TARGET = "tightfit.graph.compile:tightfit_backend"
 _DYNAMO = "torch._dynamo"
 logger = logging.getLogger("tightfit.graph")
 

@@ -6,7 +6,7 @@ module (also when ``execution="fx"`` or the split keeps ``order="as_written"``).
 split runs its slice body once per slice, on views of its inputs, and writes each
 slice's outputs into results allocated once before the loop, so one slice's
 intermediates are freed before the next starts. With ``memory="arena"``, whole splits
-run op by op inside their planned arena (:mod:`tightfit.graph.arena_run`).
+run op by op inside their planned arena (:mod:`tightfit.graph.alloc.run`).
 
 :class:`Program` is what the compile backend hands to aot_autograd: a boxed callable
 (it takes the list of inputs and frees values as soon as no later split reads them).
@@ -29,8 +29,8 @@ import torch.fx
 
 from tightfit._strict import report_slow_path
 from tightfit.graph import _nodes
-from tightfit.graph.arena_run import ArenaRun
-from tightfit.graph.memory.layout import ArenaLayout, arena_layout
+from tightfit.graph.alloc.run import ArenaRun
+from tightfit.graph.alloc.layout import ArenaLayout, arena_layout
 from tightfit.graph.partition import Split
 from tightfit.graph.schedules import SlicePlan
 from tightfit.graph.slicing import put, take

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from tightfit._hugepages import empty_with_huge_pages
+from tightfit.ops._hugepages import empty_with_huge_pages
 from tightfit.ops._arg_checks import block_count
 from tightfit.ops._numba import kernel_lock, load_numba, usable_numba
 

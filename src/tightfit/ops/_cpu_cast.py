@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import torch
 
-from tightfit._hugepages import empty_with_huge_pages
+from tightfit.ops._hugepages import empty_with_huge_pages
 from tightfit.backends.base import FLOAT8_DTYPES
 from tightfit.ops._numba import kernel_lock, load_numba, usable_numba
 

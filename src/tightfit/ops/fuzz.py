@@ -362,7 +362,7 @@ def _snapshot(args: list[Any]) -> list[Any]:
 
 
 def _unchanged(before: list[Any], after: list[Any], skip: tuple[int, ...]) -> bool:
-    from tightfit.conformance import _bytes_differing
+    from tightfit.ops.conformance import _bytes_differing
 
     return all(i in skip or not isinstance(a, torch.Tensor) or a.device.type == "meta" or _bytes_differing(a, b) == 0
                for i, (a, b) in enumerate(zip(before, after)))
@@ -370,7 +370,7 @@ def _unchanged(before: list[Any], after: list[Any], skip: tuple[int, ...]) -> bo
 
 def run_case(case: FuzzCase, index: int) -> tuple[str, str]:
     """(outcome, detail) of one case, run in this process; even indices take the direct path."""
-    from tightfit.conformance import _compare
+    from tightfit.ops.conformance import _compare
 
     opdef = get_op(case.op)
     before = _snapshot(case.args)

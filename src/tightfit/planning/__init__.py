@@ -1,5 +1,14 @@
-"""``tightfit.plan_memory``: a static memory plan of a whole model (see docs/memory.md)."""
+"""Deprecated: ``tightfit.planning`` is now :mod:`tightfit.memory` (kept for one release)."""
 
-from tightfit.planning.plan import DevicePlan, MemoryPlan, plan_memory
+import warnings
+
+from tightfit.memory.plan import DevicePlan, MemoryPlan, plan_memory
+
+warnings.warn(
+    "tightfit.planning is deprecated and will be removed in the next release; import from tightfit.memory "
+    "(or use tightfit.plan_memory)",
+    DeprecationWarning,
+    stacklevel=2,
+)
 
 __all__ = ["DevicePlan", "MemoryPlan", "plan_memory"]

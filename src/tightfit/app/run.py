@@ -1,0 +1,388 @@
+"""The main job behind ``tightfit run``: load a model, pick a backend, optionally make its
+weights compact (quantization, float8 storage) or move them off the device (offloading),
+run it, and report latency, memory measured on the device and, where weights changed,
+quality against full precision. Encoders embed sentences (quality: cosine); causal LMs
+generate text greedily (quality: token agreement). With a memory budget the fit planner
+chooses those changes (``tightfit.fit``) and the report sets its prediction against the
+measurement."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tightfit import backends
+from tightfit._format import human_bytes
+from tightfit.memory.plot import check_png_path
+from tightfit.app.budget import Budgeted, coerce_allow, kv_cache_bytes_per_token, plan_run
+from tightfit._validate import check_type
+from tightfit.fitting import Allow, held_bytes, parse_size
+from tightfit.app.generation import Generation, generate_greedy, token_agreement
+from tightfit.hooks import STORAGES, apply_layerwise_casting, apply_offloading, resident_bytes
+from tightfit.memory import Measurement, measure, tensor_bytes
+from tightfit.app.models import CAUSAL_LM, ENCODER, default_model_dir, embed, folder_kind, load_causal_lm, load_encoder
+from tightfit.quant import Blockwise8Config, FP4Config, Int8Config, Linear8bit, NF4Config, QuantConfig, QuantState, layer_stack, quantize_
+
+__all__ = [
+    "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_PROMPT", "DEFAULT_SENTENCES", "QUANT_CONFIGS", "STORAGE_DTYPES", "RunOptions", "RunReport", "run",
+    "weights_bytes",
+]
+
+#: ``--quant`` choices and the config each applies to every ``nn.Linear``; with ``keep_8bit``
+#: the 4-bit ones (nf4, fp4) store the later half of the model's layer stack in 8 bits.
+QUANT_CONFIGS: dict[str, QuantConfig] = {
+    "nf4": NF4Config(),
+    "fp4": FP4Config(),
+    "int8": Int8Config(),
+    "8bit": Blockwise8Config(),
+}
+
+#: ``--storage-dtype`` choices: layerwise casting stores weights so and computes in the model's dtype.
+STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+DEFAULT_SENTENCES: tuple[str, ...] = (
+    "A man is eating food.",
+    "A man is eating a piece of bread.",
+    "The girl is carrying a baby.",
+    "A woman is holding an infant in her arms.",
+    "A man is riding a horse.",
+    "Someone on horseback rides across a field.",
+    "The new movie is awesome.",
+    "The film was a great success with critics.",
+)
+
+#: What a causal LM continues, and for how many tokens, unless told otherwise.
+DEFAULT_PROMPT = "Once upon a time, in a small village by the sea, there lived"
+DEFAULT_MAX_NEW_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What to run. ``model`` None means the built-in default; ``backend`` None the default backend.
+
+    ``keep_8bit`` (with a 4-bit ``quant``): the Linear layers of the later half of the
+    model's layer stack (:func:`tightfit.quant.layer_stack`) are stored in blockwise 8-bit,
+    the rest in 4 bits; False stores every Linear layer in 4 bits.
+
+    ``sentences`` are what an encoder embeds; ``prompt`` and ``max_new_tokens`` (None:
+    :data:`DEFAULT_PROMPT`, :data:`DEFAULT_MAX_NEW_TOKENS`) what a causal LM continues, and
+    are refused for an encoder. ``timeline``: write a PNG of the memory over one run there.
+
+    ``budget``: the device memory the run may use, bytes or a size (``"40MB"``, stored as
+    bytes); the fit planner then chooses storage and placement per unit, so ``quant``,
+    ``storage_dtype`` and ``offload`` are refused with it. ``allow``: what the planner may
+    use, a ``--allow`` string (``"keep,float8,disk"``: only the kinds named are restricted),
+    an :class:`~tightfit.fitting.Allow` or a dict; stored as an Allow; needs ``budget``.
+    """
+
+    model: str | None = None
+    backend: str | None = None
+    quant: str | None = None
+    storage_dtype: str | None = None
+    offload: str | None = None
+    repeat: int = 5
+    sentences: tuple[str, ...] = DEFAULT_SENTENCES
+    top_pairs: int = 3
+    keep_8bit: bool = True
+    prompt: str | None = None
+    max_new_tokens: int | None = None
+    timeline: str | Path | None = None
+    budget: int | str | None = None
+    allow: Allow | Mapping[str, Any] | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, (str, Path)):
+            raise TypeError(f"model must be a folder path or None, got {type(self.model).__name__}: {self.model!r}")
+        if self.backend is not None and not isinstance(self.backend, str):
+            raise TypeError(f"backend must be a str or None, got {type(self.backend).__name__}: {self.backend!r}")
+        if self.quant is not None and self.quant not in QUANT_CONFIGS:
+            raise ValueError(f"quant={self.quant!r} is not accepted; accepted: {', '.join(QUANT_CONFIGS)} or None")
+        if self.storage_dtype is not None and self.storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"storage_dtype={self.storage_dtype!r} is not accepted; accepted: {', '.join(STORAGE_DTYPES)} or None")
+        if self.quant is not None and self.storage_dtype is not None:
+            raise ValueError("quant and storage_dtype both change how weights are stored; choose one")
+        if self.offload is not None and self.offload not in STORAGES:
+            raise ValueError(f"offload={self.offload!r} is not accepted; accepted: {', '.join(STORAGES)} or None")
+        for name in ("repeat", "top_pairs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.keep_8bit, bool):
+            raise TypeError(f"keep_8bit must be a bool, got {type(self.keep_8bit).__name__}: {self.keep_8bit!r}")
+        if not isinstance(self.sentences, tuple) or len(self.sentences) < 2 or not all(isinstance(s, str) and s.strip() for s in self.sentences):
+            raise ValueError("sentences must be a tuple of at least two non-empty strings")
+        if self.prompt is not None and (not isinstance(self.prompt, str) or not self.prompt.strip()):
+            raise ValueError(f"prompt must be a non-empty string or None, got {self.prompt!r}")
+        if self.max_new_tokens is not None and (isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int)
+                                                or self.max_new_tokens < 1):
+            raise ValueError(f"max_new_tokens must be an int >= 1 or None, got {self.max_new_tokens!r}")
+        if self.timeline is not None:
+            check_png_path("timeline", self.timeline, "tightfit run --timeline")
+        if self.budget is not None:
+            object.__setattr__(self, "budget", parse_size(self.budget, "budget"))
+            chosen = [name for name in ("quant", "storage_dtype", "offload") if getattr(self, name) is not None]
+            if chosen:
+                raise ValueError(f"budget lets the fit planner choose how weights are stored and where; it cannot be combined with "
+                                 f"{', '.join(chosen)}; drop {'them' if len(chosen) > 1 else 'it'}, or restrict the planner with allow")
+        if self.allow is not None and self.budget is None:
+            raise ValueError(f"allow={self.allow!r} restricts the fit planner, which runs only with a budget; give budget too")
+        object.__setattr__(self, "allow", coerce_allow(self.allow))
+
+
+@dataclass
+class RunReport:
+    """What a run measured. ``kind`` says which half applies: an encoder's embeddings and
+    cosine, or a causal LM's generated text, speeds and token agreement."""
+
+    model: str
+    backend: str
+    device: str
+    weights_bytes: int
+    embedding_dim: int | None  # encoders
+    measurement: Measurement  # seconds: whole calls (an embedding batch, a generation)
+    pairs: list[tuple[str, str, float]] = field(default_factory=list)
+    quant: str | None = None
+    full_weights_bytes: int | None = None  # before quantization, casting or offloading
+    min_cosine_to_full: float | None = None  # embeddings after those against before
+    kept_8bit: tuple[str, ...] = ()  # layers a 4-bit quant stored in 8 bits instead
+    kept_8bit_linears: int = 0  # how many Linear layers those hold
+    kept_8bit_bytes: int = 0  # what they take, stored in 8 bits
+    storage_dtype: str | None = None
+    offload: str | None = None
+    device_weights_bytes: int | None = None  # held in the device's memory between forwards
+    kind: str = ENCODER
+    prompt: str | None = None  # causal LMs, from here on
+    prompt_tokens: int = 0
+    generated_text: str | None = None
+    new_tokens: int = 0
+    time_to_first_token_seconds: float | None = None  # median over the timed runs
+    decode_tokens_per_second: float | None = None  # median; None for a single new token
+    full_text: str | None = None  # what full precision generated, when weights changed
+    token_agreement: float | None = None  # greedy next tokens kept, teacher-forced on full_text's tokens
+    timeline_path: str | None = None
+    budget_bytes: int | None = None  # with a budget, from here on
+    budgeted: Budgeted | None = None  # the plan and what its prediction covers
+
+    @property
+    def predicted_peak_bytes(self) -> int | None:
+        return None if self.budgeted is None else self.budgeted.predicted_peak_bytes
+
+    @property
+    def quality(self) -> float | None:
+        """The quality figure of the kind: lowest cosine or token agreement against full precision."""
+        return self.min_cosine_to_full if self.kind == ENCODER else self.token_agreement
+
+    @property
+    def quality_metric(self) -> str:
+        if self.kind == ENCODER:
+            return "embedding cosine vs full precision (lowest)"
+        return "token agreement vs full precision"
+
+    @property
+    def changes(self) -> str | None:
+        """What was done to the weights, for labels: ``nf4``, ``float8_e4m3fn + offload disk``, ``plan for 38.1 MiB``."""
+        if self.budgeted is not None:
+            return None if self.budgeted.plan.applies_nothing else f"plan for {human_bytes(self.budget_bytes)}"
+        parts = [self.quant or self.storage_dtype, f"offload {self.offload}" if self.offload else None]
+        return " + ".join(p for p in parts if p) or None
+
+
+def _most_similar(embeddings: torch.Tensor, sentences: tuple[str, ...], count: int) -> list[tuple[str, str, float]]:
+    scores = embeddings @ embeddings.T
+    rows, cols = torch.triu_indices(len(sentences), len(sentences), offset=1)
+    values = scores[rows, cols]
+    order = values.argsort(descending=True)[:count]
+    return [(sentences[int(rows[i])], sentences[int(cols[i])], float(values[i])) for i in order]
+
+
+def run(options: RunOptions | None = None) -> RunReport:
+    """Run the main job and return its report."""
+    options = options or RunOptions()
+    if not isinstance(options, RunOptions):
+        raise TypeError(f"options must be RunOptions, got {type(options).__name__}")
+    backend = backends.get(options.backend) if options.backend else backends.default()
+    device = backend.resolve_device(options.backend if options.backend and ":" in options.backend else None)
+    folder = Path(options.model) if options.model is not None else default_model_dir()
+    kind = folder_kind(folder)
+    if kind == ENCODER and (options.prompt is not None or options.max_new_tokens is not None):
+        raise ValueError(f"prompt and max_new_tokens apply to causal LMs; model={str(folder)!r} is an encoder, which embeds sentences")
+    job = _Encoder(folder, device, options) if kind == ENCODER else _CausalLM(folder, device, options, backend)
+    budgeted = None
+    if options.budget is not None:
+        budgeted = plan_run(job.model, job.example_inputs(), options.budget, device=device, allow=options.allow,
+                            kv_cache_bytes=job.kv_cache_bytes(), covers=job.covers())
+        changes = not budgeted.plan.applies_nothing
+    else:
+        changes = bool(options.quant or options.storage_dtype or options.offload)
+    full_weights = weights_bytes([job.model]) if changes else None
+    reference = job.result() if changes else None  # before any change; on the CPU, outside the measured run
+    if budgeted is not None:
+        budgeted.plan.apply(job.model)
+        kept: tuple[str, ...] = ()
+    else:
+        kept = _convert(job.model, options, device)
+    kept_linears = [module for name in kept for module in job.model.get_submodule(name).modules() if isinstance(module, Linear8bit)]
+    weights = weights_bytes([job.model])
+    if budgeted is not None:
+        on_device = held_bytes(job.model, device)  # counts the scales of offloaded quantized units too
+    else:
+        on_device = resident_bytes(job.model, device) if options.offload else weights
+    measurement = measure(job.call, device, repeat=options.repeat, warmup=1, baseline_bytes=on_device,
+                          timeline=options.timeline is not None, keep_results=True)
+    report = RunReport(
+        model=str(folder) if options.model is not None else "all-MiniLM-L6-v2 (built-in default)",
+        backend=backend.name,
+        device=str(device),
+        weights_bytes=weights,
+        embedding_dim=None,
+        measurement=measurement,
+        quant=options.quant,
+        full_weights_bytes=full_weights,
+        kept_8bit=kept,
+        kept_8bit_linears=len(kept_linears),
+        kept_8bit_bytes=weights_bytes(kept_linears),
+        storage_dtype=options.storage_dtype,
+        offload=options.offload,
+        device_weights_bytes=on_device,
+        kind=kind,
+        budget_bytes=options.budget,
+        budgeted=budgeted,
+    )
+    job.fill(report, list(measurement.results), reference)  # what the timed calls returned
+    if options.timeline is not None:
+        title = f"{Path(report.model).name if options.model else 'all-MiniLM-L6-v2'}, {report.changes or 'as loaded'}, on {device}"
+        report.timeline_path = str(measurement.timeline.plot(options.timeline, title=title, budget_bytes=report.budget_bytes,
+                                                             predicted_peak_bytes=report.predicted_peak_bytes))
+    return report
+
+
+def _convert(model: torch.nn.Module, options: RunOptions, device: torch.device) -> tuple[str, ...]:
+    """Quantize, cast and offload as ``options`` say; returns the layers a 4-bit quant kept in 8 bits."""
+    kept: tuple[str, ...] = ()
+    if options.quant is not None:
+        config = QUANT_CONFIGS[options.quant]
+        if options.keep_8bit and isinstance(config, NF4Config):
+            stack = layer_stack(model)
+            kept = stack[len(stack) // 2:]
+            config = replace(config, keep_8bit=kept)
+        quantize_(model, config)
+    if options.storage_dtype is not None:
+        compute_dtype = next(model.parameters()).dtype
+        apply_layerwise_casting(model, STORAGE_DTYPES[options.storage_dtype], compute_dtype)
+    if options.offload is not None:
+        apply_offloading(model, device, storage=options.offload)
+    return kept
+
+
+class _Encoder:
+    """Embeds the sentences; quality is the lowest cosine of an embedding against full precision."""
+
+    def __init__(self, folder: Path, device: torch.device, options: RunOptions) -> None:
+        self.model, self.tokenizer = load_encoder(folder, device)
+        self.device = device
+        self.sentences = options.sentences
+        self.top_pairs = options.top_pairs
+
+    def call(self) -> None:
+        embed(self.model, self.tokenizer, list(self.sentences), self.device)
+
+    def example_inputs(self) -> dict[str, torch.Tensor]:
+        """The batch ``call`` embeds: what a plan is made for."""
+        return dict(self.tokenizer(list(self.sentences), padding=True, truncation=True, return_tensors="pt").to(self.device))
+
+    def kv_cache_bytes(self) -> int:
+        """An encoder keeps no cache between forwards."""
+        return 0
+
+    def covers(self) -> str:
+        ids = self.example_inputs()["input_ids"]
+        return f"one forward over the {ids.shape[0]} sentences ({ids.shape[0]} x {ids.shape[1]} tokens)"
+
+    def result(self) -> torch.Tensor:
+        """The embeddings, on the CPU: what quality compares."""
+        return embed(self.model, self.tokenizer, list(self.sentences), self.device).cpu()
+
+    def fill(self, report: RunReport, calls: list, reference: torch.Tensor | None) -> None:
+        embeddings = self.result()
+        report.embedding_dim = int(embeddings.shape[-1])
+        report.pairs = _most_similar(embeddings, self.sentences, self.top_pairs)
+        if reference is not None:
+            report.min_cosine_to_full = float((embeddings * reference).sum(-1).min())
+
+
+class _CausalLM:
+    """Generates ``max_new_tokens`` greedily; quality is the token agreement with full precision."""
+
+    def __init__(self, folder: Path, device: torch.device, options: RunOptions, backend: backends.Backend) -> None:
+        self.model, self.tokenizer = load_causal_lm(folder, device)
+        self.prompt = DEFAULT_PROMPT if options.prompt is None else options.prompt
+        self.max_new_tokens = DEFAULT_MAX_NEW_TOKENS if options.max_new_tokens is None else options.max_new_tokens
+        self.input_ids = self.tokenizer(self.prompt, return_tensors="pt").input_ids.to(device)
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        length = self.input_ids.shape[1] + self.max_new_tokens
+        if limit is not None and length > limit:
+            raise ValueError(f"prompt ({self.input_ids.shape[1]} tokens) and max_new_tokens={self.max_new_tokens} make {length} positions; "
+                             f"the model takes at most max_position_embeddings={limit}")
+        self.synchronize = lambda: backend.synchronize(device)
+
+    def call(self) -> Generation:
+        return generate_greedy(self.model, self.input_ids, self.max_new_tokens, self.synchronize)
+
+    def example_inputs(self) -> dict[str, torch.Tensor]:
+        """The prefill over the prompt: what a plan is made for (its KV cache included)."""
+        return {"input_ids": self.input_ids}
+
+    def kv_cache_bytes(self) -> int:
+        """The KV cache's growth over the one-token forwards after the prefill."""
+        dtype = next(self.model.parameters()).dtype
+        return (self.max_new_tokens - 1) * kv_cache_bytes_per_token(self.model.config, dtype)
+
+    def covers(self) -> str:
+        return (f"the prefill forward over the {self.input_ids.shape[1]}-token prompt, plus the KV cache's growth over the "
+                f"{self.max_new_tokens - 1} one-token decode forwards ({human_bytes(self.kv_cache_bytes())})")
+
+    def result(self) -> Generation:
+        """One generation: what quality compares."""
+        return self.call()
+
+    def _text(self, tokens: tuple[int, ...]) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    def fill(self, report: RunReport, calls: list[Generation], reference: Generation | None) -> None:
+        last = calls[-1]
+        report.prompt = self.prompt
+        report.prompt_tokens = int(self.input_ids.shape[1])
+        report.generated_text = self._text(last.tokens)
+        report.new_tokens = len(last.tokens)
+        report.time_to_first_token_seconds = statistics.median(call.prefill_seconds for call in calls)
+        rates = [call.decode_tokens_per_second for call in calls if call.decode_tokens_per_second is not None]
+        report.decode_tokens_per_second = statistics.median(rates) if rates else None
+        if reference is not None:
+            report.full_text = self._text(reference.tokens)
+            report.token_agreement = token_agreement(self.model, self.input_ids, reference.tokens)
+
+
+def weights_bytes(modules: list[torch.nn.Module]) -> int:
+    """The weights' bytes that ``tightfit run`` reports: parameters and buffers of ``modules``,
+    plus the scales of quantized layers (a QuantState is neither); a tensor they share counts once."""
+    check_type("modules", modules, (list, tuple))
+    for index, module in enumerate(modules):
+        check_type(f"modules[{index}]", module, torch.nn.Module)
+    tensors = []
+    for root in modules:
+        tensors += list(root.parameters()) + list(root.buffers())
+        for module in root.modules():
+            state = getattr(module, "quant_state", None)
+            if isinstance(state, QuantState):
+                tensors += state.tensors()
+    return tensor_bytes(tensors)

@@ -1,0 +1,39 @@
+"""How many bytes, predicted and measured, side by side.
+
+- predicted: :func:`plan_memory` traces a model with fake tensors and simulates or plans
+  its lifetimes (:mod:`~tightfit.memory.plan`, :mod:`~tightfit.memory.trace`,
+  :mod:`~tightfit.memory.simulate`);
+- measured: :func:`measure`, :func:`allocated_peak` and the live-tensor tracker
+  (:mod:`~tightfit.memory.measure`, :mod:`~tightfit.memory.compiled`);
+- shown: the report table and the PNG timelines (:mod:`~tightfit.memory.report`,
+  :mod:`~tightfit.memory.plot`).
+
+The arena allocator the compile backend runs is :mod:`tightfit.graph.alloc`.
+"""
+
+from tightfit.memory.measure import (
+    AllocatedBytes,
+    LiveTensorBytes,
+    Measurement,
+    MemoryTimeline,
+    allocated_peak,
+    mark,
+    measure,
+    tensor_bytes,
+)
+from tightfit.memory.plan import RUNTIMES, DevicePlan, MemoryPlan, plan_memory
+
+__all__ = [
+    "RUNTIMES",
+    "AllocatedBytes",
+    "DevicePlan",
+    "LiveTensorBytes",
+    "Measurement",
+    "MemoryPlan",
+    "MemoryTimeline",
+    "allocated_peak",
+    "mark",
+    "measure",
+    "plan_memory",
+    "tensor_bytes",
+]

@@ -1,0 +1,7 @@
+"""The test model zoo: the small models and helpers the tests share (``tests/`` is on the
+path through pytest's ``pythonpath`` setting).
+
+- :mod:`zoo.lm`: a tiny causal language model and fixed calibration figures for the fit planner;
+- :mod:`zoo.graph`: an attention block, backends that refuse some ops, FX compilation;
+- :mod:`zoo.hooks`: stacks of blocks, BERT and a UNet from configs, state snapshots.
+"""
