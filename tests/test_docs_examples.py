@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ["README.md", "docs/ops.md", "docs/quantization.md", "docs/hooks.md", "docs/hints.md", "docs/compile.md",
-         "docs/memory.md", "docs/fit.md"]
+         "docs/memory.md", "docs/fit.md", "docs/architecture.md"]
 
 
 def python_blocks(page: str) -> list[str]:

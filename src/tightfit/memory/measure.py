@@ -1,4 +1,4 @@
-"""Measuring memory honestly (see the design): accelerators report their allocator's
+"""Measuring memory honestly (see docs/architecture.md): accelerators report their allocator's
 peak; on the CPU torch keeps no statistics, so tightfit counts the bytes of live tensor
 storages itself, reads the allocator's own allocation events (which also see the scratch
 buffers a kernel allocates and frees inside one op) and the process's peak resident set
