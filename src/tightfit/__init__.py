@@ -1,6 +1,7 @@
 """tightfit: run one PyTorch model on any accelerator, and make it fit in its memory.
 
-Importing tightfit does no device work: backends are detected at first use.
+Importing tightfit does no device work: backends are detected at first use (D2). The
+layers, and the decisions the code cites as (D1) to (D9), are in docs/architecture.md.
 """
 
 from tightfit import backends, graph, hints, ops
