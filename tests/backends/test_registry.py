@@ -206,7 +206,7 @@ def test_backend_whose_capabilities_fail_is_reported_not_fatal(tmp_path, monkeyp
     backend = tightfit.backends.get("fakeaccel")
     with pytest.raises(RuntimeError, match="reading capabilities of backend fakeaccel failed: no such register"):
         backend.capabilities()
-    from tightfit.app.cli import _backend_row
+    from tightfit.app.backends_command import _backend_row
 
     entry = next(e for e in tightfit.backends.all_backends() if e.entry_point == "flaky_vendor")
     assert "no such register" in _backend_row(entry)["error"]
