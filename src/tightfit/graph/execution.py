@@ -32,7 +32,7 @@ from tightfit.graph import _nodes
 from tightfit.graph.alloc.run import ArenaRun
 from tightfit.graph.alloc.layout import ArenaLayout, arena_layout
 from tightfit.graph.partition import Split
-from tightfit.graph.schedules import SlicePlan
+from tightfit.graph.schedules import SliceSchedule
 from tightfit.graph.slicing import put, take
 
 __all__ = ["EXECUTIONS", "MEMORY_MODES", "Program", "Step", "build_program", "observe_splits"]
@@ -136,7 +136,7 @@ def _compile(split: Split, graph_module: torch.fx.GraphModule, execution: str) -
 class SlicedRun:
     """A DFS split: the slice body once per slice, outputs written into preallocated results."""
 
-    def __init__(self, plan: SlicePlan, device: torch.device, bodies: dict[int, Boxed]) -> None:
+    def __init__(self, plan: SliceSchedule, device: torch.device, bodies: dict[int, Boxed]) -> None:
         self.plan = plan
         self.device = device
         self.bodies = bodies

@@ -32,7 +32,7 @@ from tightfit._validate import check_device
 from tightfit.backends import get
 from tightfit.backends.cpu import read_process_memory, reset_process_peak
 
-__all__ = ["AllocatedBytes", "LiveTensorBytes", "Measurement", "MemoryTimeline", "allocated_peak", "mark", "measure", "tensor_bytes"]
+__all__ = ["AllocatedBytes", "Lifetime", "LiveTensorBytes", "Measurement", "MemoryTimeline", "allocated_peak", "mark", "measure", "tensor_bytes"]
 
 _THREAD = threading.local()  # .recording: this thread's recording modes, innermost last (dispatch modes are per thread)
 # Held while torch's profiler runs, and while measure resets and reads the process's peak RSS:
@@ -86,58 +86,101 @@ class _Recorder(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-class LiveTensorBytes(_Recorder):
-    """Counts the bytes of storages on one device type created while the mode is active.
+@dataclass
+class Lifetime:
+    """One storage an op created: its name (``op_step``), device, bytes, and the steps it was
+    born at and last alive at (``end`` None while it is alive)."""
 
-    ``current`` is what is still alive now and ``peak`` the most seen alive at once,
-    sampled after every aten op. Storages that existed before entry (weights) are not
-    counted, even when a view or an in-place op returns them: add them yourself, or pass
-    them as ``existing``: those count from the start until they are freed (weights that
-    a hook replaces during the run). With ``record``, ``samples`` keeps ``current`` after
-    every op (a timeline; without it nothing is kept and nothing is slower).
+    name: str
+    device: str
+    nbytes: int
+    start: int
+    end: int | None = None
+
+
+class LiveTensorBytes(_Recorder):
+    """The lifetime tracker: when each storage an op creates is born, when it dies, and the bytes alive.
+
+    One tracker under measuring and predicting, as ggml's gallocr runs one allocator for
+    its dry run and its real one: on real tensors it measures a run, on fake tensors it
+    is the eager plan's simulation (:mod:`tightfit.memory.simulate`), so the two cannot
+    count differently. A step is one aten op (``prim`` metadata queries are none); after
+    each, the storages no Python object refers to any longer are dead (their ``end`` is
+    the step before), and those the op created are born.
+
+    ``current`` is what is still alive now on ``device_type`` (None: every device) and
+    ``peak`` the most seen alive at once; ``lifetimes`` holds a :class:`Lifetime` per
+    storage created, ``steps`` the name of each step and ``step_phases`` the ``phase``
+    it ran in (a label the caller sets: "forward", "backward"). Storages that existed
+    before entry (weights) are not counted, even when a view or an in-place op returns
+    them: add them yourself, or pass them as ``existing``: those count from the start
+    until they are freed (weights that a hook replaces during the run). With ``record``,
+    ``samples`` keeps ``current`` after every op (a timeline).
     """
 
-    def __init__(self, device_type: str = "cpu", existing: Iterable[torch.Tensor] = (), *, record: bool = False) -> None:
+    def __init__(self, device_type: str | None = "cpu", existing: Iterable[torch.Tensor] = (), *, record: bool = False) -> None:
         super().__init__(record)
-        if not isinstance(device_type, str) or not device_type:
-            raise ValueError(f"device_type must be a non-empty str, got {device_type!r}")
+        if device_type is not None and (not isinstance(device_type, str) or not device_type):
+            raise ValueError(f"device_type must be a non-empty str or None (every device), got {device_type!r}")
         self.device_type = device_type
-        self._live: dict[StorageWeakRef, int] = {}
+        self.steps: list[str] = []
+        self.step_phases: list[str] = []
+        self.phase = ""
+        self.lifetimes: list[Lifetime] = []
+        self._live: dict[StorageWeakRef, int] = {}  # -> bytes
+        self._index: dict[StorageWeakRef, int] = {}  # -> position in lifetimes (not for existing storages)
         self._foreign: set[StorageWeakRef] = set()  # seen first as an input: existed before entry
         for tensor in existing:
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"existing must hold tensors, got {type(tensor).__name__}")
-            if tensor.device.type == device_type:
+            if self._counts(tensor):
                 storage = tensor.untyped_storage()
                 self._live[StorageWeakRef(storage)] = storage.nbytes()
         self.current = sum(self._live.values())
         self.peak = self.current
 
-    def _storages(self, tree: Any) -> list[torch.UntypedStorage]:
-        return [
-            leaf.untyped_storage()
-            for leaf in tree_flatten(tree)[0]
-            if isinstance(leaf, torch.Tensor) and leaf.device.type == self.device_type
-        ]
+    def _counts(self, tensor: torch.Tensor) -> bool:
+        return self.device_type is None or tensor.device.type == self.device_type
+
+    def _tensors(self, tree: Any) -> list[torch.Tensor]:
+        return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor) and self._counts(leaf)]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        for storage in self._storages((args, kwargs)):
-            ref = StorageWeakRef(storage)
+        if func.namespace == "prim":  # metadata queries (prim::device, ...): no storage, no step
+            return func(*args, **(kwargs or {}))
+        for tensor in self._tensors((args, kwargs)):
+            ref = StorageWeakRef(tensor.untyped_storage())
             if ref not in self._live:
                 self._foreign.add(ref)
         result = func(*args, **(kwargs or {}))
+        step = len(self.steps)
         for ref in [ref for ref in self._live if ref.expired()]:
             self.current -= self._live.pop(ref)
-        self._foreign = {ref for ref in self._foreign if not ref.expired()}
-        for storage in self._storages(result):
+            if ref in self._index:
+                self.lifetimes[self._index.pop(ref)].end = step - 1
+        self._foreign = {ref for ref in self._foreign if not ref.expired()}  # a freed address may be reused
+        name = f"{func._schema.name.split('::')[-1]}_{step}"
+        self.steps.append(name)
+        self.step_phases.append(self.phase)
+        for index, tensor in enumerate(self._tensors(result)):
+            storage = tensor.untyped_storage()
             ref = StorageWeakRef(storage)
-            if ref not in self._live and ref not in self._foreign:
-                self._live[ref] = storage.nbytes()
-                self.current += self._live[ref]
+            if ref in self._live or ref in self._foreign:
+                continue
+            nbytes = int(storage.nbytes())
+            self._live[ref] = nbytes
+            self._index[ref] = len(self.lifetimes)
+            self.lifetimes.append(Lifetime(name if index == 0 else f"{name}[{index}]", str(tensor.device), nbytes, step))
+            self.current += nbytes
         self.peak = max(self.peak, self.current)
         if self.record:
             self.samples.append(self.current)
         return result
+
+    def alive(self, tensors: Iterable[torch.Tensor]) -> list[int]:
+        """Positions in ``lifetimes`` of the storages behind ``tensors`` that are alive and were created here."""
+        found = (self._index.get(StorageWeakRef(tensor.untyped_storage())) for tensor in tensors)
+        return sorted({index for index in found if index is not None})
 
 
 @contextlib.contextmanager

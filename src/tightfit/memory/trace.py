@@ -60,6 +60,25 @@ def _check_inputs(example_inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> N
             raise ValueError(f"example input {index} is a {leaf.layout} tensor; memory planning supports strided tensors only")
 
 
+def _returned_tensors(out: Any) -> list[torch.Tensor]:
+    """Every tensor the caller gets back: pytree leaves, and the tensors held in the attributes
+    of other objects among them (a transformers cache): what dynamo returns from the graph
+    and the caller keeps alive. Modules are not followed (their weights are no output)."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    pending = [out]
+    while pending:
+        value = pending.pop()
+        for leaf in tree_flatten(value)[0]:
+            if isinstance(leaf, torch.Tensor):
+                found.append(leaf)
+            elif (hasattr(leaf, "__dict__") and id(leaf) not in seen and not isinstance(leaf, (type, torch.nn.Module))
+                  and not callable(leaf)):
+                seen.add(id(leaf))
+                pending.append(list(vars(leaf).values()))
+    return found
+
+
 @dataclass
 class _Flat:
     """The model as a function of flat tensors: weights first, then the example inputs' tensors."""
@@ -81,7 +100,7 @@ class _Flat:
             filled[position] = value
         args, kwargs = tree_unflatten(filled, self.spec)
         out = functional_call(self.model, weights, tuple(args), kwargs)
-        outs = tuple(leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor))
+        outs = tuple(_returned_tensors(out))
         if not outs:
             raise ValueError(f"{type(self.model).__name__} returned no tensor; there is nothing to plan")
         return outs
