@@ -4,10 +4,12 @@ Importing tightfit does no device work: backends are detected at first use (D2).
 layers, and the decisions the code cites as (D1) to (D9), are in docs/architecture.md.
 """
 
+import warnings
+
 from tightfit import backends, graph, hints, ops
 from tightfit._errors import BackendConflictError, FallbackWarning, StrictModeError
 from tightfit._strict import is_strict, strict
-from tightfit.fitting import FitError, Plan, fit, parse_size
+from tightfit.fitting import FitError, FitPlan, fit, parse_size
 from tightfit.graph._register import register as _register_compile_backend
 from tightfit.hints import hint, hints_of
 from tightfit.memory import MemoryPlan, plan_memory
@@ -20,8 +22,8 @@ __all__ = [
     "BackendConflictError",
     "FallbackWarning",
     "FitError",
+    "FitPlan",
     "MemoryPlan",
-    "Plan",
     "StrictModeError",
     "__version__",
     "backends",
@@ -36,3 +38,10 @@ __all__ = [
     "plan_memory",
     "strict",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "Plan":
+        warnings.warn("tightfit.Plan is renamed tightfit.FitPlan; Plan goes in the next release", DeprecationWarning, stacklevel=2)
+        return FitPlan
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from tightfit.app.budget import kv_cache_bytes_per_token, parse_allow
+from tightfit.app.budget import kv_cache_bytes_per_token
 from tightfit.app.cli import main
-from tightfit.fitting import PLACEMENTS, STORAGES, Allow, FitError
 from tightfit.app.models import save_causal_lm
 from tightfit.app.run import RunOptions, run
+from tightfit.fitting import PLACEMENTS, Allow, FitError, storage_names
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 64}
@@ -34,13 +34,13 @@ def tiny_llama(tmp_path_factory):
     ("text", "storage", "placement"),
     [
         ("int8,nf4", {"keep", "int8", "nf4"}, set(PLACEMENTS)),  # only storages named: every placement stays
-        ("device", set(STORAGES), {"device"}),  # no offloading, every storage
+        ("device", set(storage_names()), {"device"}),  # no offloading, every storage
         ("keep, Float8 ,disk,", {"keep", "float8"}, {"device", "disk"}),  # keep and device always; case and spaces ignored
     ],
 )
 def test_allow_names_restrict_only_their_kind(text, storage, placement):
-    assert parse_allow(text) == Allow(storage=frozenset(storage), placement=frozenset(placement))
-    assert RunOptions(budget="1MB", allow=text).allow == parse_allow(text)
+    assert Allow.parse(text) == Allow(storage=frozenset(storage), placement=frozenset(placement))
+    assert RunOptions(budget="1MB", allow=text).allow == Allow.parse(text) == Allow.coerce(text)
 
 
 def test_run_options_parse_the_budget_and_coerce_allow():

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from zoo.lm import figures
 
 import tightfit
 from tightfit.fitting import Allow
-
-from zoo.lm import figures
 
 MODEL = nn.Sequential(nn.Linear(4, 4))
 X = (torch.randn(2, 4),)
@@ -58,7 +57,7 @@ def test_a_single_tensor_is_one_positional_input():
     ({"quant": {"nf4"}}, ValueError, "allow has key\\(s\\) 'quant'"),
     ({"hints": "no"}, TypeError, "allow hints must be a bool, got str: 'no'; accepted: True, False"),
     ({"hints": 0}, TypeError, "allow hints must be a bool, got int: 0"),
-    (["keep"], TypeError, "allow must be None, an Allow or a dict"),
+    (["keep"], TypeError, "allow must be None, a str such as .keep,float8,disk., an Allow or a dict"),
 ])
 def test_bad_allow(allow, error, message):
     with pytest.raises(error, match=message):

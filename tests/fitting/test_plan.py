@@ -1,4 +1,4 @@
-"""Plan: JSON round trip, the table, apply() in order, and the measured peak against the budget."""
+"""FitPlan: JSON round trip, the table, apply() in order, and the measured peak against the budget."""
 
 from __future__ import annotations
 
@@ -7,15 +7,14 @@ import json
 
 import pytest
 import torch
+from zoo.lm import figures, tiny_lm, token_ids
 
 import tightfit
-from tightfit.fitting import Plan, held_bytes
+from tightfit.fitting import FitPlan, held_bytes
 from tightfit.hooks import LAYERWISE_CASTING, OFFLOADING
 from tightfit.hooks.registry import HookRegistry
 from tightfit.memory import allocated_peak, measure
 from tightfit.quant import Linear4bit, Linear8bit, LinearInt8
-
-from zoo.lm import figures, tiny_lm, token_ids
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +31,7 @@ def test_json_round_trip(ids):
     plan = _plan(tiny_lm(), ids, 0.4)
     text = plan.to_json()
     assert json.loads(text)["format"] == "tightfit.plan/1"
-    again = Plan.from_json(text)
+    again = FitPlan.from_json(text)
     assert again == plan
     assert str(again) == str(plan)
 
@@ -45,7 +44,7 @@ def test_json_round_trip(ids):
 ])
 def test_from_json_rejects_what_is_not_a_plan(text, message):
     with pytest.raises(ValueError, match=message):
-        Plan.from_json(text)
+        FitPlan.from_json(text)
 
 
 def test_table_shows_every_unit(ids):
@@ -148,20 +147,20 @@ def _small_plan():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("budget_bytes", "lots", r"Plan.budget_bytes must be an int >= 0 \(bytes\), got 'lots'"),
-    ("budget_bytes", -1, r"Plan.budget_bytes must be an int >= 0"),
-    ("predicted_peak_bytes", 1.5, r"Plan.predicted_peak_bytes must be an int >= 0"),
-    ("full_peak_bytes", True, r"Plan.full_peak_bytes must be an int >= 0"),
-    ("applies_nothing", "yes", r"Plan.applies_nothing must be a bool, got str: 'yes'"),
-    ("predicted_seconds", "fast", r"Plan.predicted_seconds must be a finite number >= 0"),
-    ("model", 3, r"Plan.model must be a str, got int"),
-    ("peak_node", 3, r"Plan.peak_node must be a str"),
-    ("allow", ["keep"], r"Plan.allow must be a dict or None"),
-    ("hints", ["0"], r"Plan.hints must be a dict of module name -> hint dict, got list"),
-    ("hints", {"0": 4}, r"Plan.hints\['0'\] must be a dict of hints"),
+    ("budget_bytes", "lots", r"FitPlan.budget_bytes must be an int >= 0 \(bytes\), got 'lots'"),
+    ("budget_bytes", -1, r"FitPlan.budget_bytes must be an int >= 0"),
+    ("predicted_peak_bytes", 1.5, r"FitPlan.predicted_peak_bytes must be an int >= 0"),
+    ("full_peak_bytes", True, r"FitPlan.full_peak_bytes must be an int >= 0"),
+    ("applies_nothing", "yes", r"FitPlan.applies_nothing must be a bool, got str: 'yes'"),
+    ("predicted_seconds", "fast", r"FitPlan.predicted_seconds must be a finite number >= 0"),
+    ("model", 3, r"FitPlan.model must be a str, got int"),
+    ("peak_node", 3, r"FitPlan.peak_node must be a str"),
+    ("allow", ["keep"], r"FitPlan.allow must be a dict or None"),
+    ("hints", ["0"], r"FitPlan.hints must be a dict of module name -> hint dict, got list"),
+    ("hints", {"0": 4}, r"FitPlan.hints\['0'\] must be a dict of hints"),
     ("hints", {"0": {"slices": 0}}, r"hint slices=0 is not accepted; accepted: an int >= 1"),
-    ("hints", {"0": {"schedule": "dfs"}}, r"Plan.runtime='eager' with hints: hints save memory only when compiled"),
-    ("runtime", "arena", r"Plan.runtime='arena' is not accepted; accepted: eager, compiled"),
+    ("hints", {"0": {"schedule": "dfs"}}, r"FitPlan.runtime='eager' with hints: hints save memory only when compiled"),
+    ("runtime", "arena", r"FitPlan.runtime='arena' is not accepted; accepted: eager, compiled"),
     ("entries", {"a": 1}, r"'entries' must be a list of objects"),
     ("entries", [3], r"'entries\[0\]' must be an object"),
 ])
@@ -169,7 +168,7 @@ def test_from_json_names_the_field_of_the_wrong_type(field, value, message):
     data = _small_plan().to_dict()
     data[field] = value
     with pytest.raises(ValueError, match=message):
-        Plan.from_json(json.dumps(data))
+        FitPlan.from_json(json.dumps(data))
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -186,16 +185,16 @@ def test_from_json_names_the_entry_and_its_field(field, value, message):
     data = _small_plan().to_dict()
     data["entries"][1][field] = value
     with pytest.raises(ValueError, match=r"plan JSON field 'entries\[1\]' does not describe a plan entry: " + message):
-        Plan.from_json(json.dumps(data))
+        FitPlan.from_json(json.dumps(data))
 
 
 def test_plan_and_entry_check_their_fields_when_built():
     plan = _small_plan()
-    with pytest.raises(TypeError, match=r"Plan.entries\[0\] must be a PlanEntry, got dict"):
+    with pytest.raises(TypeError, match=r"FitPlan.entries\[0\] must be a PlanEntry, got dict"):
         dataclasses.replace(plan, entries=({"module": "0"},))
     with pytest.raises(TypeError, match="Plan.applies_nothing must be a bool"):
         dataclasses.replace(plan, applies_nothing=1)
     with pytest.raises(ValueError, match="PlanEntry.bytes_after must be an int >= 0"):
         dataclasses.replace(plan.entries[0], bytes_after=None)
     assert dataclasses.replace(plan, entries=list(plan.entries)).entries == plan.entries  # a list becomes a tuple
-    assert Plan.from_json(plan.to_json()) == plan
+    assert FitPlan.from_json(plan.to_json()) == plan

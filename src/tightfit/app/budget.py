@@ -1,5 +1,5 @@
-"""What ``tightfit run --budget`` adds to a run (private): the ``--allow`` names, the plan
-made for the run's own inputs, and what its prediction covers.
+"""What ``tightfit run --budget`` adds to a run (private): the plan made for the run's own
+inputs, and what its prediction covers (``--allow`` is :meth:`tightfit.fitting.Allow.parse`).
 
 A plan is made for one forward. An encoder's run is that forward (plus pooling), so the
 plan's peak is the prediction. A causal LM's run is a generation: the prefill forward over
@@ -10,50 +10,15 @@ taken off the budget the planner sees, so that the whole generation stays within
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from tightfit._format import human_bytes
-from tightfit.fitting import PLACEMENTS, STORAGES, Allow, FitError, Plan, fit
+from tightfit.fitting import Allow, FitError, FitPlan, fit
 
 __all__: list[str] = []
-
-_ALLOW_ACCEPTED = (f"comma-separated names, storages ({', '.join(STORAGES)}) and/or placements ({', '.join(PLACEMENTS)}), "
-                   f"e.g. 'keep,float8,disk'")
-
-
-def parse_allow(text: str) -> Allow:
-    """The :class:`Allow` that ``--allow`` names: storages and placements in one list.
-
-    Only the sets named are restricted: ``int8,nf4`` restricts storages and leaves every
-    placement allowed; ``device`` rules out offloading and leaves every storage allowed.
-    ``keep`` and ``device`` are always added (the planner must be able to leave a unit alone).
-    """
-    names = [name.strip().lower() for name in text.split(",") if name.strip()]
-    if not names:
-        raise ValueError(f"allow={text!r} names nothing; accepted: {_ALLOW_ACCEPTED}")
-    unknown = [name for name in names if name not in STORAGES and name not in PLACEMENTS]
-    if unknown:
-        raise ValueError(f"allow={text!r} has {', '.join(map(repr, unknown))}, which is not accepted; accepted: {_ALLOW_ACCEPTED}")
-    storages = {name for name in names if name in STORAGES}
-    placements = {name for name in names if name in PLACEMENTS}
-    return Allow(storage=frozenset(storages | {"keep"}) if storages else frozenset(STORAGES),
-                 placement=frozenset(placements | {"device"}) if placements else frozenset(PLACEMENTS))
-
-
-def coerce_allow(value: Allow | Mapping[str, Any] | str | None) -> Allow | None:
-    """``RunOptions.allow`` as an :class:`Allow`: a ``--allow`` string, a mapping, an Allow, or None."""
-    if value is None or isinstance(value, Allow):
-        return value
-    if isinstance(value, str):
-        return parse_allow(value)
-    if isinstance(value, Mapping):
-        return Allow.coerce(value)
-    raise TypeError(f"allow must be None, a str such as 'keep,float8,disk', an Allow or a dict with keys storage and placement, "
-                    f"got {type(value).__name__}: {value!r}")
 
 
 def kv_cache_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
@@ -73,7 +38,7 @@ class Budgeted:
     peak for the whole generation (0 for an encoder); ``covers``: what is predicted, in words.
     """
 
-    plan: Plan
+    plan: FitPlan
     kv_cache_bytes: int
     covers: str
 

@@ -9,6 +9,7 @@ measurement."""
 from __future__ import annotations
 
 import statistics
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -18,32 +19,32 @@ import torch
 
 from tightfit import backends
 from tightfit._format import human_bytes
-from tightfit.memory.plot import check_png_path
-from tightfit.app.budget import Budgeted, coerce_allow, kv_cache_bytes_per_token, plan_run
 from tightfit._validate import check_type
-from tightfit.fitting import Allow, held_bytes, parse_size
+from tightfit.app.budget import Budgeted, kv_cache_bytes_per_token, plan_run
 from tightfit.app.generation import Generation, generate_greedy, token_agreement
-from tightfit.hooks import STORAGES, apply_layerwise_casting, apply_offloading, resident_bytes
-from tightfit.memory import Measurement, measure, tensor_bytes
 from tightfit.app.models import CAUSAL_LM, ENCODER, default_model_dir, embed, folder_kind, load_causal_lm, load_encoder
-from tightfit.quant import Blockwise8Config, FP4Config, Int8Config, Linear8bit, NF4Config, QuantConfig, QuantState, layer_stack, quantize_
+from tightfit.fitting import Allow, held_bytes, parse_size
+from tightfit.hooks import OFFLOAD_TARGETS, apply_layerwise_casting, apply_offloading, resident_bytes
+from tightfit.memory import Measurement, measure, tensor_bytes
+from tightfit.memory.plot import check_png_path
+from tightfit.quant import Linear8bit, NF4Config, QuantConfig, layer_stack, quantize_, storage_formats, unregistered_tensors
 
 __all__ = [
-    "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_PROMPT", "DEFAULT_SENTENCES", "QUANT_CONFIGS", "STORAGE_DTYPES", "RunOptions", "RunReport", "run",
-    "weights_bytes",
+    "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_PROMPT", "DEFAULT_SENTENCES", "STORAGE_DTYPE_CHOICES", "RunOptions", "RunReport", "quant_configs",
+    "run", "weights_bytes",
 ]
 
-#: ``--quant`` choices and the config each applies to every ``nn.Linear``; with ``keep_8bit``
-#: the 4-bit ones (nf4, fp4) store the later half of the model's layer stack in 8 bits.
-QUANT_CONFIGS: dict[str, QuantConfig] = {
-    "nf4": NF4Config(),
-    "fp4": FP4Config(),
-    "int8": Int8Config(),
-    "8bit": Blockwise8Config(),
-}
+
+def quant_configs() -> dict[str, QuantConfig]:
+    """``--quant`` choices: the storage catalogue's quantized formats, each with the config
+    it applies to every ``nn.Linear``; with ``keep_8bit`` the 4-bit ones (nf4, fp4) store
+    the later half of the model's layer stack in 8 bits. Read from the catalogue each
+    time, so a format registered later is a choice."""
+    return {storage.name: storage.config for storage in storage_formats() if storage.config is not None}
+
 
 #: ``--storage-dtype`` choices: layerwise casting stores weights so and computes in the model's dtype.
-STORAGE_DTYPES: dict[str, torch.dtype] = {
+STORAGE_DTYPE_CHOICES: dict[str, torch.dtype] = {
     "float8_e4m3fn": torch.float8_e4m3fn,
     "float8_e5m2": torch.float8_e5m2,
     "bfloat16": torch.bfloat16,
@@ -105,14 +106,14 @@ class RunOptions:
             raise TypeError(f"model must be a folder path or None, got {type(self.model).__name__}: {self.model!r}")
         if self.backend is not None and not isinstance(self.backend, str):
             raise TypeError(f"backend must be a str or None, got {type(self.backend).__name__}: {self.backend!r}")
-        if self.quant is not None and self.quant not in QUANT_CONFIGS:
-            raise ValueError(f"quant={self.quant!r} is not accepted; accepted: {', '.join(QUANT_CONFIGS)} or None")
-        if self.storage_dtype is not None and self.storage_dtype not in STORAGE_DTYPES:
-            raise ValueError(f"storage_dtype={self.storage_dtype!r} is not accepted; accepted: {', '.join(STORAGE_DTYPES)} or None")
+        if self.quant is not None and self.quant not in quant_configs():
+            raise ValueError(f"quant={self.quant!r} is not accepted; accepted: {', '.join(quant_configs())} or None")
+        if self.storage_dtype is not None and self.storage_dtype not in STORAGE_DTYPE_CHOICES:
+            raise ValueError(f"storage_dtype={self.storage_dtype!r} is not accepted; accepted: {', '.join(STORAGE_DTYPE_CHOICES)} or None")
         if self.quant is not None and self.storage_dtype is not None:
             raise ValueError("quant and storage_dtype both change how weights are stored; choose one")
-        if self.offload is not None and self.offload not in STORAGES:
-            raise ValueError(f"offload={self.offload!r} is not accepted; accepted: {', '.join(STORAGES)} or None")
+        if self.offload is not None and self.offload not in OFFLOAD_TARGETS:
+            raise ValueError(f"offload={self.offload!r} is not accepted; accepted: {', '.join(OFFLOAD_TARGETS)} or None")
         for name in ("repeat", "top_pairs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -136,7 +137,8 @@ class RunOptions:
                                  f"{', '.join(chosen)}; drop {'them' if len(chosen) > 1 else 'it'}, or restrict the planner with allow")
         if self.allow is not None and self.budget is None:
             raise ValueError(f"allow={self.allow!r} restricts the fit planner, which runs only with a budget; give budget too")
-        object.__setattr__(self, "allow", coerce_allow(self.allow))
+        if self.allow is not None:
+            object.__setattr__(self, "allow", Allow.coerce(self.allow))
 
 
 @dataclass
@@ -270,7 +272,7 @@ def _convert(model: torch.nn.Module, options: RunOptions, device: torch.device) 
     """Quantize, cast and offload as ``options`` say; returns the layers a 4-bit quant kept in 8 bits."""
     kept: tuple[str, ...] = ()
     if options.quant is not None:
-        config = QUANT_CONFIGS[options.quant]
+        config = quant_configs()[options.quant]
         if options.keep_8bit and isinstance(config, NF4Config):
             stack = layer_stack(model)
             kept = stack[len(stack) // 2:]
@@ -278,9 +280,9 @@ def _convert(model: torch.nn.Module, options: RunOptions, device: torch.device) 
         quantize_(model, config)
     if options.storage_dtype is not None:
         compute_dtype = next(model.parameters()).dtype
-        apply_layerwise_casting(model, STORAGE_DTYPES[options.storage_dtype], compute_dtype)
+        apply_layerwise_casting(model, STORAGE_DTYPE_CHOICES[options.storage_dtype], compute_dtype)
     if options.offload is not None:
-        apply_offloading(model, device, storage=options.offload)
+        apply_offloading(model, device, offload_to=options.offload)
     return kept
 
 
@@ -374,15 +376,22 @@ class _CausalLM:
 
 def weights_bytes(modules: list[torch.nn.Module]) -> int:
     """The weights' bytes that ``tightfit run`` reports: parameters and buffers of ``modules``,
-    plus the scales of quantized layers (a QuantState is neither); a tensor they share counts once."""
+    plus what their quantized layers hold outside those (scales and maps:
+    :func:`tightfit.quant.unregistered_tensors`); a tensor they share counts once."""
     check_type("modules", modules, (list, tuple))
     for index, module in enumerate(modules):
         check_type(f"modules[{index}]", module, torch.nn.Module)
     tensors = []
     for root in modules:
-        tensors += list(root.parameters()) + list(root.buffers())
-        for module in root.modules():
-            state = getattr(module, "quant_state", None)
-            if isinstance(state, QuantState):
-                tensors += state.tensors()
+        tensors += list(root.parameters()) + list(root.buffers()) + unregistered_tensors(root)
     return tensor_bytes(tensors)
+
+
+def __getattr__(name: str) -> object:
+    renamed = {"QUANT_CONFIGS": ("quant_configs()", quant_configs), "STORAGE_DTYPES": ("STORAGE_DTYPE_CHOICES", lambda: STORAGE_DTYPE_CHOICES)}
+    if name in renamed:
+        new, value = renamed[name]
+        warnings.warn(f"tightfit.app.run.{name} is renamed {new} ({name} names other things elsewhere); {name} goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return value()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

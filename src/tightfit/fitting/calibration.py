@@ -1,24 +1,29 @@
 """The time model's figures: what a backend's device does per second, measured once.
 
-``calibrate(backend)`` measures, on the device, in a second or two: matrix-multiply
-throughput, device memory bandwidth (a copy), host-to-device copy bandwidth
-(accelerators), disk read bandwidth (a fresh file dropped from the page cache), and the
-per-weight cost of decoding each compact storage during a forward. The figures are
-cached as JSON under ``$TIGHTFIT_CACHE_DIR`` (default ``~/.cache/tightfit``), keyed by
-backend, device name and torch version; ``remeasure=True`` measures again. Tests build
-a :class:`Calibration` by hand, so that plans are deterministic.
+``calibrate(backend)`` measures, on the device, once: matrix-multiply throughput,
+device memory bandwidth (a copy), host-to-device copy bandwidth (accelerators), disk
+read bandwidth (a fresh file dropped from the page cache), and the per-weight cost of
+decoding each storage of the storage catalogue during a forward (its format's decode
+probe). Each figure is the median of samples taken for a fixed time
+(:data:`SECONDS_PER_FIGURE`; a probe and the work it is compared with alternate), so
+that a machine doing other work moves the figures little and the whole takes a time
+known beforehand, which the progress task names. The figures are cached as JSON under
+``$TIGHTFIT_CACHE_DIR`` (default ``~/.cache/tightfit``), keyed by backend, device name
+and torch version; ``remeasure=True`` measures again. Tests build a
+:class:`Calibration` by hand, so that plans are deterministic.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
 import platform
 import re
+import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,10 +31,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from tightfit._progress import task
 from tightfit._validate import check_type
-from tightfit.fitting.options import DECODED_STORAGES
+from tightfit.quant import storage_formats
 
-__all__ = ["Calibration", "cache_path", "calibrate"]
+__all__ = ["SECONDS_PER_FIGURE", "Calibration", "cache_path", "calibrate"]
+
+#: How long each figure is sampled for (at least :data:`_MIN_SAMPLES` samples).
+SECONDS_PER_FIGURE = 0.5
+_MIN_SAMPLES = 3
 
 _FIGURES = ("matmul_flops", "device_bandwidth", "host_to_device_bandwidth", "disk_bandwidth")
 
@@ -39,8 +49,9 @@ class Calibration:
     """Figures of one device, in units per second, and decode costs in seconds per weight.
 
     ``host_to_device_bandwidth`` is None where the device is the host (the CPU): nothing
-    is copied there. ``decode_seconds`` maps each compact storage (float8, nf4, fp4, 8bit,
-    int8) to the extra seconds a forward spends per weight stored so.
+    is copied there. ``decode_seconds`` maps each storage of the catalogue that decodes
+    (float8, 8bit, int8, nf4, fp4 and any registered since) to the extra seconds a
+    forward spends per weight stored so.
     """
 
     backend: str
@@ -63,14 +74,15 @@ class Calibration:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         check_type("decode_seconds", self.decode_seconds, dict)
-        missing = set(DECODED_STORAGES) - set(self.decode_seconds)
+        decoded = [storage.name for storage in storage_formats() if storage.decodes]
+        missing = set(decoded) - set(self.decode_seconds)
         if missing:
             raise ValueError(f"decode_seconds lacks {', '.join(sorted(missing))}; it needs one figure per storage: "
-                             f"{', '.join(DECODED_STORAGES)}")
-        unknown = [key for key in self.decode_seconds if key not in DECODED_STORAGES]
+                             f"{', '.join(decoded)}")
+        unknown = [key for key in self.decode_seconds if key not in decoded]
         if unknown:
             raise ValueError(f"decode_seconds has unknown storage(s) {', '.join(map(repr, unknown))}; accepted: "
-                             f"{', '.join(DECODED_STORAGES)}")
+                             f"{', '.join(decoded)}")
         for key, value in self.decode_seconds.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < math.inf):
                 raise ValueError(f"decode_seconds[{key!r}] must be a finite number >= 0, got {value!r}")
@@ -110,77 +122,100 @@ def cache_path(backend: str, device_name: str) -> Path:
     return folder / f"calibration-{slug}.json"
 
 
-def _best_seconds(fn: Any, sync: Any, repeat: int = 5) -> float:
-    fn()  # warm-up
-    sync()
-    best = math.inf
-    for _ in range(repeat):
+def _median_seconds(work: Callable[[], Any], sync: Callable[[], Any], baseline: Callable[[], Any] | None = None) -> float:
+    """The median seconds of ``work`` (less the median of ``baseline``, never below zero)
+    over :data:`SECONDS_PER_FIGURE` of samples, ``work`` and ``baseline`` alternating so
+    that a burst of other work on the machine slows both alike. Each runs once first
+    (caches, kernels compiled at first use). The median, not the least: a sample that
+    other work slowed moves it little, and a lucky one (memory left mapped by the last
+    call) does not decide it."""
+    def timed(fn: Callable[[], Any]) -> float:
         start = time.perf_counter()
         fn()
         sync()
-        best = min(best, time.perf_counter() - start)
-    return max(best, 1e-9)
+        return time.perf_counter() - start
+
+    for fn in (work, baseline):
+        if fn is not None:
+            timed(fn)
+    samples: list[float] = []
+    base: list[float] = []
+    start = time.perf_counter()
+    while len(samples) < _MIN_SAMPLES or time.perf_counter() - start < SECONDS_PER_FIGURE:
+        samples.append(timed(work))
+        if baseline is not None:
+            base.append(timed(baseline))
+    seconds = statistics.median(samples) - (statistics.median(base) if base else 0.0)
+    return max(seconds, 0.0 if baseline is not None else 1e-9)
 
 
 def _disk_bandwidth(nbytes: int) -> float:
-    """Read a fresh file after asking the OS to drop it from the page cache."""
+    """Read a fresh file after asking the OS to drop it from the page cache, again for
+    :data:`SECONDS_PER_FIGURE`; the median read."""
     data = os.urandom(1 << 20) * (nbytes >> 20)
     with tempfile.NamedTemporaryFile(prefix="tightfit-calibrate-") as handle:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        with open(handle.name, "rb", buffering=0) as reader:
-            start = time.perf_counter()
-            while reader.read(1 << 22):
-                pass
-            seconds = time.perf_counter() - start
-    return len(data) / max(seconds, 1e-9)
+
+        def read() -> None:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            with open(handle.name, "rb", buffering=0) as reader:
+                while reader.read(1 << 22):
+                    pass
+
+        seconds = _median_seconds(read, lambda: None)
+    return len(data) / seconds
 
 
-def _decode_seconds(device: torch.device, sync: Any) -> dict[str, float]:
-    """Seconds per weight that a forward spends decoding each compact storage.
-
-    float8, nf4, fp4 and 8bit layers decode their whole weight once per call: that
-    decode is timed alone. int8 multiplies in int8 instead: its forward against the
-    full-precision one (never below zero).
-    """
-    from tightfit import ops
-    from tightfit.fitting.options import FLOAT8_DTYPE, QUANT_CONFIGS
-    from tightfit.quant import quantize_
-
+def _decode_seconds(device: torch.device, sync: Any, advance: Callable[[int], None]) -> dict[str, float]:
+    """Seconds per weight that a forward spends decoding each storage of the catalogue:
+    what its format's decode probe gives to time (less the work it is compared with) on
+    a 1024 x 1024 layer and 64 rows."""
     features, rows = 1024, 64
     torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(features, features)).to(device)
-    x = torch.randn(rows, features, device=device)
-    stored = base[0].weight.detach().to(FLOAT8_DTYPE)
-    scale = torch.ones(features, 1, device=device)
-    figures = {"float8": _best_seconds(lambda: ops.cast(stored, torch.float32).mul_(scale), sync)}
+    figures = {}
     with torch.inference_mode():
-        for storage in ("8bit", "nf4", "fp4"):
-            model = quantize_(copy.deepcopy(base), QUANT_CONFIGS[storage])
-            figures[storage] = _best_seconds(model[0].dequantize, sync)
-        model = quantize_(copy.deepcopy(base), QUANT_CONFIGS["int8"])
-        figures["int8"] = max(0.0, _best_seconds(lambda: model(x), sync) - _best_seconds(lambda: base(x), sync))
-    return {storage: seconds / (features * features) for storage, seconds in figures.items()}
+        base = nn.Linear(features, features).to(device)
+        x = torch.randn(rows, features, device=device)
+        for storage in storage_formats():
+            if storage.decodes:
+                work, baseline = storage.decode_probe(base, x)
+                figures[storage.name] = _median_seconds(work, sync, baseline) / (features * features)
+                advance(1)
+    return figures
+
+
+def _figure_count(device: torch.device) -> int:
+    """Figures :func:`_measure` samples: matmul, copy, disk, host-to-device on an
+    accelerator, and one per storage that decodes."""
+    return 3 + (device.type != "cpu") + sum(storage.decodes for storage in storage_formats())
 
 
 def _measure(backend: Any, device: torch.device) -> Calibration:
     start = time.perf_counter()
-    sync = lambda: backend.synchronize(device)  # noqa: E731
-    a = torch.randn(1024, 1024, device=device)
-    b = torch.randn(1024, 256, device=device)
-    matmul = _best_seconds(lambda: a @ b, sync)
-    block = torch.ones(16 << 20, dtype=torch.uint8, device=device)
-    target = torch.zeros_like(block)  # written once first: the copies time memory, not page faults
-    copy_seconds = _best_seconds(lambda: target.copy_(block), sync)
-    host_to_device = None
-    if device.type != "cpu":
-        host = torch.empty(16 << 20, dtype=torch.uint8).pin_memory() if backend.capabilities().async_copy else torch.empty(16 << 20, dtype=torch.uint8)
-        host_to_device = host.numel() / _best_seconds(lambda: host.to(device), sync)
-    disk = _disk_bandwidth(16 << 20)
-    decode = _decode_seconds(device, sync)
+    count = _figure_count(device)
+    about = math.ceil(count * SECONDS_PER_FIGURE * 1.5)  # the sampling, and a half again for warm-ups and set-up
+    with task(f"calibrating {backend.name} (once, about {about} s)", count) as advance:
+        sync = lambda: backend.synchronize(device)
+        a = torch.randn(1024, 1024, device=device)
+        b = torch.randn(1024, 256, device=device)
+        matmul = _median_seconds(lambda: a @ b, sync)
+        advance(1)
+        block = torch.ones(16 << 20, dtype=torch.uint8, device=device)
+        target = torch.zeros_like(block)  # written once first: the copies time memory, not page faults
+        copy_seconds = _median_seconds(lambda: target.copy_(block), sync)
+        advance(1)
+        host_to_device = None
+        if device.type != "cpu":
+            pinned = backend.capabilities().async_copy
+            host = torch.empty(16 << 20, dtype=torch.uint8).pin_memory() if pinned else torch.empty(16 << 20, dtype=torch.uint8)
+            host_to_device = host.numel() / _median_seconds(lambda: host.to(device), sync)
+            advance(1)
+        disk = _disk_bandwidth(16 << 20)
+        advance(1)
+        decode = _decode_seconds(device, sync, advance)
     return Calibration(
         backend=backend.name, device_name=_device_name(device), torch_version=torch.__version__,
         matmul_flops=2 * 1024 * 1024 * 256 / matmul,

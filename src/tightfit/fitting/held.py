@@ -7,7 +7,8 @@ from torch import nn
 
 from tightfit._validate import check_device, check_type
 from tightfit.hooks import resident_bytes
-from tightfit.quant import QuantState
+from tightfit.memory import tensor_bytes
+from tightfit.quant import unregistered_tensors
 
 __all__ = ["held_bytes"]
 
@@ -15,15 +16,8 @@ __all__ = ["held_bytes"]
 def held_bytes(model: nn.Module, device: str | torch.device) -> int:
     """Bytes of ``model``'s weights in ``device``'s memory: parameters and buffers there
     (:func:`tightfit.hooks.resident_bytes`: memory-mapped offloaded files do not count)
-    plus the scales and maps of quantized layers (a QuantState is neither, and offloading
-    leaves it on the device)."""
+    plus the tensors its quantized layers hold outside those (their scales and maps,
+    which offloading leaves on the device: :func:`tightfit.quant.unregistered_tensors`)."""
     check_type("model", model, nn.Module)
     target = check_device("device", device)
-    storages = {}
-    for module in model.modules():
-        state = getattr(module, "quant_state", None)
-        if isinstance(state, QuantState):
-            for tensor in state.tensors():
-                if tensor.device.type == target.type:
-                    storages[tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()
-    return resident_bytes(model, target) + sum(storages.values())
+    return resident_bytes(model, target) + tensor_bytes(t for t in unregistered_tensors(model) if t.device.type == target.type)

@@ -1,22 +1,25 @@
-"""The :class:`Plan` that ``tightfit.fit`` returns: per unit, how it is stored and where,
-with the predicted peak and time; ``apply`` carries it out, ``print`` shows it, JSON
-keeps it."""
+"""The :class:`FitPlan` that ``tightfit.fit`` returns: per unit, how it is stored and
+where, with the predicted peak and time; ``apply`` carries it out (each storage as its
+format in the storage catalogue applies it), ``print`` shows it, JSON keeps it.
+
+``Plan``, its name before, still works for one release with a DeprecationWarning."""
 
 from __future__ import annotations
 
-import glob
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+import warnings
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import nn
 
 from tightfit._validate import check_type
-from tightfit.fitting.options import FLOAT8_DTYPE, PLACEMENTS, QUANT_CONFIGS, STORAGES
+from tightfit.fitting.options import PLACEMENTS, storage_names
 from tightfit.fitting.regions import add_hints, check_module_hints
+from tightfit.quant import move_unregistered, storage_formats
 
-__all__ = ["Plan", "PlanEntry"]
+__all__ = ["FitPlan", "PlanEntry"]
 
 _FORMAT = "tightfit.plan/1"
 _KINDS = ("layer", "linear", "embedding", "rest")
@@ -66,8 +69,8 @@ class PlanEntry:
             _check_str("PlanEntry", name, getattr(self, name))
         if self.kind not in _KINDS:
             raise ValueError(f"PlanEntry.kind={self.kind!r} is not accepted; accepted: {', '.join(_KINDS)}")
-        if self.storage not in STORAGES:
-            raise ValueError(f"PlanEntry.storage={self.storage!r} is not accepted; accepted: {', '.join(STORAGES)}")
+        if self.storage not in storage_names():
+            raise ValueError(f"PlanEntry.storage={self.storage!r} is not accepted; accepted: {', '.join(storage_names())}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"PlanEntry.placement={self.placement!r} is not accepted; accepted: {', '.join(PLACEMENTS)}")
         for name in ("bytes_before", "bytes_after", "held_bytes"):
@@ -83,7 +86,7 @@ class PlanEntry:
 
 
 @dataclass(frozen=True)
-class Plan:
+class FitPlan:
     """What fits: per-unit decisions and the predicted device peak and time per forward.
 
     ``predicted_peak_bytes`` = ``predicted_weights_bytes`` (held on the device) +
@@ -123,38 +126,39 @@ class Plan:
 
     def __post_init__(self) -> None:
         for name in ("model", "backend", "device", "int8_outliers"):
-            _check_str("Plan", name, getattr(self, name))
+            _check_str("FitPlan", name, getattr(self, name))
         for name in ("budget_bytes", "predicted_peak_bytes", "predicted_weights_bytes", "predicted_activation_bytes",
                      "predicted_transient_bytes", "full_peak_bytes"):
-            _check_bytes("Plan", name, getattr(self, name))
+            _check_bytes("FitPlan", name, getattr(self, name))
         for name in ("predicted_seconds", "full_seconds"):
-            _check_seconds("Plan", name, getattr(self, name))
+            _check_seconds("FitPlan", name, getattr(self, name))
         if not isinstance(self.applies_nothing, bool):
-            raise TypeError(f"Plan.applies_nothing must be a bool, got {type(self.applies_nothing).__name__}: "
+            raise TypeError(f"FitPlan.applies_nothing must be a bool, got {type(self.applies_nothing).__name__}: "
                             f"{self.applies_nothing!r}")
         if not isinstance(self.entries, (tuple, list)):
-            raise TypeError(f"Plan.entries must be a tuple of PlanEntry, got {type(self.entries).__name__}")
+            raise TypeError(f"FitPlan.entries must be a tuple of PlanEntry, got {type(self.entries).__name__}")
         for index, entry in enumerate(self.entries):
             if not isinstance(entry, PlanEntry):
-                raise TypeError(f"Plan.entries[{index}] must be a PlanEntry, got {type(entry).__name__}: {entry!r}")
+                raise TypeError(f"FitPlan.entries[{index}] must be a PlanEntry, got {type(entry).__name__}: {entry!r}")
         object.__setattr__(self, "entries", tuple(self.entries))
         if self.peak_node is not None:
-            _check_str("Plan", "peak_node", self.peak_node)
+            _check_str("FitPlan", "peak_node", self.peak_node)
         for name in ("allow", "calibration"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, dict):
-                raise TypeError(f"Plan.{name} must be a dict or None, got {type(value).__name__}: {value!r}")
-        object.__setattr__(self, "hints", check_module_hints("Plan.hints", self.hints))
-        _check_str("Plan", "runtime", self.runtime)
+                raise TypeError(f"FitPlan.{name} must be a dict or None, got {type(value).__name__}: {value!r}")
+        object.__setattr__(self, "hints", check_module_hints("FitPlan.hints", self.hints))
+        _check_str("FitPlan", "runtime", self.runtime)
         if self.runtime not in _RUNTIMES:
-            raise ValueError(f"Plan.runtime={self.runtime!r} is not accepted; accepted: {', '.join(_RUNTIMES)}")
+            raise ValueError(f"FitPlan.runtime={self.runtime!r} is not accepted; accepted: {', '.join(_RUNTIMES)}")
         if self.hints and self.runtime != "compiled":
-            raise ValueError(f"Plan.runtime={self.runtime!r} with hints: hints save memory only when compiled; "
+            raise ValueError(f"FitPlan.runtime={self.runtime!r} with hints: hints save memory only when compiled; "
                              f"accepted: 'compiled' with hints")
 
     # -- apply ------------------------------------------------------------------------
     def apply(self, model: nn.Module) -> nn.Module:
-        """Quantize, cast to float8 and offload ``model``'s units as planned (in that
+        """Store ``model``'s units as planned (each storage as its format in the storage
+        catalogue applies it: quantizing, casting to float8), then offload them (in that
         order, in place), then move what stays on the device there (a model loaded on the
         CPU and planned for an accelerator), then wrap the hinted modules' forward in
         ``tightfit.hint(...)`` (``tightfit.fitting.remove_hints(model)`` undoes that);
@@ -166,27 +170,20 @@ class Plan:
         self._check_matches(model)
         if self.applies_nothing:
             return model
-        from tightfit.hooks import apply_layerwise_casting, apply_offloading
-        from tightfit.quant import quantize_
+        from tightfit.hooks import apply_offloading
 
-        linears = [name for name, module in model.named_modules() if type(module) is nn.Linear]
-        for storage, config in QUANT_CONFIGS.items():
-            chosen = {leaf for e in self.entries if e.storage == storage for leaf in e.leaves}
+        for storage in storage_formats():
+            chosen = frozenset(leaf for e in self.entries if e.storage == storage.name for leaf in e.leaves)
             if chosen:
-                skip = tuple(glob.escape(name) for name in linears if name not in chosen)
-                quantize_(model, replace(config, skip=skip))
-        cast = {leaf for e in self.entries if e.storage == "float8" for leaf in e.leaves}
-        if cast:
-            compute = _compute_dtype(model, cast)
-            apply_layerwise_casting(model, FLOAT8_DTYPE, compute, granularity=lambda name, _: name in cast, skip=())
+                storage.apply(model, chosen)
         device = torch.device(self.device)
         for position, placement in enumerate(p for p in ("disk", "cpu") if any(e.placement == p for e in self.entries)):
             units = {e.module for e in self.entries if e.placement == placement}
             if position == 0:  # one call over the model: its units prefetch one another
-                apply_offloading(model, device, storage=placement, granularity=lambda name, _: name in units)
+                apply_offloading(model, device, offload_to=placement, granularity=lambda name, _: name in units)
             else:  # offloading refuses a second call over a hooked tree: one call per unit
                 for name in sorted(units):
-                    apply_offloading(model.get_submodule(name), device, storage=placement, granularity="model")
+                    apply_offloading(model.get_submodule(name), device, offload_to=placement, granularity="model")
         _move_kept(model, {e.module for e in self.entries if e.placement != "device"}, device)
         if self.hints:
             add_hints(model, self.hints)
@@ -227,7 +224,7 @@ class Plan:
         return tuple(e for e in self.entries if e.changed)
 
     def __str__(self) -> str:
-        from tightfit.fitting.report import render
+        from tightfit.fitting.table import render
 
         return render(self)
 
@@ -242,7 +239,7 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
+    def from_json(cls, text: str) -> FitPlan:
         """The plan ``to_json`` wrote."""
         check_type("text", text, str)
         try:
@@ -274,21 +271,18 @@ class Plan:
 
 def _move_kept(model: nn.Module, offloaded: set[str], device: torch.device) -> None:
     """Move every tensor outside the offloaded units onto ``device`` (a no-op where they
-    are). Offloaded units stay in their storage; their quantization states (scales and
-    maps, not moved by offloading) go to the device, where their forward decodes."""
-    from tightfit.quant import QuantState
-
+    are). Offloaded units stay in their storage; the tensors their layers hold outside
+    parameters and buffers (quantization scales and maps, which offloading does not move)
+    go to the device, where their forward decodes."""
     for name, module in model.named_modules():
         if any(name == unit or name.startswith(f"{unit}.") for unit in offloaded):
-            state = getattr(module, "quant_state", None)
-            if isinstance(state, QuantState):
-                module.quant_state = state.to(device)
+            move_unregistered(module, device)
             continue
         module._apply(lambda tensor: tensor.to(device), recurse=False)
 
 
-def _compute_dtype(model: nn.Module, leaves: set[str]) -> torch.dtype:
-    dtypes = {module.weight.dtype for name, module in model.named_modules() if name in leaves}
-    if len(dtypes) != 1:
-        raise ValueError(f"the float8 leaves compute in {len(dtypes)} dtypes ({dtypes}); the plan casts them to one")
-    return dtypes.pop()
+def __getattr__(name: str) -> Any:
+    if name == "Plan":
+        warnings.warn("tightfit.fitting.plan.Plan is renamed FitPlan; Plan goes in the next release", DeprecationWarning, stacklevel=2)
+        return FitPlan
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

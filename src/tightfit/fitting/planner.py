@@ -14,12 +14,13 @@ from tightfit._format import human_bytes
 from tightfit._validate import check_type
 from tightfit.fitting.allow import Allow
 from tightfit.fitting.calibration import Calibration, calibrate
-from tightfit.fitting.options import QUANT_CONFIGS, Option, Unit, find_units, options_for
+from tightfit.fitting.options import Option, Unit, find_units, options_for
 from tightfit.fitting.outliers import ASSUMED_OUTLIER_FRACTION, observe_outliers
-from tightfit.fitting.plan import Plan, PlanEntry
+from tightfit.fitting.plan import FitPlan, PlanEntry
 from tightfit.fitting.regions import Sliced, slice_layers
 from tightfit.fitting.search import Choice, peak_of, search
 from tightfit.fitting.size import parse_size
+from tightfit.quant import storage_formats
 
 __all__ = ["FitError", "fit"]
 
@@ -151,8 +152,8 @@ def _slicing_note(parts: list[tuple[str, int]], activations: int, allowed: Allow
 
 def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: Any = None,
         allow: Allow | Mapping[str, Any] | None = None, calibration: Calibration | None = None,
-        remeasure: bool = False) -> Plan:
-    """A :class:`Plan` whose predicted device peak for ``model(*example_inputs)`` (or
+        remeasure: bool = False) -> FitPlan:
+    """A :class:`FitPlan` whose predicted device peak for ``model(*example_inputs)`` (or
     ``model(**example_inputs)`` for a dict) is within ``budget`` at the least predicted time.
 
     ``budget``: bytes, as an int or a size string (``"40MB"``, ``"1.5GiB"``); ``backend``:
@@ -166,9 +167,10 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
 
     The model is not changed: call ``plan.apply(model)``. Planning traces the model with
     fake tensors; only when the budget needs more than keeping the model as it is and
-    int8 storage is allowed, it runs one real forward of the example inputs under
+    a storage whose transient bytes depend on the data (int8: LLM.int8()'s outlier columns)
+    is allowed, it runs one real forward of the example inputs under
     ``torch.inference_mode`` (in eval mode, every module's training flag restored after)
-    to count LLM.int8()'s outlier columns; if that forward runs out of memory, the
+    to count the outlier columns; if that forward runs out of memory, the
     planner assumes a bound instead and says so in ``plan.int8_outliers``.
 
     Region hints: when no choice of storages and placements meets the budget, the model
@@ -216,8 +218,9 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
     if applies_nothing:
         choice = full
     else:
-        if "int8" in allowed.storage:  # only int8's options depend on the data; a real forward when it can run
-            outliers, not_observed = _observe(model, args, kwargs, device)
+        thresholds = [f.outlier_threshold for f in storage_formats() if f.name in allowed.storage and f.outlier_threshold is not None]
+        if thresholds:  # only these storages' options depend on the data; a real forward when it can run
+            outliers, not_observed = _observe(model, args, kwargs, device, min(thresholds))
             options = build(outliers) if outliers is not None else options
         found = search(options, budget_bytes, activations)
         choice = found.best
@@ -247,7 +250,7 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
     transient = choice.peak_bytes - choice.held_bytes - activations
     if sliced is not None:  # the compiled plan of the hinted model replaces the eager activations
         activations, peak_node = sliced.activation_bytes, sliced.peak_node
-    return Plan(
+    return FitPlan(
         model=type(model).__name__, backend=backends[0].name, device=str(device), budget_bytes=budget_bytes,
         predicted_peak_bytes=choice.held_bytes + activations + transient,
         predicted_weights_bytes=choice.held_bytes, predicted_activation_bytes=activations,
@@ -275,10 +278,11 @@ def _is_out_of_memory(error: RuntimeError) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error)
 
 
-def _observe(model: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> tuple[dict[str, int] | None, str]:
-    """The observed outlier columns, or None and why they were not observed."""
+def _observe(model: nn.Module, args: tuple, kwargs: dict, device: torch.device, threshold: float) -> tuple[dict[str, int] | None, str]:
+    """The observed outlier columns at ``threshold`` (the least of the allowed storages':
+    a column counted at it is counted at a higher one), or None and why they were not observed."""
     try:
-        found = observe_outliers(model, args, kwargs, QUANT_CONFIGS["int8"].threshold)
+        found = observe_outliers(model, args, kwargs, threshold)
     except RuntimeError as error:
         if not _is_out_of_memory(error):
             raise
@@ -289,12 +293,14 @@ def _observe(model: nn.Module, args: tuple, kwargs: dict, device: torch.device) 
 
 
 def _int8_outliers(entries: tuple[PlanEntry, ...], outliers: dict[str, int] | None, not_observed: str = "") -> str:
-    """What the int8 units' predicted transient assumes about LLM.int8()'s outlier path."""
-    if not any(e.storage == "int8" for e in entries):
+    """What the predicted transient of the units stored with an outlier path (int8:
+    LLM.int8()) assumes about it."""
+    data_dependent = {f.name for f in storage_formats() if f.outlier_threshold is not None}
+    if not any(e.storage in data_dependent for e in entries):
         return ""
     if outliers is None:
         why = not_observed or "the model has meta tensors, or its tensors and the inputs are on different devices"
         return (f"assumed: up to {ASSUMED_OUTLIER_FRACTION:.1%} of each layer's input columns (not observed: {why})")
-    leaves = [leaf for e in entries if e.storage == "int8" for leaf in e.leaves]
+    leaves = [leaf for e in entries if e.storage in data_dependent for leaf in e.leaves]
     taking = sum(1 for leaf in leaves if outliers.get(leaf, 0))
     return f"observed in one real forward of the example inputs: {taking} of {len(leaves)} int8 layers take the outlier path"

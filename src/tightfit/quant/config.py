@@ -19,7 +19,7 @@ from tightfit._validate import check_non_negative_number, check_type
 from tightfit.ops.blockwise import BLOCKSIZES_4BIT, BLOCKSIZES_8BIT
 from tightfit.quant.modules import Linear4bit, Linear8bit, LinearInt8
 
-__all__ = ["Blockwise8Config", "FP4Config", "Int8Config", "NF4Config", "QuantConfig", "quantize_", "register_handler"]
+__all__ = ["Blockwise8Config", "FP4Config", "Int8Config", "NF4Config", "QuantConfig", "handler_for", "quantize_", "register_handler"]
 
 
 def _check_patterns(name: str, value: object) -> None:
@@ -144,7 +144,7 @@ def _int8(linear: nn.Linear, config: Int8Config) -> nn.Module:
     return LinearInt8.from_linear(linear, threshold=config.threshold)
 
 
-def _handler_for(config: QuantConfig) -> Callable[[nn.Linear, QuantConfig], nn.Module]:
+def handler_for(config: QuantConfig) -> Callable[[nn.Linear, QuantConfig], nn.Module]:
     handler = _HANDLERS.get(type(config))
     if handler is None:
         raise ValueError(f"no handler is registered for {type(config).__name__}; registered: {', '.join(t.__name__ for t in _HANDLERS)}")
@@ -160,7 +160,7 @@ def quantize_(model: nn.Module, config: QuantConfig) -> nn.Module:
     """
     check_type("model", model, nn.Module)
     check_type("config", config, QuantConfig)
-    _handler_for(config)
+    handler_for(config)
     if isinstance(model, nn.Linear):
         raise ValueError("model is itself an nn.Linear; quantize_ replaces children, so wrap it or use Linear4bit.from_linear")
     with task(f"quantizing Linear layers ({type(config).__name__})", sum(type(m) is nn.Linear for m in model.modules())) as advance:
@@ -175,7 +175,7 @@ def _quantize_children(module: nn.Module, config: QuantConfig, prefix: str, adva
         if child_config is None:
             continue
         if type(child) is nn.Linear:
-            setattr(module, name, _handler_for(child_config)(child, child_config))
+            setattr(module, name, handler_for(child_config)(child, child_config))
             advance(1)
         else:
             _quantize_children(child, child_config, prefix=f"{qualified}.", advance=advance)

@@ -10,6 +10,7 @@ and applies all of them or none: a new weight never meets stale scales.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,7 +24,7 @@ from tightfit.quant import _checkpoint as checks
 from tightfit.quant import functional as F
 from tightfit.quant.state import QuantState
 
-__all__ = ["Linear4bit", "Linear8bit", "LinearInt8", "QuantizedLinear"]
+__all__ = ["Linear4bit", "Linear8bit", "LinearInt8", "QuantizedLinear", "move_unregistered", "unregistered_tensors"]
 
 
 def _frozen_copy(bias: torch.Tensor | None) -> nn.Parameter | None:
@@ -106,9 +107,26 @@ class QuantizedLinear(_CheckedLoading):
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return torch.nn.functional.linear(x, weight, bias)
 
+    @classmethod
+    def transient_bytes(cls, shape: tuple[int, ...], rows: int, outliers: int, dtype: torch.dtype) -> int:
+        """Bytes :meth:`forward` allocates above its output for a weight of ``shape`` and
+        ``dtype``: the decoded copy of the whole weight (whatever ``rows``; a one-token
+        4-bit forward that skips the copy is counted as if it made it)."""
+        return math.prod(shape) * dtype.itemsize
+
+    def unregistered_tensors(self) -> list[torch.Tensor]:
+        """The tensors this layer holds outside its parameters and buffers (its
+        QuantState's scales and maps): memory accounting adds them, and offloading, which
+        moves parameters and buffers, leaves them where they are."""
+        return self.quant_state.tensors()
+
+    def move_unregistered(self, device: torch.device | str) -> None:
+        """Move :meth:`unregistered_tensors` to ``device`` (where the forward decodes)."""
+        self.quant_state = self.quant_state.to(device)
+
     def _apply(self, fn: Any, recurse: bool = True) -> QuantizedLinear:
         super()._apply(fn, recurse)
-        self.quant_state = self.quant_state.to(self.weight.device)
+        self.move_unregistered(self.weight.device)
         return self
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
@@ -239,6 +257,37 @@ class LinearInt8(_CheckedLoading):
             checks.weight_format(prefix + "weight_format", entries["weight_format"])
         return {"weight": weight.to(device), "SCB": scales.to(device)}
 
+    @classmethod
+    def transient_bytes(cls, shape: tuple[int, ...], rows: int, outliers: int, dtype: torch.dtype) -> int:
+        """Bytes :meth:`forward` (with a threshold) allocates for ``rows`` rows of a weight
+        of ``shape`` above what it holds at its end (its output, in ``dtype``, which the
+        int8 product replaces), at the largest of its three peaks. The kernels are the
+        reference ones (used on the CPU); their buffers inside one op are counted too,
+        though no per-op count of live tensors sees them.
+
+        1. ``int8_vectorwise_quant``: the input with outliers masked, the outlier mask, the
+           outlier indices, the row scales and their reciprocals, and scaling and rounding
+           in float32 (the input cast to float32 first where it is not).
+        2. ``int8_mm_dequant``, with the int8 input, row scales, outlier indices and int32
+           product alive: the float32 outer product of the scales, the product cast to
+           float32 and the scaled result.
+        3. Only with ``outliers`` input columns, with the same alive and the output: the
+           larger of dequantizing those columns' weights (the int8 columns, them as float32,
+           the scales / 127, the scaled columns) or adding them back (the columns in the
+           activation dtype, the input's columns, a second output).
+        """
+        out_features, in_features = shape
+        itemsize = dtype.itemsize
+        output = itemsize * rows * out_features
+        quantize = (itemsize + 9) * rows * in_features + 8 * rows + 8 * outliers - output
+        held = rows * in_features + 4 * rows + 4 * rows * out_features + 8 * outliers
+        dequantize = 12 * rows * out_features - output
+        if outliers:
+            weights = 9 * out_features * outliers + 4 * out_features
+            add_back = itemsize * (out_features * outliers + rows * outliers) + output
+            dequantize = max(dequantize, weights, add_back)
+        return max(quantize, held + dequantize)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.in_features)
         rows = x.reshape(-1, self.in_features)
@@ -253,3 +302,18 @@ class LinearInt8(_CheckedLoading):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8, threshold={self.threshold}, bias={self.bias is not None}"
+
+
+def unregistered_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every tensor the layers under ``model`` hold outside their parameters and buffers
+    (see :meth:`QuantizedLinear.unregistered_tensors`)."""
+    check_type("model", model, nn.Module)
+    return [tensor for module in model.modules() if isinstance(module, QuantizedLinear) for tensor in module.unregistered_tensors()]
+
+
+def move_unregistered(module: nn.Module, device: torch.device | str) -> None:
+    """Move the tensors ``module`` itself (not its children) holds outside its parameters
+    and buffers to ``device``; a no-op for a module that holds none."""
+    check_type("module", module, nn.Module)
+    if isinstance(module, QuantizedLinear):
+        module.move_unregistered(device)

@@ -1,4 +1,4 @@
-"""The table ``print(plan)`` shows (private)."""
+"""The table ``print(fit_plan)`` shows (private)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from tightfit._format import human_bytes
 
 if TYPE_CHECKING:
-    from tightfit.fitting.plan import Plan
+    from tightfit.fitting.plan import FitPlan
 
 __all__: list[str] = []
 
@@ -16,7 +16,7 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
 
 
-def render(plan: Plan) -> str:
+def render(plan: FitPlan) -> str:
     """A header with budget and predicted peak, then one row per unit."""
     lines = [
         f"fit plan: {plan.model} on {plan.device} (backend {plan.backend}), budget {human_bytes(plan.budget_bytes)} ({plan.budget_bytes} B)",
