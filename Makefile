@@ -5,24 +5,25 @@ PY := $(VENV)/bin/python
 
 .PHONY: run test check backends bench fuzz clean
 
-$(VENV)/.installed-hf: pyproject.toml scripts/setup-env.sh
-	TIGHTFIT_VENV=$(VENV) scripts/setup-env.sh hf
+# make run's extras: the model (hf) and the PNG timelines of --timeline and plan --plot (plot).
+$(VENV)/.installed-run: pyproject.toml scripts/setup-env.sh
+	TIGHTFIT_VENV=$(VENV) scripts/setup-env.sh hf,plot
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml scripts/setup-env.sh
 	TIGHTFIT_VENV=$(VENV) scripts/setup-env.sh test
-	touch $@ $(VENV)/.installed-hf
+	touch $@ $(VENV)/.installed-run
 
-run: $(VENV)/.installed-hf
+run: $(VENV)/.installed-run
 	$(VENV)/bin/tightfit run
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q
 
-check: $(VENV)/.installed-hf
+check: $(VENV)/.installed-run
 	$(VENV)/bin/tightfit check
 
-backends: $(VENV)/.installed-hf
+backends: $(VENV)/.installed-run
 	$(VENV)/bin/tightfit backends
 
 bench: $(VENV)/.installed-test

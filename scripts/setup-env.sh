@@ -22,3 +22,5 @@ if ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
     fi
 fi
 "${pip[@]}" install -e ".[$extras]"
+# The command is not on PATH until the venv is activated: say where it is.
+echo "tightfit is installed in $venv: run $venv/bin/tightfit, or 'source $venv/bin/activate' to put it on PATH"

@@ -40,12 +40,12 @@ def test_human_bytes():
 
 def test_error_messages_print_brackets_intact(monkeypatch, capsys):
     """Nothing may eat parts of a message, such as an extra's name in brackets."""
-    from tightfit.app import cli
+    from tightfit.app import cli, run_command
 
     def failing_run(args, console):
         raise RuntimeError("install it with: pip install 'tightfit[hf]'")
 
-    monkeypatch.setattr(cli, "_run_command", failing_run)
+    monkeypatch.setattr(run_command, "handle", failing_run)
     assert cli.main(["run"]) == 2
     assert capsys.readouterr().err == "tightfit run: error: install it with: pip install 'tightfit[hf]'\n"
 
@@ -62,6 +62,7 @@ def test_plan_json_for_the_default_model(capsys):
     code, out = plan_cli(capsys, "--batch", "2", "--seq", "16", "--json")
     assert code == 0, out
     data = json.loads(out)
+    assert data["inputs"] == {"batch": 2, "seq": 16}
     cpu = data["devices"]["cpu"]
     assert data["model"] == "BertModel" and data["runtime"] == "compiled" and not data["training"]
     assert cpu["weights_bytes"] == 90861056  # all-MiniLM-L6-v2's float32 weights, planned without loading them
@@ -75,6 +76,7 @@ def test_plan_table_for_a_local_folder_training(tmp_path, capsys):
     code, out = plan_cli(capsys, "--model", str(tmp_path), "--batch", "1", "--seq", "8", "--training", "--runtime", "eager")
     assert code == 0, out
     assert "memory plan: BertModel, training step" in out and "eager" in out and str(tmp_path) in out
+    assert "inputs token ids, batch 1 x 8 tokens" in out
 
 
 def test_plan_of_arena_execution(capsys):

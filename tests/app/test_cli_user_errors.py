@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tightfit.app import cli
+from tightfit.app import cli, plan_command, run_command
 from tightfit.app.models import save_causal_lm
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -212,7 +212,7 @@ def test_a_multi_line_message_is_joined_into_one(monkeypatch, capsys):
     def failing(args, console):
         raise ValueError("first line\n\n  second line\t end")
 
-    monkeypatch.setattr(cli, "_plan_command", failing)
+    monkeypatch.setattr(plan_command, "handle", failing)
     assert cli.main(["plan"]) == 2
     assert capsys.readouterr().err == "tightfit plan: error: first line second line end\n"
 
@@ -224,6 +224,6 @@ def test_traceback_shows_a_user_error_and_bugs_keep_theirs(monkeypatch, tmp_path
     def bug(args, console):
         raise KeyError("a bug in tightfit")
 
-    monkeypatch.setattr(cli, "_run_command", bug)
+    monkeypatch.setattr(run_command, "handle", bug)
     with pytest.raises(KeyError, match="a bug in tightfit"):
         cli.main(["run"])

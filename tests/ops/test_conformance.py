@@ -102,3 +102,20 @@ def test_run_checks_with_no_backends_still_checks_the_cpu_kernel():
     results = run_checks(ops=["cast"], backends=[])
     assert results and {r.kernel.split()[0] for r in results} == {"direct"}
     assert all(r.status == "OK" for r in results)
+
+
+def test_each_op_is_a_progress_task_counting_its_checks():
+    """``tightfit check`` shows each op's progress while it runs; a library caller sees none."""
+    import io
+
+    from rich.console import Console
+
+    from tightfit._progress import show_progress
+
+    screen = io.StringIO()
+    with show_progress(Console(file=screen, width=120)):
+        results = run_checks(ops=["cast", "int8_vectorwise_quant"])
+    shown = screen.getvalue()
+    for op in ("cast", "int8_vectorwise_quant"):
+        checks = sum(r.op == op for r in results)
+        assert checks and f"{checks}/{checks}" in shown and op in shown

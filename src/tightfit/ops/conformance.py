@@ -4,6 +4,10 @@ against the reference kernel run on the CPU.
 Outputs that an op writes in place are allocated with sentinel bytes after them, so a
 kernel that writes past its output is caught. Comparison is bit equality or a
 normalized mean squared error under the op's stated threshold.
+
+Each op is a progress task (:mod:`tightfit._progress`): the first check compiles the
+fast CPU kernels and takes tens of seconds, which a caller with a display (``tightfit
+check``) shows op by op; a library caller sees nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from tightfit._progress import task
 from tightfit.backends import Backend, available, get
 from tightfit.ops._registry import Case, OpDef, registered_ops
 
@@ -121,7 +126,20 @@ def _targets(opdef: OpDef, backends: Iterable[Backend]) -> list[tuple[Backend, s
     return targets
 
 
-def _check_target(opdef: OpDef, cases: list[Case], backend: Backend, label: str, fn: Callable[..., Any]) -> list[CheckResult]:
+def _outcome(opdef: OpDef, case: Case, fn: Callable[..., Any], device: torch.device, storage: set[torch.dtype]) -> tuple[str, str]:
+    """(status, detail) of one case on one target."""
+    missing = _required_dtypes(case) - storage
+    if missing:
+        return "not supported", f"no storage for {sorted(map(str, missing))}"
+    try:
+        problem = _run_case(opdef, case, fn, device)
+    except Exception as error:  # a crash in a kernel is a failed check, not a crashed harness
+        problem = f"raised {type(error).__name__}: {error}"
+    return ("OK", "") if problem is None else ("FAIL", problem)
+
+
+def _check_target(opdef: OpDef, cases: list[Case], backend: Backend, label: str, fn: Callable[..., Any],
+                  advance: Callable[[int], None]) -> list[CheckResult]:
     def result(case: str, status: str, detail: str = "") -> CheckResult:
         return CheckResult(opdef.name, backend.name, label, case, status, detail)
 
@@ -129,18 +147,12 @@ def _check_target(opdef: OpDef, cases: list[Case], backend: Backend, label: str,
         storage = backend.capabilities().storage_dtypes
         device = backend.resolve_device(None)
     except RuntimeError as error:
+        advance(len(cases))
         return [result("(backend)", "FAIL", str(error))]
     results = []
     for case in cases:
-        missing = _required_dtypes(case) - storage
-        if missing:
-            results.append(result(case.name, "not supported", f"no storage for {sorted(map(str, missing))}"))
-            continue
-        try:
-            problem = _run_case(opdef, case, fn, device)
-        except Exception as error:  # a crash in a kernel is a failed check, not a crashed harness
-            problem = f"raised {type(error).__name__}: {error}"
-        results.append(result(case.name, "OK" if problem is None else "FAIL", problem or ""))
+        results.append(result(case.name, *_outcome(opdef, case, fn, device, storage)))
+        advance(1)
     return results
 
 
@@ -161,6 +173,8 @@ def run_checks(ops: Iterable[str] | None = None, backends: Iterable[Backend] | N
     for name in names:
         opdef = all_ops[name]
         cases = list(opdef.cases())
-        for backend, label, fn in _targets(opdef, chosen):
-            results.extend(_check_target(opdef, cases, backend, label, fn))
+        targets = _targets(opdef, chosen)
+        with task(name, len(cases) * len(targets)) as advance:
+            for backend, label, fn in targets:
+                results.extend(_check_target(opdef, cases, backend, label, fn, advance))
     return results
