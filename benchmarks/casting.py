@@ -171,12 +171,12 @@ def offloading_table(args: argparse.Namespace, device: torch.device) -> None:
     model = stack_of_blocks(args.width, args.depth).eval().to(torch.bfloat16)
     x = torch.randn(2, args.tokens, args.width, dtype=torch.bfloat16, device=device)
     found = {"resident bf16": copy.deepcopy(model).to(device)}
-    for label, storage, prefetch, cast in (("offload cpu, no prefetch", "cpu", False, False), ("offload cpu, prefetch", "cpu", True, False),
+    for label, offload_to, prefetch, cast in (("offload cpu, no prefetch", "cpu", False, False), ("offload cpu, prefetch", "cpu", True, False),
                                            ("float8 + offload cpu, prefetch", "cpu", True, True), ("offload disk, prefetch", "disk", True, False)):
         variant = copy.deepcopy(model)
         if cast:
             apply_layerwise_casting(variant, F8, torch.bfloat16)
-        apply_offloading(variant, device, storage=storage, prefetch=prefetch)
+        apply_offloading(variant, device, offload_to=offload_to, prefetch=prefetch)
         found[label] = variant
     reference = found["resident bf16"](x).float()
     timings = interleaved_best_ms(found, (x,), args.repeat, device)

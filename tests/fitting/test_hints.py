@@ -1,5 +1,5 @@
 """DFS hints in plans: chosen only where storages and placements cannot meet the budget,
-applied and removable, and true under ``Plan.compile``: the compiled output equals the
+applied and removable, and true under ``FitPlan.compile``: the compiled output equals the
 eager one and the allocator's peak is within the budget and near the prediction."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tightfit
-from tightfit.fitting import FitError, Plan, remove_hints
+from tightfit.fitting import FitError, FitPlan, remove_hints
 from tightfit.memory import allocated_peak
 
 from zoo.lm import figures, tiny_lm, token_ids
@@ -25,7 +25,7 @@ def case():
     return model, ids, full
 
 
-def budget(full: Plan, share: float) -> int:
+def budget(full: FitPlan, share: float) -> int:
     return int(full.predicted_weights_bytes + share * full.predicted_activation_bytes)
 
 
@@ -42,7 +42,7 @@ def test_hints_only_where_weights_cannot_meet_the_budget(case):
     assert plan.predicted_peak_bytes <= plan.budget_bytes < full.predicted_peak_bytes
     assert "hints on 2 module(s) (layers.0, layers.1)" in str(plan) and "not in eager calls" in str(plan)
     assert "runs in 8 slices over dimension 0 when compiled" in str(plan)
-    assert Plan.from_json(plan.to_json()) == plan
+    assert FitPlan.from_json(plan.to_json()) == plan
     fewer = tightfit.fit(model, (ids,), budget(full, 0.6), calibration=figures(), allow=KEEP)
     assert next(iter(fewer.hints.values()))["slices"] < 8  # the fewest slices that fit
 

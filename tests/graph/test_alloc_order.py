@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import tightfit
-from tightfit.graph.alloc import ORDERS, apply_order, candidate_orders, plan_arenas, plan_graph, verify_arena
+from tightfit.graph.alloc import TOPOLOGICAL_ORDERS, apply_order, candidate_orders, plan_arenas, plan_graph, verify_arena
 from tightfit.graph.alloc.liveness import check_order, storages_of
 
 
@@ -31,9 +31,9 @@ def test_dfs_and_least_peak_first_cut_the_peak_of_parallel_branches_and_the_best
     graph_module = traced(branches, (1024,))
     plan = plan_graph(graph_module, alignment=64)
     big = 1024 * 4
-    assert plan.order_peaks["written"] == plan.order_peaks["bfs"] >= 3 * big
-    assert plan.order_peaks["dfs"] < 2 * big and plan.order_peaks["least-peak"] < 2 * big
-    assert plan.order == "dfs"  # the lowest; ties go to the earlier candidate in ORDERS
+    assert plan.order_peaks["written"] == plan.order_peaks["breadth-first"] >= 3 * big
+    assert plan.order_peaks["depth-first"] < 2 * big and plan.order_peaks["least-peak"] < 2 * big
+    assert plan.order == "depth-first"  # the lowest; ties go to the earlier candidate in TOPOLOGICAL_ORDERS
     check_order(graph_module.graph, plan.nodes)
     for arena in plan_arenas(plan.timeline, 64).values():
         verify_arena(arena)
@@ -52,7 +52,7 @@ def test_a_chosen_order_applied_to_the_graph_computes_the_same():
 def _all_orders(graph_module):
     ops = [node for node in graph_module.graph.nodes if node.op == "call_function"]
     orders = candidate_orders(ops, storages_of(graph_module.graph))
-    assert set(orders) == set(ORDERS)
+    assert set(orders) == set(TOPOLOGICAL_ORDERS)
     for order in orders.values():
         check_order(graph_module.graph, order)
     return orders

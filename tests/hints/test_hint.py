@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import tightfit
-from tightfit.hints import KNOWN_HINTS, is_vendor_key
+from tightfit.backends import RUNTIME_HINTS
+from tightfit.hints import HINT_ORDERS, HINTS, KNOWN_HINTS, HintSpec, is_vendor_key, keys_honored_by
 
 
 def traced_hints(fn, *args):
@@ -73,6 +74,23 @@ def test_vendor_keys_are_namespaced():
     assert not is_vendor_key("tile") and not is_vendor_key(".tile") and not is_vendor_key("tightfit.x")
     assert not is_vendor_key("1acme.tile")
     assert set(KNOWN_HINTS) == {"schedule", "slices", "slice_dim", "device", "stream", "order"}
+
+
+def test_one_table_says_what_each_key_is_and_who_honors_it():
+    assert dict(KNOWN_HINTS) == {name: spec.doc for name, spec in HINTS.items()}
+    assert keys_honored_by("schedules") == {"schedule", "slices", "slice_dim"}  # the DFS pass: its region keys
+    assert keys_honored_by("partition") == {"schedule", "order"}
+    assert keys_honored_by("assignment") == {"device"}
+    assert RUNTIME_HINTS == keys_honored_by() == set(HINTS) - {"stream"}  # stream: no pass of tightfit's honors it
+    with pytest.raises(ValueError, match="graph_pass='slicing' is not accepted; accepted: assignment, memory order"):
+        keys_honored_by("slicing")
+    with pytest.raises(ValueError, match="honored_by=\\('dfs',\\) names no pass"):
+        HintSpec("tile", "an int", int, ("dfs",))
+
+
+def test_the_old_name_of_the_order_hints_values_warns():
+    with pytest.warns(DeprecationWarning, match="tightfit.hints.ORDERS is deprecated; use tightfit.hints.HINT_ORDERS"):
+        assert tightfit.hints.ORDERS == HINT_ORDERS == ("any", "as_written")
 
 
 def test_eager_mode_hints_change_nothing():

@@ -8,7 +8,7 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 import tightfit
-from tightfit.hints import node_hints, node_regions
+from tightfit.hints import node_hints, node_regions, owning_region
 
 
 class Block(torch.nn.Module):
@@ -58,3 +58,24 @@ def test_hints_of_accepts_graphs_and_rejects_other_things():
     assert tightfit.hints_of(graph) == []
     with pytest.raises(TypeError, match="graph_module must be GraphModule or Graph, got Linear"):
         tightfit.hints_of(torch.nn.Linear(2, 2))
+
+
+def test_owning_region_is_the_innermost_region_that_wrote_a_key():
+    def fn(x):
+        with tightfit.hint(schedule="dfs", slices=8):
+            y = x.exp()
+            with tightfit.hint(slices=2):  # owns the schedule of what it holds: it wrote slices
+                z = y.sin()
+                with tightfit.hint(device="cpu"):  # wrote no schedule key
+                    return z.cos()
+
+    graphs = []
+    torch._dynamo.reset()
+    torch.compile(fn, backend=lambda graph_module, _: graphs.append(graph_module) or graph_module.forward)(torch.ones(2))
+    outer, middle, inner = tightfit.hints_of(graphs[0])
+    nodes = {node.name: node for node in graphs[0].graph.nodes}
+    schedule_keys = ("schedule", "slices", "slice_dim")
+    assert owning_region(nodes["y"], schedule_keys) == outer.id
+    assert owning_region(nodes["z"], schedule_keys) == owning_region(nodes[inner.nodes[0]], schedule_keys) == middle.id
+    assert owning_region(nodes[inner.nodes[0]], ("device",)) == inner.id
+    assert owning_region(nodes["z"], ("order",)) is None  # no region around it wrote that key

@@ -1,4 +1,4 @@
-"""Offloading: CPU and memory-mapped disk storage, block and leaf units, prefetch order,
+"""Offloading: to CPU memory and to memory-mapped disk files, block and leaf units, prefetch order,
 composition with casting, exact removal, bad inputs; on a GPU (skipped without one) the
 copies, the side-stream prefetch and the memory they save. Damaged files, full disks and
 killed processes are in test_offload_files.py."""
@@ -46,7 +46,7 @@ def test_disk_storage_maps_unnamed_files_and_removal_restores_bit_for_bit(tmp_pa
     model = stack()
     x = torch.randn(2, 32)
     expected, saved = model(x), snapshot(model)
-    apply_offloading(model, "cpu", storage="disk", granularity=granularity, path=tmp_path)
+    apply_offloading(model, "cpu", offload_to="disk", granularity=granularity, path=tmp_path)
     assert len(state_of(model[0].up if granularity == "leaf" else model[0]).files) == (3 if granularity == "block" else 9)
     assert list(tmp_path.iterdir()) == []  # no names: nothing to find, nothing left behind
     if LINUX:
@@ -65,7 +65,7 @@ def test_prefetch_learns_the_order_and_reads_the_next_file_ahead(tmp_path, monke
     model = stack()
     read_ahead = []
     monkeypatch.setattr(MappedFile, "will_need", lambda self: read_ahead.append(self.unit))
-    apply_offloading(model, "cpu", storage="disk", path=tmp_path)
+    apply_offloading(model, "cpu", offload_to="disk", path=tmp_path)
     x = torch.randn(2, 32)
     model(x)  # first pass: records the order
     state = state_of(model[0])
@@ -74,7 +74,7 @@ def test_prefetch_learns_the_order_and_reads_the_next_file_ahead(tmp_path, monke
     assert read_ahead == ["0", "1", "2"]
     remove_offloading(model)
     read_ahead.clear()
-    apply_offloading(model, "cpu", storage="disk", prefetch=False, path=tmp_path)
+    apply_offloading(model, "cpu", offload_to="disk", prefetch=False, path=tmp_path)
     model(x)
     model(x)
     assert read_ahead == [] and HookRegistry.get(model) is None
@@ -86,7 +86,7 @@ def test_composes_with_casting_float8_on_disk(tmp_path):
     apply_layerwise_casting(model, F8, torch.float32)
     with torch.no_grad():
         cast_only = model(x)
-    apply_offloading(model, "cpu", storage="disk", path=tmp_path)
+    apply_offloading(model, "cpu", offload_to="disk", path=tmp_path)
     assert model[0].up.weight.dtype == F8 and resident_bytes(model, "cpu") == 0
     with torch.no_grad():
         assert torch.equal(model(x), cast_only)
@@ -97,7 +97,7 @@ def test_composes_with_casting_float8_on_disk(tmp_path):
 def test_state_dict_while_offloaded_loads_into_a_plain_model(tmp_path):
     safetensors = pytest.importorskip("safetensors.torch")
     model = stack()
-    apply_offloading(model, "cpu", storage="disk", path=tmp_path)
+    apply_offloading(model, "cpu", offload_to="disk", path=tmp_path)
     safetensors.save_file(model.state_dict(), tmp_path / "saved.safetensors")
     plain = stack(seed=1)
     plain.load_state_dict(safetensors.load_file(tmp_path / "saved.safetensors"))
@@ -108,7 +108,7 @@ def test_state_dict_while_offloaded_loads_into_a_plain_model(tmp_path):
 def test_a_transformers_model_on_disk(tmp_path):
     model, ids, expected = bert_and_output()
     saved = snapshot(model)
-    apply_offloading(model, "cpu", storage="disk", path=tmp_path)
+    apply_offloading(model, "cpu", offload_to="disk", path=tmp_path)
     with torch.no_grad():
         assert torch.equal(model(ids).last_hidden_state, expected)
     remove_offloading(model)
@@ -119,7 +119,7 @@ def test_under_compile(tmp_path):
     model = stack(depth=2)
     x = torch.randn(2, 32)
     expected = model(x)
-    apply_offloading(model, "cpu", storage="disk", path=tmp_path)
+    apply_offloading(model, "cpu", offload_to="disk", path=tmp_path)
     compiled = torch.compile(model, backend="eager")  # the read-ahead (madvise) is a graph break, not an error
     model(x)
     assert torch.equal(compiled(x), expected)
@@ -132,12 +132,13 @@ def test_under_compile(tmp_path):
          RuntimeError if not torch.cuda.is_available() else ValueError, "not available on this machine|does not exist"),
         ({"device": "nonesuch"}, ValueError, "backend 'nonesuch' is not known"),
         ({"device": 0}, TypeError, "device must be a str or torch.device"),
-        ({"storage": "tape"}, ValueError, "storage='tape' is not accepted"),
+        ({"offload_to": "tape"}, ValueError, "offload_to='tape' is not accepted"),
+        ({"offload_to": "disk", "storage": "cpu"}, TypeError, "pass offload_to='disk' alone: storage='cpu' is its deprecated old name"),
         ({"granularity": "layer"}, ValueError, "granularity='layer' is not accepted"),
         ({"prefetch": "yes"}, TypeError, "prefetch must be bool"),
-        ({"pin_memory": True}, ValueError, "pin_memory=True needs storage='cpu' and a device with asynchronous copies"),
-        ({"path": "/nonexistent/folder", "storage": "disk"}, ValueError, "is not an existing folder"),
-        ({"path": "/tmp"}, ValueError, "path is only used with storage='disk'"),
+        ({"pin_memory": True}, ValueError, "pin_memory=True needs offload_to='cpu' and a device with asynchronous copies"),
+        ({"path": "/nonexistent/folder", "offload_to": "disk"}, ValueError, "is not an existing folder"),
+        ({"path": "/tmp"}, ValueError, "path is only used with offload_to='disk'"),
     ],
 )
 def test_bad_input(kwargs, error, match):
@@ -146,6 +147,14 @@ def test_bad_input(kwargs, error, match):
     with pytest.raises(error, match=match):
         apply_offloading(model, arguments.pop("device"), **arguments)
     assert HookRegistry.get(model[0]) is None
+
+
+def test_the_old_storage_keyword_still_works_with_a_warning(tmp_path):
+    model = stack(depth=1)
+    with pytest.warns(DeprecationWarning, match="storage=...\\) is deprecated; use offload_to"):
+        apply_offloading(model, "cpu", storage="disk", path=tmp_path)
+    assert HookRegistry.get(model[0]).hook(OFFLOADING).state.offload_to == "disk"
+    remove_offloading(model)
 
 
 def test_bad_state(tmp_path):
@@ -157,24 +166,24 @@ def test_bad_state(tmp_path):
         apply_offloading(model, "cpu")
     odd = nn.Sequential(nn.Linear(2, 2))
     odd[0].register_buffer("phase", torch.zeros(2, dtype=torch.complex64))
-    with pytest.raises(ValueError, match="dtype torch.complex64, which disk storage does not hold"):
-        apply_offloading(odd, "cpu", storage="disk", path=tmp_path)
+    with pytest.raises(ValueError, match="dtype torch.complex64, which an offload file does not hold"):
+        apply_offloading(odd, "cpu", offload_to="disk", path=tmp_path)
 
 
 # -- on a GPU (skipped here) -------------------------------------------------------------------
 
 
 @cuda
-@pytest.mark.parametrize("storage", ["cpu", "disk"])
+@pytest.mark.parametrize("offload_to", ["cpu", "disk"])
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_gpu_offloading_computes_on_the_device_with_weights_off_it(tmp_path, storage, prefetch):
+def test_gpu_offloading_computes_on_the_device_with_weights_off_it(tmp_path, offload_to, prefetch):
     model = stack(width=256, depth=4)
     x = torch.randn(4, 256)
     expected = model.cuda()(x.cuda())
     saved = snapshot(model)
-    apply_offloading(model, "cuda", storage=storage, prefetch=prefetch, path=tmp_path if storage == "disk" else None)
+    apply_offloading(model, "cuda", offload_to=offload_to, prefetch=prefetch, path=tmp_path if offload_to == "disk" else None)
     assert resident_bytes(model, "cuda") == 0 and model[0].up.weight.device.type == "cpu"
-    if storage == "cpu":
+    if offload_to == "cpu":
         assert model[0].up.weight.is_pinned()
     torch.cuda.synchronize()
     for _ in range(3):

@@ -32,7 +32,7 @@ def test_a_file_written_by_another_process_raises_and_nothing_is_written_back(tm
     model = stack()
     x = torch.randn(2, 32)
     expected = model(x)
-    apply_offloading(model, "cpu", storage="disk", path=tmp_path)
+    apply_offloading(model, "cpu", offload_to="disk", path=tmp_path)
     assert torch.equal(model(x), expected)
     fd = hook_of(model[1]).files[0]._file.fileno()
     os.pwrite(fd, os.urandom(256), 64)  # same size, other bytes
@@ -52,7 +52,7 @@ def test_a_file_written_by_another_process_raises_and_nothing_is_written_back(tm
 def test_a_change_made_in_place_while_offloaded_is_kept(tmp_path):
     model, other = stack(), stack(seed=1)
     x = torch.randn(2, 32)
-    apply_offloading(model, "cpu", storage="disk", path=tmp_path)
+    apply_offloading(model, "cpu", offload_to="disk", path=tmp_path)
     model.load_state_dict(other.state_dict())  # copies into the copy-on-write views, not into the files
     assert torch.equal(model(x), other(x))
     remove_offloading(model)
@@ -73,7 +73,7 @@ def test_a_failed_write_offloads_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(MappedFile, "_write", full_disk)
     with pytest.raises(OSError, match=r"offloading failed \(No space left on device\) in .*; free space there or pass path= on "
                                       r"another disk. Nothing was offloaded: the module is as it was") as caught:
-        apply_offloading(model, "cpu", storage="disk", path=tmp_path)
+        apply_offloading(model, "cpu", offload_to="disk", path=tmp_path)
     assert caught.value.errno == errno.ENOSPC and calls == ["0", "1"]
     assert same_state(model, saved) and model[0].up.weight.data_ptr() == pointer
     assert all(HookRegistry.get(m) is None for m in model.modules())
@@ -98,12 +98,12 @@ CHILD = textwrap.dedent("""
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
     try:
-        apply_offloading(model, "cpu", storage="disk", path=folder)
+        apply_offloading(model, "cpu", offload_to="disk", path=folder)
     except OSError as error:
         report["limit"] = [error.errno, str(error), all(HookRegistry.get(m) is None for m in model.modules())]
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
-    apply_offloading(model, "cpu", storage="disk", path=folder)
+    apply_offloading(model, "cpu", offload_to="disk", path=folder)
     fd = HookRegistry.get(model[1]).hook(OFFLOADING).files[0]._file.fileno()
     os.truncate(f"/proc/{os.getpid()}/fd/{fd}", 100)  # what another process can do
     for step, call in [("forward", lambda: model(x)), ("remove", lambda: remove_offloading(model))]:

@@ -33,7 +33,7 @@ def model():
 
 HOOKS = {
     "casting": (lambda m, path: apply_layerwise_casting(m, F8, torch.float32, keep_originals=True), remove_layerwise_casting),
-    "offload to disk": (lambda m, path: apply_offloading(m, "cpu", storage="disk", path=path), remove_offloading),
+    "offload to disk": (lambda m, path: apply_offloading(m, "cpu", offload_to="disk", path=path), remove_offloading),
     "offload to cpu": (lambda m, path: apply_offloading(m, "cpu"), remove_offloading),
 }
 

@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 import torch
 import torch.fx
 
+from tightfit.hints.schema import keys_honored_by
+
 __all__ = ["Backend", "Capabilities", "MemoryInfo", "FLOAT8_DTYPES", "INTEGER_DTYPES", "RUNTIME_HINTS"]
 
 T = TypeVar("T")
@@ -33,7 +35,9 @@ INTEGER_DTYPES: frozenset[torch.dtype] = frozenset({torch.uint8, torch.int8, tor
 
 #: Hints that tightfit's graph runtime carries out itself on any device (see docs/compile.md):
 #: a backend that runs its graphs through tightfit's executor declares these in ``hints``.
-RUNTIME_HINTS: frozenset[str] = frozenset({"schedule", "slices", "slice_dim", "device", "order"})
+#: Read off the hint table (the keys some graph pass honors); the table is plain data at
+#: the bottom of tightfit.hints, which imports nothing of the layers above backends.
+RUNTIME_HINTS: frozenset[str] = keys_honored_by()
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,16 @@
 """Region hints in a plan: DFS slicing of the layer stack where activations dominate.
 
-``add_hints`` wraps each chosen module's ``forward`` in ``tightfit.hint(...)``, written
-inside the wrapper so that dynamo traces it; ``remove_hints`` puts ``forward`` back.
-In eager mode a hint changes nothing: the saving needs ``torch.compile`` with the
-tightfit backend (``Plan.compile``). ``slice_layers`` chooses the fewest slices whose
-compiled peak, predicted by ``tightfit.plan_memory(runtime="compiled")``, meets a budget.
+``add_hints`` registers a hint hook (:class:`tightfit.hooks.hints.HintHook`) on each
+chosen module, so its ``forward`` runs inside ``tightfit.hint(...)`` within the hook
+registry's one wrapper, enclosing the module's casting and offloading hooks whatever
+order they were applied in; ``remove_hints`` removes those hooks. In eager mode a hint
+changes nothing: the saving needs ``torch.compile`` with the tightfit backend
+(``Plan.compile``). ``slice_layers`` chooses the fewest slices whose compiled peak,
+predicted by ``tightfit.plan_memory(runtime="compiled")``, meets a budget.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,12 +19,13 @@ from torch import nn
 
 from tightfit._validate import check_type
 from tightfit.hints.schema import canonical_hints
+from tightfit.hooks.hints import REGION_HINTS, HintHook
+from tightfit.hooks.registry import HookRegistry
 
 __all__ = ["SLICE_COUNTS", "Sliced", "add_hints", "check_module_hints", "remove_hints", "slice_layers"]
 
 #: Slice counts ``fit`` tries, fewest first (fewer slices: less loop overhead).
 SLICE_COUNTS = (2, 4, 8, 16, 32, 64)
-_ORIGINAL = "_tightfit_plan_forward"  # the forward that add_hints wrapped
 
 
 def check_module_hints(owner: str, hints: Any) -> dict[str, dict[str, Any]]:
@@ -40,29 +42,20 @@ def check_module_hints(owner: str, hints: Any) -> dict[str, dict[str, Any]]:
     return checked
 
 
-def _hinted_forward(hints: dict[str, Any], forward: Any, *args: Any, **kwargs: Any) -> Any:
-    from tightfit.hints import hint
-
-    with hint(**hints):
-        return forward(*args, **kwargs)
-
-
 def add_hints(model: nn.Module, hints: Mapping[str, Mapping[str, Any]]) -> nn.Module:
-    """Wrap the ``forward`` of each module named in ``hints`` so it runs inside
-    ``tightfit.hint(**its hints)``; returns ``model``. A module hinted already is refused."""
+    """Run the ``forward`` of each module named in ``hints`` inside ``tightfit.hint(**its
+    hints)`` (a hook in its :class:`~tightfit.hooks.HookRegistry`); returns ``model``. A
+    module hinted already is refused."""
     check_type("model", model, nn.Module)
     checked = check_module_hints("hints", hints)
     modules = dict(model.named_modules())
     for name in checked:
         if name not in modules:
             raise ValueError(f"hints names module {name!r}, which model ({type(model).__name__}) does not have")
-        if _ORIGINAL in modules[name].__dict__:
+        if REGION_HINTS in (HookRegistry.get(modules[name]) or ()):
             raise ValueError(f"model's {name!r} has region hints already; remove_hints(model) first")
     for name, region in checked.items():
-        module = modules[name]
-        forward = module.forward
-        module.__dict__[_ORIGINAL] = module.__dict__.get("forward")
-        module.__dict__["forward"] = functools.update_wrapper(functools.partial(_hinted_forward, region, forward), forward)
+        HookRegistry.of(modules[name]).register(REGION_HINTS, HintHook(region))
     return model
 
 
@@ -71,14 +64,10 @@ def remove_hints(model: nn.Module) -> list[str]:
     check_type("model", model, nn.Module)
     removed = []
     for name, module in model.named_modules():
-        if _ORIGINAL not in module.__dict__:
-            continue
-        original = module.__dict__.pop(_ORIGINAL)
-        if original is None:
-            del module.__dict__["forward"]
-        else:
-            module.__dict__["forward"] = original
-        removed.append(name)
+        registry = HookRegistry.get(module)
+        if registry is not None and REGION_HINTS in registry:
+            registry.remove(REGION_HINTS)
+            removed.append(name)
     return removed
 
 

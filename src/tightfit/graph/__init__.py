@@ -1,27 +1,30 @@
-"""The graph runtime: ``torch.compile(model, backend="tightfit")`` places each op on a
+"""The graph runtime: ``torch.compile(model, backend="tightfit")`` assigns each op to a
 backend, splits the graph where the backend changes, runs hinted regions by their
 schedule (BFS or DFS over slices) and each split as compiled code or an FX module, or
 (``memory="arena"``) op by op inside the arena the memory planner gives it.
 
-See docs/compile.md. Passes: :mod:`~tightfit.graph.placement`,
+See docs/compile.md. Passes: :mod:`~tightfit.graph.assign`,
 :mod:`~tightfit.graph.schedules` (with the proof in :mod:`~tightfit.graph.slicing`),
 :mod:`~tightfit.graph.partition`, :mod:`~tightfit.graph.execution`.
 """
 
+import warnings
+from typing import Any
+
+from tightfit.graph.assign import Assignment
 from tightfit.graph.compile import CompileOptions, compile_graph, compiler, tightfit_backend
 from tightfit.graph.execution import EXECUTIONS, MEMORY_MODES, Program, observe_splits
 from tightfit.graph.inline import inline_hints_wrappers
 from tightfit.graph.partition import Split
-from tightfit.graph.placement import Placement
-from tightfit.graph.schedules import SlicePlan
+from tightfit.graph.schedules import SliceSchedule
 
 __all__ = [
+    "Assignment",
     "CompileOptions",
     "EXECUTIONS",
     "MEMORY_MODES",
-    "Placement",
     "Program",
-    "SlicePlan",
+    "SliceSchedule",
     "Split",
     "compile_graph",
     "compiler",
@@ -29,3 +32,16 @@ __all__ = [
     "observe_splits",
     "tightfit_backend",
 ]
+
+#: Old names kept for one release: "placement" now means where weights live (device, CPU,
+#: disk), and "plan" the fit and memory plans.
+_RENAMED = {"Placement": ("Assignment", Assignment), "SlicePlan": ("SliceSchedule", SliceSchedule)}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        new_name, value = _RENAMED[name]
+        warnings.warn(f"tightfit.graph.{name} is deprecated; use tightfit.graph.{new_name}", DeprecationWarning,
+                      stacklevel=2)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,7 @@
 
 dynamo's graph -> ``hints_wrapper`` bodies inlined -> aot_autograd (so training works:
 the forward and the backward graph both reach us, both carrying the hints) -> for each
-aten graph: placement, hint check, schedules, partition, execution.
+aten graph: assignment, hint check, schedules, partition, execution.
 
 ``backend="tightfit"`` uses the defaults; ``tightfit.graph.compiler(execution=...,
 backends=..., memory=...)`` returns a configured backend whose options are checked when it is
@@ -28,7 +28,7 @@ from tightfit.graph.execution import EXECUTIONS, MEMORY_MODES, Program, build_pr
 from tightfit.graph.honor import HintLedger
 from tightfit.graph.inline import inline_hints_wrappers
 from tightfit.graph.partition import Split, partition
-from tightfit.graph.placement import Placement, place
+from tightfit.graph.assign import Assignment, assign
 from tightfit.graph.schedules import plan_schedules
 
 __all__ = ["CompileOptions", "compile_graph", "compiler", "split_graph", "tightfit_backend"]
@@ -91,27 +91,27 @@ def _backends(options: CompileOptions) -> tuple[list[Backend], Backend]:
     return chosen, cpu
 
 
-def split_graph(graph_module: torch.fx.GraphModule, *, options: CompileOptions, name: str) -> tuple[list[Split], dict[torch.fx.Node, Placement], HintLedger]:
-    """Placement, hint check, schedules and partition of one aten graph: its splits in order.
+def split_graph(graph_module: torch.fx.GraphModule, *, options: CompileOptions, name: str) -> tuple[list[Split], dict[torch.fx.Node, Assignment], HintLedger]:
+    """Assignment, hint check, schedules and partition of one aten graph: its splits in order.
 
     What :func:`compile_graph` compiles, and what the memory planner plans.
     """
     backends, cpu = _backends(options)
     ledger = HintLedger(name)
-    placement = place(graph_module, backends, cpu, ledger)
+    assignment = assign(graph_module, backends, cpu, ledger)
     ledger.check_all((node for node in graph_module.graph.nodes if node.op == "call_function"),
-                     {node: where.backend for node, where in placement.items()})
-    plans = plan_schedules(graph_module, placement, ledger)
-    return partition(graph_module, placement, plans, ledger), placement, ledger
+                     {node: where.backend for node, where in assignment.items()})
+    plans = plan_schedules(graph_module, assignment, ledger)
+    return partition(graph_module, assignment, plans, ledger), assignment, ledger
 
 
 def compile_graph(graph_module: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: CompileOptions, name: str) -> Program:
     """Compile one aten graph (aot_autograd's forward, backward or inference graph)."""
     debug_topics()  # a bad TIGHTFIT_DEBUG is an error before any work
-    splits, placement, ledger = split_graph(graph_module, options=options, name=name)
+    splits, assignment, ledger = split_graph(graph_module, options=options, name=name)
     program = build_program(graph_module, splits, options.execution, name, options.memory)
     program.ledger = ledger
-    maybe_print(program, placement, ledger)
+    maybe_print(program, assignment, ledger)
     return program
 
 

@@ -13,7 +13,7 @@ import torch.fx
 from tightfit.graph import _nodes
 from tightfit.graph.execution import Program
 from tightfit.graph.honor import HintLedger
-from tightfit.graph.placement import Placement
+from tightfit.graph.assign import Assignment
 
 __all__ = ["DEBUG_TOPICS", "debug_topics", "describe", "maybe_print"]
 
@@ -33,7 +33,7 @@ def debug_topics() -> set[str]:
     return topics
 
 
-def describe(program: Program, placement: dict[torch.fx.Node, Placement], ledger: HintLedger | None = None) -> str:
+def describe(program: Program, assignment: dict[torch.fx.Node, Assignment], ledger: HintLedger | None = None) -> str:
     """The schedule of one compiled graph as text."""
     copies = sum(len(step.split.copies) for step in program.steps)
     lines = [f"tightfit sched: {program.name} graph, {len(program.steps)} split(s), {copies} copied input(s)"]
@@ -46,7 +46,7 @@ def describe(program: Program, placement: dict[torch.fx.Node, Placement], ledger
         lines.append(f"  inputs:  {', '.join(inputs) or '-'}")
         lines.append(f"  outputs: {', '.join(node.name for node in split.outputs) or '-'}")
         for node in split.nodes:
-            where = placement.get(node)
+            where = assignment.get(node)
             lines.append(f"    {node.name:<28} {_nodes.op_name(node):<34} {where.reason if where else ''}")
     for message in (ledger.ignored if ledger else []):
         lines.append(f"  ignored: {message}")
@@ -61,7 +61,7 @@ def _input(node: torch.fx.Node, split: object, producer: object) -> str:
     return node.name
 
 
-def maybe_print(program: Program, placement: dict[torch.fx.Node, Placement], ledger: HintLedger, stream: TextIO | None = None) -> None:
+def maybe_print(program: Program, assignment: dict[torch.fx.Node, Assignment], ledger: HintLedger, stream: TextIO | None = None) -> None:
     """Print :func:`describe` to stderr when ``TIGHTFIT_DEBUG`` includes ``sched``."""
     if "sched" in debug_topics():
-        print(describe(program, placement, ledger), file=stream or sys.stderr, flush=True)
+        print(describe(program, assignment, ledger), file=stream or sys.stderr, flush=True)

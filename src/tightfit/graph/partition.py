@@ -22,10 +22,9 @@ from tightfit.backends.base import Backend
 from tightfit.graph import _nodes
 from tightfit.graph._extract import extract, runtime_layout
 from tightfit.graph.honor import HintLedger
-from tightfit.graph.placement import Placement
-from tightfit.graph.schedules import SlicePlan, schedule_region
-from tightfit.hints.payload import payload_of
-from tightfit.hints.read import node_hints
+from tightfit.graph.assign import Assignment
+from tightfit.graph.schedules import SliceSchedule, schedule_region
+from tightfit.hints.read import node_hints, owning_region
 
 __all__ = ["Split", "partition"]
 
@@ -41,7 +40,7 @@ class Split:
     inputs: list[torch.fx.Node] = field(default_factory=list)
     outputs: list[torch.fx.Node] = field(default_factory=list)
     copies: dict[torch.fx.Node, torch.device] = field(default_factory=dict)  # input -> the device it comes from
-    plan: SlicePlan | None = None
+    plan: SliceSchedule | None = None
     as_written: bool = False
     graph_module: torch.fx.GraphModule | None = None  # whole splits; a DFS split has plan.bodies
 
@@ -55,9 +54,7 @@ class Split:
 def _as_written_region(node: torch.fx.Node, backend: Backend, ledger: HintLedger) -> int | None:
     if node_hints(node).get("order") != "as_written" or "order" not in ledger.capabilities(backend).hints:
         return None
-    payload = payload_of(node)
-    owners = [region for region, declared in payload["chain"] if any(key == "order" for key, _ in declared)]
-    return owners[-1] if owners else None
+    return owning_region(node, ("order",))
 
 
 def _scheduled_region(node: torch.fx.Node, backend: Backend, ledger: HintLedger) -> int | None:
@@ -66,14 +63,14 @@ def _scheduled_region(node: torch.fx.Node, backend: Backend, ledger: HintLedger)
     return schedule_region(node)
 
 
-def _runs(graph: torch.fx.Graph, placement: dict[torch.fx.Node, Placement], plans: Sequence[SlicePlan], ledger: HintLedger) -> list[Split]:
+def _runs(graph: torch.fx.Graph, assignment: dict[torch.fx.Node, Assignment], plans: Sequence[SliceSchedule], ledger: HintLedger) -> list[Split]:
     plan_of = {node: plan for plan in plans for node in plan.nodes}
     splits: list[Split] = []
     last_key = None
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        where = placement[node]
+        where = assignment[node]
         plan = plan_of.get(node)
         key = (where.backend.name, where.device, id(plan) if plan else None,
                None if plan else _as_written_region(node, where.backend, ledger),
@@ -85,7 +82,7 @@ def _runs(graph: torch.fx.Graph, placement: dict[torch.fx.Node, Placement], plan
     return splits
 
 
-def _connect(splits: list[Split], placement: dict[torch.fx.Node, Placement]) -> None:
+def _connect(splits: list[Split], assignment: dict[torch.fx.Node, Assignment]) -> None:
     """Inputs, outputs and copies of every split."""
     owner = {node: split for split in splits for node in split.nodes}
     for split in splits:
@@ -98,7 +95,7 @@ def _connect(splits: list[Split], placement: dict[torch.fx.Node, Placement]) -> 
         if split.plan is not None:
             split.inputs = list(split.plan.inputs)  # the slice bodies' order (constants live inside them)
         for arg in split.inputs:
-            source = owner[arg].device if arg in owner else placement[arg].device if arg in placement else None
+            source = owner[arg].device if arg in owner else assignment[arg].device if arg in assignment else None
             if source is not None and _nodes.tensors(arg) and source != split.device:
                 split.copies[arg] = source
         split.outputs = [node for node in split.nodes if any(owner.get(user) is not split for user in node.users)]
@@ -115,10 +112,10 @@ def _example(node: torch.fx.Node, split: Split, produced_by_dfs: set[torch.fx.No
     return value
 
 
-def partition(graph_module: torch.fx.GraphModule, placement: dict[torch.fx.Node, Placement], plans: Sequence[SlicePlan], ledger: HintLedger) -> list[Split]:
+def partition(graph_module: torch.fx.GraphModule, assignment: dict[torch.fx.Node, Assignment], plans: Sequence[SliceSchedule], ledger: HintLedger) -> list[Split]:
     """The graph's splits in execution order, each with its own GraphModule (DFS: its slice bodies)."""
-    splits = _runs(graph_module.graph, placement, plans, ledger)
-    _connect(splits, placement)
+    splits = _runs(graph_module.graph, assignment, plans, ledger)
+    _connect(splits, assignment)
     produced_by_dfs = {node for split in splits if split.plan for node in split.outputs}
     for split in splits:
         if split.plan is not None:

@@ -15,7 +15,7 @@ result. This pass decides which regions can be rewritten:
   nodes, so that the sliced part is one contiguous run (a split of its own), and nodes
   of the region that do not depend on the sliced data run once, before it.
 
-The result is one :class:`SlicePlan` per rewritten region; partition and execution
+The result is one :class:`SliceSchedule` per rewritten region; partition and execution
 turn it into a loop over slices.
 """
 
@@ -30,18 +30,20 @@ import torch.fx
 from tightfit.graph import _nodes
 from tightfit.graph._extract import extract
 from tightfit.graph.honor import HintLedger
-from tightfit.graph.placement import Placement
+from tightfit.graph.assign import Assignment
 from tightfit.graph.slicing import Invalid, Proof, Rewrite, Sliced, State, prove, take
-from tightfit.hints.read import node_hints
-from tightfit.hints.payload import payload_of
+from tightfit.hints.read import node_hints, owning_region
+from tightfit.hints.schema import keys_honored_by
 
-__all__ = ["SlicePlan", "plan_schedules", "slice_bounds"]
+__all__ = ["SliceSchedule", "plan_schedules", "slice_bounds"]
 
-_SCHEDULE_KEYS = ("schedule", "slices", "slice_dim")
+#: The keys this pass honors (the hint table says which): a region that writes one owns
+#: the schedule of its nodes.
+_SCHEDULE_KEYS = keys_honored_by("schedules")
 
 
 @dataclass
-class SlicePlan:
+class SliceSchedule:
     """One region rewritten to run slice by slice."""
 
     region: int
@@ -80,19 +82,15 @@ def slice_bounds(extent: int, slices: int) -> list[tuple[int, int]]:
 
 def schedule_region(node: torch.fx.Node) -> int | None:
     """The innermost region that wrote a schedule key for this node (its schedule's owner)."""
-    payload = payload_of(node)
-    if payload is None:
-        return None
-    owners = [region for region, declared in payload["chain"] if any(key in _SCHEDULE_KEYS for key, _ in declared)]
-    return owners[-1] if owners else None
+    return owning_region(node, _SCHEDULE_KEYS)
 
 
-def _groups(graph: torch.fx.Graph, placement: dict[torch.fx.Node, Placement], ledger: HintLedger) -> list[list[torch.fx.Node]]:
+def _groups(graph: torch.fx.Graph, assignment: dict[torch.fx.Node, Assignment], ledger: HintLedger) -> list[list[torch.fx.Node]]:
     groups: dict[tuple[object, ...], list[torch.fx.Node]] = {}
     for node in graph.nodes:
-        if node.op != "call_function" or node_hints(node).get("schedule") != "dfs" or node not in placement:
+        if node.op != "call_function" or node_hints(node).get("schedule") != "dfs" or node not in assignment:
             continue
-        where = placement[node]
+        where = assignment[node]
         if "schedule" not in ledger.capabilities(where.backend).hints:
             continue  # reported by the ledger as not honored
         key = (schedule_region(node), where.backend.name, where.device)
@@ -163,8 +161,8 @@ def _make_contiguous(graph: torch.fx.Graph, sliced: list[torch.fx.Node]) -> None
         anchor = node
 
 
-def _plan_group(graph_module: torch.fx.GraphModule, group: list[torch.fx.Node], placement: dict[torch.fx.Node, Placement],
-                ledger: HintLedger) -> SlicePlan | None:
+def _plan_group(graph_module: torch.fx.GraphModule, group: list[torch.fx.Node], assignment: dict[torch.fx.Node, Assignment],
+                ledger: HintLedger) -> SliceSchedule | None:
     hints = node_hints(group[0])
     slices, slice_dim = hints.get("slices"), hints.get("slice_dim", "auto")
     what = f"schedule='dfs' slices={slices}"
@@ -189,9 +187,9 @@ def _plan_group(graph_module: torch.fx.GraphModule, group: list[torch.fx.Node], 
             if isinstance(proof.states[node], tuple) and any(user not in sliced for user in node.users):
                 raise Invalid(f"{node.name} returns several values that leave the region unsplit")
         _make_contiguous(graph_module.graph, sliced)
-        plan = SlicePlan(schedule_region(group[0]) or 0, sliced, dim, proof.extent, min(slices, proof.extent),
+        plan = SliceSchedule(schedule_region(group[0]) or 0, sliced, dim, proof.extent, min(slices, proof.extent),
                          proof.states, proof.rewrites)
-        _build_bodies(graph_module, plan, placement[group[0]].device)
+        _build_bodies(graph_module, plan, assignment[group[0]].device)
     except Invalid as error:
         ledger.not_applied(group[0], what, str(error))
         return None
@@ -217,7 +215,7 @@ def _on(value: object, device: torch.device) -> object:
     return value
 
 
-def _build_bodies(graph_module: torch.fx.GraphModule, plan: SlicePlan, device: torch.device) -> None:
+def _build_bodies(graph_module: torch.fx.GraphModule, plan: SliceSchedule, device: torch.device) -> None:
     """One slice's graph per distinct slice length on ``device``, shape-checked against the proof."""
     inside = set(plan.nodes)
     plan.inputs = _inputs(plan.nodes, tensors_only=False)
@@ -250,12 +248,12 @@ def _is_sliced(state: State) -> bool:
     return isinstance(state, Sliced)
 
 
-def plan_schedules(graph_module: torch.fx.GraphModule, placement: dict[torch.fx.Node, Placement], ledger: HintLedger) -> list[SlicePlan]:
+def plan_schedules(graph_module: torch.fx.GraphModule, assignment: dict[torch.fx.Node, Assignment], ledger: HintLedger) -> list[SliceSchedule]:
     """Prove and prepare every DFS region of the graph (reordering nodes where needed)."""
     graph = graph_module.graph
     plans = []
-    for group in _groups(graph, placement, ledger):
-        plan = _plan_group(graph_module, group, placement, ledger)
+    for group in _groups(graph, assignment, ledger):
+        plan = _plan_group(graph_module, group, assignment, ledger)
         if plan is not None:
             plans.append(plan)
     graph.lint()

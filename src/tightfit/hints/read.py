@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
+from collections.abc import Collection
 from typing import Any, Mapping
 
 import torch.fx
@@ -11,7 +12,7 @@ import torch.fx
 from tightfit._validate import check_type
 from tightfit.hints.payload import merged, payload_of
 
-__all__ = ["Region", "hints_of", "node_hints", "node_regions", "where"]
+__all__ = ["Region", "hints_of", "node_hints", "node_regions", "owning_region", "where"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,19 @@ def node_regions(node: torch.fx.Node) -> tuple[int, ...]:
     """Ids of the regions a node sits in, outermost first."""
     payload = payload_of(node)
     return tuple(region for region, _ in payload["chain"]) if payload else ()
+
+
+def owning_region(node: torch.fx.Node, keys: Collection[str]) -> int | None:
+    """The id of the innermost region around ``node`` that wrote one of ``keys``, or None.
+
+    That region owns the value in force (inner regions win), so the passes that act on
+    a region (a DFS schedule, an as-written order) treat its nodes as one group.
+    """
+    payload = payload_of(node)
+    if payload is None:
+        return None
+    owners = [region for region, declared in payload["chain"] if any(key in keys for key, _ in declared)]
+    return owners[-1] if owners else None
 
 
 def where(node: torch.fx.Node) -> str | None:

@@ -109,10 +109,9 @@ def hint(**hints: Any) -> Any:
     """Mark a region of code with hints a backend may honor (see docs/hints.md).
 
     ``with tightfit.hint(schedule="dfs", slices=8): ...`` or ``@tightfit.hint(order="as_written")``.
-    Keys: ``schedule`` ("bfs" | "dfs"), ``slices`` (int >= 1), ``slice_dim`` (int or
-    "auto"), ``device`` (backend name or device string), ``stream`` (str or int),
-    ``order`` ("as_written" | "any"), and namespaced third-party keys ``"vendor.key"``
-    (pass them as ``**{"acme.tile": 128}``), carried untouched. Bad hints raise
+    Keys: those of the hint table, :data:`tightfit.hints.HINTS` (``schedule``, ``slices``,
+    ``slice_dim``, ``device``, ``stream``, ``order``), and namespaced third-party keys
+    ``"vendor.key"`` (pass them as ``**{"acme.tile": 128}``), carried untouched. Bad hints raise
     ``TypeError`` or ``ValueError`` here, where they are written. Nested regions merge;
     the inner one wins. In eager mode hints are no-ops: only graphs traced by
     ``torch.compile`` or ``torch.export`` carry them.

@@ -1,10 +1,15 @@
 """Module hooks: a hook registry for any ``nn.Module``, layerwise casting (store float8,
 compute bf16 / fp16 / fp32) and offloading (store on the CPU or on disk, compute on the
-device, prefetch the next unit).
+device, prefetch the next unit); region hints ride on the same registry
+(:mod:`tightfit.hooks.hints`).
 
 Hooks compose: apply layerwise casting, then offloading, to keep float8 weights off the
 device and compute each layer in bf16 on it.
 """
+
+import warnings
+from typing import Any
+
 
 from tightfit.hooks.casting import (
     COMPUTE_DTYPES,
@@ -17,9 +22,9 @@ from tightfit.hooks.casting import (
     remove_layerwise_casting,
 )
 from tightfit.hooks.offload import (
+    OFFLOAD_TARGETS,
     OFFLOADING,
     OFFLOADING_SCHEDULE,
-    STORAGES,
     OffloadFileError,
     OffloadHook,
     apply_offloading,
@@ -37,10 +42,10 @@ __all__ = [
     "ModuleHook",
     "OFFLOADING",
     "OFFLOADING_SCHEDULE",
+    "OFFLOAD_TARGETS",
     "OffloadFileError",
     "OffloadHook",
     "SCALES",
-    "STORAGES",
     "STORAGE_DTYPES",
     "apply_layerwise_casting",
     "apply_offloading",
@@ -48,3 +53,11 @@ __all__ = [
     "remove_offloading",
     "resident_bytes",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "STORAGES":  # renamed: "storage" is a weight format in the fit planner
+        warnings.warn("tightfit.hooks.STORAGES is deprecated; use tightfit.hooks.OFFLOAD_TARGETS (where "
+                      "apply_offloading's offload_to= may put weights)", DeprecationWarning, stacklevel=2)
+        return OFFLOAD_TARGETS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,7 +5,7 @@ dropped after it.
 With ``prefetch``, the first forward records the order units run in; from then on,
 entering a unit starts the copy of the next one on a side stream (backends with
 asynchronous copies), so the copy overlaps the current unit's compute. On the CPU
-there is nothing to copy: CPU storage is a no-op there, and disk storage computes
+there is nothing to copy: offloading to the CPU is a no-op there, and to disk computes
 straight from the mapped pages while prefetch asks the OS to read the next unit's
 file ahead (``madvise(WILLNEED)``).
 """
@@ -13,6 +13,7 @@ file ahead (``madvise(WILLNEED)``).
 from __future__ import annotations
 
 import tempfile
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,15 +31,16 @@ from tightfit.hooks._exclusive import OneForwardAtATime
 from tightfit.hooks._units import Granularity, Slot, Unit, check_granularity, select_units
 from tightfit.hooks.registry import HookRegistry, ModuleHook
 
-__all__ = ["OFFLOADING", "OFFLOADING_SCHEDULE", "STORAGES", "OffloadFileError", "OffloadHook", "apply_offloading", "remove_offloading", "resident_bytes"]
+__all__ = ["OFFLOADING", "OFFLOADING_SCHEDULE", "OFFLOAD_TARGETS", "OffloadFileError", "OffloadHook", "apply_offloading", "remove_offloading", "resident_bytes"]
 
 #: Name of the per-unit offloading hook in a module's :class:`HookRegistry`.
 OFFLOADING = "tightfit.offloading"
 #: Name of the hook on the offloaded root that marks each forward pass (prefetch order).
 OFFLOADING_SCHEDULE = "tightfit.offloading.schedule"
 
-#: Where offloaded weights may live.
-STORAGES = ("cpu", "disk")
+#: Where offloaded weights may live (``offload_to``). Not "storage", which names a weight
+#: format (float8, nf4, ...) in the fit planner.
+OFFLOAD_TARGETS = ("cpu", "disk")
 
 
 @dataclass(eq=False)
@@ -47,7 +49,7 @@ class _Record:
 
     tensor: torch.Tensor  # its ``.data`` is the stored copy while offloaded
     device: torch.device  # where it lived before
-    file: MappedFile | None = None  # disk storage: the file it is a view of, under ``key``
+    file: MappedFile | None = None  # offloaded to disk: the file it is a view of, under ``key``
     key: str = ""
     version: int = 0  # ``tensor._version`` when it became a view: a change made in place shows
 
@@ -55,9 +57,9 @@ class _Record:
 class _Offload:
     """State shared by the hooks of one ``apply_offloading`` call."""
 
-    def __init__(self, device: torch.device, storage: str, folder: Path | None, streams: ModuleType | None) -> None:
+    def __init__(self, device: torch.device, offload_to: str, folder: Path | None, streams: ModuleType | None) -> None:
         self.device = device
-        self.storage = storage
+        self.offload_to = offload_to
         self.folder = folder
         self.records: dict[int, _Record] = {}
         self.files: list[MappedFile] = []
@@ -115,7 +117,7 @@ class _Offload:
         for key, record in self.records.items():
             if key in restored:
                 record.tensor.data = restored[key]
-            elif record.file is not None or self.storage == "cpu":  # a disk record not swapped in holds its own data
+            elif record.file is not None or self.offload_to == "cpu":  # a disk record not swapped in holds its own data
                 record.tensor.data = record.tensor.data.to(record.device, copy=True)
         self.records.clear()
         self.pending.clear()
@@ -127,7 +129,7 @@ class _Offload:
 class OffloadHook(ModuleHook):
     """Copies the unit's stored tensors onto the device for its forward and drops them afterwards.
 
-    With disk storage every forward first checks that the unit's files are as written.
+    Offloaded to disk, every forward first checks that the unit's files are as written.
     """
 
     order = 10
@@ -143,7 +145,7 @@ class OffloadHook(ModuleHook):
         self._claim = OneForwardAtATime(OFFLOADING)
 
     def __repr__(self) -> str:
-        return f"OffloadHook({len(self.slots)} tensors, storage {self.state.storage}, compute on {self.state.device})"
+        return f"OffloadHook({len(self.slots)} tensors, offloaded to {self.state.offload_to}, compute on {self.state.device})"
 
     def prefetch(self) -> None:
         """Start bringing this unit's tensors in: a side-stream copy, or a read-ahead of its file."""
@@ -257,57 +259,64 @@ def apply_offloading(
     module: nn.Module,
     device: str | torch.device,
     *,
-    storage: str = "cpu",
+    offload_to: str = "cpu",
     granularity: Granularity = "block",
     prefetch: bool = True,
     pin_memory: bool | None = None,
     path: str | Path | None = None,
+    storage: str | None = None,
 ) -> list[str]:
-    """Keep ``module``'s parameters and buffers in ``storage`` and compute each unit on ``device``.
+    """Keep ``module``'s parameters and buffers in ``offload_to`` and compute each unit on ``device``.
 
-    ``storage="cpu"`` keeps them in CPU memory (pinned by default where the device copies
+    ``offload_to="cpu"`` keeps them in CPU memory (pinned by default where the device copies
     asynchronously); ``"disk"`` writes one unnamed file per unit in the folder ``path``
     (default: the system's temporary folder) and maps it back; the OS frees the files
     when the process ends, however it ends. Units are picked by ``granularity`` as in
     layerwise casting (``"block"`` by default). Apply layerwise casting first to offload
     float8 weights. All or nothing: when storing any unit fails (a full disk), what was
     done is undone and the error (an ``OSError`` for the disk) says nothing was offloaded.
-    Returns the hooked units' names.
+    Returns the hooked units' names. ``storage`` is the old name of ``offload_to``
+    (deprecated: "storage" is a weight format elsewhere in tightfit).
     """
     check_type("module", module, nn.Module)
+    if storage is not None:
+        if offload_to != "cpu":
+            raise TypeError(f"pass offload_to={offload_to!r} alone: storage={storage!r} is its deprecated old name")
+        warnings.warn("apply_offloading(storage=...) is deprecated; use offload_to=...", DeprecationWarning, stacklevel=2)
+        offload_to = storage
     backend, device = _check_device(device)
-    check_choice("storage", storage, STORAGES)
+    check_choice("offload_to", offload_to, OFFLOAD_TARGETS)
     check_granularity(granularity)
     check_type("prefetch", prefetch, bool)
     if pin_memory is not None:
         check_type("pin_memory", pin_memory, bool)
     async_copy = device.type != "cpu" and backend.capabilities().async_copy
-    if pin_memory and (storage != "cpu" or not async_copy):
-        raise ValueError(f"pin_memory=True needs storage='cpu' and a device with asynchronous copies; got storage={storage!r}, "
+    if pin_memory and (offload_to != "cpu" or not async_copy):
+        raise ValueError(f"pin_memory=True needs offload_to='cpu' and a device with asynchronous copies; got offload_to={offload_to!r}, "
                          f"device {device} (backend {backend.name}, async_copy={async_copy})")
     if path is not None:
         check_type("path", path, (str, Path))
-        if storage != "disk":
-            raise ValueError(f"path is only used with storage='disk', got storage={storage!r}")
+        if offload_to != "disk":
+            raise ValueError(f"path is only used with offload_to='disk', got offload_to={offload_to!r}")
         if not Path(path).is_dir():
             raise ValueError(f"path={str(path)!r} is not an existing folder")
     if _hooked(module, OFFLOADING):
         raise ValueError("offloading is already applied to this module; call remove_offloading(module) first")
     units = select_units(module, granularity, ())
-    if storage == "disk":
+    if offload_to == "disk":
         for unit in units:
             for slot in unit.slots:
                 if slot.get().dtype not in DISK_DTYPES:
                     raise ValueError(f"{unit.name or type(module).__name__}.{slot.name} has dtype {slot.get().dtype}, "
-                                     f"which disk storage does not hold; use storage='cpu'")
+                                     f"which an offload file does not hold; use offload_to='cpu'")
     streams = torch.get_device_module(device.type) if async_copy and hasattr(torch.get_device_module(device.type), "Stream") else None
-    folder = Path(path if path is not None else tempfile.gettempdir()) if storage == "disk" else None
-    state = _Offload(device, storage, folder, streams if prefetch else None)
+    folder = Path(path if path is not None else tempfile.gettempdir()) if offload_to == "disk" else None
+    state = _Offload(device, offload_to, folder, streams if prefetch else None)
     pin = async_copy if pin_memory is None else pin_memory
-    with task(f"offloading to {storage}", len(units)) as advance:
+    with task(f"offloading to {offload_to}", len(units)) as advance:
         try:
             for unit in units:
-                _store_unit(state, unit, pin and storage == "cpu")
+                _store_unit(state, unit, pin and offload_to == "cpu")
                 advance(1)
             state.swap_in()
         except BaseException as error:
@@ -317,7 +326,7 @@ def apply_offloading(
             raise
     for unit in units:
         HookRegistry.of(unit.module).register(OFFLOADING, OffloadHook(state, _unique(unit.slots)))
-    if prefetch and (streams is not None or storage == "disk"):
+    if prefetch and (streams is not None or offload_to == "disk"):
         HookRegistry.of(module).register(OFFLOADING_SCHEDULE, _ScheduleHook(state))
     return [unit.name for unit in units]
 
@@ -337,14 +346,14 @@ def _unique(slots: Iterable[Slot]) -> list[Slot]:
 
 
 def _store_unit(state: _Offload, unit: Unit, pin: bool) -> None:
-    """Put the unit's tensors not stored yet into storage: CPU copies at once, a disk file to swap in at the end."""
+    """Offload the unit's tensors not offloaded yet: CPU copies at once, a disk file to swap in at the end."""
     fresh = []
     for slot in unit.slots:
         tensor = slot.get()
-        if id(tensor) not in state.records and (state.storage == "cpu" or tensor.numel()):
+        if id(tensor) not in state.records and (state.offload_to == "cpu" or tensor.numel()):
             state.records[id(tensor)] = _Record(tensor, tensor.device)
             fresh.append(tensor)
-    if state.storage == "cpu":
+    if state.offload_to == "cpu":
         for tensor in fresh:
             data = tensor.data.to("cpu")
             tensor.data = data.pin_memory() if pin else data
@@ -392,3 +401,4 @@ def resident_bytes(module: nn.Module, device: str | torch.device) -> int:
             storage = tensor.untyped_storage()
             storages[storage._cdata] = storage.nbytes()
     return sum(storages.values())
+

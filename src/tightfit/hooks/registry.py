@@ -1,12 +1,14 @@
-"""A hook registry for any ``nn.Module``: named hooks that run before and after its
-``forward``, in a defined order, removable so that the module is exactly as before.
+"""A hook registry for any ``nn.Module``: named hooks that run before, after and around
+its ``forward``, in a defined order, removable so that the module is exactly as before.
 
 The registry wraps the module's ``forward`` once (``functools.update_wrapper``, so
 ``inspect.signature`` and ``torch.export`` see the original signature) and calls every
 hook from that one wrapper: hooks sort by their ``order`` (lower runs its
-``pre_forward`` first and its ``post_forward`` last, so it encloses the others), then
-by when they were registered. Removing the last hook puts the module's own ``forward``
-back.
+``pre_forward`` first and its ``post_forward`` last, and its ``around`` encloses the
+others), then by when they were registered. So the nesting of tightfit's own hooks
+(offloading, layerwise casting, region hints) is fixed by their orders, never by the
+order in which they were applied. Removing the last hook puts the module's own
+``forward`` back.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ class ModuleHook:
     """One hook on one module. Subclasses override what they need; every method has a no-op default.
 
     ``order`` places the hook among the others on the same module: lower encloses higher.
-    tightfit's own hooks use 10 for offloading (weights must be on the device first) and
+    tightfit's own hooks use 5 for region hints (the region covers the copies and casts
+    of the hooks inside it), 10 for offloading (weights must be on the device first) and
     20 for layerwise casting; user hooks default to 50.
     """
 
@@ -43,6 +46,15 @@ class ModuleHook:
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         """Runs before ``forward``; returns the (possibly changed) positional and keyword arguments."""
         return args, kwargs
+
+    def around(self, module: nn.Module, call: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Runs what this hook encloses, ``call(*args, **kwargs)`` (the hooks of higher order,
+        then ``forward``), between ``pre_forward`` and ``post_forward``; returns its output.
+
+        Override it to run that inside something, such as a context manager (a hint
+        region); the call must happen exactly once.
+        """
+        return call(*args, **kwargs)
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         """Runs after ``forward``; returns the (possibly changed) output."""
@@ -166,23 +178,23 @@ class HookRegistry:
 
 
 def _hooked_forward(registry: HookRegistry, *args: Any, **kwargs: Any) -> Any:
-    module = registry.module
-    hooks = registry._ordered
-    entered = 0
+    return _enter(registry.module, registry._ordered, 0, registry._inner_forward, *args, **kwargs)
+
+
+def _enter(module: nn.Module, hooks: tuple[ModuleHook, ...], index: int, forward: Callable[..., Any], /,
+           *args: Any, **kwargs: Any) -> Any:
+    """Run ``hooks[index:]`` around ``forward``: each hook's ``pre_forward``, its ``around``
+    (which calls the hooks inside it), then its ``post_forward``. When anything inside a
+    hook raises (``forward``, an inner hook, or its own ``around``), the hook's ``abort``
+    runs instead of its ``post_forward``; its own ``pre_forward`` or ``post_forward``
+    raising gets no ``abort``. (Positional-only, so ``forward``'s keywords never clash.)"""
+    if index == len(hooks):
+        return forward(*args, **kwargs)
+    hook = hooks[index]
+    args, kwargs = hook.pre_forward(module, args, kwargs)
     try:
-        for hook in hooks:
-            args, kwargs = hook.pre_forward(module, args, kwargs)
-            entered += 1
-        output = registry._inner_forward(*args, **kwargs)
+        output = hook.around(module, functools.partial(_enter, module, hooks, index + 1, forward), args, kwargs)
     except BaseException:
-        for hook in reversed(hooks[:entered]):
-            hook.abort(module)
+        hook.abort(module)
         raise
-    for index in reversed(range(len(hooks))):
-        try:
-            output = hooks[index].post_forward(module, output)
-        except BaseException:
-            for hook in reversed(hooks[:index]):  # the enclosing hooks still undo their pre_forward
-                hook.abort(module)
-            raise
-    return output
+    return hook.post_forward(module, output)

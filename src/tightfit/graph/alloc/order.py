@@ -17,20 +17,24 @@ from __future__ import annotations
 
 import heapq
 import operator
+import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
 import torch.fx
 
+from tightfit._validate import check_choice, check_type
 from tightfit.graph import _nodes
-from tightfit.graph.alloc.liveness import Storages
-from tightfit.hints.payload import payload_of
-from tightfit.hints.read import node_hints
+from tightfit.graph.alloc.liveness import Storages, check_order
+from tightfit.hints.read import node_hints, owning_region
 
-__all__ = ["ORDERS", "apply_order", "candidate_orders", "choose_order", "units_of"]
+__all__ = ["TOPOLOGICAL_ORDERS", "apply_order", "candidate_orders", "canonical_order", "choose_order", "units_of"]
 
-#: Candidate orders, the written one first (it wins ties).
-ORDERS = ("written", "dfs", "bfs", "least-peak")
+#: Candidate orders, the written one first (it wins ties). Named in full: "dfs" and "bfs"
+#: are the values of the ``schedule`` hint, which slices a region (a different thing).
+TOPOLOGICAL_ORDERS = ("written", "depth-first", "breadth-first", "least-peak")
+#: The names these orders had before: accepted, with a DeprecationWarning, for one release.
+_RENAMED = {"dfs": "depth-first", "bfs": "breadth-first"}
 
 Unit = tuple[torch.fx.Node, ...]
 
@@ -38,8 +42,7 @@ Unit = tuple[torch.fx.Node, ...]
 def _as_written_owner(node: torch.fx.Node) -> int | None:
     if node_hints(node).get("order") != "as_written":
         return None
-    owners = [region for region, declared in payload_of(node)["chain"] if any(key == "order" for key, _ in declared)]
-    return owners[-1] if owners else None
+    return owning_region(node, ("order",))
 
 
 def units_of(segment: Sequence[torch.fx.Node], fixed: Sequence[Sequence[torch.fx.Node]] = ()) -> list[Unit]:
@@ -102,7 +105,7 @@ def _dependencies(units: Sequence[Unit], found: Storages) -> list[set[int]]:
     return deps
 
 
-def _dfs(units: Sequence[Unit], deps: Sequence[set[int]]) -> list[int]:
+def _depth_first(units: Sequence[Unit], deps: Sequence[set[int]]) -> list[int]:
     users: list[set[int]] = [set() for _ in units]
     for index, before in enumerate(deps):
         for dep in before:
@@ -125,7 +128,7 @@ def _dfs(units: Sequence[Unit], deps: Sequence[set[int]]) -> list[int]:
     return order
 
 
-def _bfs(units: Sequence[Unit], deps: Sequence[set[int]]) -> list[int]:
+def _breadth_first(units: Sequence[Unit], deps: Sequence[set[int]]) -> list[int]:
     level = [0] * len(units)
     for index in range(len(units)):  # units are in a valid (written) order
         level[index] = 1 + max((level[dep] for dep in deps[index]), default=-1)
@@ -192,8 +195,8 @@ def candidate_orders(segment: Sequence[torch.fx.Node], found: Storages, *, escap
     deps = _dependencies(units, found)
     picks = {
         "written": list(range(len(units))),
-        "dfs": _dfs(units, deps),
-        "bfs": _bfs(units, deps),
+        "depth-first": _depth_first(units, deps),
+        "breadth-first": _breadth_first(units, deps),
         "least-peak": _least_peak(units, deps, found, set(escaping), set(released)),
     }
     orders = {}
@@ -204,19 +207,45 @@ def candidate_orders(segment: Sequence[torch.fx.Node], found: Storages, *, escap
     return orders
 
 
+def canonical_order(order: object) -> str:
+    """``order`` checked as an ``order`` argument: "best" or one of :data:`TOPOLOGICAL_ORDERS`;
+    the old names "dfs" and "bfs" give their new name with a DeprecationWarning (blamed on
+    the caller of the function that checks). Raises TypeError or ValueError naming what is
+    accepted."""
+    check_type("order", order, str)
+    if order in _RENAMED:
+        warnings.warn(f"order={order!r} is deprecated; use order={_RENAMED[order]!r} (a topological order; "
+                      f"{order!r} is a schedule hint, which slices a region)", DeprecationWarning, stacklevel=3)
+        return _RENAMED[order]
+    check_choice("order", order, ("best", *TOPOLOGICAL_ORDERS))
+    return order
+
+
 def choose_order(peaks: Mapping[str, int]) -> str:
-    """The name of the order with the lowest peak; the written order (then ORDERS' order) wins ties."""
+    """The name of the order with the lowest peak; the written order (then TOPOLOGICAL_ORDERS' order) wins ties."""
     if not peaks:
         raise ValueError("choose_order needs at least one candidate")
-    return min(peaks, key=lambda name: (peaks[name], ORDERS.index(name) if name in ORDERS else len(ORDERS)))
+    rank = {name: index for index, name in enumerate(TOPOLOGICAL_ORDERS)}
+    return min(peaks, key=lambda name: (peaks[name], rank.get(name, len(rank))))
 
 
 def apply_order(graph: torch.fx.Graph, order: Sequence[torch.fx.Node]) -> None:
     """Move ``graph``'s ops into ``order`` (a valid order of all of them; placeholders stay first)."""
-    from tightfit.graph.alloc.liveness import check_order
-
     order = check_order(graph, order)
     output = next(node for node in graph.nodes if node.op == "output")
     for node in order:
         output.prepend(node)
     graph.lint()
+
+
+def deprecated_orders() -> tuple[str, ...]:
+    """What the old name ``ORDERS`` gives, with its DeprecationWarning (for a module ``__getattr__``)."""
+    warnings.warn("ORDERS of tightfit.graph.alloc is deprecated; use TOPOLOGICAL_ORDERS (whose 'dfs' and 'bfs' "
+                  "are now 'depth-first' and 'breadth-first')", DeprecationWarning, stacklevel=3)
+    return TOPOLOGICAL_ORDERS
+
+
+def __getattr__(name: str) -> object:
+    if name == "ORDERS":
+        return deprecated_orders()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Placement and splits with a restricted backend: the scheduler must split, copy and fall back."""
+"""Assignment (which backend runs each op) and splits with a restricted backend: the scheduler must split, copy and fall back."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from zoo.graph import devices, fx_compile, restricted, restricted_cpu, run_recor
 import tightfit
 from tightfit.backends.cpu import CPUBackend
 from tightfit.graph.honor import HintLedger
-from tightfit.graph.placement import unsupported_reason
+from tightfit.graph.assign import unsupported_reason
 
 
 class TwoLayers(torch.nn.Module):
@@ -76,7 +76,7 @@ def test_cpu_fallback_is_an_error_in_strict_mode():
     assert "strict mode forbids fallbacks" in str(raised.value)
 
 
-def test_device_hint_places_a_region_on_the_named_backend():
+def test_device_hint_assigns_a_region_to_the_named_backend():
     model = TwoLayers(hinted_device="cpu")
     compiled = fx_compile(model, backends=[restricted(CPUBackend, frozenset(), "cpu-first"), CPUBackend()])
     x = torch.randn(4, 16)

@@ -1,4 +1,7 @@
-"""Placement: give every node of an aten graph a backend, in passes like ggml's scheduler.
+"""Assignment: give every node of an aten graph a backend, in passes like ggml's scheduler.
+
+("Placement" in tightfit means where weights live: device, CPU or disk; "assignment" is
+which backend runs an op.)
 
 1. ``device`` hints: a hinted region runs on the backend it names.
 2. Where the data lives: a node runs on the highest-priority backend for the device of
@@ -29,7 +32,7 @@ from tightfit.graph import _nodes
 from tightfit.graph.honor import HintLedger
 from tightfit.hints.read import node_hints
 
-__all__ = ["Placement", "place", "unsupported_reason"]
+__all__ = ["Assignment", "assign", "unsupported_reason"]
 
 # Ops that move or reinterpret data without arithmetic: no compute dtype needed.
 _DATA_MOVEMENT = frozenset({
@@ -40,8 +43,8 @@ _DATA_MOVEMENT = frozenset({
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Where one node runs (or, for an input, lives), and why."""
+class Assignment:
+    """The backend and device one node runs on (or, for an input, lives on), and why."""
 
     backend: Backend
     device: torch.device
@@ -69,13 +72,13 @@ def unsupported_reason(backend: Backend, ledger: HintLedger, node: torch.fx.Node
     return None
 
 
-class _Placer:
+class _Assigner:
     def __init__(self, backends: Sequence[Backend], cpu: Backend, ledger: HintLedger) -> None:
         self.backends = list(backends)
         self.cpu = cpu
         self.ledger = ledger
-        self.placed: dict[torch.fx.Node, Placement] = {}
-        self.previous: Placement | None = None  # of the last op placed in graph order
+        self.assigned: dict[torch.fx.Node, Assignment] = {}
+        self.previous: Assignment | None = None  # of the last op assigned in graph order
 
     # -- which backend a device or a hint means -----------------------------------------
     def home(self, device: torch.device) -> Backend:
@@ -116,28 +119,28 @@ class _Placer:
         return backend, backend.device(int(index)) if index else backend.resolve_device(None)
 
     # -- the passes ------------------------------------------------------------------
-    def place_input(self, node: torch.fx.Node) -> None:
+    def assign_input(self, node: torch.fx.Node) -> None:
         device = _nodes.device_of(node)
         if device is None:
             return
-        self.placed[node] = Placement(self.home(device), device, f"input on {device}")
+        self.assigned[node] = Assignment(self.home(device), device, f"input on {device}")
 
-    def place_op(self, node: torch.fx.Node) -> bool:
-        """Place one op; False when it should follow its first user (decided later)."""
-        producers = [arg for arg in _nodes.input_nodes(node) if arg in self.placed]
+    def assign_op(self, node: torch.fx.Node) -> bool:
+        """Assign one op; False when it should follow its first user (decided later)."""
+        producers = [arg for arg in _nodes.input_nodes(node) if arg in self.assigned]
         hinted = self.hinted(node)
         if hinted is None and producers and (_nodes.is_getitem(node) or not _nodes.is_tensor_node(node)):
-            source = self.placed[producers[0]]
-            self.placed[node] = Placement(source.backend, source.device, f"follows {producers[0].name}")
+            source = self.assigned[producers[0]]
+            self.assigned[node] = Assignment(source.backend, source.device, f"follows {producers[0].name}")
             return True
         if hinted is None and producers and _nodes.is_view(node):
-            source = self.placed[producers[0]]
+            source = self.assigned[producers[0]]
             before = self.previous
             if before is not None and before.device == source.device and unsupported_reason(before.backend, self.ledger, node) is None:
-                self.placed[node] = Placement(before.backend, before.device, f"a view of {producers[0].name}: on its device, with the op before it")
+                self.assigned[node] = Assignment(before.backend, before.device, f"a view of {producers[0].name}: on its device, with the op before it")
                 return True
             if unsupported_reason(source.backend, self.ledger, node) is None:
-                self.placed[node] = Placement(source.backend, source.device, f"a view of {producers[0].name}: stays with it (no copy)")
+                self.assigned[node] = Assignment(source.backend, source.device, f"a view of {producers[0].name}: stays with it (no copy)")
                 return True
         if hinted is None and not any(_nodes.tensors(arg) for arg in _nodes.input_nodes(node)) and node.users:
             return False  # creates a tensor from nothing: goes where its user runs
@@ -150,10 +153,10 @@ class _Placer:
             why = f"data on {device}: highest-priority backend for {device.type}"
         else:
             return False
-        self.assign(node, first, target, why)
+        self.choose(node, first, target, why)
         return True
 
-    def assign(self, node: torch.fx.Node, first: Backend, target: torch.device, why: str) -> None:
+    def choose(self, node: torch.fx.Node, first: Backend, target: torch.device, why: str) -> None:
         refusals = []
         for backend in self.candidates(first, target):
             reason = unsupported_reason(backend, self.ledger, node)
@@ -164,37 +167,37 @@ class _Placer:
             backend = self.cpu  # the last fallback runs it even if it says otherwise
         if backend is not first:
             report_fallback(_nodes.op_name(node), first.name, "cpu",
-                            f"{'; '.join(refusals)}; running it on backend {backend.name} (placement, {node.name})")
+                            f"{'; '.join(refusals)}; running it on backend {backend.name} (assignment, {node.name})")
             why = f"{why}; {'; '.join(refusals)}: fallback to {backend.name}"
         device = target if backend.device_type == target.type else backend.resolve_device(None)
-        self.placed[node] = Placement(backend, device, why)
+        self.assigned[node] = Assignment(backend, device, why)
 
     def follow_users(self, node: torch.fx.Node) -> None:
-        users = [user for user in node.users if user in self.placed]
+        users = [user for user in node.users if user in self.assigned]
         if users:
-            source = self.placed[users[0]]
+            source = self.assigned[users[0]]
             if unsupported_reason(source.backend, self.ledger, node) is None:
-                self.placed[node] = Placement(source.backend, source.device, f"created for {users[0].name}: goes where it is used")
+                self.assigned[node] = Assignment(source.backend, source.device, f"created for {users[0].name}: goes where it is used")
                 return
         device = _nodes.device_of(node) or self.cpu.resolve_device(None)
-        self.assign(node, self.home(device), device, f"creates a tensor on {device}")
+        self.choose(node, self.home(device), device, f"creates a tensor on {device}")
 
 
-def place(graph_module: torch.fx.GraphModule, backends: Sequence[Backend], cpu: Backend, ledger: HintLedger) -> dict[torch.fx.Node, Placement]:
-    """A :class:`Placement` for every input and op of ``graph_module`` (the output node has none)."""
-    placer = _Placer(backends, cpu, ledger)
+def assign(graph_module: torch.fx.GraphModule, backends: Sequence[Backend], cpu: Backend, ledger: HintLedger) -> dict[torch.fx.Node, Assignment]:
+    """An :class:`Assignment` for every input and op of ``graph_module`` (the output node has none)."""
+    assigner = _Assigner(backends, cpu, ledger)
     deferred = []
     for node in graph_module.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
-            placer.place_input(node)
+            assigner.assign_input(node)
         elif node.op == "call_function":
-            if placer.place_op(node):
-                placer.previous = placer.placed[node]
+            if assigner.assign_op(node):
+                assigner.previous = assigner.assigned[node]
             else:
                 deferred.append(node)
         elif node.op != "output":
-            raise ValueError(f"tightfit's compile backend cannot place a {node.op} node ({node.name}); "
+            raise ValueError(f"tightfit's compile backend cannot assign a {node.op} node ({node.name}); "
                              "it expects the aten graphs aot_autograd produces")
     for node in reversed(deferred):
-        placer.follow_users(node)
-    return placer.placed
+        assigner.follow_users(node)
+    return assigner.assigned
