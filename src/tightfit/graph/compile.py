@@ -42,8 +42,8 @@ class CompileOptions:
 
     ``execution``: "auto" (a backend's own compiler, else inductor where it works, else
     FX), "inductor", or "fx" (no compiler: quick to start, and what a memory
-    measurement with a dispatch mode can see). ``backends``: the backends to place
-    nodes on, highest priority first (default: every available one); the CPU backend
+    measurement with a dispatch mode can see). ``backends``: the backends to assign
+    nodes to, highest priority first (default: every available one); the CPU backend
     is added as the last fallback when missing. ``memory``: "allocator" (results
     allocated as usual) or "arena" (whole splits run op by op inside the arena the
     memory plan gives, so the planned peak is the peak; docs/memory.md).

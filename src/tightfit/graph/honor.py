@@ -57,7 +57,7 @@ class HintLedger:
         return False
 
     def check_all(self, nodes: Iterable[torch.fx.Node], backend_of: dict[torch.fx.Node, Backend]) -> None:
-        """Check every hint on every placed node against the backend that runs it."""
+        """Check every hint on every assigned node against the backend that runs it."""
         for node in nodes:
             backend = backend_of.get(node)
             if backend is None:
