@@ -15,6 +15,7 @@ from tightfit.hints import HINT_KEY
 from tightfit.hooks import (
     LAYERWISE_CASTING,
     OFFLOADING,
+    REGION_HINTS,
     HookRegistry,
     LayerwiseCastingHook,
     OffloadHook,
@@ -23,7 +24,6 @@ from tightfit.hooks import (
     remove_layerwise_casting,
     remove_offloading,
 )
-from tightfit.hooks.hints import REGION_HINTS
 
 from zoo.hooks import stack
 

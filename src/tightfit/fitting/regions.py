@@ -1,6 +1,6 @@
 """Region hints in a plan: DFS slicing of the layer stack where activations dominate.
 
-``add_hints`` registers a hint hook (:class:`tightfit.hooks.hints.HintHook`) on each
+``add_hints`` registers a hint hook (:class:`tightfit.hooks.HintHook`) on each
 chosen module, so its ``forward`` runs inside ``tightfit.hint(...)`` within the hook
 registry's one wrapper, enclosing the module's casting and offloading hooks whatever
 order they were applied in; ``remove_hints`` removes those hooks. In eager mode a hint
@@ -19,8 +19,7 @@ from torch import nn
 
 from tightfit._validate import check_type
 from tightfit.hints.schema import canonical_hints
-from tightfit.hooks.hints import REGION_HINTS, HintHook
-from tightfit.hooks.registry import HookRegistry
+from tightfit.hooks import REGION_HINTS, HintHook, HookRegistry
 
 __all__ = ["SLICE_COUNTS", "Sliced", "add_hints", "check_module_hints", "remove_hints", "slice_layers"]
 

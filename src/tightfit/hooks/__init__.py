@@ -21,6 +21,7 @@ from tightfit.hooks.casting import (
     apply_layerwise_casting,
     remove_layerwise_casting,
 )
+from tightfit.hooks.hints import REGION_HINTS, HintHook
 from tightfit.hooks.offload import (
     OFFLOAD_TARGETS,
     OFFLOADING,
@@ -36,6 +37,7 @@ from tightfit.hooks.registry import HookRegistry, ModuleHook
 __all__ = [
     "COMPUTE_DTYPES",
     "DEFAULT_SKIP",
+    "HintHook",
     "HookRegistry",
     "LAYERWISE_CASTING",
     "LayerwiseCastingHook",
@@ -45,6 +47,7 @@ __all__ = [
     "OFFLOAD_TARGETS",
     "OffloadFileError",
     "OffloadHook",
+    "REGION_HINTS",
     "SCALES",
     "STORAGE_DTYPES",
     "apply_layerwise_casting",
