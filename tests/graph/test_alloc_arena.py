@@ -1,4 +1,4 @@
-"""Offsets in one arena: both placements verified on random lifetimes; the verifier catches corruption."""
+"""Offsets in one arena: both strategies verified on random lifetimes; the verifier catches corruption."""
 
 from __future__ import annotations
 
@@ -31,16 +31,16 @@ def lower_bound(steps, found, alignment):
 
 @settings(max_examples=150, deadline=None)
 @given(lifetimes(), st.sampled_from([1, 16, 64]))
-def test_every_placement_is_valid_and_no_smaller_than_the_lower_bound(case, alignment):
+def test_every_strategy_is_valid_and_no_smaller_than_the_lower_bound(case, alignment):
     steps, found = case
     bound = lower_bound(steps, found, alignment)
     sizes = {}
-    for method, place in (("greedy-by-size", greedy_by_size), ("best-fit", best_fit)):
+    for strategy, place in (("greedy-by-size", greedy_by_size), ("best-fit", best_fit)):
         offsets = place(found, alignment)
         size = max((o + align(b.nbytes, alignment) for o, b in zip(offsets, found)), default=0)
-        verify_arena(Arena("cpu", size, alignment, method, tuple(found), tuple(offsets)))
+        verify_arena(Arena("cpu", size, alignment, strategy, tuple(found), tuple(offsets)))
         assert size >= bound
-        sizes[method] = size
+        sizes[strategy] = size
     kept = place_arena("cpu", found, alignment)
     verify_arena(kept)
     assert kept.size == min(sizes.values())
@@ -76,8 +76,8 @@ def test_the_verifier_catches_a_corrupted_plan(corrupt, message):
         verify_arena(corrupt(_arena()))
 
 
-def test_bad_alignment_and_method_are_errors():
+def test_bad_alignment_and_strategy_are_errors():
     with pytest.raises(ValueError, match="power of two"):
         place_arena("cpu", [], alignment=48)
     with pytest.raises(ValueError, match="not known"):
-        place_arena("cpu", [], methods=("first-fit",))
+        place_arena("cpu", [], strategies=("first-fit",))

@@ -3,8 +3,11 @@
 - predicted: :func:`plan_memory` traces a model with fake tensors and simulates or plans
   its lifetimes (:mod:`~tightfit.memory.plan`, :mod:`~tightfit.memory.trace`,
   :mod:`~tightfit.memory.simulate`);
-- measured: :func:`measure`, :func:`allocated_peak` and the live-tensor tracker
-  (:mod:`~tightfit.memory.measure`, :mod:`~tightfit.memory.compiled`);
+- measured: :func:`measure`, :func:`allocated_peak` (the allocator's own events, what
+  every prediction is held to) and the live-tensor tracker (:mod:`~tightfit.memory.measure`,
+  :mod:`~tightfit.memory.compiled`);
+- one lifetime tracker under both: :class:`LiveTensorBytes` counts a real run, and runs
+  the eager plan's simulation on fake tensors;
 - shown: the report table and the PNG timelines (:mod:`~tightfit.memory.report`,
   :mod:`~tightfit.memory.plot`).
 
@@ -21,9 +24,11 @@ from tightfit.memory.measure import (
     measure,
     tensor_bytes,
 )
-from tightfit.memory.plan import RUNTIMES, DevicePlan, MemoryPlan, plan_memory
+from tightfit.memory.plan import COVERS, NOT_COVERED, RUNTIMES, DevicePlan, MemoryPlan, plan_memory
 
 __all__ = [
+    "COVERS",
+    "NOT_COVERED",
     "RUNTIMES",
     "AllocatedBytes",
     "DevicePlan",

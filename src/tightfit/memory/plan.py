@@ -1,13 +1,14 @@
 """``tightfit.plan_memory``: will a model fit, and where is its peak, before it runs.
 
 The model is traced with fake tensors (see :mod:`tightfit.memory.trace`), each aten
-graph goes through the compile backend's passes (placement, DFS schedules, splits), and
+graph goes through the compile backend's passes (assignment, DFS schedules, splits), and
 :mod:`tightfit.graph.alloc` plans it: lifetimes, the best of the candidate orders, one
 arena per device, verified. See docs/memory.md.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -20,11 +21,11 @@ from tightfit._validate import check_choice, check_type
 from tightfit.graph.alloc.arena import Arena
 from tightfit.graph.alloc.layout import ArenaLayout, Outside, arena_layout
 from tightfit.graph.alloc.liveness import Timeline
-from tightfit.graph.alloc.order import ORDERS, choose_order
+from tightfit.graph.alloc.order import TOPOLOGICAL_ORDERS, canonical_order, choose_order
 from tightfit.graph.alloc.program import graph_plans, join_training, plan_arenas, total_bound
 from tightfit.graph.alloc.verify import verify_arena
 
-__all__ = ["RUNTIMES", "DevicePlan", "MemoryPlan", "plan_memory"]
+__all__ = ["COVERS", "NOT_COVERED", "RUNTIMES", "DevicePlan", "MemoryPlan", "plan_memory"]
 
 _LARGEST = 5  # tensors listed at the peak
 
@@ -39,7 +40,8 @@ class DevicePlan:
     aligned), below which no arena can go; ``live_peak_bytes``: the same with exact
     sizes, what a live-tensor counter measures in an op-by-op run; the peak is at
     ``peak_step``, running ``peak_node`` of graph ``peak_graph``, with ``largest_live``
-    (name, graph, bytes) the largest tensors alive there.
+    (name, graph, bytes) the largest tensors alive there; ``strategy``: the arena strategy
+    that packed it (``placement`` before; the old name works for one release).
     """
 
     device: str
@@ -52,7 +54,14 @@ class DevicePlan:
     peak_node: str | None
     peak_graph: str | None
     largest_live: tuple[tuple[str, str, int], ...]
-    placement: str
+    strategy: str
+
+    @property
+    def placement(self) -> str:
+        """Deprecated: :attr:`strategy`."""
+        warnings.warn("DevicePlan.placement is renamed DevicePlan.strategy; placement goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return self.strategy
 
     @property
     def ratio(self) -> float:
@@ -91,6 +100,16 @@ class MemoryPlan:
     outside: tuple[Outside, ...] = ()
 
     @property
+    def covers(self) -> str:
+        """The run this plan's figures predict (see :data:`COVERS`); :data:`NOT_COVERED` is not."""
+        moved = {graph: order for graph, order in self.orders.items() if order != "written"}
+        if self.runtime == "compiled" and moved:
+            kept = ", ".join(f"{graph} {order}" for graph, order in moved.items())
+            return (f"{COVERS['compiled']} once the order kept ({kept}) is applied with tightfit.graph.alloc.apply_order "
+                    "(the backend runs the written order: plan order='written' for it)")
+        return COVERS[self.runtime]
+
+    @property
     def graphs(self) -> tuple[str, ...]:
         return tuple(self.orders)
 
@@ -109,13 +128,14 @@ class MemoryPlan:
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model, "training": self.training, "runtime": self.runtime, "backend": self.backend, "alignment": self.alignment,
+            "covers": self.covers, "not_covered": NOT_COVERED,
             "steps": len(self.timeline.steps),
             "orders": dict(self.orders), "order_peaks": {g: dict(p) for g, p in self.order_peaks.items()},
             "devices": {
                 name: {
                     "weights_bytes": d.weights_bytes, "inputs_bytes": d.inputs_bytes, "arena_bytes": d.arena_bytes,
                     "lower_bound_bytes": d.lower_bound_bytes, "live_peak_bytes": d.live_peak_bytes,
-                    "ratio": d.ratio, "total_bytes": d.total_bytes, "placement": d.placement,
+                    "ratio": d.ratio, "total_bytes": d.total_bytes, "strategy": d.strategy,
                     "peak_step": d.peak_step, "peak_node": d.peak_node, "peak_graph": d.peak_graph,
                     "largest_live": [{"tensor": n, "graph": g, "bytes": b} for n, g, b in d.largest_live],
                 }
@@ -152,7 +172,7 @@ def _device_plan(timeline: Timeline, arena: Arena | None, device: str, alignment
         peak_node=timeline.steps[step] if step is not None else None,
         peak_graph=timeline.step_graphs[step] if step is not None else None,
         largest_live=tuple((b.name, b.graph, b.nbytes) for b in alive[:_LARGEST]),
-        placement=arena.method if arena else "-",
+        strategy=arena.strategy if arena else "-",
     )
 
 
@@ -174,7 +194,7 @@ def _plan_compiled(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs
 
     traced = trace(model, example_inputs, kwargs, device=device, training=training)
     options = CompileOptions(backends=tuple(backends))
-    orders = ORDERS if order == "best" else (order,)
+    orders = TOPOLOGICAL_ORDERS if order == "best" else (order,)
     candidates = []
     layouts = []
     for index, (name, graph_module) in enumerate(traced.graphs):
@@ -210,6 +230,18 @@ def _plan_compiled(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs
 #: PyTorch's eager mode does ("eager": each tensor freed when Python drops it).
 RUNTIMES = ("compiled", "arena", "eager")
 
+#: The run each runtime's figures predict: the tests and benchmarks/memory_plan.py hold
+#: each to the allocator's own count (:func:`tightfit.memory.allocated_peak`), within 5%.
+COVERS = MappingProxyType({
+    "compiled": 'torch.compile(model, backend=tightfit.graph.compiler(execution="fx"))',
+    "arena": 'torch.compile(model, backend=tightfit.graph.compiler(memory="arena")), DFS splits as with execution="fx"',
+    "eager": "model(...) run by eager PyTorch",
+})
+
+#: What no plan predicts, and why: ``runtime="inductor"`` (or ``"auto"``) is refused with it.
+NOT_COVERED = ('inductor or a backend\'s own compiler running the splits (the compile backend\'s default execution="auto" '
+               'where one compiles, or execution="inductor"): they fuse ops and reuse buffers their own way')
+
 
 def plan_memory(model: torch.nn.Module, *example_inputs: Any, backend: Any = None, training: bool = False,
                 kwargs: Mapping[str, Any] | None = None, order: str = "best", runtime: str = "compiled",
@@ -221,11 +253,13 @@ def plan_memory(model: torch.nn.Module, *example_inputs: Any, backend: Any = Non
     on now (``meta`` included). ``training``: plan the forward and the backward (from the
     scalar outputs that need a gradient, such as a loss, else from every output that
     does); the module's own ``train()``/``eval()`` mode is kept. ``order``: "best" (the
-    candidate order with the lowest peak) or one of "written", "dfs", "bfs",
-    "least-peak". ``runtime``: "compiled" (as ``torch.compile(model, backend="tightfit")``
-    runs it), "arena" (the same with ``options={"memory": "arena"}``: written order,
-    each graph's results in one arena per device; ``outside`` lists what is not) or
-    "eager" (op by op in the written order, as PyTorch runs the module).
+    candidate order with the lowest peak) or one of "written", "depth-first",
+    "breadth-first", "least-peak" ("dfs" and "bfs", their old names, are deprecated). ``runtime``: "compiled" (as ``torch.compile(model, backend="tightfit")``
+    runs its splits with ``execution="fx"``, op by op; inductor's own buffers are not
+    predicted: :data:`NOT_COVERED`), "arena" (the same with ``options={"memory": "arena"}``:
+    written order, each graph's results in one arena per device; ``outside`` lists what
+    is not) or "eager" (op by op in the written order, as PyTorch runs the module).
+    ``plan.covers`` names the run the figures predict (:data:`COVERS`).
     ``alignment``: of every offset and size in an arena, in bytes (arena execution
     always aligns its own arenas to ``tightfit.graph.alloc.ARENA_ALIGNMENT``).
     """
@@ -235,11 +269,13 @@ def plan_memory(model: torch.nn.Module, *example_inputs: Any, backend: Any = Non
 
     check_type("model", model, torch.nn.Module)
     check_type("training", training, bool)
-    check_type("order", order, str)
-    if order != "best" and order not in ORDERS:
-        raise ValueError(f"order={order!r} is not accepted; accepted: best, {', '.join(ORDERS)}")
+    order = canonical_order(order)
     alignment = _check_alignment(alignment)
     check_type("runtime", runtime, str)
+    if runtime in ("inductor", "auto"):
+        raise ValueError(f"runtime={runtime!r} is not predicted: {NOT_COVERED}. Plan runtime='compiled' and run with "
+                         "execution='fx', or measure the compiled call with tightfit.memory.allocated_peak; accepted: "
+                         f"{', '.join(RUNTIMES)}")
     check_choice("runtime", runtime, RUNTIMES)
     if runtime in ("eager", "arena") and order not in ("best", "written"):
         raise ValueError(f"order={order!r} with runtime={runtime!r}: {runtime} execution runs the written order; "

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 __all__ = ["plot", "render"]
 
-_COLUMNS = ("device", "weights", "inputs", "arena", "lower bound", "arena/bound", "live peak", "total", "placement")
+_COLUMNS = ("device", "weights", "inputs", "arena", "lower bound", "arena/bound", "live peak", "total", "strategy")
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
@@ -38,8 +38,9 @@ def render(plan: MemoryPlan) -> str:
     for name, device in plan.devices.items():
         rows.append((name, human_bytes(device.weights_bytes), human_bytes(device.inputs_bytes),
                      human_bytes(device.arena_bytes), human_bytes(device.lower_bound_bytes), f"{device.ratio:.3f}",
-                     human_bytes(device.live_peak_bytes), human_bytes(device.total_bytes), device.placement))
+                     human_bytes(device.live_peak_bytes), human_bytes(device.total_bytes), device.strategy))
     lines += _table(rows)
+    lines.append(f"predicts: {plan.covers}; not inductor or a backend's own compiler (see tightfit.memory.NOT_COVERED)")
     for name, device in plan.devices.items():
         if device.peak_step is None:
             continue
@@ -83,18 +84,23 @@ def plot(plan: MemoryPlan, path: str | Path) -> Path:
     """Write a PNG: live bytes per device over the steps, the lower bound and the arena as lines."""
     target = check_png_path("path", path, "plan.plot")
     devices = list(plan.devices)
-    figure, axes = pyplot().subplots(len(devices), 1, figsize=(10, 3.2 * len(devices)), squeeze=False)
+    figure, axes = pyplot().subplots(len(devices), 1, figsize=(12, 3.4 * len(devices)), squeeze=False)
     for axis, name in zip(axes[:, 0], devices):
         device = plan.devices[name]
         draw_live(axis, plan.timeline.live_bytes(name), "live tensors")
-        draw_level(axis, device.arena_bytes, "arena", f" ({device.placement})", color="tab:red", linewidth=2.5)
+        axis.margins(y=0.12)  # room above the arena line, which is often the peak itself
+        draw_level(axis, device.arena_bytes, "arena", f" ({device.strategy})", color="tab:red", linewidth=2.5)
         draw_level(axis, device.lower_bound_bytes, "lower bound", color="tab:green", linestyle="--")
         if device.peak_step is not None:
             axis.axvline(device.peak_step, color="gray", linestyle=":", label=f"peak: {device.peak_node}")
         steps = plan.timeline.step_graphs
         draw_marks(axis, [(index, steps[index]) for index in range(1, len(steps)) if steps[index] != steps[index - 1]])
-        axis.set_title(f"{plan.model} on {name}: {'training step' if plan.training else 'inference'}")
+        held = human_bytes(device.weights_bytes + device.inputs_bytes)
+        axis.set_title(f"{plan.model} on {name}, {'training step' if plan.training else 'inference'} ({plan.runtime}): "
+                       f"activations, outputs, workspaces; weights and inputs ({held}) not drawn", fontsize="medium")
         axis.set_xlabel("step (op in execution order)")
         axis.set_ylabel("MiB")
-        axis.legend(loc="upper left", fontsize="small")
+        axis.set_ylim(bottom=0)
+        # beside the axes, not over them: inside, the legend covered the peak marker
+        axis.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize="small")
     return save(figure, target)

@@ -3,7 +3,7 @@ arena per device, and a verifier that no two live tensors overlap.
 
 - :mod:`~tightfit.graph.alloc.liveness`: storages and their lifetimes (views and
   in-place results share their base's storage), :class:`Timeline`, the lower bound;
-- :mod:`~tightfit.graph.alloc.arena`: greedy-by-size and best-fit offsets, aligned;
+- :mod:`~tightfit.graph.alloc.arena`: offsets, aligned, by two strategies (greedy by size, best fit);
 - :mod:`~tightfit.graph.alloc.verify`: the overlap check;
 - :mod:`~tightfit.graph.alloc.order`: memory-aware topological orders;
 - :mod:`~tightfit.graph.alloc.program`: a graph planned as the compile backend runs
@@ -14,29 +14,39 @@ arena per device, and a verifier that no two live tensors overlap.
 ``tightfit.plan_memory`` builds on these for a whole model; see docs/memory.md.
 """
 
-from tightfit.graph.alloc.arena import PLACEMENTS, Arena, best_fit, greedy_by_size, place_arena
+import warnings
+
+from tightfit.graph.alloc.arena import STRATEGIES, Arena, best_fit, greedy_by_size, place_arena
 from tightfit.graph.alloc.layout import ARENA_ALIGNMENT, ArenaLayout, Outside, arena_layout
 from tightfit.graph.alloc.liveness import Buffer, Timeline, align, graph_timeline
-from tightfit.graph.alloc.order import ORDERS, apply_order, candidate_orders, choose_order
-from tightfit.graph.alloc.program import GraphPlan, join_training, plan_arenas, plan_graph
+from tightfit.graph.alloc.order import (
+    TOPOLOGICAL_ORDERS,
+    apply_order,
+    candidate_orders,
+    canonical_order,
+    choose_order,
+    deprecated_orders,
+)
+from tightfit.graph.alloc.program import ScheduledGraph, join_training, plan_arenas, plan_graph
 from tightfit.graph.alloc.verify import PlanError, verify_arena
 
 __all__ = [
     "ARENA_ALIGNMENT",
-    "ORDERS",
-    "PLACEMENTS",
+    "STRATEGIES",
     "Arena",
     "ArenaLayout",
     "Buffer",
-    "GraphPlan",
     "Outside",
     "PlanError",
+    "ScheduledGraph",
+    "TOPOLOGICAL_ORDERS",
     "Timeline",
     "align",
     "apply_order",
     "arena_layout",
     "best_fit",
     "candidate_orders",
+    "canonical_order",
     "choose_order",
     "graph_timeline",
     "greedy_by_size",
@@ -46,3 +56,18 @@ __all__ = [
     "plan_graph",
     "verify_arena",
 ]
+
+#: Old names kept for one release: "placement" names where nodes run and weights live, and
+#: "plan" the fit and memory plans only.
+_RENAMED = {"PLACEMENTS": ("STRATEGIES", STRATEGIES), "GraphPlan": ("ScheduledGraph", ScheduledGraph)}
+
+
+def __getattr__(name: str) -> object:
+    if name == "ORDERS":  # renamed: TOPOLOGICAL_ORDERS
+        return deprecated_orders()
+    if name in _RENAMED:
+        new_name, value = _RENAMED[name]
+        warnings.warn(f"tightfit.graph.alloc.{name} is renamed {new_name}; {name} goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

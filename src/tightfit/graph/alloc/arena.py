@@ -1,7 +1,7 @@
 """Offsets: place every buffer of one device in one arena so that no two buffers alive
 at the same step overlap, and the arena is as small as we can make it.
 
-Two placements, the smaller one kept (ties: greedy by size):
+Two strategies, the smaller arena kept (ties: greedy by size):
 
 - greedy by size (TFLite's ``GreedyBySize``, ggml's approach): the largest buffers
   first, each at the lowest offset where it fits among the already placed buffers that
@@ -10,35 +10,46 @@ Two placements, the smaller one kept (ties: greedy by size):
   died and giving each new buffer the smallest free hole that fits (growing the arena
   only when none does).
 
-Every offset and every size is a multiple of ``alignment``.
+Every offset and every size is a multiple of ``alignment``. ("Placement" now names where
+a node runs and where weights live; ``PLACEMENTS``, ``methods=`` and ``Arena.method``, the
+strategies' names before, still work for one release with a DeprecationWarning.)
 """
 
 from __future__ import annotations
 
 import bisect
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from tightfit.graph.alloc.liveness import Buffer, align
 
-__all__ = ["Arena", "PLACEMENTS", "best_fit", "greedy_by_size", "place_arena"]
+__all__ = ["STRATEGIES", "Arena", "best_fit", "greedy_by_size", "place_arena"]
 
-#: The placement methods, in the order they are tried.
-PLACEMENTS = ("greedy-by-size", "best-fit")
+#: The arena strategies, in the order they are tried.
+STRATEGIES = ("greedy-by-size", "best-fit")
 
 
 @dataclass(frozen=True)
 class Arena:
-    """One device's arena: ``offsets[i]`` is where ``buffers[i]`` starts."""
+    """One device's arena: ``offsets[i]`` is where ``buffers[i]`` starts; ``strategy``: the one that found it."""
 
     device: str
     size: int
     alignment: int
-    method: str
+    strategy: str
     buffers: tuple[Buffer, ...]
     offsets: tuple[int, ...]
+
+    @property
+    def method(self) -> str:
+        """Deprecated: :attr:`strategy`."""
+        warnings.warn("Arena.method is renamed Arena.strategy; method goes in the next release", DeprecationWarning,
+                      stacklevel=2)
+        return self.strategy
 
     def offset_of(self, name: str) -> int:
         """The offset of the buffer called ``name``."""
@@ -120,19 +131,38 @@ def _free(holes: list[list[int]], offset: int, size: int, top: int) -> int:
     return top
 
 
-_METHODS = {"greedy-by-size": greedy_by_size, "best-fit": best_fit}
+_STRATEGIES = {"greedy-by-size": greedy_by_size, "best-fit": best_fit}
 
 
-def place_arena(device: str, buffers: Sequence[Buffer], alignment: int = 64, methods: Sequence[str] = PLACEMENTS) -> Arena:
-    """The smallest arena the ``methods`` find for ``buffers`` (all on ``device``)."""
+def place_arena(device: str, buffers: Sequence[Buffer], alignment: int = 64, strategies: Sequence[str] = STRATEGIES,
+                **deprecated: Any) -> Arena:
+    """The smallest arena the ``strategies`` find for ``buffers`` (all on ``device``).
+
+    ``methods=``, the old name of ``strategies=``, works for one release with a DeprecationWarning.
+    """
     if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two >= 1, got {alignment!r}")
+    unknown = sorted(set(deprecated) - {"methods"})
+    if unknown:
+        raise TypeError(f"place_arena() got an unexpected keyword argument {unknown[0]!r}")
+    if "methods" in deprecated:
+        warnings.warn("place_arena(methods=...) is renamed strategies=...; methods= goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        strategies = deprecated["methods"]
     best: Arena | None = None
-    for method in methods:
-        if method not in _METHODS:
-            raise ValueError(f"placement method {method!r} is not known; known: {', '.join(PLACEMENTS)}")
-        offsets = _METHODS[method](buffers, alignment)
+    for strategy in strategies:
+        if strategy not in _STRATEGIES:
+            raise ValueError(f"strategy {strategy!r} is not known; known: {', '.join(STRATEGIES)}")
+        offsets = _STRATEGIES[strategy](buffers, alignment)
         size = max((o + align(b.nbytes, alignment) for o, b in zip(offsets, buffers)), default=0)
         if best is None or size < best.size:
-            best = Arena(device, size, alignment, method, tuple(buffers), tuple(offsets))
+            best = Arena(device, size, alignment, strategy, tuple(buffers), tuple(offsets))
     return best
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PLACEMENTS":
+        warnings.warn("tightfit.graph.alloc.PLACEMENTS is renamed STRATEGIES; PLACEMENTS goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return STRATEGIES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

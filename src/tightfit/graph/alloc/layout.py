@@ -29,7 +29,7 @@ import torch.fx
 from tightfit.graph import _nodes
 from tightfit.graph.alloc.arena import Arena, place_arena
 from tightfit.graph.alloc.liveness import Buffer, Timeline, storages_of
-from tightfit.graph.alloc.program import GraphPlan, graph_plans
+from tightfit.graph.alloc.program import ScheduledGraph, graph_plans
 from tightfit.graph.alloc.verify import verify_arena
 from tightfit.graph.out_variants import OutVariant, out_variant
 from tightfit.graph.partition import Split
@@ -104,7 +104,7 @@ def _reason(node: torch.fx.Node, split: Split | None, device: str, escapes: bool
 
 
 def arena_layout(graph_module: torch.fx.GraphModule, splits: Sequence[Split], *, name: str = "graph",
-                 alignment: int = ARENA_ALIGNMENT, plan: GraphPlan | None = None) -> ArenaLayout:
+                 alignment: int = ARENA_ALIGNMENT, plan: ScheduledGraph | None = None) -> ArenaLayout:
     """The arena layout of ``graph_module`` run split by split in the written order.
 
     ``plan``: the graph's plan in the written order with these splits, if made already.

@@ -20,8 +20,10 @@ the lowest total lower bound is kept.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.fx
@@ -29,10 +31,10 @@ import torch.fx
 from tightfit.graph import _nodes
 from tightfit.graph.alloc.arena import Arena, place_arena
 from tightfit.graph.alloc.liveness import Buffer, Storages, Timeline, align, graph_timeline, lifetimes, storages_of
-from tightfit.graph.alloc.order import ORDERS, candidate_orders, choose_order
+from tightfit.graph.alloc.order import TOPOLOGICAL_ORDERS, candidate_orders, canonical_order, choose_order
 from tightfit.graph.partition import Split
 
-__all__ = ["GraphPlan", "graph_plans", "join_training", "plan_arenas", "plan_graph", "total_bound"]
+__all__ = ["ScheduledGraph", "graph_plans", "join_training", "plan_arenas", "plan_graph", "total_bound"]
 
 
 @dataclass
@@ -47,8 +49,9 @@ class _Run:
 
 
 @dataclass
-class GraphPlan:
-    """One graph's timeline in the chosen order, and what joining graphs needs.
+class ScheduledGraph:
+    """One graph's timeline in the chosen order, and what joining graphs needs (``GraphPlan``
+    before: "plan" now names the fit and memory plans only; the old name works for one release).
 
     ``order``: the chosen candidate; ``order_peaks``: each candidate's total lower bound
     (bytes, summed over devices); ``outputs``: for each output position, the names of
@@ -144,20 +147,20 @@ def graph_plans(
     *,
     splits: Sequence[Split] | None = None,
     weights: Iterable[torch.fx.Node] = (),
-    orders: Sequence[str] = ORDERS,
+    orders: Sequence[str] = TOPOLOGICAL_ORDERS,
     released: Iterable[torch.fx.Node] = (),
     name: str = "graph",
     alignment: int = 64,
-) -> dict[str, GraphPlan]:
+) -> dict[str, ScheduledGraph]:
     """One plan of the graph per candidate order in ``orders`` (see :func:`plan_graph`).
 
     ``released``: placeholders that hold values a previous graph made and hands over
     (the forward's saved activations, read by the backward): an order that frees them
     sooner is better, and least-peak-first counts them.
     """
-    unknown = [order for order in orders if order not in ORDERS]
+    unknown = [order for order in orders if order not in TOPOLOGICAL_ORDERS]
     if unknown or not orders:
-        raise ValueError(f"orders={list(orders)!r} is not accepted; accepted: a non-empty list of {', '.join(ORDERS)}")
+        raise ValueError(f"orders={list(orders)!r} is not accepted; accepted: a non-empty list of {', '.join(TOPOLOGICAL_ORDERS)}")
     graph = graph_module.graph
     found = storages_of(graph, weights)
     runs = _runs(graph, splits)
@@ -172,12 +175,12 @@ def graph_plans(
             local = escaping | {sid for node in run.outputs for sid in found.refs.get(node, ())}
             candidates.append(candidate_orders(run.nodes, found, escaping=local, released=handed))
         else:
-            candidates.append({order: run.nodes for order in ORDERS})
+            candidates.append({order: run.nodes for order in TOPOLOGICAL_ORDERS})
     outputs, placeholders = _output_buffers(graph, found), _placeholders(graph, found)
     plans = {}
     for order in orders:
         timeline, ops = _timeline(graph, runs, [c[order] for c in candidates], found, name, alignment)
-        plans[order] = GraphPlan(name, timeline, order, {}, ops, outputs, placeholders, _last_use(graph, ops, runs))
+        plans[order] = ScheduledGraph(name, timeline, order, {}, ops, outputs, placeholders, _last_use(graph, ops, runs))
     peaks = {order: total_bound(plan.timeline, alignment) for order, plan in plans.items()}
     for plan in plans.values():
         plan.order_peaks = dict(peaks)
@@ -197,16 +200,15 @@ def plan_graph(
     order: str = "best",
     name: str = "graph",
     alignment: int = 64,
-) -> GraphPlan:
+) -> ScheduledGraph:
     """The timeline of one graph run split by split (``splits`` None: as one run, op by op).
 
     ``weights``: placeholders that are weights (counted apart from inputs). ``order``:
     "best" (the candidate with the lowest predicted peak; the written order wins ties)
-    or one of :data:`~tightfit.graph.alloc.order.ORDERS` ("written": as traced).
+    or one of :data:`~tightfit.graph.alloc.order.TOPOLOGICAL_ORDERS` ("written": as traced).
     """
-    if order != "best" and order not in ORDERS:
-        raise ValueError(f"order={order!r} is not accepted; accepted: best, {', '.join(ORDERS)}")
-    plans = graph_plans(graph_module, splits=splits, weights=weights, orders=ORDERS if order == "best" else (order,),
+    order = canonical_order(order)
+    plans = graph_plans(graph_module, splits=splits, weights=weights, orders=TOPOLOGICAL_ORDERS if order == "best" else (order,),
                         name=name, alignment=alignment)
     return plans[choose_order(next(iter(plans.values())).order_peaks)]
 
@@ -270,7 +272,7 @@ def plan_arenas(timeline: Timeline, alignment: int = 64) -> dict[str, Arena]:
     return {device: place_arena(device, timeline.device_buffers(device), alignment) for device in timeline.devices}
 
 
-def join_training(forward: GraphPlan, backward: GraphPlan, saved: Sequence[tuple[int, int]],
+def join_training(forward: ScheduledGraph, backward: ScheduledGraph, saved: Sequence[tuple[int, int]],
                   kept: Iterable[int] | None = None) -> Timeline:
     """One timeline for a training step: the forward's steps, then the backward's.
 
@@ -312,3 +314,11 @@ def join_training(forward: GraphPlan, backward: GraphPlan, saved: Sequence[tuple
     return Timeline(steps=forward.timeline.steps + backward.timeline.steps,
                     step_graphs=forward.timeline.step_graphs + backward.timeline.step_graphs,
                     buffers=buffers, weights=dict(forward.timeline.weights), inputs=inputs)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GraphPlan":
+        warnings.warn("GraphPlan is renamed ScheduledGraph; GraphPlan goes in the next release", DeprecationWarning,
+                      stacklevel=2)
+        return ScheduledGraph
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -48,4 +48,4 @@ def verify_arena(arena: Arena) -> None:
         if len(problems) >= 5:
             break
     if problems:
-        raise PlanError(f"arena of {arena.device} ({arena.method}, {arena.size} bytes): " + "; ".join(problems[:5]))
+        raise PlanError(f"arena of {arena.device} ({arena.strategy}, {arena.size} bytes): " + "; ".join(problems[:5]))
