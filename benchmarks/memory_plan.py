@@ -1,4 +1,4 @@
-"""Static memory plans against measured peaks, over models built from configs.
+"""Static memory plans against the allocator, for every runtime a plan predicts.
 
 For each model (a Llama-style causal LM, BERT, GPT-2, a diffusers UNet), inference and
 one training step (the model's own loss, else the mean square of its first output, planned
@@ -6,22 +6,25 @@ and measured as one module), in one run:
 
 - the plan of the graphs the tightfit compile backend runs (``plan_memory``, order
   "best"): arena, lower bound, their ratio, the order kept;
-- eager: the predicted peak (``runtime="eager"``: the module run once on fake tensors)
-  against the peak measured in a real eager call (live tensor bytes, counted by
-  ``tightfit.memory.LiveTensorBytes``; weights and inputs excluded from both);
-- compiled: the predicted peak of the written order (what the compile backend runs,
-  splits as FX modules) against the peak measured in a real call of
-  ``torch.compile(model, backend=tightfit.graph.compiler(execution="fx"))``;
-- arena: the predicted peak of arena execution (``runtime="arena"``: each graph's
-  execution arena counted whole, plus what is allocated outside it) against the peak
-  measured in a real call of ``torch.compile(model, backend=compiler(memory="arena"))``;
-  the execution arenas' sizes (forward + backward) and the bytes of all the tensors
-  allocated outside them (a sum over the step, not a peak);
+- per runtime, the predicted peak against the allocator's own count of one real call
+  (``tightfit.memory.allocated_peak``: the CPU allocator's allocation events, so also
+  what a kernel allocates and frees inside one op; weights and inputs excluded from both):
+  - eager: ``plan_memory(runtime="eager")`` against a plain call of the module;
+  - fx: ``plan_memory(order="written")`` against ``torch.compile(model,
+    backend=tightfit.graph.compiler(execution="fx"))``;
+  - arena: ``plan_memory(runtime="arena")`` against ``torch.compile(model,
+    backend=tightfit.graph.compiler(memory="arena"))``; with the execution arenas' sizes
+    (forward + backward) and the bytes of all the tensors allocated outside them (a sum
+    over the step, not a peak);
+  - auto: the same written-order plan against ``torch.compile(model, backend="tightfit")``
+    with its default execution (inductor compiles the splits). No plan covers it
+    (``tightfit.memory.NOT_COVERED``): the ratio shows by how much it is off;
 - inductor's own estimate (``torch._inductor.memory``'s log of its chosen order), the
   largest over the graphs it compiles (forward and backward apart), where obtainable.
 
 Run: ``PYTHONPATH=src python benchmarks/memory_plan.py`` (``--no-inductor`` skips the
-slow inductor compiles; ``--json PATH`` writes the rows).
+slow inductor compiles: the auto column and inductor's estimate; ``--json PATH`` writes
+the rows).
 """
 
 from __future__ import annotations
@@ -41,8 +44,7 @@ import torch._inductor.config
 
 import tightfit
 from tightfit.graph import compiler
-from tightfit.memory import LiveTensorBytes
-from tightfit.memory.compiled import compiled_peak
+from tightfit.memory import allocated_peak
 
 MiB = 1024 * 1024
 
@@ -136,9 +138,9 @@ class WithLoss(torch.nn.Module):
 
 
 def _step(model, args, kwargs, training: bool) -> Callable[[], None]:
+    """One call (training: forward, loss, backward; the gradients stay, as ``.grad``)."""
     def run() -> None:
         if training:
-            model.zero_grad(set_to_none=True)
             model(*args, **kwargs).backward()
         else:
             with torch.no_grad():
@@ -146,23 +148,16 @@ def _step(model, args, kwargs, training: bool) -> Callable[[], None]:
     return run
 
 
-def eager_peak(model, args, kwargs, training: bool) -> int:
-    """Peak live tensor bytes created by one eager call (training: forward, loss, backward, grads kept)."""
-    run = _step(model, args, kwargs, training)
-    run()  # warm up (lazy initializations)
+def allocator_peak(model, run_model, args, kwargs, training: bool) -> int:
+    """The allocator's peak during one call of ``run_model`` (``model`` compiled, or itself), after a
+    warm-up call (lazy initializations, compiling); the gradients are dropped before the call, outside
+    the measurement (freeing them inside would hide as many bytes)."""
+    run = _step(run_model, args, kwargs, training)
+    run()
     model.zero_grad(set_to_none=True)
-    with LiveTensorBytes() as tracker:
-        run()
-    return tracker.peak
-
-
-def compiled_run_peak(model, args, kwargs, training: bool, memory: str = "allocator") -> int:
-    """The same for the tightfit compile backend (FX execution, or arena execution), from its first split on."""
-    compiled = torch.compile(model, backend=compiler(execution="fx", memory=memory))
-    run = _step(compiled, args, kwargs, training)
-    run()  # compile outside the measurement
+    peak = allocated_peak(run)
     model.zero_grad(set_to_none=True)
-    return compiled_peak(run)
+    return peak
 
 
 class _InductorLog(logging.Handler):
@@ -221,11 +216,13 @@ def row(key: str, training: bool, with_inductor: bool) -> dict:
     arena = tightfit.plan_memory(model, *args, kwargs=kwargs, training=training, backend="cpu", runtime="arena")
     arena.verify()
     device, written_device, eager_device = plan.devices["cpu"], written.devices["cpu"], eager.devices["cpu"]
-    measured_eager = eager_peak(model, args, kwargs, training)
-    torch._dynamo.reset()
-    measured_compiled = compiled_run_peak(model, args, kwargs, training)
-    torch._dynamo.reset()
-    measured_arena = compiled_run_peak(model, args, kwargs, training, memory="arena")
+    measured = {"eager": allocator_peak(model, model, args, kwargs, training)}
+    backends = {"fx": compiler(execution="fx"), "arena": compiler(memory="arena")}
+    if with_inductor:
+        backends["auto"] = "tightfit"
+    for runtime, backend in backends.items():
+        torch._dynamo.reset()
+        measured[runtime] = allocator_peak(model, torch.compile(model, backend=backend), args, kwargs, training)
     torch._dynamo.reset()
 
     estimate = inductor_estimate(model, args, kwargs, training) if with_inductor else None
@@ -234,40 +231,44 @@ def row(key: str, training: bool, with_inductor: bool) -> dict:
         "weights": device.weights_bytes, "arena": device.arena_bytes, "lower_bound": device.lower_bound_bytes,
         "ratio": device.ratio, "order": "/".join(plan.orders.values()), "placement": device.placement,
         "written_lower_bound": written_device.lower_bound_bytes,
-        "eager_predicted": eager_device.live_peak_bytes, "eager_measured": measured_eager,
-        "compiled_predicted": written_device.live_peak_bytes, "compiled_measured": measured_compiled,
-        "arena_predicted": arena.devices["cpu"].live_peak_bytes, "arena_measured": measured_arena,
+        "eager_predicted": eager_device.live_peak_bytes, "eager_measured": measured["eager"],
+        "fx_predicted": written_device.live_peak_bytes, "fx_measured": measured["fx"],
+        "arena_predicted": arena.devices["cpu"].live_peak_bytes, "arena_measured": measured["arena"],
+        "auto_predicted": written_device.live_peak_bytes, "auto_measured": measured.get("auto"),
         "run_arenas": sum(size for sizes in arena.run_arenas.values() for size in sizes.values()),
         "outside": sum(entry.nbytes for entry in arena.outside),
         "inductor_estimate": estimate, "plan_seconds": plan_seconds,
     }
 
 
-def _pct(measured: int, predicted: int) -> str:
-    return f"{(measured - predicted) / predicted * 100:+.1f}%" if predicted else "-"
+def _ratio(measured: int | None, predicted: int) -> str:
+    return f"{measured / predicted:.3f}" if predicted and measured is not None else "-"
+
+
+def _mib(nbytes: int | None) -> str:
+    return f"{nbytes / MiB:.1f}" if nbytes is not None else "-"
 
 
 def print_table(rows: list[dict]) -> None:
-    header = (f"{'model':6} {'mode':5} {'steps':>5} {'weights':>8} {'arena':>8} {'bound':>8} {'ratio':>6} {'order':>16}  "
-              f"{'eager pred':>10} {'meas':>8} {'err':>7}  {'fx pred':>8} {'meas':>8} {'err':>7}  "
-              f"{'arena pred':>10} {'meas':>8} {'err':>7} {'arenas':>7} {'outside':>7}  {'inductor':>8} {'plan s':>6}")
+    runtimes = ("eager", "fx", "arena", "auto")
+    header = (f"{'model':6} {'mode':5} {'steps':>5} {'weights':>7} {'arena':>6} {'bound':>6} {'ratio':>6} {'order':>16}  "
+              + "  ".join(f"{name + ' pred':>10} {'alloc':>6} {'x':>5}" for name in runtimes)
+              + f"  {'arenas':>6} {'outside':>7} {'inductor':>8} {'plan s':>6}")
     print(header)
     print("-" * len(header))
     for r in rows:
-        inductor = f"{r['inductor_estimate'] / MiB:8.1f}" if r["inductor_estimate"] is not None else f"{'-':>8}"
-        print(f"{r['model']:6} {r['mode']:5} {r['steps']:5d} {r['weights'] / MiB:8.1f} {r['arena'] / MiB:8.1f} "
-              f"{r['lower_bound'] / MiB:8.1f} {r['ratio']:6.3f} {r['order']:>16}  "
-              f"{r['eager_predicted'] / MiB:10.1f} {r['eager_measured'] / MiB:8.1f} {_pct(r['eager_measured'], r['eager_predicted']):>7}  "
-              f"{r['compiled_predicted'] / MiB:8.1f} {r['compiled_measured'] / MiB:8.1f} "
-              f"{_pct(r['compiled_measured'], r['compiled_predicted']):>7}  "
-              f"{r['arena_predicted'] / MiB:10.1f} {r['arena_measured'] / MiB:8.1f} "
-              f"{_pct(r['arena_measured'], r['arena_predicted']):>7} {r['run_arenas'] / MiB:7.1f} {r['outside'] / MiB:7.1f}  "
-              f"{inductor} {r['plan_seconds']:6.1f}")
-    print("MiB; arena and bound: the compile backend's graphs in the order kept; eager: plan runtime='eager' against a "
-          "real eager call;\nfx: plan of the written order against torch.compile(backend=tightfit, execution='fx'); "
-          "arena: plan runtime='arena' against\ntorch.compile(backend=tightfit, memory='arena'); arenas: "
-          "the execution arenas' bytes; outside: bytes of all tensors allocated outside them (a sum, not a peak);\n"
-          "inductor: its own estimate (largest graph); weights and inputs excluded from every peak.")
+        cells = "  ".join(f"{_mib(r[name + '_predicted']):>10} {_mib(r[name + '_measured']):>6} "
+                          f"{_ratio(r[name + '_measured'], r[name + '_predicted']):>5}" for name in runtimes)
+        print(f"{r['model']:6} {r['mode']:5} {r['steps']:5d} {_mib(r['weights']):>7} {_mib(r['arena']):>6} "
+              f"{_mib(r['lower_bound']):>6} {r['ratio']:6.3f} {r['order']:>16}  {cells}  "
+              f"{_mib(r['run_arenas']):>6} {_mib(r['outside']):>7} {_mib(r['inductor_estimate']):>8} {r['plan_seconds']:6.1f}")
+    print("MiB; arena and bound: the compile backend's graphs in the order kept; pred: the plan's peak, alloc: "
+          "tightfit.memory.allocated_peak of one real call,\nx: alloc / pred. eager: runtime='eager' against a plain "
+          "call; fx: order='written' against compiler(execution='fx'); arena: runtime='arena' against\n"
+          "compiler(memory='arena'); auto: the fx plan against backend='tightfit' as it is (inductor compiles "
+          "the splits: not covered by any plan);\narenas: the execution arenas' bytes; outside: bytes of all "
+          "tensors allocated outside them (a sum, not a peak); inductor: its own estimate (largest graph);\n"
+          "weights and inputs excluded from every peak.")
 
 
 def main() -> None:
