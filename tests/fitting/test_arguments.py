@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from zoo.lm import figures
 
 import tightfit
 from tightfit.fitting import Allow
+
+from zoo.lm import figures
 
 MODEL = nn.Sequential(nn.Linear(4, 4))
 X = (torch.randn(2, 4),)

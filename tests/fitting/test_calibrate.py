@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -60,8 +61,13 @@ def test_the_cache_key_names_backend_device_and_torch(monkeypatch, tmp_path):
     assert path.name.startswith("calibration-cuda-NVIDIA-H100-80GB-HBM3-torch")
 
 
-def test_real_measurement_gives_valid_figures():
+def test_real_measurement_gives_valid_figures_under_its_own_progress(monkeypatch):
+    tasks = []
+    original = calibrate_impl.task
+    monkeypatch.setattr(calibrate_impl, "task", lambda description, total: tasks.append(description) or original(description, total))
     figures_now = calibrate_impl._measure(backends.get("cpu"), torch.device("cpu"))
+    assert tasks[0].startswith("calibrating cpu: preparing the decode probes")
+    assert re.fullmatch(r"calibrating cpu \(once, about \d+ s\)", tasks[1]), tasks
     assert figures_now.host_to_device_bandwidth is None
     assert figures_now.matmul_flops > 0 and figures_now.disk_bandwidth > 0
     assert set(figures_now.decode_seconds) == {"float8", "8bit", "int8", "nf4", "fp4"}

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from zoo.lm import figures, tiny_lm, token_ids
 
 import tightfit
 from tightfit.fitting import FitPlan, held_bytes
@@ -15,6 +14,8 @@ from tightfit.hooks import LAYERWISE_CASTING, OFFLOADING
 from tightfit.hooks.registry import HookRegistry
 from tightfit.memory import allocated_peak, measure
 from tightfit.quant import Linear4bit, Linear8bit, LinearInt8
+
+from zoo.lm import figures, tiny_lm, token_ids
 
 
 @pytest.fixture(scope="module")

@@ -191,3 +191,22 @@ def test_cpu_placement_is_not_offered_on_the_cpu():
     plan = tightfit.fit(model, (X,), 200 * 1024, allow={"storage": {"keep"}, "placement": {"device", "cpu", "disk"}},
                         calibration=figures())
     assert {e.placement for e in plan.entries} == {"disk"}
+
+
+def _float8_and_int8(int8_share: float) -> list:
+    unit = Unit("a", "linear", (("a", "Linear", (256, 256), torch.float32),), 256 * 256 * 4, 0)
+    decode = 1e-8
+    figs = figures(decode_seconds={"float8": decode, "8bit": 0, "int8": decode * int8_share, "nf4": 0, "fp4": 0})
+    return options_for(unit, storages=frozenset({"float8", "int8"}), placements=frozenset({"device"}),
+                       device=torch.device("cpu"), rows={"a": 8}, live={}, figures=figs)
+
+
+@pytest.mark.parametrize(("int8_share", "tie"), [(0.9, True), (0.3, False)])
+def test_options_of_about_equal_time_tie_and_noise_does_not_change_the_pick(int8_share, tie):
+    # float8 comes before int8 in the catalogue (same precision rank): int8 counts as faster only when more than 25% faster
+    float8, int8 = options = _float8_and_int8(int8_share)
+    assert int8.seconds < float8.seconds
+    assert (int8.cost == float8.cost) is tie
+    pick = options[search([options], budget=10**7, activations=0).best.picks[0]].storage
+    even = _float8_and_int8(1.0)
+    assert pick == (even[search([even], budget=10**7, activations=0).best.picks[0]].storage if tie else "int8")

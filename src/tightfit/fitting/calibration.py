@@ -4,10 +4,12 @@
 device memory bandwidth (a copy), host-to-device copy bandwidth (accelerators), disk
 read bandwidth (a fresh file dropped from the page cache), and the per-weight cost of
 decoding each storage of the storage catalogue during a forward (its format's decode
-probe). Each figure is the median of samples taken for a fixed time
-(:data:`SECONDS_PER_FIGURE`; a probe and the work it is compared with alternate), so
-that a machine doing other work moves the figures little and the whole takes a time
-known beforehand, which the progress task names. The figures are cached as JSON under
+probe). The compute figures are sampled in turns for a fixed time
+(:data:`SECONDS_PER_FIGURE` each) and each is the least of its samples (other work on
+the machine only adds time), so that a machine doing other work moves the figures
+little and the whole takes a time known beforehand, which the progress task names;
+the kernels a format compiles at first use are compiled before, under a task of
+their own. The figures are cached as JSON under
 ``$TIGHTFIT_CACHE_DIR`` (default ``~/.cache/tightfit``), keyed by backend, device name
 and torch version; ``remeasure=True`` measures again. Tests build a
 :class:`Calibration` by hand, so that plans are deterministic.
@@ -40,6 +42,7 @@ __all__ = ["SECONDS_PER_FIGURE", "Calibration", "cache_path", "calibrate"]
 #: How long each figure is sampled for (at least :data:`_MIN_SAMPLES` samples).
 SECONDS_PER_FIGURE = 0.5
 _MIN_SAMPLES = 3
+_PROBE_FEATURES, _PROBE_ROWS = 1024, 64  # the layer and the batch the decode probes run on
 
 _FIGURES = ("matmul_flops", "device_bandwidth", "host_to_device_bandwidth", "disk_bandwidth")
 
@@ -122,36 +125,40 @@ def cache_path(backend: str, device_name: str) -> Path:
     return folder / f"calibration-{slug}.json"
 
 
-def _median_seconds(work: Callable[[], Any], sync: Callable[[], Any], baseline: Callable[[], Any] | None = None) -> float:
-    """The median seconds of ``work`` (less the median of ``baseline``, never below zero)
-    over :data:`SECONDS_PER_FIGURE` of samples, ``work`` and ``baseline`` alternating so
-    that a burst of other work on the machine slows both alike. Each runs once first
-    (caches, kernels compiled at first use). The median, not the least: a sample that
-    other work slowed moves it little, and a lucky one (memory left mapped by the last
-    call) does not decide it."""
-    def timed(fn: Callable[[], Any]) -> float:
-        start = time.perf_counter()
-        fn()
-        sync()
-        return time.perf_counter() - start
-
-    for fn in (work, baseline):
-        if fn is not None:
-            timed(fn)
-    samples: list[float] = []
-    base: list[float] = []
+def _timed(fn: Callable[[], Any], sync: Callable[[], Any]) -> float:
     start = time.perf_counter()
-    while len(samples) < _MIN_SAMPLES or time.perf_counter() - start < SECONDS_PER_FIGURE:
-        samples.append(timed(work))
-        if baseline is not None:
-            base.append(timed(baseline))
-    seconds = statistics.median(samples) - (statistics.median(base) if base else 0.0)
-    return max(seconds, 0.0 if baseline is not None else 1e-9)
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def _least_seconds(works: dict[str, Callable[[], Any]], sync: Callable[[], Any], advance: Callable[[int], None]) -> dict[str, float]:
+    """The least seconds of each of ``works`` over ``len(works)`` x :data:`SECONDS_PER_FIGURE`
+    (at least :data:`_MIN_SAMPLES` each), taken in turns: one call of each per round.
+
+    Other work on the machine only adds time, so the least sample is the figure; taking
+    turns spreads every figure's samples over the whole window, so that a burst of other
+    work slows all of them alike instead of one figure (and the storage it prices)."""
+    for work in works.values():
+        _timed(work, sync)  # caches, allocations and kernels of the first call
+    least = dict.fromkeys(works, math.inf)
+    window = len(works) * SECONDS_PER_FIGURE
+    start, rounds, shown = time.perf_counter(), 0, 0
+    while rounds < _MIN_SAMPLES or time.perf_counter() - start < window:
+        for name, work in works.items():
+            least[name] = min(least[name], _timed(work, sync))
+        rounds += 1
+        done = min(len(works), int(len(works) * (time.perf_counter() - start) / window))
+        advance(done - shown)
+        shown = done
+    advance(len(works) - shown)
+    return {name: max(seconds, 1e-9) for name, seconds in least.items()}
 
 
 def _disk_bandwidth(nbytes: int) -> float:
     """Read a fresh file after asking the OS to drop it from the page cache, again for
-    :data:`SECONDS_PER_FIGURE`; the median read."""
+    :data:`SECONDS_PER_FIGURE` (at least :data:`_MIN_SAMPLES` times); the median read (the
+    least could be a read the OS served from its cache after all)."""
     data = os.urandom(1 << 20) * (nbytes >> 20)
     with tempfile.NamedTemporaryFile(prefix="tightfit-calibrate-") as handle:
         handle.write(data)
@@ -165,62 +172,66 @@ def _disk_bandwidth(nbytes: int) -> float:
                 while reader.read(1 << 22):
                     pass
 
-        seconds = _median_seconds(read, lambda: None)
-    return len(data) / seconds
+        samples: list[float] = []
+        start = time.perf_counter()
+        while len(samples) < _MIN_SAMPLES or time.perf_counter() - start < SECONDS_PER_FIGURE:
+            samples.append(_timed(read, lambda: None))
+    return len(data) / max(statistics.median(samples), 1e-9)
 
 
-def _decode_seconds(device: torch.device, sync: Any, advance: Callable[[int], None]) -> dict[str, float]:
-    """Seconds per weight that a forward spends decoding each storage of the catalogue:
-    what its format's decode probe gives to time (less the work it is compared with) on
-    a 1024 x 1024 layer and 64 rows."""
-    features, rows = 1024, 64
+def _probes(device: torch.device, sync: Callable[[], Any], advance: Callable[[int], None]) -> dict[str, tuple[Any, Any]]:
+    """Each decoding storage's probe on a layer of :data:`_PROBE_FEATURES` squared and
+    :data:`_PROBE_ROWS` rows, run once: the kernels a format compiles at first use are
+    compiled here, before the timed part."""
     torch.manual_seed(0)
-    figures = {}
-    with torch.inference_mode():
-        base = nn.Linear(features, features).to(device)
-        x = torch.randn(rows, features, device=device)
-        for storage in storage_formats():
-            if storage.decodes:
-                work, baseline = storage.decode_probe(base, x)
-                figures[storage.name] = _median_seconds(work, sync, baseline) / (features * features)
-                advance(1)
-    return figures
-
-
-def _figure_count(device: torch.device) -> int:
-    """Figures :func:`_measure` samples: matmul, copy, disk, host-to-device on an
-    accelerator, and one per storage that decodes."""
-    return 3 + (device.type != "cpu") + sum(storage.decodes for storage in storage_formats())
+    probes = {}
+    base = nn.Linear(_PROBE_FEATURES, _PROBE_FEATURES).to(device)
+    x = torch.randn(_PROBE_ROWS, _PROBE_FEATURES, device=device)
+    for storage in storage_formats():
+        if storage.decodes:
+            work, baseline = probes[storage.name] = storage.decode_probe(base, x)
+            for fn in (work, baseline):
+                if fn is not None:
+                    fn()
+            sync()
+            advance(1)
+    return probes
 
 
 def _measure(backend: Any, device: torch.device) -> Calibration:
     start = time.perf_counter()
-    count = _figure_count(device)
-    about = math.ceil(count * SECONDS_PER_FIGURE * 1.5)  # the sampling, and a half again for warm-ups and set-up
-    with task(f"calibrating {backend.name} (once, about {about} s)", count) as advance:
-        sync = lambda: backend.synchronize(device)
+    sync = lambda: backend.synchronize(device)
+    decoding = sum(storage.decodes for storage in storage_formats())
+    with torch.inference_mode():
+        with task(f"calibrating {backend.name}: preparing the decode probes (kernels compile at first use)", decoding) as advance:
+            probes = _probes(device, sync, advance)
         a = torch.randn(1024, 1024, device=device)
         b = torch.randn(1024, 256, device=device)
-        matmul = _median_seconds(lambda: a @ b, sync)
-        advance(1)
         block = torch.ones(16 << 20, dtype=torch.uint8, device=device)
         target = torch.zeros_like(block)  # written once first: the copies time memory, not page faults
-        copy_seconds = _median_seconds(lambda: target.copy_(block), sync)
-        advance(1)
-        host_to_device = None
+        works = {"matmul": lambda: a @ b, "copy": lambda: target.copy_(block)}
         if device.type != "cpu":
             pinned = backend.capabilities().async_copy
             host = torch.empty(16 << 20, dtype=torch.uint8).pin_memory() if pinned else torch.empty(16 << 20, dtype=torch.uint8)
-            host_to_device = host.numel() / _median_seconds(lambda: host.to(device), sync)
+            works["host_to_device"] = lambda: host.to(device)
+        for name, (work, baseline) in probes.items():
+            works[f"decode {name}"] = work
+            if baseline is not None:
+                works[f"baseline {name}"] = baseline
+        count = 1 + len(works)  # the disk, then the figures sampled in turns
+        about = math.ceil(count * SECONDS_PER_FIGURE * 1.25)  # and a quarter again for first calls and slow rounds
+        with task(f"calibrating {backend.name} (once, about {about} s)", count) as advance:
+            disk = _disk_bandwidth(16 << 20)
             advance(1)
-        disk = _disk_bandwidth(16 << 20)
-        advance(1)
-        decode = _decode_seconds(device, sync, advance)
+            least = _least_seconds(works, sync, advance)
+    decode = {name: max(0.0, least[f"decode {name}"] - least.get(f"baseline {name}", 0.0)) / _PROBE_FEATURES**2  # per weight
+              for name in probes}
     return Calibration(
         backend=backend.name, device_name=_device_name(device), torch_version=torch.__version__,
-        matmul_flops=2 * 1024 * 1024 * 256 / matmul,
-        device_bandwidth=2 * block.numel() / copy_seconds,  # a copy reads and writes each byte
-        host_to_device_bandwidth=host_to_device, disk_bandwidth=disk, decode_seconds=decode,
+        matmul_flops=2 * 1024 * 1024 * 256 / least["matmul"],
+        device_bandwidth=2 * block.numel() / least["copy"],  # a copy reads and writes each byte
+        host_to_device_bandwidth=block.numel() / least["host_to_device"] if "host_to_device" in least else None,
+        disk_bandwidth=disk, decode_seconds=decode,
         measured_seconds=time.perf_counter() - start,
     )
 

@@ -33,7 +33,7 @@ PLACEMENTS = ("device", "cpu", "disk")
 #: Predicted times closer than this (relative) count as a tie, which the more precise
 #: storage and then the earlier placement win: the time model's figures are measured on a
 #: machine doing other work, and a plan must not change with their noise.
-TIME_TOLERANCE = 0.1
+TIME_TOLERANCE = 0.25
 
 _PAGE = 4096  # bytes the OS reads per touched page of a memory-mapped file
 _TIE = 1e-12  # seconds per unit of noise: breaks ties between options of equal cost only
