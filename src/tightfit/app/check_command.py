@@ -1,8 +1,8 @@
 """``tightfit check``: the conformance harness (D4), every op on every available backend and
 every CPU kernel against the reference on the CPU, as a table and an ``N/M passed`` line.
 
-The first check compiles the fast CPU kernels and takes tens of seconds, so each op is a
-progress bar on stderr while it runs (when stderr is a terminal).
+A full check runs long on a small CPU (the fast kernels compile at first use), so each op
+is a progress bar on stderr while it runs (when stderr is a terminal).
 """
 
 from __future__ import annotations

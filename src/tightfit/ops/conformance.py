@@ -5,9 +5,9 @@ Outputs that an op writes in place are allocated with sentinel bytes after them,
 kernel that writes past its output is caught. Comparison is bit equality or a
 normalized mean squared error under the op's stated threshold.
 
-Each op is a progress task (:mod:`tightfit._progress`): the first check compiles the
-fast CPU kernels and takes tens of seconds, which a caller with a display (``tightfit
-check``) shows op by op; a library caller sees nothing.
+Each op is a progress task (:mod:`tightfit._progress`): a full check runs long enough
+on a small CPU (the fast kernels compile at first use) that a caller with a display
+(``tightfit check``) shows it op by op; a library caller sees nothing.
 """
 
 from __future__ import annotations
