@@ -28,7 +28,8 @@ def main() -> None:
     """Console-script entry point: set the thread defaults, then exit with the CLI's status."""
     for name, value in THREAD_DEFAULTS.items():
         os.environ.setdefault(name, value)
-    from tightfit.app.cli import main as cli_main  # only now: importing tightfit loads torch and its OpenMP runtime
+    # Imported only now, not at the top: importing tightfit loads torch and its OpenMP runtime.
+    from tightfit.app.cli import main as cli_main
 
     sys.exit(cli_main())
 

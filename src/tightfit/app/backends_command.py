@@ -15,7 +15,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from tightfit._format import dtype_names, human_bytes
-from tightfit.backends import FLOAT8_DTYPES, all_backends, conflict as find_conflict
+from tightfit.backends import FLOAT8_DTYPES, all_backends
+from tightfit.backends import conflict as find_conflict
 
 __all__: list[str] = []
 

@@ -11,7 +11,8 @@ from rich.console import Console
 
 from tightfit._progress import show_progress
 from tightfit.app.output import print_report, report_data
-from tightfit.app.run import STORAGE_DTYPE_CHOICES, RunOptions, quant_configs, run as run_job
+from tightfit.app.run import STORAGE_DTYPE_CHOICES, RunOptions, quant_configs
+from tightfit.app.run import run as run_job
 from tightfit.fitting import PLACEMENTS, storage_names
 
 __all__: list[str] = []
