@@ -251,7 +251,7 @@ def _mib(nbytes: int | None) -> str:
 
 def print_table(rows: list[dict]) -> None:
     runtimes = ("eager", "fx", "arena", "auto")
-    header = (f"{'model':6} {'mode':5} {'steps':>5} {'weights':>7} {'arena':>6} {'bound':>6} {'ratio':>6} {'order':>16}  "
+    header = (f"{'model':6} {'mode':5} {'steps':>5} {'weights':>7} {'arena':>6} {'bound':>6} {'ratio':>6} {'order':>19}  "
               + "  ".join(f"{name + ' pred':>10} {'alloc':>6} {'x':>5}" for name in runtimes)
               + f"  {'arenas':>6} {'outside':>7} {'inductor':>8} {'plan s':>6}")
     print(header)
@@ -260,7 +260,7 @@ def print_table(rows: list[dict]) -> None:
         cells = "  ".join(f"{_mib(r[name + '_predicted']):>10} {_mib(r[name + '_measured']):>6} "
                           f"{_ratio(r[name + '_measured'], r[name + '_predicted']):>5}" for name in runtimes)
         print(f"{r['model']:6} {r['mode']:5} {r['steps']:5d} {_mib(r['weights']):>7} {_mib(r['arena']):>6} "
-              f"{_mib(r['lower_bound']):>6} {r['ratio']:6.3f} {r['order']:>16}  {cells}  "
+              f"{_mib(r['lower_bound']):>6} {r['ratio']:6.3f} {r['order']:>19}  {cells}  "
               f"{_mib(r['run_arenas']):>6} {_mib(r['outside']):>7} {_mib(r['inductor_estimate']):>8} {r['plan_seconds']:6.1f}")
     print("MiB; arena and bound: the compile backend's graphs in the order kept; pred: the plan's peak, alloc: "
           "tightfit.memory.allocated_peak of one real call,\nx: alloc / pred. eager: runtime='eager' against a plain "
