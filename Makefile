@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test check backends bench fuzz clean
+.PHONY: run test lint check backends bench fuzz clean
 
 # make run's extras: the model (hf) and the PNG timelines of --timeline and plan --plot (plot).
 $(VENV)/.installed-run: pyproject.toml scripts/setup-env.sh
@@ -19,6 +19,11 @@ run: $(VENV)/.installed-run
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q
+
+# The linter and formatter (settings in pyproject.toml); CI runs this before the tests.
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 
 check: $(VENV)/.installed-run
 	$(VENV)/bin/tightfit check

@@ -22,8 +22,17 @@ import sys
 import time
 from pathlib import Path
 
-ROWS = ("quantize_blockwise", "dequantize_blockwise", "quantize_4bit", "dequantize_4bit", "gemv_4bit",
-        "int8_vectorwise_quant", "int8_linear_matmul", "int8_mm_dequant", "cast")
+ROWS = (
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "quantize_4bit",
+    "dequantize_4bit",
+    "gemv_4bit",
+    "int8_vectorwise_quant",
+    "int8_linear_matmul",
+    "int8_mm_dequant",
+    "cast",
+)
 
 
 def _calls():
@@ -41,7 +50,10 @@ def _calls():
     w = torch.randn(256, 256, generator=g)
     qw, absmaxw = tightfit.ops.quantize_4bit(w, blocksize=64, quant_type="nf4")
     token = torch.randn(1, 256, generator=g)
-    ints, ints_w = torch.randint(-127, 128, (1, 64), dtype=torch.int8), torch.randint(-127, 128, (64, 64), dtype=torch.int8)
+    ints, ints_w = (
+        torch.randint(-127, 128, (1, 64), dtype=torch.int8),
+        torch.randint(-127, 128, (64, 64), dtype=torch.int8),
+    )
     product = torch.randint(-1000, 1000, (1, 64), dtype=torch.int32)
     rows, cols = torch.rand(1), torch.rand(64)
     f8 = torch.randn(1024, generator=g).to(torch.float8_e4m3fn)
@@ -120,10 +132,14 @@ def main() -> None:
         for label, src in trees.items():  # alternate, so drift on a shared machine hits both alike
             rounds[label].append(_round(src))
     keys = list(rounds["this"][0])
-    medians = {label: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for label, runs in rounds.items()}
+    medians = {
+        label: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for label, runs in rounds.items()
+    }
     spread = max(max(r[key] for r in rounds["this"]) / min(r[key] for r in rounds["this"]) for key in keys)
-    print(f"us per call, 1 thread: median over {args.rounds} rounds of the best of 5 batches of 200 calls; "
-          f"largest max/min across rounds: {spread:.2f}")
+    print(
+        f"us per call, 1 thread: median over {args.rounds} rounds of the best of 5 batches of 200 calls; "
+        f"largest max/min across rounds: {spread:.2f}"
+    )
     header = f"{'op':<22} {'path':<10} {'this':>8}"
     print(header + (f" {'before':>8} {'this/before':>12}" if args.against else ""))
     for key in keys:

@@ -58,8 +58,12 @@ class Residual(nn.Sequential):
 
 def stack_of_blocks(width: int, depth: int) -> nn.Sequential:
     """Blocks of LayerNorm, Linear up 4x, GELU, Linear down, with a residual around each."""
-    return nn.Sequential(*[Residual(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-                           for _ in range(depth)])
+    return nn.Sequential(
+        *[
+            Residual(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(depth)
+        ]
+    )
 
 
 def models(args: argparse.Namespace) -> list[tuple[str, nn.Module, tuple, list[nn.Module]]]:
@@ -68,9 +72,16 @@ def models(args: argparse.Namespace) -> list[tuple[str, nn.Module, tuple, list[n
     stack = stack_of_blocks(args.width, args.depth).eval()
     found = [(f"stack {args.depth}x{args.width}", stack, (torch.randn(2, args.tokens, args.width),), list(stack))]
     if UNet2DModel is not None:
-        unet = UNet2DModel(sample_size=32, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(64, 128),
-                           down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
-                           norm_num_groups=16).eval()
+        unet = UNet2DModel(
+            sample_size=32,
+            in_channels=3,
+            out_channels=3,
+            layers_per_block=1,
+            block_out_channels=(64, 128),
+            down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+            up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+            norm_num_groups=16,
+        ).eval()
         blocks = [*unet.down_blocks, unet.mid_block, *unet.up_blocks]
         found.append(("diffusers UNet2DModel", unet, (torch.randn(1, 3, 32, 32), torch.tensor([10])), blocks))
     return found
@@ -108,7 +119,9 @@ def peak_bytes(model: nn.Module, inputs: tuple, device: torch.device) -> int:
     return backend.memory(device).peak - before + resident_bytes(model, device)
 
 
-def variants(model: nn.Module, blocks: list[nn.Module], compute: torch.dtype, granularity: str, device: torch.device) -> dict[str, nn.Module]:
+def variants(
+    model: nn.Module, blocks: list[nn.Module], compute: torch.dtype, granularity: str, device: torch.device
+) -> dict[str, nn.Module]:
     """The uncast model in ``compute`` on ``device`` and its cast versions, each its own copy."""
     plain = copy.deepcopy(model).to(device, compute)
     found = {"plain": plain}
@@ -124,7 +137,7 @@ def variants(model: nn.Module, blocks: list[nn.Module], compute: torch.dtype, gr
         if granularity == "leaf":
             diffusers_casting(theirs, storage_dtype=F8, compute_dtype=compute)
         else:
-            for target in (copy_blocks(theirs) if granularity == "block" else [theirs]):
+            for target in copy_blocks(theirs) if granularity == "block" else [theirs]:
                 diffusers_module_hook(target, F8, compute, False)
         found["diffusers"] = theirs
     for label, scale in (("tightfit", "channel"), ("tightfit unscaled", None)):
@@ -150,10 +163,12 @@ def same_as_diffusers(model: nn.Module, inputs: tuple, compute: torch.dtype) -> 
     return float((output(ours, inputs) - output(theirs, inputs)).abs().max())
 
 
-def interleaved_best_ms(models_by_label: dict[str, nn.Module], inputs: tuple, repeat: int, device: torch.device) -> dict[str, float]:
+def interleaved_best_ms(
+    models_by_label: dict[str, nn.Module], inputs: tuple, repeat: int, device: torch.device
+) -> dict[str, float]:
     backend = backends.get(device)
     best = dict.fromkeys(models_by_label, float("inf"))
-    for label, model in models_by_label.items():
+    for model in models_by_label.values():
         model(*inputs)  # warm up (and let offloading learn its order)
     for _ in range(repeat):
         for label, model in models_by_label.items():
@@ -171,8 +186,12 @@ def offloading_table(args: argparse.Namespace, device: torch.device) -> None:
     model = stack_of_blocks(args.width, args.depth).eval().to(torch.bfloat16)
     x = torch.randn(2, args.tokens, args.width, dtype=torch.bfloat16, device=device)
     found = {"resident bf16": copy.deepcopy(model).to(device)}
-    for label, offload_to, prefetch, cast in (("offload cpu, no prefetch", "cpu", False, False), ("offload cpu, prefetch", "cpu", True, False),
-                                           ("float8 + offload cpu, prefetch", "cpu", True, True), ("offload disk, prefetch", "disk", True, False)):
+    for label, offload_to, prefetch, cast in (
+        ("offload cpu, no prefetch", "cpu", False, False),
+        ("offload cpu, prefetch", "cpu", True, False),
+        ("float8 + offload cpu, prefetch", "cpu", True, True),
+        ("offload disk, prefetch", "disk", True, False),
+    ):
         variant = copy.deepcopy(model)
         if cast:
             apply_layerwise_casting(variant, F8, torch.bfloat16)
@@ -184,8 +203,10 @@ def offloading_table(args: argparse.Namespace, device: torch.device) -> None:
     print(header)
     print("-" * len(header))
     for label, variant in found.items():
-        print(f"{label:<34}{resident_bytes(variant, device) / 2**20:>14.1f}{peak_bytes(variant, (x,), device) / 2**20:>10.1f}"
-              f"{timings[label]:>9.1f}{relative_error(variant(x).float(), reference):>20.4f}")
+        print(
+            f"{label:<34}{resident_bytes(variant, device) / 2**20:>14.1f}{peak_bytes(variant, (x,), device) / 2**20:>10.1f}"
+            f"{timings[label]:>9.1f}{relative_error(variant(x).float(), reference):>20.4f}"
+        )
 
 
 def main() -> None:
@@ -196,7 +217,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--granularities", default="leaf,block,model")
-    parser.add_argument("--tables", default="casting,offloading", help="which tables to print (offloading: accelerators only)")
+    parser.add_argument(
+        "--tables", default="casting,offloading", help="which tables to print (offloading: accelerators only)"
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     if UNet2DModel is not None:
@@ -206,21 +229,27 @@ def main() -> None:
     torch.set_grad_enabled(False)
     backend = backends.get(args.device)
     device = backend.resolve_device(args.device)
-    print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} CPU threads, storage float8_e4m3fn, "
-          f"diffusers: {'yes' if diffusers_casting else 'not installed'}")
-    header = (f"{'model':<22}{'compute':<9}{'unit':<7}{'variant':<19}{'weights MiB':>12}{'peak MiB':>10}{'ms':>9}"
-              f"{'added ms':>10}{'vs diffusers':>13}{'rel L2 err':>11}")
+    print(
+        f"torch {torch.__version__}, {device}, {torch.get_num_threads()} CPU threads, storage float8_e4m3fn, "
+        f"diffusers: {'yes' if diffusers_casting else 'not installed'}"
+    )
+    header = (
+        f"{'model':<22}{'compute':<9}{'unit':<7}{'variant':<19}{'weights MiB':>12}{'peak MiB':>10}{'ms':>9}"
+        f"{'added ms':>10}{'vs diffusers':>13}{'rel L2 err':>11}"
+    )
     print(header)
     print("-" * len(header))
     notes = []
-    for name, model, inputs, blocks in (models(args) if "casting" in args.tables else []):
+    for name, model, inputs, blocks in models(args) if "casting" in args.tables else []:
         reference = output(model.to(device), tuple(x.to(device) for x in inputs))
         for compute in (torch.bfloat16, torch.float32):
             cast_inputs = tuple(x.to(device, compute) if x.is_floating_point() else x.to(device) for x in inputs)
             match = same_as_diffusers(model, cast_inputs, compute)
             if match is not None:
-                notes.append(f"{name}, {str(compute).removeprefix('torch.')}: tightfit unscaled vs diffusers at leaf granularity, "
-                             f"max |difference| = {match:.3g}")
+                notes.append(
+                    f"{name}, {str(compute).removeprefix('torch.')}: tightfit unscaled vs diffusers at leaf granularity, "
+                    f"max |difference| = {match:.3g}"
+                )
             for granularity in args.granularities.split(","):
                 cast = variants(model, blocks, compute, granularity, device)
                 timings = interleaved_best_ms(cast, cast_inputs, args.repeat, device)
@@ -228,10 +257,16 @@ def main() -> None:
                 added_diffusers = timings.get("diffusers", float("nan")) - base
                 for label, variant in cast.items():
                     added = timings[label] - base
-                    versus = added / added_diffusers if label.startswith("tightfit") and added_diffusers > 0 else float("nan")
-                    print(f"{name:<22}{str(compute).removeprefix('torch.'):<9}{granularity:<7}{label:<19}"
-                          f"{tensor_bytes(weights_of(variant)) / 2**20:>12.1f}{peak_bytes(variant, cast_inputs, device) / 2**20:>10.1f}"
-                          f"{timings[label]:>9.1f}{added:>10.1f}{versus:>13.2f}{relative_error(output(variant, cast_inputs), reference):>11.4f}")
+                    versus = (
+                        added / added_diffusers
+                        if label.startswith("tightfit") and added_diffusers > 0
+                        else float("nan")
+                    )
+                    print(
+                        f"{name:<22}{str(compute).removeprefix('torch.'):<9}{granularity:<7}{label:<19}"
+                        f"{tensor_bytes(weights_of(variant)) / 2**20:>12.1f}{peak_bytes(variant, cast_inputs, device) / 2**20:>10.1f}"
+                        f"{timings[label]:>9.1f}{added:>10.1f}{versus:>13.2f}{relative_error(output(variant, cast_inputs), reference):>11.4f}"
+                    )
                 del cast
     print()
     for note in notes:

@@ -45,7 +45,9 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=64 * 1024 * 1024)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.numel:,} elements; GB/s = (read + written) / time")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.numel:,} elements; GB/s = (read + written) / time"
+    )
     header = f"{'direction':<28}{'mode':<7}{'tightfit':>10}{'torch':>10}{'copy':>10}{'clone':>10}{'x torch':>9}{'of copy':>9}"
     print(header)
     print("-" * len(header))
@@ -79,7 +81,9 @@ def main() -> None:
         for mode, (ours, theirs, copy, clone) in modes.items():
             rates = [moved / best_seconds(fn, args.repeat) / 1e9 for fn in (ours, theirs, copy)]
             clone_rate = f"{moved / best_seconds(clone, args.repeat) / 1e9:>10.2f}" if clone else f"{'':>10}"
-            print(f"{name:<28}{mode:<7}{rates[0]:>10.2f}{rates[1]:>10.2f}{rates[2]:>10.2f}{clone_rate}{rates[0] / rates[1]:>8.1f}x{rates[0] / rates[2]:>8.0%}")
+            print(
+                f"{name:<28}{mode:<7}{rates[0]:>10.2f}{rates[1]:>10.2f}{rates[2]:>10.2f}{clone_rate}{rates[0] / rates[1]:>8.1f}x{rates[0] / rates[2]:>8.0%}"
+            )
 
 
 if __name__ == "__main__":

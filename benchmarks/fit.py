@@ -46,12 +46,10 @@ import torch
 
 import tightfit
 from tightfit._format import human_bytes
-from tightfit.fitting import calibrate, held_bytes
-from tightfit.memory import measure
 from tightfit.app.models import default_model_dir, embed, load_encoder
 from tightfit.app.run import DEFAULT_SENTENCES
-
-
+from tightfit.fitting import calibrate, held_bytes
+from tightfit.memory import measure
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs into the forest where"
 
@@ -171,7 +169,9 @@ def bench_activations(fractions: list[float], figures, repeat: int) -> list[dict
 
     x = torch.randn(8, 256, 64, generator=torch.Generator().manual_seed(1))
     eager = _attention_stack()
-    plain = torch.compile(_attention_stack(), backend=tightfit.graph.compiler(execution="fx"))  # the same weights, no hints
+    plain = torch.compile(
+        _attention_stack(), backend=tightfit.graph.compiler(execution="fx")
+    )  # the same weights, no hints
     full_peak = tightfit.fit(eager, (x,), 1 << 40, calibration=figures).full_peak_bytes
     with torch.inference_mode():
         reference = eager(x)
@@ -198,11 +198,22 @@ def bench_activations(fractions: list[float], figures, repeat: int) -> list[dict
             measured, live = found.allocated_peak_bytes, found.peak_bytes
         runs.append(call)
         slices = next(iter(plan.hints.values()))["slices"] if plan.hints else 0
-        rows.append({"model": "attention stack", "fraction": fraction, "budget_bytes": budget, "slices": slices,
-                     "runtime": plan.runtime, "predicted_peak_bytes": plan.predicted_peak_bytes, "measured_peak_bytes": measured,
-                     "live_peak_bytes": live, "predicted_weights_bytes": plan.predicted_weights_bytes,
-                     "measured_weights_bytes": held, "same_output": same,
-                     "changes": sorted({f"{e.storage}/{e.placement}" for e in plan.changed_entries()})})
+        rows.append(
+            {
+                "model": "attention stack",
+                "fraction": fraction,
+                "budget_bytes": budget,
+                "slices": slices,
+                "runtime": plan.runtime,
+                "predicted_peak_bytes": plan.predicted_peak_bytes,
+                "measured_peak_bytes": measured,
+                "live_peak_bytes": live,
+                "predicted_weights_bytes": plan.predicted_weights_bytes,
+                "measured_weights_bytes": held,
+                "same_output": same,
+                "changes": sorted({f"{e.storage}/{e.placement}" for e in plan.changed_entries()}),
+            }
+        )
     runs += [lambda: plain(x), lambda: eager(x)]
     with torch.inference_mode():
         medians = median_seconds_in_rounds(runs, repeat)
@@ -213,23 +224,32 @@ def bench_activations(fractions: list[float], figures, repeat: int) -> list[dict
 
 
 def activations_table(rows: list[dict]) -> str:
-    lines = ["attention stack (batch 8 x 256 tokens, 4 layers, width 64; plans with slices run as plan.compile(model), "
-             "FX execution; the others eagerly); measured: weights + input + the allocator's peak during one call",
-             f"{'budget':>6}  {'bytes':>10}  {'slices':>6}  {'predicted':>10}  {'measured':>10}  {'pred/meas':>9}  fits  "
-             f"{'live':>10}  {'latency':>9}  {'x no hints':>10}  same  changes"]
+    lines = [
+        "attention stack (batch 8 x 256 tokens, 4 layers, width 64; plans with slices run as plan.compile(model), "
+        "FX execution; the others eagerly); measured: weights + input + the allocator's peak during one call",
+        f"{'budget':>6}  {'bytes':>10}  {'slices':>6}  {'predicted':>10}  {'measured':>10}  {'pred/meas':>9}  fits  "
+        f"{'live':>10}  {'latency':>9}  {'x no hints':>10}  same  changes",
+    ]
     for row in rows:
         lines.append(
             f"{row['fraction']:>6.0%}  {row['budget_bytes']:>10}  {row['slices'] or '-':>6}  {row['predicted_peak_bytes']:>10}  "
             f"{row['measured_peak_bytes']:>10}  {row['predicted_peak_bytes'] / row['measured_peak_bytes']:>9.3f}  "
             f"{'yes' if row['measured_peak_bytes'] <= row['budget_bytes'] else 'NO':>4}  {row['live_peak_bytes']:>10}  "
             f"{row['median_seconds'] * 1e3:>6.1f} ms  {row['median_seconds'] / row['compiled_unhinted_seconds']:>9.2f}x  "
-            f"{'yes' if row['same_output'] else 'NO'}  {', '.join(row['changes']) or '-'}")
-    lines.append(f"the same model compiled without hints: {rows[0]['compiled_unhinted_seconds'] * 1e3:.1f} ms; "
-                 f"eager: {rows[0]['eager_seconds'] * 1e3:.1f} ms")
+            f"{'yes' if row['same_output'] else 'NO'}  {', '.join(row['changes']) or '-'}"
+        )
+    lines.append(
+        f"the same model compiled without hints: {rows[0]['compiled_unhinted_seconds'] * 1e3:.1f} ms; "
+        f"eager: {rows[0]['eager_seconds'] * 1e3:.1f} ms"
+    )
     return "\n".join(lines)
 
 
-WORKLOADS = {"minilm": Encoder, "causal-lm": CausalLM, "activations": AttentionStack}  # the default: minilm and causal-lm
+WORKLOADS = {
+    "minilm": Encoder,
+    "causal-lm": CausalLM,
+    "activations": AttentionStack,
+}  # the default: minilm and causal-lm
 
 
 def bench(workload, fractions: list[float], figures, repeat: int) -> list[dict]:
@@ -250,13 +270,23 @@ def bench(workload, fractions: list[float], figures, repeat: int) -> list[dict]:
         call = lambda model=model: workload.forward(model)  # noqa: E731
         measured = measure(call, device, repeat=1, baseline_bytes=held)  # also warms the call up
         runs.append(call)
-        rows.append({"model": workload.name, "fraction": fraction, "budget_bytes": budget,
-                     "predicted_peak_bytes": plan.predicted_peak_bytes, "measured_peak_bytes": measured.allocated_peak_bytes,
-                     "live_peak_bytes": measured.peak_bytes, "predicted_weights_bytes": plan.predicted_weights_bytes,
-                     "measured_weights_bytes": held, "predicted_seconds": plan.predicted_seconds,
-                     "quality_name": workload.quality_name, "quality": workload.quality(model, reference),
-                     "int8_outliers": plan.int8_outliers,
-                     "changes": sorted({f"{e.storage}/{e.placement}" for e in plan.changed_entries()})})
+        rows.append(
+            {
+                "model": workload.name,
+                "fraction": fraction,
+                "budget_bytes": budget,
+                "predicted_peak_bytes": plan.predicted_peak_bytes,
+                "measured_peak_bytes": measured.allocated_peak_bytes,
+                "live_peak_bytes": measured.peak_bytes,
+                "predicted_weights_bytes": plan.predicted_weights_bytes,
+                "measured_weights_bytes": held,
+                "predicted_seconds": plan.predicted_seconds,
+                "quality_name": workload.quality_name,
+                "quality": workload.quality(model, reference),
+                "int8_outliers": plan.int8_outliers,
+                "changes": sorted({f"{e.storage}/{e.placement}" for e in plan.changed_entries()}),
+            }
+        )
     for row, median in zip(rows, median_seconds_in_rounds(runs, repeat)):
         row["median_seconds"] = median
     return rows
@@ -264,16 +294,19 @@ def bench(workload, fractions: list[float], figures, repeat: int) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     quality = rows[0]["quality_name"]
-    lines = [f"{rows[0]['model']}:",
-             f"{'budget':>6}  {'bytes':>10}  {'predicted':>10}  {'measured':>10}  {'pred/meas':>9}  fits  {'live':>10}  "
-             f"{'held':>9}  {'latency':>9}  {quality:>9}  changes"]
+    lines = [
+        f"{rows[0]['model']}:",
+        f"{'budget':>6}  {'bytes':>10}  {'predicted':>10}  {'measured':>10}  {'pred/meas':>9}  fits  {'live':>10}  "
+        f"{'held':>9}  {'latency':>9}  {quality:>9}  changes",
+    ]
     for row in rows:
         lines.append(
             f"{row['fraction']:>6.0%}  {row['budget_bytes']:>10}  {row['predicted_peak_bytes']:>10}  {row['measured_peak_bytes']:>10}  "
             f"{row['predicted_peak_bytes'] / row['measured_peak_bytes']:>9.3f}  "
             f"{'yes' if row['measured_peak_bytes'] <= row['budget_bytes'] else 'NO':>4}  {row['live_peak_bytes']:>10}  "
             f"{human_bytes(row['measured_weights_bytes']):>9}  {row['median_seconds'] * 1e3:>6.1f} ms  {row['quality']:>9.5f}  "
-            f"{', '.join(row['changes']) or '-'}")
+            f"{', '.join(row['changes']) or '-'}"
+        )
     return "\n".join(lines)
 
 
@@ -294,9 +327,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     device = torch.device("cpu")
     figures = calibrate("cpu", remeasure=args.remeasure)
-    print(f"calibration ({figures.device_name}): matmul {figures.matmul_flops / 1e9:.1f} GFLOP/s, memory "
-          f"{figures.device_bandwidth / 1e9:.1f} GB/s, disk {figures.disk_bandwidth / 1e9:.2f} GB/s, measured in "
-          f"{figures.measured_seconds:.1f} s")
+    print(
+        f"calibration ({figures.device_name}): matmul {figures.matmul_flops / 1e9:.1f} GFLOP/s, memory "
+        f"{figures.device_bandwidth / 1e9:.1f} GB/s, disk {figures.disk_bandwidth / 1e9:.2f} GB/s, measured in "
+        f"{figures.measured_seconds:.1f} s"
+    )
     fractions = [float(f) for f in args.fractions.split(",")]
     tables = []
     with tempfile.TemporaryDirectory(prefix="tightfit-fit-bench-") as folder:
@@ -306,8 +341,10 @@ def main() -> None:
                 continue
             workload = CausalLM(device, folder) if name == "causal-lm" else Encoder(device)
             tables.append(bench(workload, fractions, figures, args.repeat))
-    print("\nbytes: budget, predicted and measured peak (weights held + the allocator's peak during one call); live: "
-          "weights + the per-op count of live tensors")
+    print(
+        "\nbytes: budget, predicted and measured peak (weights held + the allocator's peak during one call); live: "
+        "weights + the per-op count of live tensors"
+    )
     for rows in tables:
         print()
         print(activations_table(rows) if rows[0]["model"] == "attention stack" else table(rows))

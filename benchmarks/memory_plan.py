@@ -65,32 +65,73 @@ def _named_loss(model: torch.nn.Module) -> torch.nn.Module:
 def _llama() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return _named_loss(LlamaForCausalLM(LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-                                        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)))
+    return _named_loss(
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=8000,
+                hidden_size=512,
+                intermediate_size=1376,
+                num_hidden_layers=4,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+                max_position_embeddings=512,
+            )
+        )
+    )
 
 
 def _bert() -> torch.nn.Module:
     from transformers import BertConfig, BertModel
 
-    return BertModel(BertConfig(vocab_size=8000, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
-                                intermediate_size=2048, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    return BertModel(
+        BertConfig(
+            vocab_size=8000,
+            hidden_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            intermediate_size=2048,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
 
 
 def _gpt2() -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return _named_loss(GPT2LMHeadModel(GPT2Config(vocab_size=8000, n_embd=512, n_layer=4, n_head=8, n_positions=512,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                      bos_token_id=0, eos_token_id=0)))
+    return _named_loss(
+        GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=8000,
+                n_embd=512,
+                n_layer=4,
+                n_head=8,
+                n_positions=512,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        )
+    )
 
 
 def _unet() -> torch.nn.Module:
     from diffusers import UNet2DConditionModel
 
-    return UNet2DConditionModel(sample_size=32, in_channels=4, out_channels=4, layers_per_block=1,
-                                block_out_channels=(64, 128), cross_attention_dim=128, attention_head_dim=8,
-                                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), norm_num_groups=32)
+    return UNet2DConditionModel(
+        sample_size=32,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(64, 128),
+        cross_attention_dim=128,
+        attention_head_dim=8,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        norm_num_groups=32,
+    )
 
 
 def _tokens(batch: int, seq: int, labels: bool, cache: bool = True) -> Callable[[bool], tuple[tuple, dict]]:
@@ -100,6 +141,7 @@ def _tokens(batch: int, seq: int, labels: bool, cache: bool = True) -> Callable[
         if training and labels:
             kwargs["labels"] = ids
         return (ids,), kwargs
+
     return make
 
 
@@ -139,12 +181,14 @@ class WithLoss(torch.nn.Module):
 
 def _step(model, args, kwargs, training: bool) -> Callable[[], None]:
     """One call (training: forward, loss, backward; the gradients stay, as ``.grad``)."""
+
     def run() -> None:
         if training:
             model(*args, **kwargs).backward()
         else:
             with torch.no_grad():
                 model(*args, **kwargs)
+
     return run
 
 
@@ -227,17 +271,28 @@ def row(key: str, training: bool, with_inductor: bool) -> dict:
 
     estimate = inductor_estimate(model, args, kwargs, training) if with_inductor else None
     return {
-        "model": key, "mode": "train" if training else "infer", "steps": len(plan.timeline.steps),
-        "weights": device.weights_bytes, "arena": device.arena_bytes, "lower_bound": device.lower_bound_bytes,
-        "ratio": device.ratio, "order": "/".join(plan.orders.values()), "placement": device.placement,
+        "model": key,
+        "mode": "train" if training else "infer",
+        "steps": len(plan.timeline.steps),
+        "weights": device.weights_bytes,
+        "arena": device.arena_bytes,
+        "lower_bound": device.lower_bound_bytes,
+        "ratio": device.ratio,
+        "order": "/".join(plan.orders.values()),
+        "placement": device.placement,
         "written_lower_bound": written_device.lower_bound_bytes,
-        "eager_predicted": eager_device.live_peak_bytes, "eager_measured": measured["eager"],
-        "fx_predicted": written_device.live_peak_bytes, "fx_measured": measured["fx"],
-        "arena_predicted": arena.devices["cpu"].live_peak_bytes, "arena_measured": measured["arena"],
-        "auto_predicted": written_device.live_peak_bytes, "auto_measured": measured.get("auto"),
+        "eager_predicted": eager_device.live_peak_bytes,
+        "eager_measured": measured["eager"],
+        "fx_predicted": written_device.live_peak_bytes,
+        "fx_measured": measured["fx"],
+        "arena_predicted": arena.devices["cpu"].live_peak_bytes,
+        "arena_measured": measured["arena"],
+        "auto_predicted": written_device.live_peak_bytes,
+        "auto_measured": measured.get("auto"),
         "run_arenas": sum(size for sizes in arena.run_arenas.values() for size in sizes.values()),
         "outside": sum(entry.nbytes for entry in arena.outside),
-        "inductor_estimate": estimate, "plan_seconds": plan_seconds,
+        "inductor_estimate": estimate,
+        "plan_seconds": plan_seconds,
     }
 
 
@@ -251,24 +306,33 @@ def _mib(nbytes: int | None) -> str:
 
 def print_table(rows: list[dict]) -> None:
     runtimes = ("eager", "fx", "arena", "auto")
-    header = (f"{'model':6} {'mode':5} {'steps':>5} {'weights':>7} {'arena':>6} {'bound':>6} {'ratio':>6} {'order':>19}  "
-              + "  ".join(f"{name + ' pred':>10} {'alloc':>6} {'x':>5}" for name in runtimes)
-              + f"  {'arenas':>6} {'outside':>7} {'inductor':>8} {'plan s':>6}")
+    header = (
+        f"{'model':6} {'mode':5} {'steps':>5} {'weights':>7} {'arena':>6} {'bound':>6} {'ratio':>6} {'order':>19}  "
+        + "  ".join(f"{name + ' pred':>10} {'alloc':>6} {'x':>5}" for name in runtimes)
+        + f"  {'arenas':>6} {'outside':>7} {'inductor':>8} {'plan s':>6}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
-        cells = "  ".join(f"{_mib(r[name + '_predicted']):>10} {_mib(r[name + '_measured']):>6} "
-                          f"{_ratio(r[name + '_measured'], r[name + '_predicted']):>5}" for name in runtimes)
-        print(f"{r['model']:6} {r['mode']:5} {r['steps']:5d} {_mib(r['weights']):>7} {_mib(r['arena']):>6} "
-              f"{_mib(r['lower_bound']):>6} {r['ratio']:6.3f} {r['order']:>19}  {cells}  "
-              f"{_mib(r['run_arenas']):>6} {_mib(r['outside']):>7} {_mib(r['inductor_estimate']):>8} {r['plan_seconds']:6.1f}")
-    print("MiB; arena and bound: the compile backend's graphs in the order kept; pred: the plan's peak, alloc: "
-          "tightfit.memory.allocated_peak of one real call,\nx: alloc / pred. eager: runtime='eager' against a plain "
-          "call; fx: order='written' against compiler(execution='fx'); arena: runtime='arena' against\n"
-          "compiler(memory='arena'); auto: the fx plan against backend='tightfit' as it is (inductor compiles "
-          "the splits: not covered by any plan);\narenas: the execution arenas' bytes; outside: bytes of all "
-          "tensors allocated outside them (a sum, not a peak); inductor: its own estimate (largest graph);\n"
-          "weights and inputs excluded from every peak.")
+        cells = "  ".join(
+            f"{_mib(r[name + '_predicted']):>10} {_mib(r[name + '_measured']):>6} "
+            f"{_ratio(r[name + '_measured'], r[name + '_predicted']):>5}"
+            for name in runtimes
+        )
+        print(
+            f"{r['model']:6} {r['mode']:5} {r['steps']:5d} {_mib(r['weights']):>7} {_mib(r['arena']):>6} "
+            f"{_mib(r['lower_bound']):>6} {r['ratio']:6.3f} {r['order']:>19}  {cells}  "
+            f"{_mib(r['run_arenas']):>6} {_mib(r['outside']):>7} {_mib(r['inductor_estimate']):>8} {r['plan_seconds']:6.1f}"
+        )
+    print(
+        "MiB; arena and bound: the compile backend's graphs in the order kept; pred: the plan's peak, alloc: "
+        "tightfit.memory.allocated_peak of one real call,\nx: alloc / pred. eager: runtime='eager' against a plain "
+        "call; fx: order='written' against compiler(execution='fx'); arena: runtime='arena' against\n"
+        "compiler(memory='arena'); auto: the fx plan against backend='tightfit' as it is (inductor compiles "
+        "the splits: not covered by any plan);\narenas: the execution arenas' bytes; outside: bytes of all "
+        "tensors allocated outside them (a sum, not a peak); inductor: its own estimate (largest graph);\n"
+        "weights and inputs excluded from every peak."
+    )
 
 
 def main() -> None:

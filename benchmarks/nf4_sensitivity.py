@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from tightfit.app.models import default_model_dir, embed, load_encoder
-from tightfit.quant import Blockwise8Config, FP4Config, Linear4bit, NF4Config, layer_stack, quantize_
 from tightfit.app.run import DEFAULT_SENTENCES, weights_bytes
+from tightfit.quant import Blockwise8Config, FP4Config, Linear4bit, NF4Config, layer_stack, quantize_
 
 OTHER_SENTENCES = [
     "The cat sat quietly on the windowsill, watching the rain.",
@@ -40,7 +40,14 @@ OTHER_SENTENCES = [
     "It was the best of times, it was the worst of times.",
     "Our flight was delayed by three hours because of fog.",
 ]
-KINDS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense", "intermediate.dense", "output.dense")
+KINDS = (
+    "attention.self.query",
+    "attention.self.key",
+    "attention.self.value",
+    "attention.output.dense",
+    "intermediate.dense",
+    "output.dense",
+)
 DEVICE = torch.device("cpu")
 
 
@@ -53,7 +60,9 @@ class Bench:
         self.model, self.tokenizer = load_encoder(default_model_dir(), DEVICE)
         self.sets = {"built-in": list(DEFAULT_SENTENCES), "other": OTHER_SENTENCES}
         self.reference = {key: embed(self.model, self.tokenizer, s, DEVICE) for key, s in self.sets.items()}
-        self.linears = [name for name, m in self.model.named_modules() if type(m) is nn.Linear and name.startswith("encoder.")]
+        self.linears = [
+            name for name, m in self.model.named_modules() if type(m) is nn.Linear and name.startswith("encoder.")
+        ]
 
     def cosines(self, model: nn.Module) -> str:
         cells = []
@@ -84,8 +93,10 @@ def main() -> None:
     torch.set_num_threads(min(torch.get_num_threads(), 2))
     bench = Bench()
     header = "| built-in min | built-in mean | other min | other mean |"
-    print(f"One Linear layer in NF4 (blocksize 64), the rest float32; weight error is |W - NF4(W)| / |W|\n\n"
-          f"| layer | kind | weight error {header}\n|---|---|---|---|---|---|---|")
+    print(
+        f"One Linear layer in NF4 (blocksize 64), the rest float32; weight error is |W - NF4(W)| / |W|\n\n"
+        f"| layer | kind | weight error {header}\n|---|---|---|---|---|---|---|"
+    )
     for name in bench.linears:
         linear = bench.model.get_submodule(name)
         error = float((Linear4bit.from_linear(linear).dequantize() - linear.weight).norm() / linear.weight.norm())
@@ -94,11 +105,17 @@ def main() -> None:
     for kind in KINDS:
         print(f"| {kind} (6 layers) | {bench.only([n for n in bench.linears if kind_of(n) == kind])} |", flush=True)
     for index in range(6):
-        print(f"| encoder.layer.{index} | {bench.only([n for n in bench.linears if n.split('.')[2] == str(index)])} |", flush=True)
+        print(
+            f"| encoder.layer.{index} | {bench.only([n for n in bench.linears if n.split('.')[2] == str(index)])} |",
+            flush=True,
+        )
     print(f"\nEvery Linear layer in NF4\n\n| blocksize, double quant {header}\n|---|---|---|---|---|")
     for blocksize in (32, 64, 128, 256):
         for nested in (False, True):
-            print(f"| {blocksize}, {nested} | {bench.only(bench.linears, blocksize=blocksize, compress_statistics=nested)} |", flush=True)
+            print(
+                f"| {blocksize}, {nested} | {bench.only(bench.linears, blocksize=blocksize, compress_statistics=nested)} |",
+                flush=True,
+            )
     bf16 = copy.deepcopy(bench.model).to(torch.bfloat16)
     print(f"| bfloat16 model, no quantization | {bench.cosines(bf16)} |")
     print(f"| bfloat16 compute, 64, False | {bench.cosines(quantize_(bf16, NF4Config()))} |", flush=True)
@@ -107,12 +124,14 @@ def main() -> None:
     rules = {
         "none": (),
         "first and last layer": (stack[0], stack[-1]),
-        "later third of the layers": stack[len(stack) * 2 // 3:],
-        "later half of the layers": stack[len(stack) // 2:],
+        "later third of the layers": stack[len(stack) * 2 // 3 :],
+        "later half of the layers": stack[len(stack) // 2 :],
         "value and intermediate, every layer": ("*.attention.self.value", "*.intermediate.dense"),
     }
-    print(f"\nNF4 (FP4 where it says so), blocksize 64, except the kept layers; bytes as tightfit run reports them (full precision: "
-          f"{weights_bytes([bench.model]) / 2**20:.1f} MiB)\n\n| kept | kept in {header} weights |\n|---|---|---|---|---|---|---|")
+    print(
+        f"\nNF4 (FP4 where it says so), blocksize 64, except the kept layers; bytes as tightfit run reports them (full precision: "
+        f"{weights_bytes([bench.model]) / 2**20:.1f} MiB)\n\n| kept | kept in {header} weights |\n|---|---|---|---|---|---|---|"
+    )
     for label, patterns in rules.items():
         row, size = bench.whole(NF4Config(keep_8bit=patterns))
         print(f"| {label} | {'8 bits' if patterns else '-'} | {row} | {size / 2**20:.2f} MiB |", flush=True)
@@ -121,7 +140,7 @@ def main() -> None:
             print(f"| {label} | float32 | {row} | {size / 2**20:.2f} MiB |", flush=True)
     row, size = bench.whole(Blockwise8Config())
     print(f"| everything | 8 bits | {row} | {size / 2**20:.2f} MiB |")
-    for label, patterns in (("none, FP4", ()), ("later half of the layers, FP4", stack[len(stack) // 2:])):
+    for label, patterns in (("none, FP4", ()), ("later half of the layers, FP4", stack[len(stack) // 2 :])):
         row, size = bench.whole(FP4Config(keep_8bit=patterns))
         print(f"| {label} | {'8 bits' if patterns else '-'} | {row} | {size / 2**20:.2f} MiB |", flush=True)
 

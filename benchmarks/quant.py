@@ -81,7 +81,9 @@ def main() -> None:
     else:
         timer = functools.partial(device_ms, repeat=args.repeat, device=DEVICE)
         where = torch.accelerator.current_accelerator().type + " " + getattr(torch, DEVICE.type).get_device_name()
-    print(f"torch {torch.__version__}, {where}, {n:,} elements, bitsandbytes: {bnb_root.__version__ if bnb else 'not installed'}")
+    print(
+        f"torch {torch.__version__}, {where}, {n:,} elements, bitsandbytes: {bnb_root.__version__ if bnb else 'not installed'}"
+    )
     header = f"{'op':<40}{'tightfit ms':>12}{'bnb ms':>10}{'copy ms':>10}{'x bnb':>8}{'of copy':>9}"
     print(header)
     print("-" * len(header))
@@ -93,27 +95,81 @@ def main() -> None:
         q8, absmax8 = ops.quantize_blockwise(A)
         q4, absmax4 = ops.quantize_4bit(A, 64, "nf4")
         rows = [
-            (f"quantize_blockwise {dtype}", n * size + n, lambda: ops.quantize_blockwise(A),
-             (lambda: bnb.quantize_blockwise(A)) if bnb else None),
-            (f"dequantize_blockwise -> {dtype}", n + n * size, lambda: ops.dequantize_blockwise(q8, absmax8, dtype=dtype),
-             (lambda: bnb.dequantize_blockwise(q8, bnb.QuantState(absmax=absmax8, code=dynamic, blocksize=4096, dtype=dtype))) if bnb else None),
-            (f"quantize_4bit nf4 bs64 {dtype}", n * size + n // 2, lambda: ops.quantize_4bit(A, 64, "nf4"),
-             (lambda: bnb.quantize_4bit(A, blocksize=64, quant_type="nf4")) if bnb else None),
-            (f"dequantize_4bit nf4 bs64 -> {dtype}", n // 2 + n * size, lambda: ops.dequantize_4bit(q4, absmax4, 64, "nf4", [n], dtype),
-             (lambda: bnb.dequantize_4bit(q4, bnb.QuantState(absmax=absmax4, shape=A.shape, code=nf4, blocksize=64, quant_type="nf4", dtype=dtype))) if bnb else None),
+            (
+                f"quantize_blockwise {dtype}",
+                n * size + n,
+                lambda: ops.quantize_blockwise(A),
+                (lambda: bnb.quantize_blockwise(A)) if bnb else None,
+            ),
+            (
+                f"dequantize_blockwise -> {dtype}",
+                n + n * size,
+                lambda: ops.dequantize_blockwise(q8, absmax8, dtype=dtype),
+                (
+                    lambda: bnb.dequantize_blockwise(
+                        q8, bnb.QuantState(absmax=absmax8, code=dynamic, blocksize=4096, dtype=dtype)
+                    )
+                )
+                if bnb
+                else None,
+            ),
+            (
+                f"quantize_4bit nf4 bs64 {dtype}",
+                n * size + n // 2,
+                lambda: ops.quantize_4bit(A, 64, "nf4"),
+                (lambda: bnb.quantize_4bit(A, blocksize=64, quant_type="nf4")) if bnb else None,
+            ),
+            (
+                f"dequantize_4bit nf4 bs64 -> {dtype}",
+                n // 2 + n * size,
+                lambda: ops.dequantize_4bit(q4, absmax4, 64, "nf4", [n], dtype),
+                (
+                    lambda: bnb.dequantize_4bit(
+                        q4,
+                        bnb.QuantState(
+                            absmax=absmax4, shape=A.shape, code=nf4, blocksize=64, quant_type="nf4", dtype=dtype
+                        ),
+                    )
+                )
+                if bnb
+                else None,
+            ),
         ]
         if dtype == torch.bfloat16:
             side = 4096
             W = torch.randn(side, side, generator=torch.Generator().manual_seed(1)).to(DEVICE)
             packed, state = quant.quantize_4bit(W, quant_type="nf4")
             x = torch.randn(1, side).to(DEVICE, dtype)
-            rows.append((f"matmul_4bit 1x{side} @ nf4 {side}x{side} {dtype}", side * side // 2, lambda: quant.matmul_4bit(x, packed, state),
-                         (lambda: bnb_root.matmul_4bit(x, packed.t(), bnb.QuantState(absmax=state.absmax, shape=W.shape, code=nf4, blocksize=64, quant_type="nf4", dtype=torch.float32))) if bnb else None))
+            rows.append(
+                (
+                    f"matmul_4bit 1x{side} @ nf4 {side}x{side} {dtype}",
+                    side * side // 2,
+                    lambda: quant.matmul_4bit(x, packed, state),
+                    (
+                        lambda: bnb_root.matmul_4bit(
+                            x,
+                            packed.t(),
+                            bnb.QuantState(
+                                absmax=state.absmax,
+                                shape=W.shape,
+                                code=nf4,
+                                blocksize=64,
+                                quant_type="nf4",
+                                dtype=torch.float32,
+                            ),
+                        )
+                    )
+                    if bnb
+                    else None,
+                )
+            )
         for name, nbytes, ours, theirs in rows:
             ours_ms = timer(ours)
             theirs_ms = timer(theirs) if theirs else float("nan")
             roof_ms = copy_ms(nbytes, timer)
-            print(f"{name:<40}{ours_ms:>12.2f}{theirs_ms:>10.2f}{roof_ms:>10.2f}{theirs_ms / ours_ms:>7.1f}x{roof_ms / ours_ms:>9.0%}")
+            print(
+                f"{name:<40}{ours_ms:>12.2f}{theirs_ms:>10.2f}{roof_ms:>10.2f}{theirs_ms / ours_ms:>7.1f}x{roof_ms / ours_ms:>9.0%}"
+            )
 
 
 if __name__ == "__main__":

@@ -148,6 +148,10 @@ def best_ms(fns, x, repeat: int) -> list[float]:
     return [seconds * 1e3 for seconds in best]
 
 
+def _mib_or_na(nbytes: int | None) -> str:
+    return f"{nbytes / MiB:>8.0f}" if nbytes is not None else f"{'n/a':>8}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -165,10 +169,14 @@ def main() -> None:
     x = torch.randn(args.batch, args.seq, embed, generator=torch.Generator().manual_seed(0)).to(device)
     scores = args.batch * args.heads * args.seq * args.seq * 4
     where = f"{torch.get_num_threads()} CPU threads" if device.type == "cpu" else f"{device}"
-    print(f"torch {torch.__version__}, {where}; batch {args.batch} x heads {args.heads} x seq {args.seq} x "
-          f"head dim {args.head_dim}; scores {scores / MiB:.0f} MiB; mmap threshold pinned: {pinned}")
-    header = (f"{'schedule':<14}{'region MiB':>11}{'cut':>7}{'target':>8}{'run MiB':>9}{'RSS fx':>8}{'RSS ind':>9}"
-              f"{'fx ms':>8}{'x bfs':>7}{'ind ms':>8}{'x bfs':>7}")
+    print(
+        f"torch {torch.__version__}, {where}; batch {args.batch} x heads {args.heads} x seq {args.seq} x "
+        f"head dim {args.head_dim}; scores {scores / MiB:.0f} MiB; mmap threshold pinned: {pinned}"
+    )
+    header = (
+        f"{'schedule':<14}{'region MiB':>11}{'cut':>7}{'target':>8}{'run MiB':>9}{'RSS fx':>8}{'RSS ind':>9}"
+        f"{'fx ms':>8}{'x bfs':>7}{'ind ms':>8}{'x bfs':>7}"
+    )
     print(header)
     print("-" * len(header))
     torch.manual_seed(0)
@@ -176,7 +184,9 @@ def main() -> None:
     with torch.no_grad():
         expected = reference(x)
         eager_rss = rss_growth(reference, x)
-    rows = [("bfs", {"schedule": "bfs"})] + [(f"dfs {n}", {"schedule": "dfs", "slices": n, "slice_dim": 1}) for n in (2, 4, 8, 16)]
+    rows = [("bfs", {"schedule": "bfs"})] + [
+        (f"dfs {n}", {"schedule": "dfs", "slices": n, "slice_dim": 1}) for n in (2, 4, 8, 16)
+    ]
     if device.type != "cpu":
         rows.append(("bfs on cpu", {"schedule": "bfs", "device": "cpu"}))
     torch._dynamo.config.recompile_limit = 64  # every row compiles the same forward twice (FX, inductor)
@@ -201,13 +211,16 @@ def main() -> None:
         slices = hints.get("slices", 1)
         cut = 1 - region / bfs["region"]
         target = 0.8 * (slices - 1) / slices
-        rss = lambda value: f"{value / MiB:>8.0f}" if value is not None else f"{'n/a':>8}"
         verdict = "" if slices == 1 or cut >= target else "  MISSES TARGET"
-        print(f"{label:<14}{region / MiB:>11.1f}{cut:>7.0%}{target:>8.0%}{run / MiB:>9.1f}{rss(rss_fx)}{rss(rss_ind):>9}"
-              f"{fx_ms:>8.1f}{fx_ms / bfs['fx']:>6.2f}x{ind_ms:>8.1f}{ind_ms / bfs['ind']:>6.2f}x{verdict}")
+        print(
+            f"{label:<14}{region / MiB:>11.1f}{cut:>7.0%}{target:>8.0%}{run / MiB:>9.1f}{_mib_or_na(rss_fx)}{_mib_or_na(rss_ind):>9}"
+            f"{fx_ms:>8.1f}{fx_ms / bfs['fx']:>6.2f}x{ind_ms:>8.1f}{ind_ms / bfs['ind']:>6.2f}x{verdict}"
+        )
         if "device" in hints:
             head_bytes = 3 * x.numel() * 4 + x.numel() * 4  # q, k, v to the CPU, the output back
-            print(f"{'':<14}copies per call: {head_bytes / MiB:.1f} MiB across; cost over bfs: {ind_ms - bfs['ind']:+.1f} ms (inductor)")
+            print(
+                f"{'':<14}copies per call: {head_bytes / MiB:.1f} MiB across; cost over bfs: {ind_ms - bfs['ind']:+.1f} ms (inductor)"
+            )
     eager_rss_text = f", RSS growth {eager_rss / MiB:.0f} MiB" if eager_rss is not None else ""
     print(f"eager (no compile): {eager_ms:.1f} ms{eager_rss_text}")
 

@@ -38,8 +38,20 @@ def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Build from a copy: setuptools writes build/ and *.egg-info next to the sources.
     source = shutil.copytree(EXAMPLE, tmp_path_factory.mktemp("source") / EXAMPLE.name)
     site = tmp_path_factory.mktemp("site")
-    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-               "--disable-pip-version-check", "--no-input", "--target", str(site), str(source)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--no-build-isolation",
+        "--disable-pip-version-check",
+        "--no-input",
+        "--target",
+        str(site),
+        str(source),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"installing the example failed:\n{done.stdout}\n{done.stderr}"
     return site

@@ -8,8 +8,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ["README.md", "docs/ops.md", "docs/quantization.md", "docs/hooks.md", "docs/hints.md", "docs/compile.md",
-         "docs/memory.md", "docs/fit.md", "docs/architecture.md"]
+PAGES = [
+    "README.md",
+    "docs/ops.md",
+    "docs/quantization.md",
+    "docs/hooks.md",
+    "docs/hints.md",
+    "docs/compile.md",
+    "docs/memory.md",
+    "docs/fit.md",
+    "docs/architecture.md",
+]
 
 
 def python_blocks(page: str) -> list[str]:

@@ -42,6 +42,8 @@ __all__ = [
 
 def __getattr__(name: str) -> object:
     if name == "Plan":
-        warnings.warn("tightfit.Plan is renamed tightfit.FitPlan; Plan goes in the next release", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "tightfit.Plan is renamed tightfit.FitPlan; Plan goes in the next release", DeprecationWarning, stacklevel=2
+        )
         return FitPlan
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

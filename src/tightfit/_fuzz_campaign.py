@@ -74,12 +74,17 @@ def _lines(stream: Any) -> queue.Queue:
     return lines
 
 
-def _run_worker(target: str, seed: int, start: int, count: int, result: CampaignResult,
-                case_timeout: float, first_timeout: float) -> int:
+def _run_worker(
+    target: str, seed: int, start: int, count: int, result: CampaignResult, case_timeout: float, first_timeout: float
+) -> int:
     """Run cases from ``start`` in one worker until it finishes, crashes or hangs; the next index to run."""
     with tempfile.TemporaryFile() as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "tightfit._fuzz_campaign", "--worker", target, str(seed), str(start), str(count)],
-                                stdout=subprocess.PIPE, stderr=stderr, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tightfit._fuzz_campaign", "--worker", target, str(seed), str(start), str(count)],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
         lines, in_flight, outcome = _lines(proc.stdout), None, None
         timeout = first_timeout  # the first case loads (or compiles) the kernels
         while True:
@@ -105,16 +110,21 @@ def _run_worker(target: str, seed: int, start: int, count: int, result: Campaign
         last_words = stderr.read().decode(errors="replace").strip().splitlines()[-1:]
     if in_flight is None:
         if proc.returncode != 0 or start < count:
-            raise RuntimeError(f"a fuzz worker failed outside any case (exit {proc.returncode}, {outcome}): {last_words}")
+            raise RuntimeError(
+                f"a fuzz worker failed outside any case (exit {proc.returncode}, {outcome}): {last_words}"
+            )
         return start
     result.counts[outcome] += 1
     case = importlib.import_module(target).make_case(seed, in_flight)
-    result.findings.append(f"case {in_flight}: {outcome} {case.op} | {case.label} (exit {proc.returncode}) {last_words}")
+    result.findings.append(
+        f"case {in_flight}: {outcome} {case.op} | {case.label} (exit {proc.returncode}) {last_words}"
+    )
     return in_flight + 1
 
 
-def run_campaign(target: str, count: int, seed: int = 0, *, case_timeout: float = 20.0,
-                 first_timeout: float = 180.0) -> CampaignResult:
+def run_campaign(
+    target: str, count: int, seed: int = 0, *, case_timeout: float = 20.0, first_timeout: float = 180.0
+) -> CampaignResult:
     """Run ``count`` cases of ``target`` (a module name) in worker processes; a worker that
     crashes or hangs is replaced and the case is counted as such."""
     if not isinstance(target, str) or importlib.util.find_spec(target) is None:

@@ -27,7 +27,9 @@ def show_progress(console: Any) -> Iterator[None]:
     """Draw the tasks reported inside this block on ``console`` (a rich Console)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
+    progress = Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    )
     token = _DISPLAY.set(progress)
     try:
         with progress:
@@ -54,7 +56,9 @@ def task(description: str, total: int | None) -> Iterator[Callable[[int], None]]
 class _TqdmBar:
     """Enough of tqdm's interface for transformers' loading loop, drawn as a rich task."""
 
-    def __init__(self, iterable: Iterable | None = None, desc: str | None = None, total: int | None = None, **_: Any) -> None:
+    def __init__(
+        self, iterable: Iterable | None = None, desc: str | None = None, total: int | None = None, **_: Any
+    ) -> None:
         if total is None and hasattr(iterable, "__len__"):
             total = len(iterable)
         self._iterable = iterable

@@ -36,7 +36,9 @@ def check_choice(name: str, value: Any, choices: Collection[Any]) -> None:
 def check_same_device(name: str, value: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
     """Raise ValueError when two tensors live on different devices."""
     if value.device != other.device:
-        raise ValueError(f"{name} is on {value.device} but {other_name} is on {other.device}; both must be on one device")
+        raise ValueError(
+            f"{name} is on {value.device} but {other_name} is on {other.device}; both must be on one device"
+        )
 
 
 def check_non_negative_number(name: str, value: Any) -> float:

@@ -8,7 +8,9 @@ import sys
 
 
 def tightfit_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tightfit.app.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "tightfit.app.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_backends_json_lists_every_builtin():
@@ -35,7 +37,13 @@ def test_unknown_command_is_a_usage_error():
 def test_human_bytes():
     from tightfit._format import human_bytes
 
-    assert [human_bytes(v) for v in (None, 5, 1536, 90861056, 3 * 2**40)] == ["-", "5 B", "1.5 KiB", "86.7 MiB", "3.0 TiB"]
+    assert [human_bytes(v) for v in (None, 5, 1536, 90861056, 3 * 2**40)] == [
+        "-",
+        "5 B",
+        "1.5 KiB",
+        "86.7 MiB",
+        "3.0 TiB",
+    ]
 
 
 def test_error_messages_print_brackets_intact(monkeypatch, capsys):
@@ -73,7 +81,9 @@ def test_plan_table_for_a_local_folder_training(tmp_path, capsys):
     from tightfit.app.models import default_model_dir
 
     (tmp_path / "config.json").write_text((default_model_dir() / "config.json").read_text())
-    code, out = plan_cli(capsys, "--model", str(tmp_path), "--batch", "1", "--seq", "8", "--training", "--runtime", "eager")
+    code, out = plan_cli(
+        capsys, "--model", str(tmp_path), "--batch", "1", "--seq", "8", "--training", "--runtime", "eager"
+    )
     assert code == 0, out
     assert "memory plan: BertModel, training step" in out and "eager" in out and str(tmp_path) in out
     assert "inputs token ids, batch 1 x 8 tokens" in out

@@ -23,8 +23,14 @@ import torch
 from tightfit.app import cli, plan_command, run_command
 from tightfit.app.models import save_causal_lm
 
-TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 64}
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
 RUN = ["--repeat", "1", "--max-new-tokens", "1"]
 
 
@@ -67,7 +73,7 @@ def _truncate_weights(folder: Path, rng: random.Random) -> None:
 def _garble_header(folder: Path, rng: random.Random) -> None:
     file = folder / "model.safetensors"
     data = bytearray(file.read_bytes())
-    data[8] = rng.choice(b"x]0\x00\xff\"")  # the header's opening brace: the JSON cannot parse
+    data[8] = rng.choice(b'x]0\x00\xff"')  # the header's opening brace: the JSON cannot parse
     for _ in range(rng.randint(0, 8)):
         data[rng.randrange(9, 8 + struct.unpack("<Q", data[:8])[0])] = rng.randrange(256)
     file.write_bytes(bytes(data))
@@ -89,7 +95,10 @@ def _empty_weights(folder: Path, rng: random.Random) -> None:
 
 def _missing_shard(folder: Path, rng: random.Random) -> None:
     (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
-    shards = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors", "lm_head.weight": "model-00002-of-00002.safetensors"}
+    shards = {
+        "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+        "lm_head.weight": "model-00002-of-00002.safetensors",
+    }
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": shards}))
 
 
@@ -164,16 +173,25 @@ def test_the_real_command_prints_one_line(tiny_llama, tmp_path):
     """Two folders through the real command: no traceback reaches the terminal."""
     for index in (9, 11):  # garbled safetensors header, malicious pickle
         folder = broken_copy(tiny_llama, tmp_path, index, seed=7)
-        done = subprocess.run([sys.executable, "-m", "tightfit.app.cli", "run", "--model", str(folder), *RUN],
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-m", "tightfit.app.cli", "run", "--model", str(folder), *RUN],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 2 and done.stdout == ""
         assert DAMAGES[index][1] in one_error_line(done.stderr, "run")
         assert not (folder / "PWNED").exists()
 
 
 def test_an_invalid_tightfit_strict_is_refused_before_any_work():
-    done = subprocess.run([sys.executable, "-m", "tightfit.app.cli", "run", "--model", "/nonexistent"], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "TIGHTFIT_STRICT": "ture"})
+    done = subprocess.run(
+        [sys.executable, "-m", "tightfit.app.cli", "run", "--model", "/nonexistent"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TIGHTFIT_STRICT": "ture"},
+    )
     assert done.returncode == 2 and done.stdout == ""
     line = one_error_line(done.stderr, "run")
     assert "TIGHTFIT_STRICT='ture' is not accepted; accepted: 0, 1, false, no, off, on, true, yes" in line
@@ -183,15 +201,20 @@ def test_an_invalid_tightfit_strict_is_refused_at_first_read(monkeypatch):
     from tightfit import is_strict
 
     monkeypatch.setenv("TIGHTFIT_STRICT", "ture")
-    with pytest.raises(ValueError, match=r"^TIGHTFIT_STRICT='ture' is not accepted; accepted: 0, 1, false, no, off, on, true, yes$"):
+    with pytest.raises(
+        ValueError, match=r"^TIGHTFIT_STRICT='ture' is not accepted; accepted: 0, 1, false, no, off, on, true, yes$"
+    ):
         is_strict()
 
 
 def test_tightfit_strict_is_checked_by_every_command(monkeypatch, capsys):
     monkeypatch.setenv("TIGHTFIT_STRICT", "2")
     assert cli.main(["backends", "--json"]) == 2
-    assert capsys.readouterr() == ("", "tightfit backends: error: TIGHTFIT_STRICT='2' is not accepted; "
-                                       "accepted: 0, 1, false, no, off, on, true, yes\n")
+    assert capsys.readouterr() == (
+        "",
+        "tightfit backends: error: TIGHTFIT_STRICT='2' is not accepted; "
+        "accepted: 0, 1, false, no, off, on, true, yes\n",
+    )
     monkeypatch.setenv("TIGHTFIT_STRICT", " Yes ")
     assert cli.main(["backends", "--json"]) == 0
 
@@ -205,7 +228,10 @@ def test_a_full_disk_while_offloading_is_one_line(tiny_llama, monkeypatch, capsy
     monkeypatch.setattr(tightfit.app.run, "apply_offloading", full_disk)
     assert cli.main(["run", "--model", str(tiny_llama), "--offload", "disk", *RUN]) == 2
     line = one_error_line(capsys.readouterr().err, "run")
-    assert line == "tightfit run: error: [Errno 28] No space left on device: '/tmp/tightfit-offload/unit-00003.safetensors'"
+    assert (
+        line
+        == "tightfit run: error: [Errno 28] No space left on device: '/tmp/tightfit-offload/unit-00003.safetensors'"
+    )
 
 
 def test_a_multi_line_message_is_joined_into_one(monkeypatch, capsys):

@@ -18,8 +18,13 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _launch(*args: str, **extra: str) -> subprocess.CompletedProcess:
     """``tightfit ARGS`` as the console script runs it, with libgomp describing its settings."""
-    return subprocess.run([sys.executable, "-m", "tightfit_launcher", *args], capture_output=True, text=True, timeout=300,
-                          env=_env(OMP_DISPLAY_ENV="VERBOSE", **extra))
+    return subprocess.run(
+        [sys.executable, "-m", "tightfit_launcher", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(OMP_DISPLAY_ENV="VERBOSE", **extra),
+    )
 
 
 def _spin_count(stderr: str) -> str:

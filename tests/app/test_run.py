@@ -48,7 +48,12 @@ def test_embeddings_match_sentence_transformers():
 
 
 def test_cli_run_json():
-    done = subprocess.run([sys.executable, "-m", "tightfit.app.cli", "run", "--repeat", "1", "--json"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "tightfit.app.cli", "run", "--repeat", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     assert data["backend"] == "cpu" and data["embedding_dim"] == 384
@@ -86,20 +91,33 @@ def test_nf4_keeps_the_later_half_of_the_layers_in_8_bits(nf4_reports):
     assert kept.min_cosine_to_full >= 0.98 > all_4bit.min_cosine_to_full
     # 3 layers x (4 x 384 x 384 + 2 x 384 x 1536) = 5,308,416 weights at one byte, plus scales and float32 biases
     assert 5_308_416 < kept.kept_8bit_bytes < 5_308_416 * 1.02
-    assert all_4bit.weights_bytes < kept.weights_bytes < all_4bit.weights_bytes + kept.kept_8bit_bytes < kept.full_weights_bytes
+    assert (
+        all_4bit.weights_bytes
+        < kept.weights_bytes
+        < all_4bit.weights_bytes + kept.kept_8bit_bytes
+        < kept.full_weights_bytes
+    )
 
 
 def test_cli_run_nf4_names_the_kept_layers():
-    done = subprocess.run([sys.executable, "-m", "tightfit.app.cli", "run", "--quant", "nf4", "--repeat", "1"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "tightfit.app.cli", "run", "--quant", "nf4", "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
-    assert "kept in 8 bits" in done.stdout and "encoder.layer.3, encoder.layer.4, encoder.layer.5: 18 Linear" in done.stdout
+    assert (
+        "kept in 8 bits" in done.stdout
+        and "encoder.layer.3, encoder.layer.4, encoder.layer.5: 18 Linear" in done.stdout
+    )
 
 
 def testweights_bytes_count_the_scales_of_quantized_layers():
     from torch import nn
 
-    from tightfit.quant import NF4Config, quantize_
     from tightfit.app.run import weights_bytes
+    from tightfit.quant import NF4Config, quantize_
 
     model = quantize_(nn.Sequential(nn.Linear(64, 128)), NF4Config())
     # 8192 values: 4096 packed bytes, 128 float32 scales, the 16-entry float32 code map, 128 float32 biases
@@ -143,7 +161,12 @@ def test_run_rejects_missing_or_bad_model_folder(tmp_path):
 
 
 def test_cli_reports_errors_without_a_traceback(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "tightfit.app.cli", "run", "--model", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "tightfit.app.cli", "run", "--model", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2
     assert done.stderr.startswith("tightfit run: error: model=") and "has no config.json" in done.stderr
     assert done.stderr.count("\n") == 1 and done.stdout == ""

@@ -16,8 +16,14 @@ from tightfit.app.models import save_causal_lm
 from tightfit.app.run import RunOptions, run
 from tightfit.fitting import PLACEMENTS, Allow, FitError, storage_names
 
-TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 64}
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
 # keys and values of 2 layers, 2 KV heads of 8 dimensions, float32
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 8 * 4
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -30,12 +36,17 @@ def tiny_llama(tmp_path_factory):
 
 # -- options --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("text", "storage", "placement"),
     [
         ("int8,nf4", {"keep", "int8", "nf4"}, set(PLACEMENTS)),  # only storages named: every placement stays
         ("device", set(storage_names()), {"device"}),  # no offloading, every storage
-        ("keep, Float8 ,disk,", {"keep", "float8"}, {"device", "disk"}),  # keep and device always; case and spaces ignored
+        (
+            "keep, Float8 ,disk,",
+            {"keep", "float8"},
+            {"device", "disk"},
+        ),  # keep and device always; case and spaces ignored
     ],
 )
 def test_allow_names_restrict_only_their_kind(text, storage, placement):
@@ -47,7 +58,9 @@ def test_run_options_parse_the_budget_and_coerce_allow():
     assert RunOptions(budget="40MB").budget == 40_000_000
     assert RunOptions(budget="1.5GiB").budget == 1.5 * 2**30
     assert RunOptions(budget=123).budget == 123
-    assert RunOptions(budget="1MB", allow={"storage": {"keep", "int8"}}).allow == Allow(storage=frozenset({"keep", "int8"}))
+    assert RunOptions(budget="1MB", allow={"storage": {"keep", "int8"}}).allow == Allow(
+        storage=frozenset({"keep", "int8"})
+    )
     assert RunOptions().budget is None and RunOptions().allow is None
 
 
@@ -64,10 +77,17 @@ def test_run_options_parse_the_budget_and_coerce_allow():
         ({"budget": True}, TypeError, r"budget must be an int or a str, got bool"),
         ({"budget": 1.5e6}, TypeError, r"budget must be an int or a str, got float"),
         ({"budget": "40MB", "quant": "nf4"}, ValueError, r"cannot be combined with quant; drop it"),
-        ({"budget": "40MB", "storage_dtype": "float16", "offload": "disk"}, ValueError,
-         r"cannot be combined with storage_dtype, offload; drop them"),
+        (
+            {"budget": "40MB", "storage_dtype": "float16", "offload": "disk"},
+            ValueError,
+            r"cannot be combined with storage_dtype, offload; drop them",
+        ),
         ({"allow": "keep"}, ValueError, r"allow='keep' restricts the fit planner, which runs only with a budget"),
-        ({"budget": "1MB", "allow": "keep,tape"}, ValueError, r"allow='keep,tape' has 'tape', which is not accepted; accepted: .*disk"),
+        (
+            {"budget": "1MB", "allow": "keep,tape"},
+            ValueError,
+            r"allow='keep,tape' has 'tape', which is not accepted; accepted: .*disk",
+        ),
         ({"budget": "1MB", "allow": " , "}, ValueError, r"allow=' , ' names nothing"),
         ({"budget": "1MB", "allow": {"storage": {"int8"}}}, ValueError, r"lacks 'keep'"),
         ({"budget": "1MB", "allow": 3}, TypeError, r"allow must be None, a str such as 'keep,float8,disk'.*got int: 3"),
@@ -79,9 +99,12 @@ def test_run_options_reject_bad_budgets_and_allow(kwargs, error, match):
 
 
 def test_cli_rejects_bad_budgets_without_a_traceback(capsys):
-    for argv, message in ((["--budget", "1.5XB"], "budget='1.5XB' is not a size"), (["--budget", "-1"], "budget='-1' is not a size"),
-                          (["--budget", "40MB", "--quant", "int8"], "cannot be combined with quant"),
-                          (["--allow", "disk"], "runs only with a budget")):
+    for argv, message in (
+        (["--budget", "1.5XB"], "budget='1.5XB' is not a size"),
+        (["--budget", "-1"], "budget='-1' is not a size"),
+        (["--budget", "40MB", "--quant", "int8"], "cannot be combined with quant"),
+        (["--allow", "disk"], "runs only with a budget"),
+    ):
         assert main(["run", *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("tightfit run: error: ") and message in err and err.count("\n") == 1
@@ -89,12 +112,16 @@ def test_cli_rejects_bad_budgets_without_a_traceback(capsys):
 
 # -- the built-in encoder -------------------------------------------------------------
 
+
 def test_cli_json_on_the_default_model_fits_the_budget(capsys):
     assert main(["run", "--budget", "40MB", "--repeat", "1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     plan = data["plan"]
     assert data["budget_bytes"] == 40_000_000 == plan["budget_bytes"]
-    assert data["measured_peak_bytes"] == data["allocated_peak_bytes"] <= data["budget_bytes"] and data["within_budget"] is True
+    assert (
+        data["measured_peak_bytes"] == data["allocated_peak_bytes"] <= data["budget_bytes"]
+        and data["within_budget"] is True
+    )
     assert data["predicted_peak_bytes"] == plan["predicted_peak_bytes"]  # an encoder's run is the planned forward
     assert data["predicted_over_measured"] == pytest.approx(data["predicted_peak_bytes"] / data["measured_peak_bytes"])
     assert 0.99 < data["predicted_over_measured"] < 1.1  # measured 1.002
@@ -108,12 +135,17 @@ def test_cli_json_on_the_default_model_fits_the_budget(capsys):
 def test_allow_restricts_the_storages_on_the_default_model(capsys):
     assert main(["run", "--budget", "40MB", "--allow", "keep,float8,disk", "--repeat", "1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["plan"]["allow"] == {"storage": ["float8", "keep"], "placement": ["device", "disk"], "hints": False}  # runs are eager
+    assert data["plan"]["allow"] == {
+        "storage": ["float8", "keep"],
+        "placement": ["device", "disk"],
+        "hints": False,
+    }  # runs are eager
     assert {entry["storage"] for entry in data["plan"]["entries"]} <= {"keep", "float8"}  # without allow: int8
     assert data["within_budget"] is True
 
 
 # -- a tiny causal LM -----------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def lm_report(tiny_llama, tmp_path_factory):
@@ -123,9 +155,14 @@ def lm_report(tiny_llama, tmp_path_factory):
 
 def test_causal_lm_generation_fits_and_the_prediction_covers_it(lm_report):
     budgeted = lm_report.budgeted
-    assert budgeted.kv_cache_bytes == 5 * TINY_KV_BYTES_PER_TOKEN  # 6 new tokens: 5 one-token forwards after the prefill
+    assert (
+        budgeted.kv_cache_bytes == 5 * TINY_KV_BYTES_PER_TOKEN
+    )  # 6 new tokens: 5 one-token forwards after the prefill
     assert budgeted.plan.budget_bytes == 4_000_000 - budgeted.kv_cache_bytes
-    assert "prefill forward over the" in budgeted.covers and "KV cache's growth over the 5 one-token decode forwards" in budgeted.covers
+    assert (
+        "prefill forward over the" in budgeted.covers
+        and "KV cache's growth over the 5 one-token decode forwards" in budgeted.covers
+    )
     measured = lm_report.measurement.peak_bytes
     assert measured <= lm_report.budget_bytes == 4_000_000
     assert measured <= lm_report.predicted_peak_bytes < 1.1 * measured  # measured 1.0007
@@ -145,9 +182,15 @@ def test_cli_table_shows_the_plan_and_the_prediction_against_the_measurement(tin
     out = capsys.readouterr().out
     assert "planned for 3.8 MiB: the budget less 512 B of KV cache growth while decoding" in out
     assert "fit plan: LlamaForCausalLM on cpu" in out and "model.embed_tokens" in out
-    for row in ("budget: predicted against measured", "3.8 MiB (4,000,000 B)", "predicted peak", "predicted / measured",
-                "measured within budget", "token agreement, plan for 3.8 MiB vs full",
-                "the prediction covers the prefill forward over the 17-token prompt"):
+    for row in (
+        "budget: predicted against measured",
+        "3.8 MiB (4,000,000 B)",
+        "predicted peak",
+        "predicted / measured",
+        "measured within budget",
+        "token agreement, plan for 3.8 MiB vs full",
+        "the prediction covers the prefill forward over the 17-token prompt",
+    ):
         assert row in out
 
 
@@ -164,7 +207,10 @@ def test_a_budget_above_the_model_s_needs_applies_nothing(tiny_llama, capsys):
     out = capsys.readouterr().out
     assert "budget 953.7 MiB covers the unchanged model" in out and "nothing applied, weights as loaded" in out
     assert "token agreement" not in out and "fit plan:" not in out
-    assert main(["run", "--model", str(tiny_llama), "--budget", "1GB", "--repeat", "1", "--max-new-tokens", "4", "--json"]) == 0
+    assert (
+        main(["run", "--model", str(tiny_llama), "--budget", "1GB", "--repeat", "1", "--max-new-tokens", "4", "--json"])
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["applies_nothing"] is True and data["within_budget"] is True and data["token_agreement"] is None
     assert data["predicted_peak_bytes"] == data["plan"]["full_peak_bytes"] + 3 * TINY_KV_BYTES_PER_TOKEN
@@ -175,15 +221,24 @@ def test_a_budget_above_the_model_s_needs_applies_nothing(tiny_llama, capsys):
 def test_allow_is_respected_and_a_budget_nothing_meets_is_a_fit_error(tiny_llama):
     options = RunOptions(model=str(tiny_llama), budget="8MB", allow="keep,disk", repeat=1, max_new_tokens=2)
     assert {(e.storage, e.placement) for e in run(options).budgeted.plan.changed_entries()} == {("keep", "disk")}
-    with pytest.raises(FitError, match=r"^budget=7.6 MiB \(8000000 B\) less 256 B \(256 B\) of KV cache growth while decoding "
-                                       r"leaves the prefill forward 7999744 B\. budget=7.6 MiB \(7999744 B\) cannot be met on cpu") as caught:
-        run(RunOptions(model=str(tiny_llama), budget="8MB", allow="device", max_new_tokens=2))  # the embeddings must stay
+    with pytest.raises(
+        FitError,
+        match=r"^budget=7.6 MiB \(8000000 B\) less 256 B \(256 B\) of KV cache growth while decoding "
+        r"leaves the prefill forward 7999744 B\. budget=7.6 MiB \(7999744 B\) cannot be met on cpu",
+    ) as caught:
+        run(
+            RunOptions(model=str(tiny_llama), budget="8MB", allow="device", max_new_tokens=2)
+        )  # the embeddings must stay
     assert caught.value.budget_bytes == 8_000_000 < caught.value.smallest_peak_bytes
 
 
 def test_cli_no_fit_exits_non_zero_with_the_fit_error_also_under_python_O(tiny_llama):
-    done = subprocess.run([sys.executable, "-O", "-m", "tightfit.app.cli", "run", "--model", str(tiny_llama), "--budget", "1MB"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-O", "-m", "tightfit.app.cli", "run", "--model", str(tiny_llama), "--budget", "1MB"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2
     assert done.stderr.startswith("tightfit run: error: budget=") and done.stderr.count("\n") == 1
     assert "cannot be met on cpu" in done.stderr and "dominated by" in done.stderr
@@ -191,6 +246,9 @@ def test_cli_no_fit_exits_non_zero_with_the_fit_error_also_under_python_O(tiny_l
 
 
 def test_a_budget_below_the_kv_cache_growth_is_refused(tiny_llama):
-    with pytest.raises(ValueError, match=r"budget=200 B \(200 B\) leaves nothing for the model: the KV cache's growth while decoding "
-                                         r"alone needs 256 B \(256 B\); generate fewer tokens"):
+    with pytest.raises(
+        ValueError,
+        match=r"budget=200 B \(200 B\) leaves nothing for the model: the KV cache's growth while decoding "
+        r"alone needs 256 B \(256 B\); generate fewer tokens",
+    ):
         run(RunOptions(model=str(tiny_llama), budget=200, max_new_tokens=2))

@@ -13,10 +13,16 @@ import torch
 
 from tightfit.app.generation import generate_greedy, token_agreement
 from tightfit.app.models import CAUSAL_LM, ENCODER, folder_kind, load_causal_lm, model_kind, save_causal_lm
-from tightfit.app.run import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROMPT, RunOptions, run
+from tightfit.app.run import DEFAULT_PROMPT, RunOptions, run
 
-TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 64}
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
@@ -88,7 +94,12 @@ def test_causal_lm_run_reports_text_speed_and_memory(report, tiny_llama):
     assert len(report.measurement.seconds) == 2
     assert report.measurement.peak_bytes > report.weights_bytes
     # nothing changed: no quality figure, as for encoders; the encoder's fields stay empty
-    assert report.changes is None and report.token_agreement is None and report.quality is None and report.full_text is None
+    assert (
+        report.changes is None
+        and report.token_agreement is None
+        and report.quality is None
+        and report.full_text is None
+    )
     assert report.embedding_dim is None and report.pairs == [] and report.min_cosine_to_full is None
 
 
@@ -134,8 +145,25 @@ def test_offloaded_to_disk_agrees_fully(tiny_llama):
 def test_cli_json_for_a_causal_lm(tiny_llama, capsys):
     from tightfit.app.cli import main
 
-    assert main(["run", "--model", str(tiny_llama), "--repeat", "1", "--max-new-tokens", "3", "--prompt", "Hello there",
-                 "--storage-dtype", "bfloat16", "--json"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--model",
+                str(tiny_llama),
+                "--repeat",
+                "1",
+                "--max-new-tokens",
+                "3",
+                "--prompt",
+                "Hello there",
+                "--storage-dtype",
+                "bfloat16",
+                "--json",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     data = json.loads(captured.out)
     assert captured.err == ""  # no progress bars where stderr is not a terminal
@@ -178,7 +206,9 @@ def test_run_options_reject_bad_generation_input(kwargs, error, match):
 def test_run_rejects_generation_options_for_an_encoder_and_too_long_generations(tiny_llama):
     with pytest.raises(ValueError, match="prompt and max_new_tokens apply to causal LMs; .* is an encoder"):
         run(RunOptions(max_new_tokens=4))
-    with pytest.raises(ValueError, match=r"max_new_tokens=60 make \d+ positions; the model takes at most max_position_embeddings=64"):
+    with pytest.raises(
+        ValueError, match=r"max_new_tokens=60 make \d+ positions; the model takes at most max_position_embeddings=64"
+    ):
         run(RunOptions(model=str(tiny_llama), max_new_tokens=60))
 
 
@@ -224,7 +254,9 @@ def test_timeline_png_of_a_causal_lm_run(tiny_llama, tmp_path):
     assert [label for _, label in timeline.marks] == ["prefill", "decode"]
     assert timeline.samples[0] == report.weights_bytes  # before the first op: the weights
     assert timeline.peak_bytes == report.measurement.peak_bytes  # one recorded call: the measured peak
-    plotted = timeline.plot(tmp_path / "with-lines.png", budget_bytes=2 * report.weights_bytes, predicted_peak_bytes=timeline.peak_bytes)
+    plotted = timeline.plot(
+        tmp_path / "with-lines.png", budget_bytes=2 * report.weights_bytes, predicted_peak_bytes=timeline.peak_bytes
+    )
     assert plotted.stat().st_size > 1000
     with pytest.raises(ValueError, match="budget_bytes must be an int >= 0 or None, got -1"):
         timeline.plot(tmp_path / "bad.png", budget_bytes=-1)
@@ -232,7 +264,9 @@ def test_timeline_png_of_a_causal_lm_run(tiny_llama, tmp_path):
 
 @pytest.mark.skipif(HAS_MATPLOTLIB, reason="matplotlib is installed")
 def test_timeline_without_matplotlib_names_the_extra(tmp_path):
-    with pytest.raises(RuntimeError, match=r"tightfit run --timeline needs matplotlib; install it with: pip install 'tightfit\[plot\]'"):
+    with pytest.raises(
+        RuntimeError, match=r"tightfit run --timeline needs matplotlib; install it with: pip install 'tightfit\[plot\]'"
+    ):
         RunOptions(timeline=tmp_path / "memory.png")
 
 

@@ -12,7 +12,7 @@ import torch
 import tightfit
 from tightfit.backends import registry
 
-FAKE_BACKEND = '''
+FAKE_BACKEND = """
 import torch
 from tightfit.backends import Backend, Capabilities, MemoryInfo
 
@@ -41,7 +41,7 @@ class FakeBackend(Backend):
 
     def _synchronize(self, device):
         pass
-'''
+"""
 
 
 def install_plugin(root, monkeypatch, dist, module, *, body, entry_name=None):
@@ -87,7 +87,13 @@ def test_unavailable_plugin_is_listed_but_not_usable(tmp_path, monkeypatch):
 
 
 def test_broken_plugin_is_recorded_and_never_breaks_tightfit(tmp_path, monkeypatch):
-    install_plugin(tmp_path, monkeypatch, "broken-vendor", "broken_vendor", body="raise ImportError('driver library libfoo.so missing')\n")
+    install_plugin(
+        tmp_path,
+        monkeypatch,
+        "broken-vendor",
+        "broken_vendor",
+        body="raise ImportError('driver library libfoo.so missing')\n",
+    )
     entry = next(e for e in tightfit.backends.all_backends() if e.entry_point == "broken_vendor")
     assert entry.backend is None
     assert "libfoo.so missing" in entry.error
@@ -101,7 +107,9 @@ def test_plugin_that_is_not_a_backend_is_recorded(tmp_path, monkeypatch):
 
 
 def test_plugin_with_bad_declaration_is_recorded(tmp_path, monkeypatch):
-    install_plugin(tmp_path, monkeypatch, "bad-decl", "bad_decl", body=fake_body().replace('name = "fakeaccel"', "name = 3"))
+    install_plugin(
+        tmp_path, monkeypatch, "bad-decl", "bad_decl", body=fake_body().replace('name = "fakeaccel"', "name = 3")
+    )
     entry = next(e for e in tightfit.backends.all_backends() if e.entry_point == "bad_decl")
     assert entry.backend is None and "name must be a non-empty str" in entry.error
 
@@ -201,7 +209,10 @@ def test_plugin_that_uses_tightfit_while_loading_is_recorded(tmp_path, monkeypat
 
 
 def test_backend_whose_capabilities_fail_is_reported_not_fatal(tmp_path, monkeypatch):
-    body = fake_body().replace("def _capabilities(self):\n        return", "def _capabilities(self):\n        raise AttributeError('no such register')\n        return")
+    body = fake_body().replace(
+        "def _capabilities(self):\n        return",
+        "def _capabilities(self):\n        raise AttributeError('no such register')\n        return",
+    )
     install_plugin(tmp_path, monkeypatch, "flaky-vendor", "flaky_vendor", body=body)
     backend = tightfit.backends.get("fakeaccel")
     with pytest.raises(RuntimeError, match="reading capabilities of backend fakeaccel failed: no such register"):

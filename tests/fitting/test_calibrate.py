@@ -12,7 +12,6 @@ import tightfit.fitting.calibration as calibrate_impl
 from tightfit import backends
 from tightfit.fitting import Calibration, calibrate
 from tightfit.fitting.calibration import cache_path
-
 from zoo.lm import figures
 
 
@@ -35,7 +34,11 @@ def test_measured_once_then_read_from_the_cache(counted, tmp_path):
     second = calibrate("cpu")
     assert len(counted) == 1 and first == second
     files = list(tmp_path.iterdir())
-    assert len(files) == 1 and torch.__version__.replace("+", "-") in files[0].name and files[0].name.startswith("calibration-cpu-")
+    assert (
+        len(files) == 1
+        and torch.__version__.replace("+", "-") in files[0].name
+        and files[0].name.startswith("calibration-cpu-")
+    )
     assert json.loads(files[0].read_text())["matmul_flops"] == first.matmul_flops
 
 
@@ -64,7 +67,9 @@ def test_the_cache_key_names_backend_device_and_torch(monkeypatch, tmp_path):
 def test_real_measurement_gives_valid_figures_under_its_own_progress(monkeypatch):
     tasks = []
     original = calibrate_impl.task
-    monkeypatch.setattr(calibrate_impl, "task", lambda description, total: tasks.append(description) or original(description, total))
+    monkeypatch.setattr(
+        calibrate_impl, "task", lambda description, total: tasks.append(description) or original(description, total)
+    )
     figures_now = calibrate_impl._measure(backends.get("cpu"), torch.device("cpu"))
     assert tasks[0].startswith("calibrating cpu: preparing the decode probes")
     assert re.fullmatch(r"calibrating cpu \(once, about \d+ s\)", tasks[1]), tasks
@@ -73,17 +78,27 @@ def test_real_measurement_gives_valid_figures_under_its_own_progress(monkeypatch
     assert set(figures_now.decode_seconds) == {"float8", "8bit", "int8", "nf4", "fp4"}
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(matmul_flops=0), "matmul_flops must be a finite number > 0"),
-    (dict(disk_bandwidth=float("nan")), "disk_bandwidth must be a finite number > 0"),
-    (dict(device_bandwidth=True), "device_bandwidth must be a finite number > 0"),
-    (dict(decode_seconds={"float8": 0.0}), "decode_seconds lacks"),
-    (dict(decode_seconds={"float8": -1, "8bit": 0, "int8": 0, "nf4": 0, "fp4": 0}), r"decode_seconds\['float8'\] must be"),
-    (dict(decode_seconds={"float8": 0, "8bit": 0, "int8": 0, "nf4": 0, "fp4": 0, "gguf": 0}),
-     "decode_seconds has unknown storage\\(s\\) 'gguf'; accepted: float8, 8bit, int8, nf4, fp4"),
-    (dict(decode_seconds={"float8": 0, "8bit": 0, "int8": 0, "nf4": 0, "fp4": 0, "keep": 0}),
-     "decode_seconds has unknown storage\\(s\\) 'keep'"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(matmul_flops=0), "matmul_flops must be a finite number > 0"),
+        (dict(disk_bandwidth=float("nan")), "disk_bandwidth must be a finite number > 0"),
+        (dict(device_bandwidth=True), "device_bandwidth must be a finite number > 0"),
+        (dict(decode_seconds={"float8": 0.0}), "decode_seconds lacks"),
+        (
+            dict(decode_seconds={"float8": -1, "8bit": 0, "int8": 0, "nf4": 0, "fp4": 0}),
+            r"decode_seconds\['float8'\] must be",
+        ),
+        (
+            dict(decode_seconds={"float8": 0, "8bit": 0, "int8": 0, "nf4": 0, "fp4": 0, "gguf": 0}),
+            "decode_seconds has unknown storage\\(s\\) 'gguf'; accepted: float8, 8bit, int8, nf4, fp4",
+        ),
+        (
+            dict(decode_seconds={"float8": 0, "8bit": 0, "int8": 0, "nf4": 0, "fp4": 0, "keep": 0}),
+            "decode_seconds has unknown storage\\(s\\) 'keep'",
+        ),
+    ],
+)
 def test_bad_figures_rejected(change, message):
     with pytest.raises(ValueError, match=message):
         figures(**change)

@@ -10,7 +10,6 @@ import torch
 import tightfit
 from tightfit.fitting import FitError, FitPlan, remove_hints
 from tightfit.memory import allocated_peak
-
 from zoo.lm import figures, tiny_lm, token_ids
 
 KEEP = {"storage": {"keep"}, "placement": {"device"}}
@@ -82,7 +81,9 @@ def test_add_hints_refuses_bad_arguments(case):
         tightfit.fitting.add_hints(model, {"layers.0": {"slices": 0}})
     tightfit.fitting.add_hints(model, {"layers.0": {"slices": 2}})
     try:
-        with pytest.raises(ValueError, match="model's 'layers.0' has region hints already; remove_hints\\(model\\) first"):
+        with pytest.raises(
+            ValueError, match="model's 'layers.0' has region hints already; remove_hints\\(model\\) first"
+        ):
             tightfit.fitting.add_hints(model, {"layers.0": {"slices": 2}})
     finally:
         remove_hints(model)

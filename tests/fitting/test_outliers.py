@@ -10,7 +10,6 @@ import tightfit
 from tightfit.fitting import held_bytes
 from tightfit.fitting.outliers import assumed_outliers, observe_outliers
 from tightfit.memory import allocated_peak, measure
-
 from zoo.lm import figures
 
 
@@ -39,8 +38,10 @@ def test_meta_models_are_not_observed():
     assert assumed_outliers(256) == 8 and assumed_outliers(16) == 1
 
 
-@pytest.mark.parametrize("outlier_columns, dtype", [(0, torch.float32), (5, torch.float32), (200, torch.float32),
-                                                     (0, torch.bfloat16), (200, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "outlier_columns, dtype",
+    [(0, torch.float32), (5, torch.float32), (200, torch.float32), (0, torch.bfloat16), (200, torch.bfloat16)],
+)
 def test_int8_prediction_matches_the_allocated_peak(outlier_columns, dtype):
     model, x = _model().to(dtype), _inputs(outlier_columns).to(dtype)
     allow = {"storage": {"keep", "int8"}, "placement": {"device"}}
@@ -91,7 +92,9 @@ def test_fit_leaves_a_training_model_as_it_was():
     model = nn.Sequential(nn.Linear(256, 512), nn.BatchNorm1d(512), nn.Dropout(0.5), nn.Linear(512, 256)).train()
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     full = tightfit.fit(model, (_inputs(5),), "1GiB", calibration=figures()).full_peak_bytes
-    plan = tightfit.fit(model, (_inputs(5),), int(full * 0.7), calibration=figures(), allow={"storage": {"keep", "int8"}})
+    plan = tightfit.fit(
+        model, (_inputs(5),), int(full * 0.7), calibration=figures(), allow={"storage": {"keep", "int8"}}
+    )
     assert plan.int8_outliers.startswith("observed")
     assert all(m.training for m in model.modules())
     for name, tensor in model.state_dict().items():
@@ -113,9 +116,16 @@ def test_the_flags_come_back_when_the_forward_raises():
     assert model.training and model.linear.training
 
 
-@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"),
-                                   RuntimeError("[enforce fail at alloc_cpu.cpp:117] . DefaultCPUAllocator: can't allocate "
-                                                "memory: you tried to allocate 1000000 bytes")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("CUDA out of memory"),
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:117] . DefaultCPUAllocator: can't allocate "
+            "memory: you tried to allocate 1000000 bytes"
+        ),
+    ],
+)
 def test_running_out_of_memory_while_observing_falls_back_to_the_assumed_bound(monkeypatch, error):
     def out_of_memory(*args):
         raise error

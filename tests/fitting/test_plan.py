@@ -14,7 +14,6 @@ from tightfit.hooks import LAYERWISE_CASTING, OFFLOADING
 from tightfit.hooks.registry import HookRegistry
 from tightfit.memory import allocated_peak, measure
 from tightfit.quant import Linear4bit, Linear8bit, LinearInt8
-
 from zoo.lm import figures, tiny_lm, token_ids
 
 
@@ -37,12 +36,15 @@ def test_json_round_trip(ids):
     assert str(again) == str(plan)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("not json", "not JSON"),
-    ('{"a": 1}', "not a tightfit plan"),
-    ('{"format": "tightfit.plan/1", "model": "x"}', "does not describe a plan"),
-    ('{"format": "tightfit.plan/1", "bogus": 1}', "unknown keys"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("not json", "not JSON"),
+        ('{"a": 1}', "not a tightfit plan"),
+        ('{"format": "tightfit.plan/1", "model": "x"}', "does not describe a plan"),
+        ('{"format": "tightfit.plan/1", "bogus": 1}', "unknown keys"),
+    ],
+)
 def test_from_json_rejects_what_is_not_a_plan(text, message):
     with pytest.raises(ValueError, match=message):
         FitPlan.from_json(text)
@@ -61,14 +63,22 @@ def test_table_shows_every_unit(ids):
 def test_apply_quantizes_casts_and_offloads_as_planned(ids):
     model = tiny_lm()
     entries = [
-        dict(module="embed", storage="float8", placement="device"), dict(module="layers.0", storage="nf4", placement="device"),
-        dict(module="layers.1", storage="8bit", placement="disk"), dict(module="layers.2", storage="int8", placement="device"),
+        dict(module="embed", storage="float8", placement="device"),
+        dict(module="layers.0", storage="nf4", placement="device"),
+        dict(module="layers.1", storage="8bit", placement="disk"),
+        dict(module="layers.2", storage="int8", placement="device"),
         dict(module="layers.3", storage="keep", placement="disk"),
     ]
     plan = _plan(model, ids, 1.0)
     chosen = {e["module"]: e for e in entries}
-    plan = dataclasses.replace(plan, applies_nothing=False, entries=tuple(
-        dataclasses.replace(e, **{k: v for k, v in chosen.get(e.module, {}).items() if k != "module"}) for e in plan.entries))
+    plan = dataclasses.replace(
+        plan,
+        applies_nothing=False,
+        entries=tuple(
+            dataclasses.replace(e, **{k: v for k, v in chosen.get(e.module, {}).items() if k != "module"})
+            for e in plan.entries
+        ),
+    )
     expected = model(ids)
     assert plan.apply(model) is model
     assert HookRegistry.get(model.embed) is not None and LAYERWISE_CASTING in HookRegistry.get(model.embed)
@@ -117,14 +127,19 @@ def test_apply_refuses_another_model(ids):
         plan.apply("model")
 
 
-@pytest.mark.parametrize("vocab, fraction, allow", [
-    (8000, 0.6, None), (8000, 0.35, None), (8000, 0.2, None),
-    (500, 0.6, {"storage": {"keep", "float8"}, "placement": {"device"}}),
-    (500, 0.5, {"storage": {"keep", "8bit"}, "placement": {"device"}}),
-    (500, 0.6, {"storage": {"keep", "int8"}, "placement": {"device"}}),
-    (500, 0.45, {"storage": {"keep", "nf4", "fp4"}, "placement": {"device"}}),
-    (500, 0.2, {"storage": {"keep", "nf4"}, "placement": {"device", "disk"}}),
-])
+@pytest.mark.parametrize(
+    "vocab, fraction, allow",
+    [
+        (8000, 0.6, None),
+        (8000, 0.35, None),
+        (8000, 0.2, None),
+        (500, 0.6, {"storage": {"keep", "float8"}, "placement": {"device"}}),
+        (500, 0.5, {"storage": {"keep", "8bit"}, "placement": {"device"}}),
+        (500, 0.6, {"storage": {"keep", "int8"}, "placement": {"device"}}),
+        (500, 0.45, {"storage": {"keep", "nf4", "fp4"}, "placement": {"device"}}),
+        (500, 0.2, {"storage": {"keep", "nf4"}, "placement": {"device", "disk"}}),
+    ],
+)
 def test_measured_peak_within_budget_and_near_prediction(ids, vocab, fraction, allow):
     model = tiny_lm(vocab=vocab)
     ids = ids % vocab
@@ -147,24 +162,31 @@ def _small_plan():
     return tightfit.fit(model, (torch.randn(2, 8),), "1MB", calibration=figures())
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("budget_bytes", "lots", r"FitPlan.budget_bytes must be an int >= 0 \(bytes\), got 'lots'"),
-    ("budget_bytes", -1, r"FitPlan.budget_bytes must be an int >= 0"),
-    ("predicted_peak_bytes", 1.5, r"FitPlan.predicted_peak_bytes must be an int >= 0"),
-    ("full_peak_bytes", True, r"FitPlan.full_peak_bytes must be an int >= 0"),
-    ("applies_nothing", "yes", r"FitPlan.applies_nothing must be a bool, got str: 'yes'"),
-    ("predicted_seconds", "fast", r"FitPlan.predicted_seconds must be a finite number >= 0"),
-    ("model", 3, r"FitPlan.model must be a str, got int"),
-    ("peak_node", 3, r"FitPlan.peak_node must be a str"),
-    ("allow", ["keep"], r"FitPlan.allow must be a dict or None"),
-    ("hints", ["0"], r"FitPlan.hints must be a dict of module name -> hint dict, got list"),
-    ("hints", {"0": 4}, r"FitPlan.hints\['0'\] must be a dict of hints"),
-    ("hints", {"0": {"slices": 0}}, r"hint slices=0 is not accepted; accepted: an int >= 1"),
-    ("hints", {"0": {"schedule": "dfs"}}, r"FitPlan.runtime='eager' with hints: hints save memory only when compiled"),
-    ("runtime", "arena", r"FitPlan.runtime='arena' is not accepted; accepted: eager, compiled"),
-    ("entries", {"a": 1}, r"'entries' must be a list of objects"),
-    ("entries", [3], r"'entries\[0\]' must be an object"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("budget_bytes", "lots", r"FitPlan.budget_bytes must be an int >= 0 \(bytes\), got 'lots'"),
+        ("budget_bytes", -1, r"FitPlan.budget_bytes must be an int >= 0"),
+        ("predicted_peak_bytes", 1.5, r"FitPlan.predicted_peak_bytes must be an int >= 0"),
+        ("full_peak_bytes", True, r"FitPlan.full_peak_bytes must be an int >= 0"),
+        ("applies_nothing", "yes", r"FitPlan.applies_nothing must be a bool, got str: 'yes'"),
+        ("predicted_seconds", "fast", r"FitPlan.predicted_seconds must be a finite number >= 0"),
+        ("model", 3, r"FitPlan.model must be a str, got int"),
+        ("peak_node", 3, r"FitPlan.peak_node must be a str"),
+        ("allow", ["keep"], r"FitPlan.allow must be a dict or None"),
+        ("hints", ["0"], r"FitPlan.hints must be a dict of module name -> hint dict, got list"),
+        ("hints", {"0": 4}, r"FitPlan.hints\['0'\] must be a dict of hints"),
+        ("hints", {"0": {"slices": 0}}, r"hint slices=0 is not accepted; accepted: an int >= 1"),
+        (
+            "hints",
+            {"0": {"schedule": "dfs"}},
+            r"FitPlan.runtime='eager' with hints: hints save memory only when compiled",
+        ),
+        ("runtime", "arena", r"FitPlan.runtime='arena' is not accepted; accepted: eager, compiled"),
+        ("entries", {"a": 1}, r"'entries' must be a list of objects"),
+        ("entries", [3], r"'entries\[0\]' must be an object"),
+    ],
+)
 def test_from_json_names_the_field_of_the_wrong_type(field, value, message):
     data = _small_plan().to_dict()
     data[field] = value
@@ -172,16 +194,19 @@ def test_from_json_names_the_field_of_the_wrong_type(field, value, message):
         FitPlan.from_json(json.dumps(data))
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("held_bytes", "many", r"PlanEntry.held_bytes must be an int >= 0 \(bytes\), got 'many'"),
-    ("seconds", -1.0, r"PlanEntry.seconds must be a finite number >= 0"),
-    ("storage", "gguf", r"PlanEntry.storage='gguf' is not accepted; accepted: keep, float8"),
-    ("placement", "cloud", r"PlanEntry.placement='cloud' is not accepted; accepted: device, cpu, disk"),
-    ("kind", "block", r"PlanEntry.kind='block' is not accepted; accepted: layer, linear, embedding, rest"),
-    ("why", None, r"PlanEntry.why must be a str"),
-    ("leaves", "0", r"PlanEntry.leaves must be a tuple of str"),
-    ("leaves", [1], r"PlanEntry.leaves must be a tuple of str"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("held_bytes", "many", r"PlanEntry.held_bytes must be an int >= 0 \(bytes\), got 'many'"),
+        ("seconds", -1.0, r"PlanEntry.seconds must be a finite number >= 0"),
+        ("storage", "gguf", r"PlanEntry.storage='gguf' is not accepted; accepted: keep, float8"),
+        ("placement", "cloud", r"PlanEntry.placement='cloud' is not accepted; accepted: device, cpu, disk"),
+        ("kind", "block", r"PlanEntry.kind='block' is not accepted; accepted: layer, linear, embedding, rest"),
+        ("why", None, r"PlanEntry.why must be a str"),
+        ("leaves", "0", r"PlanEntry.leaves must be a tuple of str"),
+        ("leaves", [1], r"PlanEntry.leaves must be a tuple of str"),
+    ],
+)
 def test_from_json_names_the_entry_and_its_field(field, value, message):
     data = _small_plan().to_dict()
     data["entries"][1][field] = value

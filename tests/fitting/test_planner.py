@@ -10,7 +10,6 @@ import tightfit
 from tightfit.fitting import Allow, FitError
 from tightfit.fitting.options import Unit, options_for
 from tightfit.fitting.search import search
-
 from zoo.lm import figures, tiny_lm, token_ids
 
 
@@ -44,7 +43,9 @@ def test_just_enough_layers_are_converted():
     plan = tightfit.fit(model, (X,), budget, allow=KEEP_8BIT, calibration=figures())
     assert [e.storage for e in plan.entries].count("8bit") == 3
     assert plan.predicted_weights_bytes == 3 * BYTES_8BIT + 256 * 256 * 4
-    assert 256 * 256 * 4 <= plan.predicted_transient_bytes <= 256 * 256 * 4 + 16 * 1024  # the copy, and what is alive then
+    assert (
+        256 * 256 * 4 <= plan.predicted_transient_bytes <= 256 * 256 * 4 + 16 * 1024
+    )  # the copy, and what is alive then
     assert plan.predicted_peak_bytes <= budget
     assert not plan.applies_nothing
 
@@ -68,7 +69,9 @@ def test_a_less_precise_storage_is_not_chosen_for_speed():
 def test_time_model_decides_between_disk_and_quantization():
     model = four_linears()
     allow = {"storage": {"keep", "nf4"}, "placement": {"device", "disk"}}
-    slow_decode = figures(decode_seconds={"float8": 0, "8bit": 0, "int8": 0, "nf4": 1e-6, "fp4": 0}, disk_bandwidth=1e12)
+    slow_decode = figures(
+        decode_seconds={"float8": 0, "8bit": 0, "int8": 0, "nf4": 1e-6, "fp4": 0}, disk_bandwidth=1e12
+    )
     plan = tightfit.fit(model, (X,), "400KiB", allow=allow, calibration=slow_decode)
     assert {e.storage for e in plan.entries} == {"keep"} and [e.placement for e in plan.entries].count("disk") == 3
     slow_disk = figures(decode_seconds={"float8": 0, "8bit": 0, "int8": 0, "nf4": 1e-12, "fp4": 0}, disk_bandwidth=1e3)
@@ -78,8 +81,9 @@ def test_time_model_decides_between_disk_and_quantization():
 
 def test_disk_weights_are_not_held_on_the_cpu():
     model = four_linears()
-    plan = tightfit.fit(model, (X,), 200 * 1024, allow={"storage": {"keep"}, "placement": {"device", "disk"}},
-                        calibration=figures())
+    plan = tightfit.fit(
+        model, (X,), 200 * 1024, allow={"storage": {"keep"}, "placement": {"device", "disk"}}, calibration=figures()
+    )
     assert all(e.placement == "disk" and e.held_bytes == 0 for e in plan.entries)
     assert plan.predicted_weights_bytes == 0
 
@@ -134,12 +138,15 @@ def test_a_stack_without_linear_layers_is_offloaded_whole():
     assert {e.storage for e in plan.entries} == {"keep"} and "disk" in {e.placement for e in plan.entries}
 
 
-@pytest.mark.parametrize("allow", [
-    {"storage": {"keep", "float8"}, "placement": {"device", "disk"}},
-    {"storage": {"keep", "int8"}},
-    {"placement": {"device", "disk"}, "storage": {"keep"}},
-    Allow(storage=frozenset({"keep", "fp4", "float8"})),
-])
+@pytest.mark.parametrize(
+    "allow",
+    [
+        {"storage": {"keep", "float8"}, "placement": {"device", "disk"}},
+        {"storage": {"keep", "int8"}},
+        {"placement": {"device", "disk"}, "storage": {"keep"}},
+        Allow(storage=frozenset({"keep", "fp4", "float8"})),
+    ],
+)
 def test_allow_is_respected(allow):
     model = tiny_lm()
     ids = token_ids()
@@ -157,10 +164,16 @@ def test_allow_is_respected(allow):
 def test_no_fit_names_the_smallest_peak_and_the_weights_that_dominate():
     model = four_linears()
     with pytest.raises(FitError) as caught:
-        tightfit.fit(model, (X,), "500KiB", allow={"storage": {"keep", "8bit"}, "placement": {"device"}}, calibration=figures())
+        tightfit.fit(
+            model, (X,), "500KiB", allow={"storage": {"keep", "8bit"}, "placement": {"device"}}, calibration=figures()
+        )
     error = caught.value
     activations = tightfit.fit(model, (X,), "1GiB", calibration=figures()).predicted_activation_bytes
-    assert 4 * BYTES_8BIT + 256 * 256 * 4 <= error.smallest_peak_bytes - activations <= 4 * BYTES_8BIT + 256 * 256 * 4 + 16 * 1024
+    assert (
+        4 * BYTES_8BIT + 256 * 256 * 4
+        <= error.smallest_peak_bytes - activations
+        <= 4 * BYTES_8BIT + 256 * 256 * 4 + 16 * 1024
+    )
     assert error.budget_bytes == 500 * 1024
     assert "smallest predicted peak" in str(error) and f"({error.smallest_peak_bytes} B)" in str(error)
     assert "decoded weights while their unit computes" in error.parts[0][0]
@@ -177,8 +190,15 @@ def test_offloaded_units_count_two_onloaded_copies_on_an_accelerator():
     # options and search alone: no accelerator is touched
     unit = Unit("a", "linear", (("a", "Linear", (256, 256), torch.float32),), 256 * 256 * 4, 0)
     figs = figures(host_to_device_bandwidth=1e10)
-    options = options_for(unit, storages=frozenset({"keep"}), placements=frozenset({"device", "cpu"}),
-                          device=torch.device("cuda"), rows={"a": 8}, live={}, figures=figs)
+    options = options_for(
+        unit,
+        storages=frozenset({"keep"}),
+        placements=frozenset({"device", "cpu"}),
+        device=torch.device("cuda"),
+        rows={"a": 8},
+        live={},
+        figures=figs,
+    )
     assert [(o.placement, o.held_bytes, o.onload_bytes) for o in options] == [("device", 262144, 0), ("cpu", 0, 262144)]
     # four kept do not fit, nor 3 kept + 1 copy, nor 2 + 2 copies (prefetch); 1 kept + 2 copies does
     found = search([options] * 4, 4 * 262144 - 1, 0)
@@ -188,8 +208,13 @@ def test_offloaded_units_count_two_onloaded_copies_on_an_accelerator():
 
 def test_cpu_placement_is_not_offered_on_the_cpu():
     model = four_linears()
-    plan = tightfit.fit(model, (X,), 200 * 1024, allow={"storage": {"keep"}, "placement": {"device", "cpu", "disk"}},
-                        calibration=figures())
+    plan = tightfit.fit(
+        model,
+        (X,),
+        200 * 1024,
+        allow={"storage": {"keep"}, "placement": {"device", "cpu", "disk"}},
+        calibration=figures(),
+    )
     assert {e.placement for e in plan.entries} == {"disk"}
 
 
@@ -197,8 +222,15 @@ def _float8_and_int8(int8_share: float) -> list:
     unit = Unit("a", "linear", (("a", "Linear", (256, 256), torch.float32),), 256 * 256 * 4, 0)
     decode = 1e-8
     figs = figures(decode_seconds={"float8": decode, "8bit": 0, "int8": decode * int8_share, "nf4": 0, "fp4": 0})
-    return options_for(unit, storages=frozenset({"float8", "int8"}), placements=frozenset({"device"}),
-                       device=torch.device("cpu"), rows={"a": 8}, live={}, figures=figs)
+    return options_for(
+        unit,
+        storages=frozenset({"float8", "int8"}),
+        placements=frozenset({"device"}),
+        device=torch.device("cpu"),
+        rows={"a": 8},
+        live={},
+        figures=figs,
+    )
 
 
 @pytest.mark.parametrize(("int8_share", "tie"), [(0.9, True), (0.3, False)])

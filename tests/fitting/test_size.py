@@ -9,15 +9,30 @@ import pytest
 from tightfit import parse_size
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("40MB", 40_000_000), ("40 MB", 40_000_000), ("1.5GiB", 3 * 2**29), ("512KiB", 512 * 1024), ("2kb", 2000),
-    ("100B", 100), ("100", 100), ("0.5MiB", 2**19), (".5KiB", 512), ("1TB", 10**12), ("3GB", 3 * 10**9), (123456, 123456),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("40MB", 40_000_000),
+        ("40 MB", 40_000_000),
+        ("1.5GiB", 3 * 2**29),
+        ("512KiB", 512 * 1024),
+        ("2kb", 2000),
+        ("100B", 100),
+        ("100", 100),
+        ("0.5MiB", 2**19),
+        (".5KiB", 512),
+        ("1TB", 10**12),
+        ("3GB", 3 * 10**9),
+        (123456, 123456),
+    ],
+)
 def test_accepted(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "MB", "40XB", "40 M B", "-5MB", "1e3MB", "nan", "NaNMB", "inf", "1.2.3GB", "0x10"])
+@pytest.mark.parametrize(
+    "text", ["", "MB", "40XB", "40 M B", "-5MB", "1e3MB", "nan", "NaNMB", "inf", "1.2.3GB", "0x10"]
+)
 def test_bad_strings_name_the_value(text):
     with pytest.raises(ValueError, match="budget=.*accepted"):
         parse_size(text, "budget")

@@ -64,13 +64,24 @@ def _arena():
     return arena
 
 
-@pytest.mark.parametrize("corrupt, message", [
-    (lambda a: dataclasses.replace(a, offsets=(0, 64, a.offsets[2])), "overlap at step 1"),
-    (lambda a: dataclasses.replace(a, offsets=(a.offsets[0], a.offsets[1] + 8, a.offsets[2])), "not a non-negative multiple of 64"),
-    (lambda a: dataclasses.replace(a, size=a.size - 64), "past the arena"),
-    (lambda a: dataclasses.replace(a, offsets=a.offsets[:2]), "3 buffers but 2 offsets"),
-    (lambda a: dataclasses.replace(a, buffers=(dataclasses.replace(a.buffers[0], device="cuda:0"),) + a.buffers[1:]), "is on cuda:0"),
-])
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda a: dataclasses.replace(a, offsets=(0, 64, a.offsets[2])), "overlap at step 1"),
+        (
+            lambda a: dataclasses.replace(a, offsets=(a.offsets[0], a.offsets[1] + 8, a.offsets[2])),
+            "not a non-negative multiple of 64",
+        ),
+        (lambda a: dataclasses.replace(a, size=a.size - 64), "past the arena"),
+        (lambda a: dataclasses.replace(a, offsets=a.offsets[:2]), "3 buffers but 2 offsets"),
+        (
+            lambda a: dataclasses.replace(
+                a, buffers=(dataclasses.replace(a.buffers[0], device="cuda:0"),) + a.buffers[1:]
+            ),
+            "is on cuda:0",
+        ),
+    ],
+)
 def test_the_verifier_catches_a_corrupted_plan(corrupt, message):
     with pytest.raises(PlanError, match=message):
         verify_arena(corrupt(_arena()))

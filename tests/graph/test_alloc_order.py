@@ -8,7 +8,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import tightfit
-from tightfit.graph.alloc import TOPOLOGICAL_ORDERS, apply_order, candidate_orders, plan_arenas, plan_graph, verify_arena
+from tightfit.graph.alloc import (
+    TOPOLOGICAL_ORDERS,
+    apply_order,
+    candidate_orders,
+    plan_arenas,
+    plan_graph,
+    verify_arena,
+)
 from tightfit.graph.alloc.liveness import check_order, storages_of
 
 
@@ -73,7 +80,7 @@ def test_an_as_written_region_stays_together_and_in_order_in_every_candidate():
     for name, order in _all_orders(graph_module).items():
         found = names(order)
         start = found.index(region[0])
-        assert found[start:start + len(region)] == region, name
+        assert found[start : start + len(region)] == region, name
 
 
 def test_random_ops_keep_their_order_and_in_place_writes_keep_their_readers_on_their_side():

@@ -12,7 +12,6 @@ import tightfit
 from tightfit.graph import CompileOptions, compile_graph, compiler
 from tightfit.graph.alloc import verify_arena
 from tightfit.memory.compiled import compiled_peak
-
 from zoo.graph import Attention
 
 

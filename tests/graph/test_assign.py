@@ -6,12 +6,12 @@ import warnings
 
 import pytest
 import torch
-from zoo.graph import devices, fx_compile, restricted, restricted_cpu, run_recording
 
 import tightfit
 from tightfit.backends.cpu import CPUBackend
-from tightfit.graph.honor import HintLedger
 from tightfit.graph.assign import unsupported_reason
+from tightfit.graph.honor import HintLedger
+from zoo.graph import devices, fx_compile, restricted, restricted_cpu, run_recording
 
 
 class TwoLayers(torch.nn.Module):
@@ -37,7 +37,10 @@ def _backends(device: str):
         return [restricted_cpu(), CPUBackend()]
     from tightfit.backends.cuda import CUDABackend
 
-    return [restricted(CUDABackend, frozenset({"aten::_softmax", "aten::_softmax_backward_data"}), "cuda-restricted"), CPUBackend()]
+    return [
+        restricted(CUDABackend, frozenset({"aten::_softmax", "aten::_softmax_backward_data"}), "cuda-restricted"),
+        CPUBackend(),
+    ]
 
 
 @pytest.mark.parametrize("device", devices())
@@ -65,7 +68,10 @@ def test_unsupported_ops_split_the_graph_and_fall_back_to_the_cpu_warning_once(d
         assert ran[1].copies and ran[2].copies  # to the CPU and back
     messages = [str(w.message) for w in caught if issubclass(w.category, tightfit.FallbackWarning)]
     assert len(messages) == 2, messages  # once per op: softmax forward, softmax backward
-    assert f"tightfit op 'aten::_softmax' on {restricted_name}: {restricted_name} declares aten::_softmax unsupported; running it on backend cpu" in messages[0]
+    assert (
+        f"tightfit op 'aten::_softmax' on {restricted_name}: {restricted_name} declares aten::_softmax unsupported; running it on backend cpu"
+        in messages[0]
+    )
 
 
 def test_cpu_fallback_is_an_error_in_strict_mode():

@@ -8,29 +8,29 @@ import sys
 
 import pytest
 import torch
-from zoo.graph import Attention, fx_compile, run_recording
 
 import tightfit
 from tightfit.backends import RUNTIME_HINTS
 from tightfit.backends.cpu import CPUBackend
 from tightfit.graph import CompileOptions, compiler
+from zoo.graph import Attention, fx_compile, run_recording
 
 
 def test_backend_is_registered_by_name_without_an_installed_entry_point():
-    probe = ("import torch, tightfit, torch._dynamo\n"
-             "assert 'tightfit' in torch._dynamo.list_backends(), torch._dynamo.list_backends()\n"
-             "f = torch.compile(lambda x: x.sin() + 1, backend='tightfit', options={'execution': 'fx'})\n"
-             "x = torch.randn(5)\n"
-             "assert torch.equal(f(x), x.sin() + 1)\n"
-             "print('ok')\n")
+    probe = (
+        "import torch, tightfit, torch._dynamo\n"
+        "assert 'tightfit' in torch._dynamo.list_backends(), torch._dynamo.list_backends()\n"
+        "f = torch.compile(lambda x: x.sin() + 1, backend='tightfit', options={'execution': 'fx'})\n"
+        "x = torch.randn(5)\n"
+        "assert torch.equal(f(x), x.sin() + 1)\n"
+        "print('ok')\n"
+    )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_registration_after_dynamo_is_already_imported():
-    probe = ("import torch._dynamo, torch, tightfit\n"
-             "assert 'tightfit' in torch._dynamo.list_backends()\n"
-             "print('ok')\n")
+    probe = "import torch._dynamo, torch, tightfit\nassert 'tightfit' in torch._dynamo.list_backends()\nprint('ok')\n"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
@@ -39,13 +39,16 @@ def test_cpu_backend_declares_the_hints_it_honors():
     assert CPUBackend().capabilities().hints == RUNTIME_HINTS == {"schedule", "slices", "slice_dim", "device", "order"}
 
 
-@pytest.mark.parametrize("kwargs, error, words", [
-    ({"execution": "jit"}, ValueError, "execution='jit' is not accepted; accepted: auto, fx, inductor"),
-    ({"execution": 1}, TypeError, "execution must be str"),
-    ({"backends": []}, ValueError, "at least one backend"),
-    ({"backends": ["cpu"]}, TypeError, "backends[0] must be Backend"),
-    ({"backends": "cpu"}, TypeError, "backends must be tuple or list"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"execution": "jit"}, ValueError, "execution='jit' is not accepted; accepted: auto, fx, inductor"),
+        ({"execution": 1}, TypeError, "execution must be str"),
+        ({"backends": []}, ValueError, "at least one backend"),
+        ({"backends": ["cpu"]}, TypeError, "backends[0] must be Backend"),
+        ({"backends": "cpu"}, TypeError, "backends must be tuple or list"),
+    ],
+)
 def test_bad_options_are_rejected_when_the_backend_is_made(kwargs, error, words):
     with pytest.raises(error) as raised:
         compiler(**kwargs)
@@ -70,7 +73,9 @@ def test_a_hint_the_backend_does_not_honor_is_ignored_with_one_debug_line(caplog
     with caplog.at_level(logging.DEBUG, logger="tightfit.graph"):
         torch.testing.assert_close(fx_compile(fn)(x), x.relu() * 2)
     lines = [r.getMessage() for r in caplog.records if r.name == "tightfit.graph" and r.levelno == logging.DEBUG]
-    assert sum("hint stream='side'" in line and "not honored by backend cpu; ignored" in line for line in lines) == 1, lines
+    assert sum("hint stream='side'" in line and "not honored by backend cpu; ignored" in line for line in lines) == 1, (
+        lines
+    )
     assert sum("hint acme.tile=8" in line for line in lines) == 1, lines
 
 
@@ -122,7 +127,9 @@ def test_order_as_written_region_runs_as_an_fx_module(monkeypatch):
     from tightfit.graph import inductor
 
     compiled_nodes = []
-    monkeypatch.setattr(inductor, "compile_split", lambda gm, examples: compiled_nodes.append(len(gm.graph.nodes)) or gm.forward)
+    monkeypatch.setattr(
+        inductor, "compile_split", lambda gm, examples: compiled_nodes.append(len(gm.graph.nodes)) or gm.forward
+    )
 
     def fn(x):
         y = x.sin()
@@ -175,7 +182,9 @@ def test_where_inductor_cannot_compile_splits_run_as_fx_warning_once(monkeypatch
 
     monkeypatch.setattr(inductor, "compile_split", broken)
     x = torch.randn(4)
-    with pytest.warns(tightfit.FallbackWarning, match="inductor could not compile a split for cpu .*no C\\+\\+ compiler"):
+    with pytest.warns(
+        tightfit.FallbackWarning, match="inductor could not compile a split for cpu .*no C\\+\\+ compiler"
+    ):
         with torch.no_grad():
             out, ran = run_recording(lambda: torch.compile(lambda t: t.cos() * 2, backend="tightfit")(x))
     torch.testing.assert_close(out, x.cos() * 2)

@@ -38,15 +38,25 @@ def test_nested_hints_wrappers_and_tightfit_hints_merge():
     assert not any("hints_wrapper" in str(node.target) for node in graph.graph.nodes)
     regions = tightfit.hints_of(graph)  # enclosing regions first
     innermost = regions[-1]
-    assert dict(innermost.hints) == {"schedule": "dfs", "slices": 4, "hints_wrapper.outer_body": True, "order": "as_written"}
+    assert dict(innermost.hints) == {
+        "schedule": "dfs",
+        "slices": 4,
+        "hints_wrapper.outer_body": True,
+        "order": "as_written",
+    }
     assert [dict(region.declared) for region in regions] == [
-        {"schedule": "dfs"}, {"slices": 2}, {"slices": 4, "hints_wrapper.outer_body": True}, {"order": "as_written"},
+        {"schedule": "dfs"},
+        {"slices": 2},
+        {"slices": 4, "hints_wrapper.outer_body": True},
+        {"order": "as_written"},
     ]
     x = torch.randn(4)
     assert torch.equal(graph(x)[0], x.sin().relu() + 1)
 
 
 def test_invalid_hints_wrapper_hints_are_rejected_naming_it():
-    graph = _dynamo_graph(lambda x: hints_wrapper(lambda a: a * 2, (x,), {}, hints={"schedule": "wide"}), torch.randn(2))
+    graph = _dynamo_graph(
+        lambda x: hints_wrapper(lambda a: a * 2, (x,), {}, hints={"schedule": "wide"}), torch.randn(2)
+    )
     with pytest.raises(ValueError, match=r"hints_wrapper at test_inline.py:\d+: hint schedule='wide' is not accepted"):
         inline_hints_wrappers(graph)

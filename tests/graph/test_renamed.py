@@ -16,13 +16,19 @@ from tightfit.graph.alloc import TOPOLOGICAL_ORDERS, plan_graph
 
 @pytest.mark.parametrize("old, new", [("Placement", Assignment), ("SlicePlan", SliceSchedule)])
 def test_old_class_names_warn_and_give_the_new_class(old, new):
-    with pytest.warns(DeprecationWarning, match=f"tightfit.graph.{old} is deprecated; use tightfit.graph.{new.__name__}"):
+    with pytest.warns(
+        DeprecationWarning, match=f"tightfit.graph.{old} is deprecated; use tightfit.graph.{new.__name__}"
+    ):
         assert getattr(tightfit.graph, old) is new
 
 
 def test_old_orders_constant_warns():
     with pytest.warns(DeprecationWarning, match="ORDERS of tightfit.graph.alloc is deprecated; use TOPOLOGICAL_ORDERS"):
-        assert tightfit.graph.alloc.ORDERS == TOPOLOGICAL_ORDERS == ("written", "depth-first", "breadth-first", "least-peak")
+        assert (
+            tightfit.graph.alloc.ORDERS
+            == TOPOLOGICAL_ORDERS
+            == ("written", "depth-first", "breadth-first", "least-peak")
+        )
 
 
 def test_old_order_names_are_accepted_with_a_warning():

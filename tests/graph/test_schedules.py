@@ -6,12 +6,12 @@ import logging
 
 import pytest
 import torch
-from zoo.graph import Attention, devices, fx_compile, run_recording
 
 import tightfit
 from tightfit.graph.execution import observe_splits
 from tightfit.graph.schedules import slice_bounds
 from tightfit.memory import LiveTensorBytes
+from zoo.graph import Attention, devices, fx_compile, run_recording
 
 
 def _train_step(model, x):
@@ -100,12 +100,15 @@ def test_dfs_cuts_the_regions_peak_memory():
     assert peaks["dfs"] <= peaks["bfs"] - 0.8 * (7 / 8) * scores, peaks
 
 
-@pytest.mark.parametrize("region, reason", [
-    (lambda q, k, v: ((q @ k.transpose(-2, -1)).softmax(1) @ v), "normalizes along the sliced dimension"),
-    (lambda q, k, v: (q @ k.transpose(-2, -1)).sum(1, keepdim=True) * v.sum(), "reduces over the sliced dimension"),
-    (lambda q, k, v: torch.nn.functional.dropout(q, 0.5, training=True) + k, "draws random numbers"),
-    (lambda q, k, v: q.flip(1) + k, "has no slicing rule"),
-])
+@pytest.mark.parametrize(
+    "region, reason",
+    [
+        (lambda q, k, v: (q @ k.transpose(-2, -1)).softmax(1) @ v, "normalizes along the sliced dimension"),
+        (lambda q, k, v: (q @ k.transpose(-2, -1)).sum(1, keepdim=True) * v.sum(), "reduces over the sliced dimension"),
+        (lambda q, k, v: torch.nn.functional.dropout(q, 0.5, training=True) + k, "draws random numbers"),
+        (lambda q, k, v: q.flip(1) + k, "has no slicing rule"),
+    ],
+)
 def test_a_region_that_cannot_be_sliced_keeps_running_whole_with_the_reason_logged(region, reason, caplog):
     def fn(q, k, v):
         with tightfit.hint(schedule="dfs", slices=4, slice_dim=1):
@@ -116,7 +119,9 @@ def test_a_region_that_cannot_be_sliced_keeps_running_whole_with_the_reason_logg
     with caplog.at_level(logging.WARNING, logger="tightfit.graph"):
         got, ran = run_recording(lambda: fx_compile(fn)(q, k, v))
     assert [split.plan for split in ran] == [None]
-    assert any(reason in record.getMessage() and "ignored" in record.getMessage() for record in caplog.records), caplog.text
+    assert any(reason in record.getMessage() and "ignored" in record.getMessage() for record in caplog.records), (
+        caplog.text
+    )
     if "random" not in reason:
         torch.testing.assert_close(got, region(q, k, v))
 

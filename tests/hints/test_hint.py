@@ -23,37 +23,54 @@ def traced_hints(fn, *args):
     return found
 
 
-@pytest.mark.parametrize("hints", [
-    {"schedule": "bfs"}, {"schedule": "dfs", "slices": 8, "slice_dim": 1}, {"slice_dim": "auto"},
-    {"slice_dim": -1}, {"device": "cpu"}, {"device": "cuda:1"}, {"device": torch.device("cpu")},
-    {"stream": "side"}, {"stream": 2}, {"order": "as_written"}, {"order": "any"},
-    {"acme.tile": 128}, {"acme.mode": ("a", 1, None)}, {"acme.sub.key": True}, {},
-])
+@pytest.mark.parametrize(
+    "hints",
+    [
+        {"schedule": "bfs"},
+        {"schedule": "dfs", "slices": 8, "slice_dim": 1},
+        {"slice_dim": "auto"},
+        {"slice_dim": -1},
+        {"device": "cpu"},
+        {"device": "cuda:1"},
+        {"device": torch.device("cpu")},
+        {"stream": "side"},
+        {"stream": 2},
+        {"order": "as_written"},
+        {"order": "any"},
+        {"acme.tile": 128},
+        {"acme.mode": ("a", 1, None)},
+        {"acme.sub.key": True},
+        {},
+    ],
+)
 def test_valid_hints_are_accepted(hints):
     scope = tightfit.hint(**hints)
     expected = {key: str(value) if key == "device" else value for key, value in hints.items()}
     assert scope.hints == expected
 
 
-@pytest.mark.parametrize("hints, error, words", [
-    ({"schedule": "depth"}, ValueError, "hint schedule='depth' is not accepted; accepted: bfs, dfs"),
-    ({"schedule": 1}, TypeError, "hint schedule must be str"),
-    ({"slices": 0}, ValueError, "slices=0"),
-    ({"slices": 2.0}, TypeError, "slices must be int"),
-    ({"slices": True}, TypeError, "slices must be int"),
-    ({"slice_dim": "heads"}, ValueError, "slice_dim='heads'"),
-    ({"slice_dim": 1.5}, TypeError, "slice_dim must be int or 'auto'"),
-    ({"device": ""}, ValueError, "device=''"),
-    ({"device": "cuda:x"}, ValueError, "not a backend name or device string"),
-    ({"device": 0}, TypeError, "hint device must be str or device"),
-    ({"stream": 1.5}, TypeError, "stream must be str or int"),
-    ({"order": "sorted"}, ValueError, "accepted: any, as_written"),
-    ({"tile": 4}, ValueError, "hint 'tile' is not known; known hints: schedule"),
-    ({"tightfit.tile": 4}, ValueError, "'tightfit.tile' is not known"),
-    ({"acme.": 4}, ValueError, "is not known"),
-    ({"acme.tile": [1, 2]}, TypeError, "namespaced hint's value must be"),
-    ({"acme.tile": torch.ones(1)}, TypeError, "namespaced hint's value must be"),
-])
+@pytest.mark.parametrize(
+    "hints, error, words",
+    [
+        ({"schedule": "depth"}, ValueError, "hint schedule='depth' is not accepted; accepted: bfs, dfs"),
+        ({"schedule": 1}, TypeError, "hint schedule must be str"),
+        ({"slices": 0}, ValueError, "slices=0"),
+        ({"slices": 2.0}, TypeError, "slices must be int"),
+        ({"slices": True}, TypeError, "slices must be int"),
+        ({"slice_dim": "heads"}, ValueError, "slice_dim='heads'"),
+        ({"slice_dim": 1.5}, TypeError, "slice_dim must be int or 'auto'"),
+        ({"device": ""}, ValueError, "device=''"),
+        ({"device": "cuda:x"}, ValueError, "not a backend name or device string"),
+        ({"device": 0}, TypeError, "hint device must be str or device"),
+        ({"stream": 1.5}, TypeError, "stream must be str or int"),
+        ({"order": "sorted"}, ValueError, "accepted: any, as_written"),
+        ({"tile": 4}, ValueError, "hint 'tile' is not known; known hints: schedule"),
+        ({"tightfit.tile": 4}, ValueError, "'tightfit.tile' is not known"),
+        ({"acme.": 4}, ValueError, "is not known"),
+        ({"acme.tile": [1, 2]}, TypeError, "namespaced hint's value must be"),
+        ({"acme.tile": torch.ones(1)}, TypeError, "namespaced hint's value must be"),
+    ],
+)
 def test_invalid_hints_raise_where_written(hints, error, words):
     with pytest.raises(error, match=None) as raised:
         tightfit.hint(**hints)

@@ -30,6 +30,7 @@ def test_hints_reach_forward_and_backward_graphs_after_aot_autograd():
         def compiler(graph_module, example_inputs):
             graphs[name] = graph_module
             return make_boxed_func(graph_module.forward)
+
         return compiler
 
     torch._dynamo.reset()
@@ -71,7 +72,9 @@ def test_owning_region_is_the_innermost_region_that_wrote_a_key():
 
     graphs = []
     torch._dynamo.reset()
-    torch.compile(fn, backend=lambda graph_module, _: graphs.append(graph_module) or graph_module.forward)(torch.ones(2))
+    torch.compile(fn, backend=lambda graph_module, _: graphs.append(graph_module) or graph_module.forward)(
+        torch.ones(2)
+    )
     outer, middle, inner = tightfit.hints_of(graphs[0])
     nodes = {node.name: node for node in graphs[0].graph.nodes}
     schedule_keys = ("schedule", "slices", "slice_dim")

@@ -9,13 +9,19 @@ import weakref
 
 import pytest
 import torch
-from zoo.hooks import Block, bert_and_output, cosine, relative_error, same_state, snapshot, stack, unet
 from torch import nn
 
 from tightfit.backends.cpu import CPUBackend
-from tightfit.hooks import (LAYERWISE_CASTING, HookRegistry, apply_layerwise_casting, apply_offloading, remove_layerwise_casting,
-                            remove_offloading)
+from tightfit.hooks import (
+    LAYERWISE_CASTING,
+    HookRegistry,
+    apply_layerwise_casting,
+    apply_offloading,
+    remove_layerwise_casting,
+    remove_offloading,
+)
 from tightfit.memory import tensor_bytes
+from zoo.hooks import Block, bert_and_output, cosine, relative_error, same_state, snapshot, stack, unet
 
 F8 = torch.float8_e4m3fn
 
@@ -71,7 +77,9 @@ def test_the_stored_tensor_is_kept_and_the_upcast_copy_is_dropped():
     gc.collect()
     dtype, copy = layer[0].seen
     assert dtype == torch.bfloat16 and copy() is None  # computed from a copy, gone after the forward
-    assert layer[0].weight is stored and stored.dtype == F8 and stored.data_ptr() == pointer  # never cast down, never moved
+    assert (
+        layer[0].weight is stored and stored.dtype == F8 and stored.data_ptr() == pointer
+    )  # never cast down, never moved
 
 
 def test_scaled_storage_beats_plain_float8_on_default_initialized_weights():
@@ -205,9 +213,14 @@ def test_granularities_pick_units():
     remove_layerwise_casting(model)
     assert apply_layerwise_casting(model, F8, torch.float32, granularity="model") == [""]
     remove_layerwise_casting(model)
-    assert apply_layerwise_casting(model, F8, torch.float32, skip=r"\.down$") == ["0.up", "1.up"]  # norms: nothing to do
+    assert apply_layerwise_casting(model, F8, torch.float32, skip=r"\.down$") == [
+        "0.up",
+        "1.up",
+    ]  # norms: nothing to do
     remove_layerwise_casting(model)
-    chosen = apply_layerwise_casting(model, F8, torch.float32, granularity=lambda name, module: isinstance(module, Block) and name == "1")
+    chosen = apply_layerwise_casting(
+        model, F8, torch.float32, granularity=lambda name, module: isinstance(module, Block) and name == "1"
+    )
     assert chosen == ["1"] and model[0].up.weight.dtype == torch.float32 and model[1].up.weight.dtype == F8
 
 
@@ -302,17 +315,49 @@ def without_float8_storage(original):
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
-        (lambda m: apply_layerwise_casting(m, torch.int8, torch.float32), ValueError, "storage_dtype=torch.int8 is not accepted"),
-        (lambda m: apply_layerwise_casting(m, torch.float8_e8m0fnu, torch.float32), ValueError, "storage_dtype=torch.float8_e8m0fnu"),
+        (
+            lambda m: apply_layerwise_casting(m, torch.int8, torch.float32),
+            ValueError,
+            "storage_dtype=torch.int8 is not accepted",
+        ),
+        (
+            lambda m: apply_layerwise_casting(m, torch.float8_e8m0fnu, torch.float32),
+            ValueError,
+            "storage_dtype=torch.float8_e8m0fnu",
+        ),
         (lambda m: apply_layerwise_casting(m, "float8", torch.float32), TypeError, "storage_dtype must be dtype"),
-        (lambda m: apply_layerwise_casting(m, F8, torch.int32), ValueError, "compute_dtype=torch.int32 is not a floating-point dtype"),
-        (lambda m: apply_layerwise_casting(m, F8, torch.float8_e5m2), ValueError, "compute_dtype=torch.float8_e5m2 is not accepted"),
+        (
+            lambda m: apply_layerwise_casting(m, F8, torch.int32),
+            ValueError,
+            "compute_dtype=torch.int32 is not a floating-point dtype",
+        ),
+        (
+            lambda m: apply_layerwise_casting(m, F8, torch.float8_e5m2),
+            ValueError,
+            "compute_dtype=torch.float8_e5m2 is not accepted",
+        ),
         (lambda m: apply_layerwise_casting(m, torch.bfloat16, torch.bfloat16), ValueError, "nothing to cast"),
-        (lambda m: apply_layerwise_casting(m, F8, torch.float32, skip=("norm", "[unclosed")), ValueError, "'\\[unclosed' is not a valid regular expression"),
+        (
+            lambda m: apply_layerwise_casting(m, F8, torch.float32, skip=("norm", "[unclosed")),
+            ValueError,
+            "'\\[unclosed' is not a valid regular expression",
+        ),
         (lambda m: apply_layerwise_casting(m, F8, torch.float32, skip=3), TypeError, "skip must be a str or a tuple"),
-        (lambda m: apply_layerwise_casting(m, F8, torch.float32, granularity="layer"), ValueError, "granularity='layer' is not accepted"),
-        (lambda m: apply_layerwise_casting(m, F8, torch.float32, scale="row"), ValueError, "scale='row' is not accepted"),
-        (lambda m: apply_layerwise_casting(m, F8, torch.float32, keep_originals="yes"), TypeError, "keep_originals must be bool"),
+        (
+            lambda m: apply_layerwise_casting(m, F8, torch.float32, granularity="layer"),
+            ValueError,
+            "granularity='layer' is not accepted",
+        ),
+        (
+            lambda m: apply_layerwise_casting(m, F8, torch.float32, scale="row"),
+            ValueError,
+            "scale='row' is not accepted",
+        ),
+        (
+            lambda m: apply_layerwise_casting(m, F8, torch.float32, keep_originals="yes"),
+            TypeError,
+            "keep_originals must be bool",
+        ),
         (lambda m: apply_layerwise_casting("model", F8, torch.float32), TypeError, "module must be Module"),
         (lambda m: remove_layerwise_casting(m), ValueError, "no layerwise casting is applied"),
     ],

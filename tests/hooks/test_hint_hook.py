@@ -24,13 +24,14 @@ from tightfit.hooks import (
     remove_layerwise_casting,
     remove_offloading,
 )
-
 from zoo.hooks import stack
 
 HINTS = {"0": {"schedule": "dfs", "slices": 2}, "1": {"schedule": "dfs", "slices": 2}}
 STEPS = {
     "hints": lambda model: add_hints(model, HINTS),
-    "casting": lambda model: apply_layerwise_casting(model, torch.float8_e4m3fn, torch.float32, granularity="block", skip=()),
+    "casting": lambda model: apply_layerwise_casting(
+        model, torch.float8_e4m3fn, torch.float32, granularity="block", skip=()
+    ),
     "offloading": lambda model: apply_offloading(model, "cpu", offload_to="cpu", granularity="block"),
 }
 # casting refuses an offloaded module, so it comes before offloading; the hints go anywhere
@@ -69,8 +70,12 @@ def test_hint_region_encloses_casting_and_offloading_whatever_the_order(order, l
     seen = []
     block.register_forward_hook(lambda *_: seen.append(_in_region()))  # runs after the hooked forward returns
     model(x)
-    assert log[:4] == [("offloading", "pre_forward", True), ("casting", "pre_forward", True),
-                       ("casting", "post_forward", True), ("offloading", "post_forward", True)]
+    assert log[:4] == [
+        ("offloading", "pre_forward", True),
+        ("casting", "pre_forward", True),
+        ("casting", "post_forward", True),
+        ("offloading", "post_forward", True),
+    ]
     assert seen == [False] and not _in_region()  # the region closed when the block returned
     assert remove_hints(model) == ["0", "1"]
     remove_offloading(model)

@@ -11,13 +11,20 @@ import sys
 
 import pytest
 import torch
-from zoo.hooks import bert_and_output, cosine, held_files, same_state, snapshot, stack
 from torch import nn
 
-from tightfit.hooks import (OFFLOADING, HookRegistry, apply_layerwise_casting, apply_offloading,
-                            remove_layerwise_casting, remove_offloading, resident_bytes)
+from tightfit.hooks import (
+    OFFLOADING,
+    HookRegistry,
+    apply_layerwise_casting,
+    apply_offloading,
+    remove_layerwise_casting,
+    remove_offloading,
+    resident_bytes,
+)
 from tightfit.hooks._disk import MappedFile
 from tightfit.memory import tensor_bytes
+from zoo.hooks import bert_and_output, cosine, held_files, same_state, snapshot, stack
 
 F8 = torch.float8_e4m3fn
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -47,10 +54,14 @@ def test_disk_storage_maps_unnamed_files_and_removal_restores_bit_for_bit(tmp_pa
     x = torch.randn(2, 32)
     expected, saved = model(x), snapshot(model)
     apply_offloading(model, "cpu", offload_to="disk", granularity=granularity, path=tmp_path)
-    assert len(state_of(model[0].up if granularity == "leaf" else model[0]).files) == (3 if granularity == "block" else 9)
+    assert len(state_of(model[0].up if granularity == "leaf" else model[0]).files) == (
+        3 if granularity == "block" else 9
+    )
     assert list(tmp_path.iterdir()) == []  # no names: nothing to find, nothing left behind
     if LINUX:
-        assert len(held_files(os.getpid(), tmp_path)) == len(state_of(model[0].up if granularity == "leaf" else model[0]).files)
+        assert len(held_files(os.getpid(), tmp_path)) == len(
+            state_of(model[0].up if granularity == "leaf" else model[0]).files
+        )
     assert resident_bytes(model, "cpu") == 0  # every weight lives in the page cache of a mapped file
     assert torch.equal(model(x), expected) and torch.equal(model(x), expected)
     remove_offloading(model)
@@ -128,15 +139,26 @@ def test_under_compile(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"device": "cuda:0"} if not torch.cuda.is_available() else {"device": "cuda:99"},
-         RuntimeError if not torch.cuda.is_available() else ValueError, "not available on this machine|does not exist"),
+        (
+            {"device": "cuda:0"} if not torch.cuda.is_available() else {"device": "cuda:99"},
+            RuntimeError if not torch.cuda.is_available() else ValueError,
+            "not available on this machine|does not exist",
+        ),
         ({"device": "nonesuch"}, ValueError, "backend 'nonesuch' is not known"),
         ({"device": 0}, TypeError, "device must be a str or torch.device"),
         ({"offload_to": "tape"}, ValueError, "offload_to='tape' is not accepted"),
-        ({"offload_to": "disk", "storage": "cpu"}, TypeError, "pass offload_to='disk' alone: storage='cpu' is its deprecated old name"),
+        (
+            {"offload_to": "disk", "storage": "cpu"},
+            TypeError,
+            "pass offload_to='disk' alone: storage='cpu' is its deprecated old name",
+        ),
         ({"granularity": "layer"}, ValueError, "granularity='layer' is not accepted"),
         ({"prefetch": "yes"}, TypeError, "prefetch must be bool"),
-        ({"pin_memory": True}, ValueError, "pin_memory=True needs offload_to='cpu' and a device with asynchronous copies"),
+        (
+            {"pin_memory": True},
+            ValueError,
+            "pin_memory=True needs offload_to='cpu' and a device with asynchronous copies",
+        ),
         ({"path": "/nonexistent/folder", "offload_to": "disk"}, ValueError, "is not an existing folder"),
         ({"path": "/tmp"}, ValueError, "path is only used with offload_to='disk'"),
     ],
@@ -181,7 +203,9 @@ def test_gpu_offloading_computes_on_the_device_with_weights_off_it(tmp_path, off
     x = torch.randn(4, 256)
     expected = model.cuda()(x.cuda())
     saved = snapshot(model)
-    apply_offloading(model, "cuda", offload_to=offload_to, prefetch=prefetch, path=tmp_path if offload_to == "disk" else None)
+    apply_offloading(
+        model, "cuda", offload_to=offload_to, prefetch=prefetch, path=tmp_path if offload_to == "disk" else None
+    )
     assert resident_bytes(model, "cuda") == 0 and model[0].up.weight.device.type == "cpu"
     if offload_to == "cpu":
         assert model[0].up.weight.is_pinned()

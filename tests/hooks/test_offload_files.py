@@ -16,10 +16,10 @@ import textwrap
 
 import pytest
 import torch
-from zoo.hooks import held_files, same_state, snapshot, stack
 
 from tightfit.hooks import OFFLOADING, HookRegistry, OffloadFileError, apply_offloading, remove_offloading
 from tightfit.hooks._disk import MappedFile
+from zoo.hooks import held_files, same_state, snapshot, stack
 
 linux = pytest.mark.skipif(sys.platform != "linux", reason="uses /proc and RLIMIT_FSIZE")
 
@@ -36,15 +36,20 @@ def test_a_file_written_by_another_process_raises_and_nothing_is_written_back(tm
     assert torch.equal(model(x), expected)
     fd = hook_of(model[1]).files[0]._file.fileno()
     os.pwrite(fd, os.urandom(256), 64)  # same size, other bytes
-    with pytest.raises(OffloadFileError, match=r"offload file of unit '1' \(unnamed, in .*\) was written to after tightfit "
-                                               r"wrote it: .* load the model's weights again"):
+    with pytest.raises(
+        OffloadFileError,
+        match=r"offload file of unit '1' \(unnamed, in .*\) was written to after tightfit "
+        r"wrote it: .* load the model's weights again",
+    ):
         model(x)
     with pytest.raises(OffloadFileError, match="unit '1'"):
         remove_offloading(model)
     assert all(OFFLOADING in HookRegistry.get(block) for block in model)  # still offloaded: nothing copied back
     # were the change to escape the stat check, the CRC-32 still keeps it out of the model
     monkeypatch.setattr(MappedFile, "check", lambda self: None)
-    with pytest.raises(OffloadFileError, match=r"unit '1' .* holds other bytes than written for tensor '\d' \(CRC-32 mismatch\)"):
+    with pytest.raises(
+        OffloadFileError, match=r"unit '1' .* holds other bytes than written for tensor '\d' \(CRC-32 mismatch\)"
+    ):
         remove_offloading(model)
     assert all(OFFLOADING in HookRegistry.get(block) for block in model)
 
@@ -71,8 +76,11 @@ def test_a_failed_write_offloads_nothing(tmp_path, monkeypatch):
         return write(self, tensors)
 
     monkeypatch.setattr(MappedFile, "_write", full_disk)
-    with pytest.raises(OSError, match=r"offloading failed \(No space left on device\) in .*; free space there or pass path= on "
-                                      r"another disk. Nothing was offloaded: the module is as it was") as caught:
+    with pytest.raises(
+        OSError,
+        match=r"offloading failed \(No space left on device\) in .*; free space there or pass path= on "
+        r"another disk. Nothing was offloaded: the module is as it was",
+    ) as caught:
         apply_offloading(model, "cpu", offload_to="disk", path=tmp_path)
     assert caught.value.errno == errno.ENOSPC and calls == ["0", "1"]
     assert same_state(model, saved) and model[0].up.weight.data_ptr() == pointer
@@ -121,8 +129,13 @@ CHILD = textwrap.dedent("""
 def child(tmp_path_factory):
     """A process that hits a file size limit, truncates one of its offload files, reports, and waits."""
     folder = tmp_path_factory.mktemp("offload")
-    process = subprocess.Popen([sys.executable, "-c", CHILD, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(folder)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         ready, _, _ = select.select([process.stdout], [], [], 300)
         line = process.stdout.readline() if ready else ""

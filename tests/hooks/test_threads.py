@@ -7,10 +7,10 @@ import threading
 
 import pytest
 import torch
-from zoo.hooks import same_state, snapshot
 from torch import nn
 
 from tightfit.hooks import apply_layerwise_casting, apply_offloading, remove_layerwise_casting, remove_offloading
+from zoo.hooks import same_state, snapshot
 
 F8 = torch.float8_e4m3fn
 
@@ -32,13 +32,18 @@ def model():
 
 
 HOOKS = {
-    "casting": (lambda m, path: apply_layerwise_casting(m, F8, torch.float32, keep_originals=True), remove_layerwise_casting),
+    "casting": (
+        lambda m, path: apply_layerwise_casting(m, F8, torch.float32, keep_originals=True),
+        remove_layerwise_casting,
+    ),
     "offload to disk": (lambda m, path: apply_offloading(m, "cpu", offload_to="disk", path=path), remove_offloading),
     "offload to cpu": (lambda m, path: apply_offloading(m, "cpu"), remove_offloading),
 }
 
 
-@pytest.mark.parametrize("hooks", [["casting"], ["offload to disk"], ["offload to cpu"], ["casting", "offload to disk"]])
+@pytest.mark.parametrize(
+    "hooks", [["casting"], ["offload to disk"], ["offload to cpu"], ["casting", "offload to disk"]]
+)
 def test_a_second_thread_inside_a_hooked_module_raises_and_the_first_goes_on(tmp_path, hooks):
     layers = model()
     x = torch.randn(2, 16)
@@ -62,8 +67,11 @@ def test_a_second_thread_inside_a_hooked_module_raises_and_the_first_goes_on(tmp
     thread.start()
     try:
         assert inside.wait(30)
-        with pytest.raises(RuntimeError, match=r"is running a forward in another thread \(tightfit\..*\): a module with "
-                                               r"tightfit hooks runs one forward at a time"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"is running a forward in another thread \(tightfit\..*\): a module with "
+            r"tightfit hooks runs one forward at a time",
+        ):
             layers(x)
     finally:
         go_on.set()

@@ -31,8 +31,18 @@ def tiny_t5():
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.manual_seed(0)
-    model = T5Model(T5Config(vocab_size=500, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_decoder_layers=1,
-                             num_heads=4, dropout_rate=0.0)).eval()
+    model = T5Model(
+        T5Config(
+            vocab_size=500,
+            d_model=64,
+            d_kv=16,
+            d_ff=128,
+            num_layers=1,
+            num_decoder_layers=1,
+            num_heads=4,
+            dropout_rate=0.0,
+        )
+    ).eval()
     ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(0))
     return model, (ids,), {"decoder_input_ids": ids, "use_cache": True}
 
@@ -50,6 +60,7 @@ class LMLoss(torch.nn.Module):
 
 def _measured(model, run_model, args, kwargs, training):
     """allocated_peak of one call, after a warm-up call (compiling); gradients dropped outside the measurement."""
+
     def call():
         if training:
             run_model(*args, **kwargs).backward()
@@ -80,10 +91,13 @@ def _case(name):
     return model, args, kwargs, False
 
 
-@pytest.mark.parametrize("case, runtime", [
-    *((case, runtime) for case in ("tiny lm training step", "attention") for runtime in RUNS),
-    ("t5 with its cache", "fx"),  # the cache's tensors are outputs (1.36x before they were counted so)
-])
+@pytest.mark.parametrize(
+    "case, runtime",
+    [
+        *((case, runtime) for case in ("tiny lm training step", "attention") for runtime in RUNS),
+        ("t5 with its cache", "fx"),  # the cache's tensors are outputs (1.36x before they were counted so)
+    ],
+)
 def test_every_covered_runtime_is_within_5_percent_of_the_allocator(case, runtime):
     model, args, kwargs, training = _case(case)
     arguments, build = RUNS[runtime]
@@ -118,8 +132,10 @@ def test_measuring_and_simulating_share_one_lifetime_tracker():
     plan = tightfit.plan_memory(model, ids, runtime="eager")
     with torch.no_grad(), LiveTensorBytes(None) as tracker:
         out = model(ids)
-    real = [(life.name, life.nbytes, life.start, len(tracker.steps) - 1 if life.end is None else life.end)
-            for life in tracker.lifetimes]
+    real = [
+        (life.name, life.nbytes, life.start, len(tracker.steps) - 1 if life.end is None else life.end)
+        for life in tracker.lifetimes
+    ]
     del out
     simulated = [(buffer.name, buffer.nbytes, buffer.start, buffer.end) for buffer in plan.timeline.buffers]
     assert plan.timeline.steps == tracker.steps

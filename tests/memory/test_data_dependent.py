@@ -47,9 +47,16 @@ def _line(marker: str) -> int:
     return next(number for number, line in enumerate(lines, 1) if line.endswith(f"# {marker}"))
 
 
-FIGURES = Calibration(backend="cpu", device_name="test", torch_version=torch.__version__, matmul_flops=1e10,
-                      device_bandwidth=1e10, host_to_device_bandwidth=None, disk_bandwidth=1e9,
-                      decode_seconds=dict.fromkeys(("float8", "8bit", "int8", "nf4", "fp4"), 0.0))
+FIGURES = Calibration(
+    backend="cpu",
+    device_name="test",
+    torch_version=torch.__version__,
+    matmul_flops=1e10,
+    device_bandwidth=1e10,
+    host_to_device_bandwidth=None,
+    disk_bandwidth=1e9,
+    decode_seconds=dict.fromkeys(("float8", "8bit", "int8", "nf4", "fp4"), 0.0),
+)
 PLANNERS = {
     "compiled": lambda model, x: tightfit.plan_memory(model, x),
     "eager": lambda model, x: tightfit.plan_memory(model, x, runtime="eager"),

@@ -118,7 +118,9 @@ def test_existing_tensors_count_until_freed():
         holder[0] = holder[0].to(torch.float16)  # a hook replacing a weight: the old storage goes
         del weight
         torch.zeros(1)
-    assert tracker.current == 2048 + 4 and tracker.peak == 4096 + 2048  # old and new side by side, then the old one freed
+    assert (
+        tracker.current == 2048 + 4 and tracker.peak == 4096 + 2048
+    )  # old and new side by side, then the old one freed
     with pytest.raises(TypeError, match="existing must hold tensors"):
         LiveTensorBytes(existing=[1])
 
@@ -155,7 +157,9 @@ def test_measure_records_a_timeline_with_the_baseline():
     timeline = recorded.timeline
     assert isinstance(timeline, MemoryTimeline) and timeline.device == "cpu"
     # ones, then its float32 sum while the ones are still alive
-    assert timeline.samples == (100, 100 + (4 << 20), 100 + (4 << 20) + 4) and timeline.peak_bytes == recorded.peak_bytes
+    assert (
+        timeline.samples == (100, 100 + (4 << 20), 100 + (4 << 20) + 4) and timeline.peak_bytes == recorded.peak_bytes
+    )
     assert timeline.marks == ((1, "work"),)
     with pytest.raises(TypeError, match="timeline must be a bool"):
         measure(work, "cpu", timeline=1)
@@ -173,11 +177,14 @@ def test_allocated_bytes_samples_the_reading_after_each_op():
         AllocatedBytes("cpu", read=5)
 
 
-@pytest.mark.parametrize("device, error, message", [
-    ("bogus", ValueError, "device='bogus' is not a valid torch device"),
-    (3, TypeError, "device must be torch.device or str, got int: 3"),
-    (None, TypeError, "device must be torch.device or str, got NoneType"),
-])
+@pytest.mark.parametrize(
+    "device, error, message",
+    [
+        ("bogus", ValueError, "device='bogus' is not a valid torch device"),
+        (3, TypeError, "device must be torch.device or str, got int: 3"),
+        (None, TypeError, "device must be torch.device or str, got NoneType"),
+    ],
+)
 def test_allocated_bytes_checks_the_device(device, error, message):
     from tightfit.memory import AllocatedBytes
 

@@ -17,7 +17,6 @@ from tightfit.memory import LiveTensorBytes
 from tightfit.memory.compiled import compiled_peak
 from zoo.graph import Attention
 
-
 F32 = 4
 
 
@@ -209,7 +208,9 @@ def test_the_compiled_backward_frees_saved_activations_as_eager_does():
 def test_a_dfs_hint_shrinks_the_plan_to_one_slice_and_its_workspace():
     x = torch.randn(2, 256, 64)
     whole = verified(tightfit.plan_memory(Attention(embed=64, heads=8), x)).devices["cpu"]
-    sliced = verified(tightfit.plan_memory(Attention(embed=64, heads=8, hints={"schedule": "dfs", "slices": 8, "slice_dim": 1}), x))
+    sliced = verified(
+        tightfit.plan_memory(Attention(embed=64, heads=8, hints={"schedule": "dfs", "slices": 8, "slice_dim": 1}), x)
+    )
     scores = 2 * 8 * 256 * 256 * F32
     assert whole.arena_bytes >= 2 * scores
     assert sliced.devices["cpu"].arena_bytes < whole.arena_bytes - scores
@@ -267,8 +268,14 @@ def test_a_dfs_split_is_planned_to_the_byte(slices):
 def test_the_report_the_dict_and_the_plot(tmp_path):
     plan = tightfit.plan_memory(mlp(), torch.randn(16, 64), training=True)
     text = str(plan)
-    for expected in ("memory plan: Sequential, training step", "lower bound", "arena/bound", "peak on cpu",
-                     "largest tensors alive there", "order of the backward graph"):
+    for expected in (
+        "memory plan: Sequential, training step",
+        "lower bound",
+        "arena/bound",
+        "peak on cpu",
+        "largest tensors alive there",
+        "order of the backward graph",
+    ):
         assert expected in text
     data = plan.to_dict()
     json.dumps(data)
@@ -288,22 +295,36 @@ def test_the_report_the_dict_and_the_plot(tmp_path):
         plan.live_bytes("cuda:0")
 
 
-@pytest.mark.parametrize("call, error, message", [
-    (lambda: tightfit.plan_memory(lambda x: x, torch.ones(2)), TypeError, "model must be Module"),
-    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), training=1), TypeError, "training must be bool"),
-    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), order="random"), ValueError, "order='random'"),
-    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), runtime="jit"), ValueError, "runtime='jit'"),
-    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), runtime="eager", order="depth-first"), ValueError, "eager execution runs the written order"),
-    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), runtime="arena", order="breadth-first"), ValueError,
-     "arena execution runs the written order"),
-    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), alignment=48), ValueError, "power of two"),
-    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), alignment=True), TypeError, "alignment must be int"),
-    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), backend="nonesuch"), ValueError, "not known"),
-    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), backend=3), TypeError, "backend must be"),
-    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), kwargs=[1]), TypeError, "kwargs must be Mapping"),
-    (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64).to_sparse()), ValueError, "strided tensors only"),
-    (lambda: tightfit.plan_memory(mlp().requires_grad_(False), torch.ones(2, 64), training=True), ValueError, "needs a gradient"),
-])
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: tightfit.plan_memory(lambda x: x, torch.ones(2)), TypeError, "model must be Module"),
+        (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), training=1), TypeError, "training must be bool"),
+        (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), order="random"), ValueError, "order='random'"),
+        (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), runtime="jit"), ValueError, "runtime='jit'"),
+        (
+            lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), runtime="eager", order="depth-first"),
+            ValueError,
+            "eager execution runs the written order",
+        ),
+        (
+            lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), runtime="arena", order="breadth-first"),
+            ValueError,
+            "arena execution runs the written order",
+        ),
+        (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), alignment=48), ValueError, "power of two"),
+        (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), alignment=True), TypeError, "alignment must be int"),
+        (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), backend="nonesuch"), ValueError, "not known"),
+        (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), backend=3), TypeError, "backend must be"),
+        (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64), kwargs=[1]), TypeError, "kwargs must be Mapping"),
+        (lambda: tightfit.plan_memory(mlp(), torch.ones(2, 64).to_sparse()), ValueError, "strided tensors only"),
+        (
+            lambda: tightfit.plan_memory(mlp().requires_grad_(False), torch.ones(2, 64), training=True),
+            ValueError,
+            "needs a gradient",
+        ),
+    ],
+)
 def test_bad_arguments_are_named(call, error, message):
     with pytest.raises(error, match=message):
         call()

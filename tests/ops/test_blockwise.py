@@ -54,14 +54,20 @@ def test_bitsandbytes_decodes_ours_and_we_decode_theirs_8bit(dtype):
     A = sample((5, 4099), dtype, seed=3)
     q, absmax = quantize_blockwise(A, blocksize=1024)
     ours = dequantize_blockwise(q, absmax, blocksize=1024, dtype=dtype)
-    assert torch.equal(bnb_reference("dequantize_blockwise", q, absmax, bnb_functional.create_dynamic_map(), 1024, dtype), ours)
+    assert torch.equal(
+        bnb_reference("dequantize_blockwise", q, absmax, bnb_functional.create_dynamic_map(), 1024, dtype), ours
+    )
     # bitsandbytes' native CPU kernel rounds half-precision outputs its own way on some
     # x86 hosts (seen on another machine): equal to within one rounding there.
-    state = bnb_functional.QuantState(absmax=absmax, code=bnb_functional.create_dynamic_map(), blocksize=1024, dtype=dtype)
+    state = bnb_functional.QuantState(
+        absmax=absmax, code=bnb_functional.create_dynamic_map(), blocksize=1024, dtype=dtype
+    )
     torch.testing.assert_close(bnb_functional.dequantize_blockwise(q, state), ours, rtol=torch.finfo(dtype).eps, atol=0)
     their_q, their_state = bnb_functional.quantize_blockwise(A, blocksize=1024)  # their CPU kernel
     ours = dequantize_blockwise(their_q, their_state.absmax, their_state.code, 1024, dtype)
-    torch.testing.assert_close(ours, bnb_functional.dequantize_blockwise(their_q, their_state), rtol=torch.finfo(dtype).eps, atol=0)
+    torch.testing.assert_close(
+        ours, bnb_functional.dequantize_blockwise(their_q, their_state), rtol=torch.finfo(dtype).eps, atol=0
+    )
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
@@ -69,13 +75,21 @@ def test_bitsandbytes_decodes_ours_and_we_decode_theirs_8bit(dtype):
 def test_bitsandbytes_decodes_ours_and_we_decode_theirs_4bit(dtype, quant_type):
     A = sample((33, 65), dtype, seed=4)
     packed, absmax = quantize_4bit(A, blocksize=64, quant_type=quant_type)
-    state = bnb_functional.QuantState(absmax=absmax, shape=A.shape, code=bnb_functional.get_4bit_type(quant_type, "cpu"),
-                                      blocksize=64, quant_type=quant_type, dtype=dtype)
+    state = bnb_functional.QuantState(
+        absmax=absmax,
+        shape=A.shape,
+        code=bnb_functional.get_4bit_type(quant_type, "cpu"),
+        blocksize=64,
+        quant_type=quant_type,
+        dtype=dtype,
+    )
     ours = dequantize_4bit(packed, absmax, 64, quant_type, list(A.shape), dtype)
     assert torch.equal(bnb_functional.dequantize_4bit(packed, state), ours)
     their_packed, their_state = bnb_functional.quantize_4bit(A, blocksize=64, quant_type=quant_type)
-    assert torch.equal(dequantize_4bit(their_packed, their_state.absmax, 64, quant_type, list(A.shape), dtype),
-                       bnb_functional.dequantize_4bit(their_packed, their_state))
+    assert torch.equal(
+        dequantize_4bit(their_packed, their_state.absmax, 64, quant_type, list(A.shape), dtype),
+        bnb_functional.dequantize_4bit(their_packed, their_state),
+    )
 
 
 def test_dynamic_map_is_bitsandbytes_map():
@@ -110,7 +124,9 @@ def test_quant_storage_reinterprets_the_bytes():
     as_bf16, _ = quantize_4bit(A, 64, "nf4", quant_storage=torch.bfloat16)
     assert as_bf16.dtype == torch.bfloat16 and as_bf16.shape == (1024, 1)
     assert torch.equal(as_bf16.reshape(-1).view(torch.uint8), as_bytes.reshape(-1))
-    assert torch.equal(dequantize_4bit(as_bf16, absmax, 64, "nf4", [64, 64]), dequantize_4bit(as_bytes, absmax, 64, "nf4", [64, 64]))
+    assert torch.equal(
+        dequantize_4bit(as_bf16, absmax, 64, "nf4", [64, 64]), dequantize_4bit(as_bytes, absmax, 64, "nf4", [64, 64])
+    )
 
 
 def test_odd_count_pads_with_a_scaled_zero():
@@ -122,12 +138,56 @@ def test_odd_count_pads_with_a_scaled_zero():
     ("op", "args"),
     [
         ("quantize_blockwise", lambda: (torch.randn(5000), dynamic_map(), 256)),
-        ("dequantize_blockwise", lambda: (torch.randint(0, 256, (5000,), dtype=torch.uint8), torch.rand(20), dynamic_map(), 256, torch.bfloat16)),
+        (
+            "dequantize_blockwise",
+            lambda: (
+                torch.randint(0, 256, (5000,), dtype=torch.uint8),
+                torch.rand(20),
+                dynamic_map(),
+                256,
+                torch.bfloat16,
+            ),
+        ),
         ("quantize_4bit", lambda: (torch.randn(33, 7).bfloat16(), 64, "fp4", torch.uint8)),
-        ("dequantize_4bit", lambda: (torch.randint(0, 256, (116, 1), dtype=torch.uint8), torch.rand(4), 64, "nf4", [33, 7], torch.float16)),
-        ("gemv_4bit", lambda: (torch.randn(1, 64), torch.randint(0, 256, (1536, 1), dtype=torch.uint8), [48, 64], torch.rand(48), 64, "nf4")),
-        ("int8_linear_matmul", lambda: (torch.randint(-127, 128, (5, 64), dtype=torch.int8), torch.randint(-127, 128, (7, 64), dtype=torch.int8))),
-        ("int8_mm_dequant", lambda: (torch.randint(-1000, 1000, (5, 7), dtype=torch.int32), torch.rand(5), torch.rand(7), torch.bfloat16, torch.randn(7))),
+        (
+            "dequantize_4bit",
+            lambda: (
+                torch.randint(0, 256, (116, 1), dtype=torch.uint8),
+                torch.rand(4),
+                64,
+                "nf4",
+                [33, 7],
+                torch.float16,
+            ),
+        ),
+        (
+            "gemv_4bit",
+            lambda: (
+                torch.randn(1, 64),
+                torch.randint(0, 256, (1536, 1), dtype=torch.uint8),
+                [48, 64],
+                torch.rand(48),
+                64,
+                "nf4",
+            ),
+        ),
+        (
+            "int8_linear_matmul",
+            lambda: (
+                torch.randint(-127, 128, (5, 64), dtype=torch.int8),
+                torch.randint(-127, 128, (7, 64), dtype=torch.int8),
+            ),
+        ),
+        (
+            "int8_mm_dequant",
+            lambda: (
+                torch.randint(-1000, 1000, (5, 7), dtype=torch.int32),
+                torch.rand(5),
+                torch.rand(7),
+                torch.bfloat16,
+                torch.randn(7),
+            ),
+        ),
         ("int8_vectorwise_quant", lambda: (torch.randn(5, 64), 0.0)),
     ],
 )
@@ -151,30 +211,74 @@ GOOD = torch.randn(128)
     ("call", "error", "match"),
     [
         (lambda: quantize_blockwise([1.0]), TypeError, "A must be Tensor"),
-        (lambda: quantize_blockwise(torch.ones(4, dtype=torch.int32)), ValueError, "A.dtype=torch.int32 is not accepted"),
+        (
+            lambda: quantize_blockwise(torch.ones(4, dtype=torch.int32)),
+            ValueError,
+            "A.dtype=torch.int32 is not accepted",
+        ),
         (lambda: quantize_blockwise(GOOD, blocksize=100), ValueError, "blocksize=100 is not accepted"),
         (lambda: quantize_blockwise(GOOD, blocksize=32), ValueError, "blocksize=32 is not accepted"),
         (lambda: quantize_blockwise(GOOD, blocksize=64.0), TypeError, "blocksize must be int"),
-        (lambda: quantize_blockwise(GOOD, code=torch.zeros(16)), ValueError, "code must be a 1-D float32 tensor of 256"),
+        (
+            lambda: quantize_blockwise(GOOD, code=torch.zeros(16)),
+            ValueError,
+            "code must be a 1-D float32 tensor of 256",
+        ),
         (lambda: quantize_blockwise(GOOD, code=dynamic_map().flip(0)), ValueError, "code must be sorted"),
         (lambda: quantize_blockwise(GOOD, code=dynamic_map().to("meta")), ValueError, "code is on meta"),
-        (lambda: quantize_blockwise(torch.tensor([1.0, float("nan")])), ValueError, "NaN or inf values \\(first in block 0\\)"),
-        (lambda: quantize_blockwise(torch.cat([torch.ones(64), torch.tensor([float("inf")])]), blocksize=64), ValueError, "first in block 1"),
+        (
+            lambda: quantize_blockwise(torch.tensor([1.0, float("nan")])),
+            ValueError,
+            "NaN or inf values \\(first in block 0\\)",
+        ),
+        (
+            lambda: quantize_blockwise(torch.cat([torch.ones(64), torch.tensor([float("inf")])]), blocksize=64),
+            ValueError,
+            "first in block 1",
+        ),
         (lambda: dequantize_blockwise(torch.zeros(4), torch.ones(1)), TypeError, "A must be uint8"),
-        (lambda: dequantize_blockwise(torch.zeros(100, dtype=torch.uint8), torch.ones(3), blocksize=64), ValueError, "need 2"),
-        (lambda: dequantize_blockwise(torch.zeros(10, dtype=torch.uint8), torch.ones(1, dtype=torch.int32)), TypeError, "absmax must be a floating-point"),
-        (lambda: dequantize_blockwise(torch.zeros(10, dtype=torch.uint8), torch.ones(1), dtype=torch.int8), ValueError, "dtype=torch.int8"),
+        (
+            lambda: dequantize_blockwise(torch.zeros(100, dtype=torch.uint8), torch.ones(3), blocksize=64),
+            ValueError,
+            "need 2",
+        ),
+        (
+            lambda: dequantize_blockwise(torch.zeros(10, dtype=torch.uint8), torch.ones(1, dtype=torch.int32)),
+            TypeError,
+            "absmax must be a floating-point",
+        ),
+        (
+            lambda: dequantize_blockwise(torch.zeros(10, dtype=torch.uint8), torch.ones(1), dtype=torch.int8),
+            ValueError,
+            "dtype=torch.int8",
+        ),
         (lambda: quantize_4bit(GOOD, blocksize=16), ValueError, "blocksize=16 is not accepted"),
         (lambda: quantize_4bit(GOOD, quant_type="int4"), ValueError, "quant_type='int4' is not accepted"),
         (lambda: quantize_4bit(torch.randn(6), quant_storage=torch.float32), ValueError, "cannot hold 3 packed bytes"),
         (lambda: quantize_4bit(torch.randn(4), quant_storage="uint8"), TypeError, "quant_storage must be dtype"),
         (lambda: quantize_4bit(torch.tensor([float("-inf"), 1.0])), ValueError, "NaN or inf"),
         (lambda: dequantize_4bit(torch.zeros(4, dtype=torch.uint8), torch.ones(1), shape=[9]), ValueError, "needs 5"),
-        (lambda: dequantize_4bit(torch.zeros(4, dtype=torch.uint8), torch.ones(1), shape=None), TypeError, "shape must be a sequence"),
-        (lambda: dequantize_4bit(torch.zeros(4, dtype=torch.uint8), torch.ones(1), shape=[-8]), TypeError, "shape must be a sequence"),
+        (
+            lambda: dequantize_4bit(torch.zeros(4, dtype=torch.uint8), torch.ones(1), shape=None),
+            TypeError,
+            "shape must be a sequence",
+        ),
+        (
+            lambda: dequantize_4bit(torch.zeros(4, dtype=torch.uint8), torch.ones(1), shape=[-8]),
+            TypeError,
+            "shape must be a sequence",
+        ),
         (lambda: dequantize_4bit(torch.zeros(4, dtype=torch.uint8), torch.ones(2), shape=[8]), ValueError, "need 1"),
-        (lambda: dequantize_4bit(torch.zeros(8, dtype=torch.uint8)[::2], torch.ones(1), shape=[8]), ValueError, "A must be contiguous"),
-        (lambda: dequantize_4bit(torch.zeros(4, dtype=torch.uint8), torch.ones(1), quant_type="nf5", shape=[8]), ValueError, "quant_type='nf5'"),
+        (
+            lambda: dequantize_4bit(torch.zeros(8, dtype=torch.uint8)[::2], torch.ones(1), shape=[8]),
+            ValueError,
+            "A must be contiguous",
+        ),
+        (
+            lambda: dequantize_4bit(torch.zeros(4, dtype=torch.uint8), torch.ones(1), quant_type="nf5", shape=[8]),
+            ValueError,
+            "quant_type='nf5'",
+        ),
     ],
 )
 def test_bad_inputs_are_rejected(call, error, match):

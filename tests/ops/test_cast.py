@@ -21,8 +21,10 @@ FLOAT8 = sorted(FLOAT8_DTYPES, key=str)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
     )
 
 
@@ -183,13 +185,31 @@ def test_cast_under_torch_compile():
     [
         (lambda: tightfit.ops.cast([1.0], torch.bfloat16), TypeError, "x must be Tensor, got list"),
         (lambda: tightfit.ops.cast(torch.ones(2), "bfloat16"), TypeError, "dtype must be dtype, got str"),
-        (lambda: tightfit.ops.cast(torch.ones(2, dtype=torch.int32), torch.float8_e4m3fn), ValueError, "x.dtype=torch.int32 is not accepted"),
+        (
+            lambda: tightfit.ops.cast(torch.ones(2, dtype=torch.int32), torch.float8_e4m3fn),
+            ValueError,
+            "x.dtype=torch.int32 is not accepted",
+        ),
         (lambda: tightfit.ops.cast(torch.ones(2), torch.int8), ValueError, "dtype=torch.int8 is not accepted"),
         (lambda: tightfit.ops.cast(torch.ones(2), torch.float64), ValueError, "accepted: "),
         (lambda: tightfit.ops.cast(torch.ones(2), torch.bfloat16, out=[0, 0]), TypeError, "out must be Tensor"),
-        (lambda: tightfit.ops.cast(torch.ones(2), torch.bfloat16, out=torch.empty(2)), ValueError, "out has dtype torch.float32 but dtype=torch.bfloat16"),
-        (lambda: tightfit.ops.cast(torch.ones(2), torch.bfloat16, out=torch.empty(3, dtype=torch.bfloat16)), ValueError, r"out has shape \(3,\) but x has shape \(2,\)"),
-        (lambda: tightfit.ops.cast(torch.ones(2), torch.bfloat16, out=torch.empty(2, dtype=torch.bfloat16, device="meta")), ValueError, "out is on meta but x is on cpu"),
+        (
+            lambda: tightfit.ops.cast(torch.ones(2), torch.bfloat16, out=torch.empty(2)),
+            ValueError,
+            "out has dtype torch.float32 but dtype=torch.bfloat16",
+        ),
+        (
+            lambda: tightfit.ops.cast(torch.ones(2), torch.bfloat16, out=torch.empty(3, dtype=torch.bfloat16)),
+            ValueError,
+            r"out has shape \(3,\) but x has shape \(2,\)",
+        ),
+        (
+            lambda: tightfit.ops.cast(
+                torch.ones(2), torch.bfloat16, out=torch.empty(2, dtype=torch.bfloat16, device="meta")
+            ),
+            ValueError,
+            "out is on meta but x is on cpu",
+        ),
     ],
 )
 def test_cast_rejects_bad_input(call, error, match):
@@ -244,7 +264,9 @@ def test_concurrent_casts_under_numbas_workqueue_layer():
     import sys
 
     env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue")
-    done = subprocess.run([sys.executable, "-c", CONCURRENT_CASTS], capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", CONCURRENT_CASTS], capture_output=True, text=True, timeout=300, env=env
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["20", "20"]
 

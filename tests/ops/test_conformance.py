@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tightfit
-from tightfit.ops.conformance import SENTINEL_BYTE, run_checks
 from tightfit.ops._registry import Case, define_op, register_kernel
+from tightfit.ops.conformance import SENTINEL_BYTE, run_checks
 
 IN_TREE_OPS = sorted(name for name in tightfit.ops.registered_ops() if not name.startswith("test_"))
 
@@ -75,7 +75,10 @@ def test_bitwise_ignores_nan_signs_and_payloads_but_nothing_else():
     assert results and all(r.status == "OK" for r in results)
     from tightfit.ops.conformance import _compare
 
-    assert _compare(torch.tensor([float("nan"), 1.0]), torch.tensor([float("nan"), -1.0]), "bitwise") == "output 0: 4 of 8 bytes differ"
+    assert (
+        _compare(torch.tensor([float("nan"), 1.0]), torch.tensor([float("nan"), -1.0]), "bitwise")
+        == "output 0: 4 of 8 bytes differ"
+    )
 
 
 def test_run_checks_rejects_unknown_ops():
@@ -84,7 +87,9 @@ def test_run_checks_rejects_unknown_ops():
 
 
 def test_cli_check_prints_table_and_count():
-    done = subprocess.run([sys.executable, "-m", "tightfit.app.cli", "check", "--op", "cast"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "tightfit.app.cli", "check", "--op", "cast"], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     summary = done.stdout.strip().splitlines()[-1]
     passed, total = summary.split()[0].split("/")

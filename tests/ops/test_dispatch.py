@@ -34,7 +34,9 @@ FILL = define_op(
     fake=lambda x, out: None,
     cases=lambda: [],
     mutates_args=("out",),
-    unsupported=lambda device, args: "pretend this device lacks the op" if device.type == UNSUPPORTED_ON["device"] else None,
+    unsupported=lambda device, args: (
+        "pretend this device lacks the op" if device.type == UNSUPPORTED_ON["device"] else None
+    ),
 )
 
 
@@ -106,7 +108,9 @@ def test_unsupported_device_runs_on_cpu_with_copies_and_mutations_back(monkeypat
         FILL(x, out)
     assert torch.equal(out, x + 1)
     messages = [str(w.message) for w in fallback_warnings(record)]
-    assert messages == ["tightfit op 'test_fill_off_device' on cpu: the op cannot run on cpu (pretend this device lacks the op); running it on the CPU with copies"]
+    assert messages == [
+        "tightfit op 'test_fill_off_device' on cpu: the op cannot run on cpu (pretend this device lacks the op); running it on the CPU with copies"
+    ]
     with tightfit.strict(), pytest.raises(tightfit.StrictModeError, match="cannot run on cpu"):
         FILL(x, out)
 
@@ -119,8 +123,16 @@ def test_unsupported_device_runs_on_cpu_with_copies_and_mutations_back(monkeypat
         (lambda: register_kernel("cast", "cuda:0", lambda x, d: x), ValueError, "device_type must be a device type"),
         (lambda: register_kernel("cast", "", lambda x, d: x), ValueError, "device_type must be a device type"),
         (lambda: register_kernel("cast", "cuda", "not callable"), TypeError, "fn must be callable"),
-        (lambda: register_kernel("cast", "warpdrive", lambda x, d: x), ValueError, "not a device type torch knows.*PrivateUse1"),
-        (lambda: define_op("test_double", _double, fake=_double_fake, cases=CASES), ValueError, "op 'test_double' is already defined"),
+        (
+            lambda: register_kernel("cast", "warpdrive", lambda x, d: x),
+            ValueError,
+            "not a device type torch knows.*PrivateUse1",
+        ),
+        (
+            lambda: define_op("test_double", _double, fake=_double_fake, cases=CASES),
+            ValueError,
+            "op 'test_double' is already defined",
+        ),
     ],
 )
 def test_registry_rejects_bad_input(call, error, match):

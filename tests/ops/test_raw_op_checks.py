@@ -20,23 +20,45 @@ BAD_CALLS = [
     # an 8-byte input decoded as a large shape read the heap
     ("dequantize_4bit", (PACKED[:8], ABSMAX, 64, "nf4", [1000, 1000], torch.float32), ValueError, "packed bytes"),
     ("dequantize_4bit", (PACKED, ABSMAX[:0], 64, "nf4", [8, 16], torch.float32), ValueError, "absmax has shape"),
-    ("dequantize_4bit", (PACKED.reshape(2, -1).t(), ABSMAX, 64, "nf4", [8, 16], torch.float32), ValueError, "contiguous"),
+    (
+        "dequantize_4bit",
+        (PACKED.reshape(2, -1).t(), ABSMAX, 64, "nf4", [8, 16], torch.float32),
+        ValueError,
+        "contiguous",
+    ),
     ("dequantize_4bit", (PACKED, ABSMAX, 64, "nf4", [-8, -16], torch.float32), TypeError, "non-negative"),
     # blocksize 0 looped forever holding the kernel lock
     ("gemv_4bit", (torch.randn(1, 16), PACKED, [8, 16], ABSMAX, 0, "nf4"), ValueError, "blocksize"),
     ("gemv_4bit", (torch.randn(1, 16), PACKED[:10], [8, 16], ABSMAX, 64, "nf4"), ValueError, "packed bytes"),
     ("gemv_4bit", (torch.randn(1, 15), PACKED, [8, 16], ABSMAX, 64, "nf4"), ValueError, "in_features"),
-    ("dequantize_blockwise", (torch.zeros(100, dtype=torch.uint8), torch.ones(2), dynamic_map()[:16], 64, torch.float32),
-     ValueError, "256 values"),
-    ("dequantize_blockwise", (torch.zeros(100, dtype=torch.uint8), torch.ones(1), dynamic_map(), 64, torch.float32),
-     ValueError, "need 2"),
+    (
+        "dequantize_blockwise",
+        (torch.zeros(100, dtype=torch.uint8), torch.ones(2), dynamic_map()[:16], 64, torch.float32),
+        ValueError,
+        "256 values",
+    ),
+    (
+        "dequantize_blockwise",
+        (torch.zeros(100, dtype=torch.uint8), torch.ones(1), dynamic_map(), 64, torch.float32),
+        ValueError,
+        "need 2",
+    ),
     ("quantize_blockwise", (torch.randn(100), dynamic_map().flip(0), 64), ValueError, "sorted"),
     ("quantize_blockwise", (torch.randn(100).to(torch.int32), dynamic_map(), 64), ValueError, "A.dtype"),
     ("quantize_4bit", (torch.randn(6), 64, "nf4", torch.float32), ValueError, "quant_storage"),
     ("quantize_4bit", (torch.randn(6), 64, "nf5", torch.uint8), ValueError, "quant_type"),
-    ("int8_linear_matmul", (torch.zeros(2, 3, dtype=torch.int8), torch.zeros(4, 5, dtype=torch.int8)), ValueError, "shapes"),
-    ("int8_mm_dequant", (torch.zeros(2, 3, dtype=torch.int32), torch.ones(3), torch.ones(3), torch.float32, None),
-     ValueError, "row_stats"),
+    (
+        "int8_linear_matmul",
+        (torch.zeros(2, 3, dtype=torch.int8), torch.zeros(4, 5, dtype=torch.int8)),
+        ValueError,
+        "shapes",
+    ),
+    (
+        "int8_mm_dequant",
+        (torch.zeros(2, 3, dtype=torch.int32), torch.ones(3), torch.ones(3), torch.float32, None),
+        ValueError,
+        "row_stats",
+    ),
     ("cast_into", (torch.randn(4), torch.empty(5, dtype=torch.bfloat16)), ValueError, "out has shape"),
 ]
 
@@ -74,7 +96,9 @@ def test_int8_edges_that_once_raised_unclean_errors():
     assert q.shape == (3, 0) and stats.shape == (3,) and cols is None
     _, _, cols = tightfit.ops.int8_vectorwise_quant(torch.randn(3, 4), 10**400)  # past float's range: no outliers
     assert cols.numel() == 0
-    for call in (lambda: tightfit.ops.int8_vectorwise_dequant(torch.zeros((), dtype=torch.int8), torch.ones(1)),
-                 lambda: tightfit.ops.int8_mm_dequant(torch.zeros((), dtype=torch.int32), torch.ones(1), torch.ones(1))):
+    for call in (
+        lambda: tightfit.ops.int8_vectorwise_dequant(torch.zeros((), dtype=torch.int8), torch.ones(1)),
+        lambda: tightfit.ops.int8_mm_dequant(torch.zeros((), dtype=torch.int32), torch.ones(1), torch.ones(1)),
+    ):
         with pytest.raises(ValueError, match="scalar"):
             call()

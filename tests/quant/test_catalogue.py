@@ -29,7 +29,6 @@ from tightfit.quant import (
     unregister_format,
     unregistered_tensors,
 )
-
 from zoo.lm import figures
 
 
@@ -63,8 +62,9 @@ def _half(linear: nn.Linear, config: HalfConfig) -> nn.Module:
 @pytest.fixture
 def half():
     """The format registered for one test, in one place."""
-    storage = register_format(quantized_format("half", 1, 0.5, HalfConfig(), LinearHalf,
-                                               lambda shape, dtype: math.prod(shape) * 2))
+    storage = register_format(
+        quantized_format("half", 1, 0.5, HalfConfig(), LinearHalf, lambda shape, dtype: math.prod(shape) * 2)
+    )
     yield storage
     unregister_format("half")
 
@@ -77,8 +77,14 @@ def four_linears() -> nn.Module:
 def test_builtin_formats_and_their_bytes():
     assert storage_names() == ("keep", "float8", "8bit", "int8", "nf4", "fp4")
     shape, numel = (256, 512), 256 * 512
-    expected = {"keep": numel * 4, "float8": numel + 256 * 4, "8bit": numel + 32 * 4 + 256 * 4, "int8": numel + 256 * 4,
-                "nf4": numel // 2 + numel // 64 * 4 + 16 * 4, "fp4": numel // 2 + numel // 64 * 4 + 16 * 4}
+    expected = {
+        "keep": numel * 4,
+        "float8": numel + 256 * 4,
+        "8bit": numel + 32 * 4 + 256 * 4,
+        "int8": numel + 256 * 4,
+        "nf4": numel // 2 + numel // 64 * 4 + 16 * 4,
+        "fp4": numel // 2 + numel // 64 * 4 + 16 * 4,
+    }
     assert {f.name: f.stored_bytes(shape, torch.float32) for f in storage_formats()} == expected
     assert [f.rank for f in storage_formats()] == [0, 1, 1, 1, 2, 3]
     assert [f.name for f in storage_formats() if not f.decodes] == ["keep"]
@@ -104,12 +110,15 @@ def test_the_module_s_transient_bytes_are_what_its_forward_allocates():
     assert peak - output <= storage_format("nf4").transient_bytes((512, 256), 8, 0, torch.float32) + 16 * 1024
 
 
-@pytest.mark.parametrize(("change", "error", "match"), [
-    (dict(name="Half"), ValueError, "name='Half' is not accepted"),
-    (dict(rank=-1), ValueError, "rank must be an int >= 0"),
-    (dict(stored_bytes=3), TypeError, "stored_bytes must be callable"),
-    (dict(decode_probe=None), ValueError, "transient_bytes and decode_probe go together"),
-])
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (dict(name="Half"), ValueError, "name='Half' is not accepted"),
+        (dict(rank=-1), ValueError, "rank must be an int >= 0"),
+        (dict(stored_bytes=3), TypeError, "stored_bytes must be callable"),
+        (dict(decode_probe=None), ValueError, "transient_bytes and decode_probe go together"),
+    ],
+)
 def test_a_bad_format_is_refused(half, change, error, match):
     from dataclasses import replace
 
@@ -135,7 +144,9 @@ def test_a_registered_format_is_planned_and_applied(half):
     allow = Allow.parse("keep,half,device")
     assert allow.storage == {"keep", "half"}
     full = tightfit.fit(model, (x,), "1GiB", calibration=figures()).full_peak_bytes
-    plan = tightfit.fit(model, (x,), full - 200 * 1024, allow=allow, calibration=figures())  # 4 x 128 KiB saved, less a decoded copy
+    plan = tightfit.fit(
+        model, (x,), full - 200 * 1024, allow=allow, calibration=figures()
+    )  # 4 x 128 KiB saved, less a decoded copy
     assert [e.storage for e in plan.entries].count("half") >= 2
     assert {e.storage for e in plan.entries} <= {"keep", "half"}
     expected = model(x)
@@ -147,17 +158,40 @@ def test_a_registered_format_is_planned_and_applied(half):
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    return save_causal_lm(tmp_path_factory.mktemp("tiny-llama"), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return save_causal_lm(
+        tmp_path_factory.mktemp("tiny-llama"),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
 
 
 def test_a_registered_format_is_a_choice_of_run_quant_and_allow(half, tiny_llama, capsys, monkeypatch, tmp_path):
-    assert main(["run", "--model", str(tiny_llama), "--quant", "half", "--repeat", "1", "--max-new-tokens", "2", "--json"]) == 0
+    assert (
+        main(["run", "--model", str(tiny_llama), "--quant", "half", "--repeat", "1", "--max-new-tokens", "2", "--json"])
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["quant"] == "half" and data["token_agreement"] is not None
     monkeypatch.setenv("TIGHTFIT_CACHE_DIR", str(tmp_path))  # calibrated once, with a figure for "half"
-    monkeypatch.setattr(calibration, "_measure", lambda backend, device: figures(device_name=calibration._device_name(device)))
-    common = ["run", "--model", str(tiny_llama), "--allow", "keep,half,device", "--repeat", "1", "--max-new-tokens", "2", "--json"]
+    monkeypatch.setattr(
+        calibration, "_measure", lambda backend, device: figures(device_name=calibration._device_name(device))
+    )
+    common = [
+        "run",
+        "--model",
+        str(tiny_llama),
+        "--allow",
+        "keep,half,device",
+        "--repeat",
+        "1",
+        "--max-new-tokens",
+        "2",
+        "--json",
+    ]
     assert main([*common, "--budget", "1GB"]) == 0
     full = json.loads(capsys.readouterr().out)["predicted_peak_bytes"]
     assert main([*common, "--budget", str(full - 20_000)]) == 0  # the two layers in half save 2 x 18 KiB

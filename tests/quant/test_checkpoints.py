@@ -72,14 +72,38 @@ def nan_at_0(tensor):
     [
         ("nf4", "weight.absmax", nan_at_0, ValueError, r"weight.absmax\[0\] is nan; accepted: finite scales >= 0"),
         ("nf4", "weight.absmax", lambda t: t + float("inf"), ValueError, r"weight.absmax\[0\] is inf"),
-        ("8bit", "weight.absmax", lambda t: -t, ValueError, r"weight.absmax\[0\] is -[0-9.]+; accepted: finite scales >= 0"),
-        ("nf4", "weight.absmax", lambda t: t.to(torch.int32), TypeError, "weight.absmax has dtype torch.int32; accepted: torch.float32"),
+        (
+            "8bit",
+            "weight.absmax",
+            lambda t: -t,
+            ValueError,
+            r"weight.absmax\[0\] is -[0-9.]+; accepted: finite scales >= 0",
+        ),
+        (
+            "nf4",
+            "weight.absmax",
+            lambda t: t.to(torch.int32),
+            TypeError,
+            "weight.absmax has dtype torch.int32; accepted: torch.float32",
+        ),
         ("8bit", "weight.absmax", lambda t: t.bool(), TypeError, "weight.absmax has dtype torch.bool"),
         ("nf4", "weight.absmax", lambda t: t.half(), TypeError, "weight.absmax has dtype torch.float16"),
         ("nf4", "weight.absmax", lambda t: t[:-1], ValueError, r"weight.absmax has shape \(4,\); accepted: \(5,\)"),
-        ("8bit", "weight.absmax", lambda t: t[:-1], ValueError, r"weight.absmax has 4 values; \(7, 37\) in blocks of 64 needs 5"),
+        (
+            "8bit",
+            "weight.absmax",
+            lambda t: t[:-1],
+            ValueError,
+            r"weight.absmax has 4 values; \(7, 37\) in blocks of 64 needs 5",
+        ),
         ("fp4-nested", "weight.nested_absmax", nan_at_0, ValueError, r"weight.nested_absmax\[0\] is nan"),
-        ("8bit-nested", "weight.absmax", lambda t: t.float(), TypeError, "weight.absmax has dtype torch.float32; accepted: torch.uint8"),
+        (
+            "8bit-nested",
+            "weight.absmax",
+            lambda t: t.float(),
+            TypeError,
+            "weight.absmax has dtype torch.float32; accepted: torch.uint8",
+        ),
         ("int8", "SCB", nan_at_0, ValueError, r"SCB\[0\] is nan"),
         ("int8", "SCB", lambda t: -t, ValueError, r"SCB\[0\] is -"),
         ("int8", "SCB", lambda t: t.double(), TypeError, "SCB has dtype torch.float64"),
@@ -87,9 +111,21 @@ def nan_at_0(tensor):
         ("int8", "weight", lambda t: t.t(), ValueError, r"weight has shape \(37, 7\); accepted: \(7, 37\)"),
         ("8bit", "weight", lambda t: t.to(torch.int8), TypeError, "weight has dtype torch.int8; accepted: torch.uint8"),
         ("nf4", "weight", lambda t: t.bool(), ValueError, "weight.dtype=torch.bool is not accepted"),
-        ("nf4", "weight", lambda t: t[:-1], ValueError, "weight holds 129 packed bytes but shape \\(7, 37\\) needs 130"),
+        (
+            "nf4",
+            "weight",
+            lambda t: t[:-1],
+            ValueError,
+            "weight holds 129 packed bytes but shape \\(7, 37\\) needs 130",
+        ),
         ("nf4", "weight.quant_map", lambda t: t * 2, ValueError, "weight.quant_map .* is not the nf4 table"),
-        ("8bit", "weight.quant_map", lambda t: t.flip(0), ValueError, "weight.quant_map has NaN, inf or unsorted values"),
+        (
+            "8bit",
+            "weight.quant_map",
+            lambda t: t.flip(0),
+            ValueError,
+            "weight.quant_map has NaN, inf or unsorted values",
+        ),
         ("nf4", "bias", lambda t: t[:-1], ValueError, r"bias has shape \(6,\); accepted: \(7,\)"),
         ("nf4", "bias", lambda t: t.long(), TypeError, "bias has dtype torch.int64; accepted: a floating-point dtype"),
     ],
@@ -107,7 +143,12 @@ def test_bad_entries_are_refused_and_the_layer_is_unchanged(kind, key, damage, e
 @pytest.mark.parametrize(
     ("kind", "changes", "error", "match"),
     [
-        ("fp4-nested", {"nested_offset": float("nan")}, ValueError, r"\['nested_offset'\]=nan is not accepted; accepted: a finite float32 number >= 0"),
+        (
+            "fp4-nested",
+            {"nested_offset": float("nan")},
+            ValueError,
+            r"\['nested_offset'\]=nan is not accepted; accepted: a finite float32 number >= 0",
+        ),
         ("fp4-nested", {"nested_offset": float("inf")}, ValueError, r"\['nested_offset'\]=inf is not accepted"),
         ("8bit-nested", {"nested_offset": "nan"}, TypeError, r"\['nested_offset'\] must be a number, got str"),
         ("8bit-nested", {"nested_offset": -0.5}, ValueError, r"\['nested_offset'\]=-0.5"),
@@ -115,11 +156,26 @@ def test_bad_entries_are_refused_and_the_layer_is_unchanged(kind, key, damage, e
         ("nf4", {"blocksize": 63}, ValueError, r"\['blocksize'\]=63 is not accepted; accepted: 1024, 128"),
         ("nf4", {"blocksize": 64.0}, TypeError, r"\['blocksize'\] must be int, got float"),
         ("nf4", {"blocksize": 128}, ValueError, r"weight.absmax has shape \(5,\); accepted: \(3,\)"),
-        ("nf4", {"dtype": "float64"}, ValueError, r"\['dtype'\]='float64' is not accepted; accepted: bfloat16, float16, float32"),
-        ("nf4", {"shape": [37, 7]}, ValueError, r"weight's quant state is nf4 of shape torch.Size\(\[37, 7\]\); accepted: nf4 or fp4 of shape \(7, 37\)"),
+        (
+            "nf4",
+            {"dtype": "float64"},
+            ValueError,
+            r"\['dtype'\]='float64' is not accepted; accepted: bfloat16, float16, float32",
+        ),
+        (
+            "nf4",
+            {"shape": [37, 7]},
+            ValueError,
+            r"weight's quant state is nf4 of shape torch.Size\(\[37, 7\]\); accepted: nf4 or fp4 of shape \(7, 37\)",
+        ),
         ("nf4", {"shape": [7, "37"]}, TypeError, r"\['shape'\] must be a list of ints"),
         ("nf4", {"shape": None}, ValueError, "a 4-bit state needs the shape"),
-        ("nf4", {"quant_type": "fp4"}, ValueError, "is quant_type='fp4' but the packed entry is 'weight.quant_state.bitsandbytes__nf4'"),
+        (
+            "nf4",
+            {"quant_type": "fp4"},
+            ValueError,
+            "is quant_type='fp4' but the packed entry is 'weight.quant_state.bitsandbytes__nf4'",
+        ),
         ("8bit", {"quant_type": "nf4"}, ValueError, "is quant_type='nf4' but the packed entry"),
         ("8bit", {"shape": [7, 37, 1]}, ValueError, "accepted: 8-bit blockwise of shape"),
         ("nf4", {"checksum": 1}, ValueError, r"\['checksum'\] is not a quant state entry"),
@@ -145,26 +201,60 @@ KEY = "quant_state.bitsandbytes__nf4"
     ("items", "error", "match"),
     [
         ({**NF4_ITEMS, KEY: blob(b"[" * 60000)}, ValueError, "does not hold valid UTF-8 JSON: maximum recursion depth"),
-        ({**NF4_ITEMS, KEY: blob(b"[" * 70000)}, ValueError, r"has shape \(70000,\); accepted: 1-D, at most 65536 bytes"),
-        ({**NF4_ITEMS, KEY: blob(b'{"blocksize": ' + b"9" * 5000 + b"}")}, ValueError, "does not hold valid UTF-8 JSON: Exceeds the limit"),
+        (
+            {**NF4_ITEMS, KEY: blob(b"[" * 70000)},
+            ValueError,
+            r"has shape \(70000,\); accepted: 1-D, at most 65536 bytes",
+        ),
+        (
+            {**NF4_ITEMS, KEY: blob(b'{"blocksize": ' + b"9" * 5000 + b"}")},
+            ValueError,
+            "does not hold valid UTF-8 JSON: Exceeds the limit",
+        ),
         ({**NF4_ITEMS, KEY: blob(b"\xff{}")}, ValueError, "does not hold valid UTF-8 JSON: 'utf-8' codec"),
         ({**NF4_ITEMS, KEY: blob(b"[1, 2]")}, ValueError, "holds JSON list; accepted: a JSON object"),
         ({**NF4_ITEMS, KEY: blob(b"{}")}, ValueError, r"quant state is missing \['blocksize', 'dtype'\]"),
         ({**NF4_ITEMS, KEY: blob(b"{}").reshape(1, -1)}, ValueError, r"has shape \(1, 2\); accepted: 1-D"),
         ({**NF4_ITEMS, KEY: blob(b"{}").to(torch.int8)}, TypeError, "has dtype torch.int8; accepted: torch.uint8"),
         ({**NF4_ITEMS, KEY: '{"blocksize": 64}'}, TypeError, "quant_state.bitsandbytes__nf4 must be Tensor, got str"),
-        ({**NF4_ITEMS, "quant_state.bitsandbytes__int4": NF4_ITEMS[KEY]}, ValueError, "packed entry name.*'bitsandbytes__int4' is not accepted"),
-        ({**NF4_ITEMS, "quant_state.bitsandbytes__fp4": NF4_ITEMS[KEY]}, ValueError, "at most one packed quant_state entry"),
+        (
+            {**NF4_ITEMS, "quant_state.bitsandbytes__int4": NF4_ITEMS[KEY]},
+            ValueError,
+            "packed entry name.*'bitsandbytes__int4' is not accepted",
+        ),
+        (
+            {**NF4_ITEMS, "quant_state.bitsandbytes__fp4": NF4_ITEMS[KEY]},
+            ValueError,
+            "at most one packed quant_state entry",
+        ),
         ({**NF4_ITEMS, "x.absmax": NF4_ITEMS["absmax"]}, ValueError, "x.absmax is given twice"),
         ({**NF4_ITEMS, "nested_absmax": torch.ones(1)}, ValueError, "double-quantization entries come together"),
         ({**NF4_ITEMS, "absmax": torch.ones(5).to_sparse()}, ValueError, "absmax must be a dense tensor holding data"),
-        ({**NF4_ITEMS, "absmax": torch.ones(5, device="meta")}, ValueError, "absmax must be a dense tensor holding data"),
+        (
+            {**NF4_ITEMS, "absmax": torch.ones(5, device="meta")},
+            ValueError,
+            "absmax must be a dense tensor holding data",
+        ),
         ({**NF4_ITEMS, 3: torch.ones(1)}, TypeError, "quant state key must be str, got int"),
         ({k: v for k, v in NF4_ITEMS.items() if k != "absmax"}, ValueError, r"quant state is missing \['absmax'\]"),
-        ({**quant_fuzz.state_items("nf4", packed=False), "blocksize": True}, TypeError, "blocksize must be int, got bool"),
-        ({**quant_fuzz.state_items("8bit", packed=False), "quant_map": quant_fuzz.state_items("nf4", packed=False)["quant_map"]},
-         ValueError, r"quant_map has shape \(16,\); accepted: \(256,\)"),
-        ({**quant_fuzz.state_items("8bit-nested", packed=False), "nested_offset": None}, TypeError, "nested_offset must be a number, got NoneType"),
+        (
+            {**quant_fuzz.state_items("nf4", packed=False), "blocksize": True},
+            TypeError,
+            "blocksize must be int, got bool",
+        ),
+        (
+            {
+                **quant_fuzz.state_items("8bit", packed=False),
+                "quant_map": quant_fuzz.state_items("nf4", packed=False)["quant_map"],
+            },
+            ValueError,
+            r"quant_map has shape \(16,\); accepted: \(256,\)",
+        ),
+        (
+            {**quant_fuzz.state_items("8bit-nested", packed=False), "nested_offset": None},
+            TypeError,
+            "nested_offset must be a number, got NoneType",
+        ),
     ],
 )
 def test_from_dict_refuses_damaged_entries_cleanly(items, error, match):
@@ -176,14 +266,21 @@ def test_from_dict_reads_what_bitsandbytes_reads_and_leaves_the_input_alone():
     items = quant_fuzz.state_items("fp4-nested", packed=True)
     copy = dict(items)
     state = QuantState.from_dict(items)
-    assert list(items) == list(copy) and all(items[key] is copy[key] for key in copy) and state.nested and state.shape == (7, 37) and state.state2.blocksize == 256
+    assert (
+        list(items) == list(copy)
+        and all(items[key] is copy[key] for key in copy)
+        and state.nested
+        and state.shape == (7, 37)
+        and state.state2.blocksize == 256
+    )
     with pytest.raises(ValueError, match="device='tpu' is not a valid torch device"):
         QuantState.from_dict(items, device="tpu")
 
 
 def test_a_layer_takes_another_4bit_format_but_not_another_kind():
-    source = Linear4bit.from_linear(quant_fuzz.linear(0), quant_type="fp4", blocksize=128, compress_statistics=True,
-                                    quant_storage=torch.bfloat16)
+    source = Linear4bit.from_linear(
+        quant_fuzz.linear(0), quant_type="fp4", blocksize=128, compress_statistics=True, quant_storage=torch.bfloat16
+    )
     target = layer("nf4", seed=1)  # nf4, blocks of 64, uint8 storage
     target.load_state_dict(source.state_dict())
     assert target.quant_state.quant_type == "fp4" and target.weight.dtype == torch.bfloat16
@@ -215,19 +312,27 @@ def test_int8_checkpoints_move_between_bitsandbytes_and_tightfit():
     assert torch.equal(ours.weight, theirs.weight.data) and torch.equal(ours.SCB, theirs.weight.SCB)
     reference = LinearInt8.from_linear(linear)
     back = bnb.nn.Linear8bitLt(37, 7, has_fp16_weights=False)
-    back.weight = bnb.nn.Int8Params(quant_fuzz.linear(1).weight.data.clone(), requires_grad=False, has_fp16_weights=False)
+    back.weight = bnb.nn.Int8Params(
+        quant_fuzz.linear(1).weight.data.clone(), requires_grad=False, has_fp16_weights=False
+    )
     back = back.to("cpu")
     back.load_state_dict(reference.state_dict(), strict=False)
     assert torch.equal(back.weight.data, reference.weight) and torch.equal(back.weight.SCB, reference.SCB)
     with pytest.raises(ValueError, match="weight_format must be one number, 0"):
-        layer("int8", seed=1).load_state_dict({**theirs.state_dict(), "weight_format": torch.tensor(1, dtype=torch.uint8)})
+        layer("int8", seed=1).load_state_dict(
+            {**theirs.state_dict(), "weight_format": torch.tensor(1, dtype=torch.uint8)}
+        )
 
 
 # -- issue 12, item 5: inputs nn.Linear refuses ------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", ["nf4", "8bit", "int8"])
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float64, torch.complex64], ids=str)
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.int64, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float64, torch.complex64],
+    ids=str,
+)
 def test_non_float_inputs_are_refused(kind, dtype):
     with pytest.raises(TypeError, match=f"x has dtype {dtype}; accepted: float32, float16, bfloat16"):
         layer(kind)(torch.ones(2, 37).to(dtype))
@@ -239,8 +344,9 @@ def test_non_float_inputs_are_refused(kind, dtype):
 @pytest.fixture(scope="module")
 def worker():
     """One process that runs the cases: a crash in it breaks the pool and fails the test."""
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=torch.set_num_threads, initargs=(1,)) as pool:
+    with ProcessPoolExecutor(
+        max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads, initargs=(1,)
+    ) as pool:
         yield pool
 
 

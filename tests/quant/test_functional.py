@@ -59,9 +59,16 @@ def test_8bit_functional_roundtrip_and_bitsandbytes_decoding(nested):
     q, state = F.quantize_blockwise(A, blocksize=256, nested=nested)
     ours = F.dequantize_blockwise(q, state)
     assert ours.dtype == torch.float32 and (ours - A).abs().mean() < 0.011
-    their_state = bnb.QuantState(absmax=state.absmax, code=state.code, blocksize=256, dtype=torch.float32,
-                                 offset=state.offset, state2=None if not nested else bnb.QuantState(
-                                     absmax=state.state2.absmax, code=state.state2.code, blocksize=256, dtype=torch.float32))
+    their_state = bnb.QuantState(
+        absmax=state.absmax,
+        code=state.code,
+        blocksize=256,
+        dtype=torch.float32,
+        offset=state.offset,
+        state2=None
+        if not nested
+        else bnb.QuantState(absmax=state.state2.absmax, code=state.state2.code, blocksize=256, dtype=torch.float32),
+    )
     assert torch.equal(bnb.dequantize_blockwise(q, their_state), ours)
 
 
@@ -84,7 +91,12 @@ def test_state_moves_between_devices_as_a_copy():
 def test_unpacked_dict_roundtrip():
     _, state = F.quantize_4bit(weight(), quant_type="fp4")
     again = QuantState.from_dict(state.as_dict())
-    assert again.quant_type == "fp4" and again.blocksize == 64 and again.dtype == torch.bfloat16 and torch.equal(again.absmax, state.absmax)
+    assert (
+        again.quant_type == "fp4"
+        and again.blocksize == 64
+        and again.dtype == torch.bfloat16
+        and torch.equal(again.absmax, state.absmax)
+    )
 
 
 def test_state_tensors_are_every_tensor_it_holds():
@@ -92,26 +104,82 @@ def test_state_tensors_are_every_tensor_it_holds():
     assert [tuple(t.shape) for t in plain.tensors()] == [(96,), (16,)]
     _, nested = F.quantize_4bit(weight((96, 64)), compress_statistics=True, quant_type="nf4")
     held = nested.tensors()
-    assert len(held) == 5 and held[0].dtype == torch.uint8 and held[2] is nested.offset and held[3] is nested.state2.absmax
+    assert (
+        len(held) == 5 and held[0].dtype == torch.uint8 and held[2] is nested.offset and held[3] is nested.state2.absmax
+    )
 
 
 @pytest.mark.parametrize(
     ("build", "error", "match"),
     [
-        (lambda: QuantState(absmax=[1.0], code=torch.zeros(16), blocksize=64, dtype=torch.float32), TypeError, "absmax must be a Tensor"),
-        (lambda: QuantState(absmax=torch.ones(1), code=torch.zeros(16), blocksize=63, dtype=torch.float32, quant_type="nf4"), ValueError, "blocksize=63"),
-        (lambda: QuantState(absmax=torch.ones(1), code=torch.zeros(16), blocksize=64, dtype=torch.int8), ValueError, "dtype=torch.int8"),
-        (lambda: QuantState(absmax=torch.ones(1), code=torch.zeros(16), blocksize=64, dtype=torch.float32, quant_type="int4"), ValueError, "quant_type='int4'"),
-        (lambda: QuantState(absmax=torch.ones(1), code=torch.zeros(16), blocksize=64, dtype=torch.float32, offset=torch.tensor(1.0)), ValueError, "go together"),
+        (
+            lambda: QuantState(absmax=[1.0], code=torch.zeros(16), blocksize=64, dtype=torch.float32),
+            TypeError,
+            "absmax must be a Tensor",
+        ),
+        (
+            lambda: QuantState(
+                absmax=torch.ones(1), code=torch.zeros(16), blocksize=63, dtype=torch.float32, quant_type="nf4"
+            ),
+            ValueError,
+            "blocksize=63",
+        ),
+        (
+            lambda: QuantState(absmax=torch.ones(1), code=torch.zeros(16), blocksize=64, dtype=torch.int8),
+            ValueError,
+            "dtype=torch.int8",
+        ),
+        (
+            lambda: QuantState(
+                absmax=torch.ones(1), code=torch.zeros(16), blocksize=64, dtype=torch.float32, quant_type="int4"
+            ),
+            ValueError,
+            "quant_type='int4'",
+        ),
+        (
+            lambda: QuantState(
+                absmax=torch.ones(1), code=torch.zeros(16), blocksize=64, dtype=torch.float32, offset=torch.tensor(1.0)
+            ),
+            ValueError,
+            "go together",
+        ),
         (lambda: QuantState.from_dict([]), TypeError, "items must be dict"),
         (lambda: QuantState.from_dict({"absmax": torch.ones(1)}), ValueError, "missing"),
-        (lambda: QuantState.from_dict({"absmax": torch.ones(1), "quant_map": torch.zeros(16), "quant_state.bitsandbytes__nf4": torch.tensor([123], dtype=torch.uint8)}), ValueError, "valid UTF-8 JSON"),
-        (lambda: QuantState.from_dict({"absmax": torch.ones(1), "quant_map": torch.zeros(16), "blocksize": 64, "dtype": "int8"}), ValueError, "dtype='int8' is not accepted"),
+        (
+            lambda: QuantState.from_dict(
+                {
+                    "absmax": torch.ones(1),
+                    "quant_map": torch.zeros(16),
+                    "quant_state.bitsandbytes__nf4": torch.tensor([123], dtype=torch.uint8),
+                }
+            ),
+            ValueError,
+            "valid UTF-8 JSON",
+        ),
+        (
+            lambda: QuantState.from_dict(
+                {"absmax": torch.ones(1), "quant_map": torch.zeros(16), "blocksize": 64, "dtype": "int8"}
+            ),
+            ValueError,
+            "dtype='int8' is not accepted",
+        ),
         (lambda: F.dequantize_blockwise(torch.zeros(4, dtype=torch.uint8)), ValueError, "needs quant_state"),
-        (lambda: F.dequantize_4bit(torch.zeros(4, dtype=torch.uint8), absmax=torch.ones(1)), ValueError, "needs quant_state, or both"),
-        (lambda: F.dequantize_4bit(torch.zeros(4, dtype=torch.uint8), quant_state="state"), TypeError, "quant_state must be QuantState"),
+        (
+            lambda: F.dequantize_4bit(torch.zeros(4, dtype=torch.uint8), absmax=torch.ones(1)),
+            ValueError,
+            "needs quant_state, or both",
+        ),
+        (
+            lambda: F.dequantize_4bit(torch.zeros(4, dtype=torch.uint8), quant_state="state"),
+            TypeError,
+            "quant_state must be QuantState",
+        ),
         (lambda: F.quantize_4bit(torch.ones(8), compress_statistics=1), TypeError, "compress_statistics must be bool"),
-        (lambda: F.quantize_blockwise(torch.ones(8), out=torch.empty(3, dtype=torch.uint8)), ValueError, "out must have shape"),
+        (
+            lambda: F.quantize_blockwise(torch.ones(8), out=torch.empty(3, dtype=torch.uint8)),
+            ValueError,
+            "out must have shape",
+        ),
     ],
 )
 def test_bad_input(build, error, match):

@@ -10,7 +10,9 @@ from tightfit.quant import layer_stack
 
 def test_bert_stack_is_its_encoder_layers():
     transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64)
+    config = transformers.BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64
+    )
     assert layer_stack(transformers.BertModel(config)) == ("encoder.layer.0", "encoder.layer.1", "encoder.layer.2")
 
 

@@ -8,14 +8,31 @@ import torch
 from torch import nn
 
 import tightfit
-from tightfit.quant import (Blockwise8Config, FP4Config, Int8Config, Linear4bit, Linear8bit, LinearInt8, NF4Config, QuantConfig,
-                            layer_stack, quantize_, register_handler)
+from tightfit.quant import (
+    Blockwise8Config,
+    FP4Config,
+    Int8Config,
+    Linear4bit,
+    Linear8bit,
+    LinearInt8,
+    NF4Config,
+    QuantConfig,
+    layer_stack,
+    quantize_,
+    register_handler,
+)
 
 safetensors = pytest.importorskip("safetensors.torch")
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 
-CONFIGS = [NF4Config(), FP4Config(blocksize=128), NF4Config(double_quant=True), Blockwise8Config(blocksize=256), Int8Config(),
-           NF4Config(keep_8bit=("2",))]
+CONFIGS = [
+    NF4Config(),
+    FP4Config(blocksize=128),
+    NF4Config(double_quant=True),
+    Blockwise8Config(blocksize=256),
+    Int8Config(),
+    NF4Config(keep_8bit=("2",)),
+]
 
 
 def small_model(seed=0):
@@ -52,7 +69,14 @@ def test_linear4bit_matches_bitsandbytes_decoding():
     assert torch.equal(layer.weight, packed)
     # bitsandbytes' pure-torch reference kernel; its CPU kernel differs from it on this shape
     reference = torch.ops.bitsandbytes.dequantize_4bit.default.redispatch(
-        torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd), packed, state.absmax, 64, "nf4", [40, 96], torch.float32)
+        torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd),
+        packed,
+        state.absmax,
+        64,
+        "nf4",
+        [40, 96],
+        torch.float32,
+    )
     assert torch.equal(layer.dequantize(), reference)
 
 
@@ -66,7 +90,10 @@ def test_int8_outlier_columns_run_in_full_precision():
     linear = nn.Linear(64, 16)
     x = torch.randn(4, 64)
     x[:, 5] = 40.0
-    with_outliers, without = LinearInt8.from_linear(linear, threshold=6.0), LinearInt8.from_linear(linear, threshold=0.0)
+    with_outliers, without = (
+        LinearInt8.from_linear(linear, threshold=6.0),
+        LinearInt8.from_linear(linear, threshold=0.0),
+    )
     exact = linear(x)
     assert (with_outliers(x) - exact).abs().max() < (without(x) - exact).abs().max()
 
@@ -90,16 +117,27 @@ def test_skip_wins_over_keep_8bit_also_inside_a_kept_container():
 
 def test_transformers_and_diffusers_models():
     transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    config = transformers.BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+    )
     bert = transformers.BertModel(config).eval()
     ids = torch.randint(0, 100, (2, 7))
     expected = bert(ids).last_hidden_state
     quantize_(bert, Int8Config())
-    assert torch.nn.functional.cosine_similarity(bert(ids).last_hidden_state.flatten(), expected.flatten(), dim=0) > 0.99
+    assert (
+        torch.nn.functional.cosine_similarity(bert(ids).last_hidden_state.flatten(), expected.flatten(), dim=0) > 0.99
+    )
     diffusers = pytest.importorskip("diffusers")
-    unet = diffusers.UNet2DModel(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(32, 32),
-                                 down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
-                                 norm_num_groups=8).eval()
+    unet = diffusers.UNet2DModel(
+        sample_size=8,
+        in_channels=3,
+        out_channels=3,
+        layers_per_block=1,
+        block_out_channels=(32, 32),
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+        norm_num_groups=8,
+    ).eval()
     sample = torch.randn(1, 3, 8, 8)
     with torch.no_grad():
         before = unet(sample, 1).sample
@@ -118,7 +156,12 @@ def test_minilm_quality_under_each_format():
     reference = embed(model, tokenizer, list(DEFAULT_SENTENCES), device)
     stack = layer_stack(model)
     assert stack == tuple(f"encoder.layer.{i}" for i in range(6))
-    configs = {"nf4": NF4Config(), "nf4, later half 8-bit": NF4Config(keep_8bit=stack[3:]), "int8": Int8Config(), "8bit": Blockwise8Config()}
+    configs = {
+        "nf4": NF4Config(),
+        "nf4, later half 8-bit": NF4Config(keep_8bit=stack[3:]),
+        "int8": Int8Config(),
+        "8bit": Blockwise8Config(),
+    }
     lowest = {}
     for name, config in configs.items():
         quantized, _ = load_encoder(default_model_dir(), device)

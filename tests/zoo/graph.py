@@ -19,7 +19,9 @@ class Attention(torch.nn.Module):
     PyTorch's ``hints_wrapper`` instead (compiled only: it has no eager autograd).
     """
 
-    def __init__(self, embed: int = 32, heads: int = 8, hints: dict | None = None, wrapper_hints: dict | None = None) -> None:
+    def __init__(
+        self, embed: int = 32, heads: int = 8, hints: dict | None = None, wrapper_hints: dict | None = None
+    ) -> None:
         super().__init__()
         self.heads = heads
         self.hints = hints

@@ -36,7 +36,11 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def cosine(got: torch.Tensor, expected: torch.Tensor) -> float:
-    return float(torch.nn.functional.cosine_similarity(got.detach().flatten().float(), expected.detach().flatten().float(), dim=0))
+    return float(
+        torch.nn.functional.cosine_similarity(
+            got.detach().flatten().float(), expected.detach().flatten().float(), dim=0
+        )
+    )
 
 
 def snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -47,14 +51,18 @@ def same_state(module: nn.Module, saved: dict[str, torch.Tensor]) -> bool:
     """Same keys, dtypes, devices and bits."""
     now = module.state_dict()
     return sorted(now) == sorted(saved) and all(
-        now[k].dtype == saved[k].dtype and now[k].device == saved[k].device and torch.equal(now[k], saved[k]) for k in saved)
+        now[k].dtype == saved[k].dtype and now[k].device == saved[k].device and torch.equal(now[k], saved[k])
+        for k in saved
+    )
 
 
 def bert(seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
+    config = transformers.BertConfig(
+        vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128
+    )
     return transformers.BertModel(config).eval()
 
 
@@ -72,9 +80,16 @@ def unet(seed: int = 0):
     import diffusers
 
     torch.manual_seed(seed)
-    return diffusers.UNet2DModel(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(32, 32),
-                                 down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
-                                 norm_num_groups=8).eval()
+    return diffusers.UNet2DModel(
+        sample_size=8,
+        in_channels=3,
+        out_channels=3,
+        layers_per_block=1,
+        block_out_channels=(32, 32),
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+        norm_num_groups=8,
+    ).eval()
 
 
 def held_files(pid: int, folder: Path) -> set[str]:

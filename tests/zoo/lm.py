@@ -12,9 +12,16 @@ from tightfit.quant import storage_formats
 def figures(**changes) -> Calibration:
     """Deterministic figures: 10 GFLOP/s, 10 GB/s memory, 1 GB/s disk, decoding free unless
     changed (a figure for every storage of the catalogue that decodes, registered ones too)."""
-    values = dict(backend="cpu", device_name="test", torch_version=torch.__version__, matmul_flops=1e10, device_bandwidth=1e10,
-                  host_to_device_bandwidth=None, disk_bandwidth=1e9,
-                  decode_seconds={storage.name: 0.0 for storage in storage_formats() if storage.decodes})
+    values = dict(
+        backend="cpu",
+        device_name="test",
+        torch_version=torch.__version__,
+        matmul_flops=1e10,
+        device_bandwidth=1e10,
+        host_to_device_bandwidth=None,
+        disk_bandwidth=1e9,
+        decode_seconds={storage.name: 0.0 for storage in storage_formats() if storage.decodes},
+    )
     values.update(changes)
     return Calibration(**values)
 

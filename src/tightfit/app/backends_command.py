@@ -46,7 +46,9 @@ def _backend_row(entry) -> dict:
         row["memory"] = f"{human_bytes(info.free)} free / {human_bytes(info.total)}"
         row["compute"] = dtype_names(caps.compute_dtypes)
         row["float8 storage"] = dtype_names(caps.storage_dtypes & FLOAT8_DTYPES) or "none"
-        row["features"] = ", ".join(f for f in ("async_copy", "unified_memory", "paged_memory") if getattr(caps, f)) or "none"
+        row["features"] = (
+            ", ".join(f for f in ("async_copy", "unified_memory", "paged_memory") if getattr(caps, f)) or "none"
+        )
     return row
 
 
@@ -74,6 +76,8 @@ def handle(args: argparse.Namespace, console: Console) -> int:
 
 def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
     """Register ``backends``, its options and :func:`handle` on the CLI's subcommands."""
-    parser = commands.add_parser("backends", parents=parents, help="list backends: availability, memory, capabilities, load errors")
+    parser = commands.add_parser(
+        "backends", parents=parents, help="list backends: availability, memory, capabilities, load errors"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(handler=handle)

@@ -47,23 +47,36 @@ class Budgeted:
         return self.plan.predicted_peak_bytes + self.kv_cache_bytes
 
 
-def plan_run(model: Any, example_inputs: dict, budget_bytes: int, *, device: torch.device, allow: Allow | None,
-             kv_cache_bytes: int, covers: str) -> Budgeted:
+def plan_run(
+    model: Any,
+    example_inputs: dict,
+    budget_bytes: int,
+    *,
+    device: torch.device,
+    allow: Allow | None,
+    kv_cache_bytes: int,
+    covers: str,
+) -> Budgeted:
     """Fit ``model`` for ``example_inputs`` (the forward the run makes, a causal LM's
     prefill) into ``budget_bytes`` less ``kv_cache_bytes`` (the cache's growth while
     decoding); ``fit`` raises FitError when nothing fits. The run is eager, where region
     hints save nothing, so the planner may not add them."""
     planned_budget = budget_bytes - kv_cache_bytes
     if planned_budget <= 0:
-        raise ValueError(f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) leaves nothing for the model: the KV cache's growth "
-                         f"while decoding alone needs {human_bytes(kv_cache_bytes)} ({kv_cache_bytes} B); generate fewer tokens")
+        raise ValueError(
+            f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) leaves nothing for the model: the KV cache's growth "
+            f"while decoding alone needs {human_bytes(kv_cache_bytes)} ({kv_cache_bytes} B); generate fewer tokens"
+        )
     try:
         plan = fit(model, example_inputs, planned_budget, backend=device, allow=replace(allow or Allow(), hints=False))
     except FitError as error:
         if not kv_cache_bytes:
             raise
-        raise FitError(f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) less {human_bytes(kv_cache_bytes)} ({kv_cache_bytes} B) "
-                       f"of KV cache growth while decoding leaves the prefill forward {planned_budget} B. {error}",
-                       budget_bytes=budget_bytes, smallest_peak_bytes=error.smallest_peak_bytes + kv_cache_bytes,
-                       parts=error.parts) from None
+        raise FitError(
+            f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) less {human_bytes(kv_cache_bytes)} ({kv_cache_bytes} B) "
+            f"of KV cache growth while decoding leaves the prefill forward {planned_budget} B. {error}",
+            budget_bytes=budget_bytes,
+            smallest_peak_bytes=error.smallest_peak_bytes + kv_cache_bytes,
+            parts=error.parts,
+        ) from None
     return Budgeted(plan, kv_cache_bytes, covers)

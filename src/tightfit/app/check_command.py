@@ -44,8 +44,9 @@ def handle(args: argparse.Namespace, console: Console) -> int:
 
 def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
     """Register ``check``, its options and :func:`handle` on the CLI's subcommands."""
-    parser = commands.add_parser("check", parents=parents,
-                                 help="run the conformance harness: every op on every backend vs the reference")
+    parser = commands.add_parser(
+        "check", parents=parents, help="run the conformance harness: every op on every backend vs the reference"
+    )
     parser.add_argument("--op", action="append", help="check only this op (repeatable)")
     parser.add_argument("--failures-only", action="store_true", help="list only checks that did not pass")
     parser.set_defaults(handler=handle)

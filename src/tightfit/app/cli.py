@@ -33,9 +33,13 @@ _COMMANDS = (backends_command, check_command, run_command, plan_command)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tightfit", description="Run a model on any accelerator and make it fit in its memory.")
+    parser = argparse.ArgumentParser(
+        prog="tightfit", description="Run a model on any accelerator and make it fit in its memory."
+    )
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--traceback", action="store_true", help="on an error, print the full traceback instead of one line")
+    common.add_argument(
+        "--traceback", action="store_true", help="on an error, print the full traceback instead of one line"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     for command in _COMMANDS:
         command.add_parser(commands, parents=[common])

@@ -38,7 +38,9 @@ class Generation:
 def _check_ids(input_ids: Any) -> None:
     check_type("input_ids", input_ids, torch.Tensor)
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1 or input_ids.dtype != torch.long:
-        raise ValueError(f"input_ids must be a (1, n >= 1) int64 tensor, got shape {tuple(input_ids.shape)}, dtype {input_ids.dtype}")
+        raise ValueError(
+            f"input_ids must be a (1, n >= 1) int64 tensor, got shape {tuple(input_ids.shape)}, dtype {input_ids.dtype}"
+        )
 
 
 def _next_token(output: Any) -> tuple[torch.Tensor, Any]:
@@ -59,8 +61,10 @@ def generate_greedy(model: Any, input_ids: torch.Tensor, max_new_tokens: int, sy
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if synchronize is not None and not callable(synchronize):
-        raise TypeError(f"synchronize must be None or a callable taking no argument, got "
-                        f"{type(synchronize).__name__}: {synchronize!r}")
+        raise TypeError(
+            f"synchronize must be None or a callable taking no argument, got "
+            f"{type(synchronize).__name__}: {synchronize!r}"
+        )
     wait = synchronize or (lambda: None)
     mark("prefill")
     start = time.perf_counter()
@@ -90,5 +94,5 @@ def token_agreement(model: Any, input_ids: torch.Tensor, reference: tuple[int, .
         raise ValueError(f"reference must be a non-empty tuple of token ids, got {reference!r}")
     continuation = torch.tensor([reference[:-1]], dtype=torch.long, device=input_ids.device)
     logits = model(input_ids=torch.cat([input_ids, continuation], dim=1), use_cache=False).logits
-    predicted = logits[0, input_ids.shape[1] - 1:].argmax(-1).cpu()
+    predicted = logits[0, input_ids.shape[1] - 1 :].argmax(-1).cpu()
     return float((predicted == torch.tensor(reference)).float().mean())

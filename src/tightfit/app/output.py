@@ -30,14 +30,28 @@ def _budget_data(report: RunReport) -> dict[str, Any]:
     """The budget's figures for ``--json``; None everywhere without a budget."""
     budgeted, measured = report.budgeted, report.measurement.allocated_peak_bytes
     if budgeted is None:
-        keys = ("budget_bytes", "predicted_peak_bytes", "measured_peak_bytes", "within_budget", "predicted_over_measured",
-                "prediction_covers", "kv_cache_growth_bytes", "applies_nothing", "plan")
+        keys = (
+            "budget_bytes",
+            "predicted_peak_bytes",
+            "measured_peak_bytes",
+            "within_budget",
+            "predicted_over_measured",
+            "prediction_covers",
+            "kv_cache_growth_bytes",
+            "applies_nothing",
+            "plan",
+        )
         return dict.fromkeys(keys)
     return {
-        "budget_bytes": report.budget_bytes, "predicted_peak_bytes": budgeted.predicted_peak_bytes, "measured_peak_bytes": measured,
-        "within_budget": measured <= report.budget_bytes, "predicted_over_measured": budgeted.predicted_peak_bytes / measured,
-        "prediction_covers": budgeted.covers, "kv_cache_growth_bytes": budgeted.kv_cache_bytes,
-        "applies_nothing": budgeted.plan.applies_nothing, "plan": budgeted.plan.to_dict(),
+        "budget_bytes": report.budget_bytes,
+        "predicted_peak_bytes": budgeted.predicted_peak_bytes,
+        "measured_peak_bytes": measured,
+        "within_budget": measured <= report.budget_bytes,
+        "predicted_over_measured": budgeted.predicted_peak_bytes / measured,
+        "prediction_covers": budgeted.covers,
+        "kv_cache_growth_bytes": budgeted.kv_cache_bytes,
+        "applies_nothing": budgeted.plan.applies_nothing,
+        "plan": budgeted.plan.to_dict(),
     }
 
 
@@ -45,21 +59,38 @@ def report_data(report: RunReport) -> dict[str, Any]:
     """The ``--json`` form: every figure, None where the kind or the run has none."""
     measured = report.measurement
     return {
-        "model": report.model, "kind": report.kind, "backend": report.backend, "device": report.device,
-        "weights_bytes": report.weights_bytes, "embedding_dim": report.embedding_dim,
-        "latency_ms_median": measured.median_seconds * 1e3, "peak_bytes": measured.peak_bytes,
+        "model": report.model,
+        "kind": report.kind,
+        "backend": report.backend,
+        "device": report.device,
+        "weights_bytes": report.weights_bytes,
+        "embedding_dim": report.embedding_dim,
+        "latency_ms_median": measured.median_seconds * 1e3,
+        "peak_bytes": measured.peak_bytes,
         "allocated_peak_bytes": measured.allocated_peak_bytes,
-        "peak_rss_bytes": measured.peak_rss_bytes, "memory_source": measured.source,
+        "peak_rss_bytes": measured.peak_rss_bytes,
+        "memory_source": measured.source,
         "pairs": [{"a": a, "b": b, "cosine": score} for a, b, score in report.pairs],
-        "prompt": report.prompt, "prompt_tokens": report.prompt_tokens, "generated_text": report.generated_text,
-        "new_tokens": report.new_tokens, "time_to_first_token_ms": _milliseconds(report.time_to_first_token_seconds),
-        "decode_tokens_per_second": report.decode_tokens_per_second, "full_text": report.full_text,
-        "quant": report.quant, "full_weights_bytes": report.full_weights_bytes,
-        "min_cosine_to_full": report.min_cosine_to_full, "token_agreement": report.token_agreement,
+        "prompt": report.prompt,
+        "prompt_tokens": report.prompt_tokens,
+        "generated_text": report.generated_text,
+        "new_tokens": report.new_tokens,
+        "time_to_first_token_ms": _milliseconds(report.time_to_first_token_seconds),
+        "decode_tokens_per_second": report.decode_tokens_per_second,
+        "full_text": report.full_text,
+        "quant": report.quant,
+        "full_weights_bytes": report.full_weights_bytes,
+        "min_cosine_to_full": report.min_cosine_to_full,
+        "token_agreement": report.token_agreement,
         "quality": {"metric": report.quality_metric, "value": report.quality},
-        "kept_8bit": list(report.kept_8bit), "kept_8bit_linears": report.kept_8bit_linears, "kept_8bit_bytes": report.kept_8bit_bytes,
-        "storage_dtype": report.storage_dtype, "offload": report.offload, "device_weights_bytes": report.device_weights_bytes,
-        "timeline": report.timeline_path, **_budget_data(report),
+        "kept_8bit": list(report.kept_8bit),
+        "kept_8bit_linears": report.kept_8bit_linears,
+        "kept_8bit_bytes": report.kept_8bit_bytes,
+        "storage_dtype": report.storage_dtype,
+        "offload": report.offload,
+        "device_weights_bytes": report.device_weights_bytes,
+        "timeline": report.timeline_path,
+        **_budget_data(report),
     }
 
 
@@ -86,13 +117,18 @@ def _text(report: RunReport) -> Table:
 def _print_plan(report: RunReport, console: Console) -> None:
     plan = report.budgeted.plan
     if plan.applies_nothing:
-        console.print(f"budget {human_bytes(report.budget_bytes)} covers the unchanged model "
-                      f"({human_bytes(plan.full_peak_bytes + report.budgeted.kv_cache_bytes)} predicted): nothing applied, weights as loaded",
-                      highlight=False)
+        console.print(
+            f"budget {human_bytes(report.budget_bytes)} covers the unchanged model "
+            f"({human_bytes(plan.full_peak_bytes + report.budgeted.kv_cache_bytes)} predicted): nothing applied, weights as loaded",
+            highlight=False,
+        )
         return
     if report.budgeted.kv_cache_bytes:
-        console.print(f"planned for {human_bytes(plan.budget_bytes)}: the budget less {human_bytes(report.budgeted.kv_cache_bytes)} "
-                      f"of KV cache growth while decoding", highlight=False)
+        console.print(
+            f"planned for {human_bytes(plan.budget_bytes)}: the budget less {human_bytes(report.budgeted.kv_cache_bytes)} "
+            f"of KV cache growth while decoding",
+            highlight=False,
+        )
     console.print(escape(str(plan)), highlight=False, soft_wrap=True)
 
 
@@ -102,7 +138,9 @@ def _budget(report: RunReport) -> Table:
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_row("budget", f"{human_bytes(report.budget_bytes)} ({report.budget_bytes:,} B)")
-    table.add_row("predicted peak", f"{human_bytes(budgeted.predicted_peak_bytes)} ({budgeted.predicted_peak_bytes:,} B)")
+    table.add_row(
+        "predicted peak", f"{human_bytes(budgeted.predicted_peak_bytes)} ({budgeted.predicted_peak_bytes:,} B)"
+    )
     table.add_row(f"measured peak, {_ALLOCATED}", f"{human_bytes(measured)} ({measured:,} B)")
     ratio = budgeted.predicted_peak_bytes / measured
     table.add_row("predicted / measured", f"{ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
@@ -138,12 +176,16 @@ def print_report(report: RunReport, console: Console) -> None:
     if report.kind == ENCODER:
         figures.add_row(f"latency (median of {len(measured.seconds)})", f"{measured.median_seconds * 1e3:.1f} ms")
     else:
-        figures.add_row(f"time to first token ({report.prompt_tokens}-token prompt, median)",
-                        f"{report.time_to_first_token_seconds * 1e3:.1f} ms")
+        figures.add_row(
+            f"time to first token ({report.prompt_tokens}-token prompt, median)",
+            f"{report.time_to_first_token_seconds * 1e3:.1f} ms",
+        )
         rate = report.decode_tokens_per_second
         figures.add_row("decode speed (median)", "-" if rate is None else f"{rate:.1f} tokens/s")
-        figures.add_row(f"generation of {report.new_tokens} tokens (median of {len(measured.seconds)})",
-                        f"{measured.median_seconds * 1e3:.1f} ms")
+        figures.add_row(
+            f"generation of {report.new_tokens} tokens (median of {len(measured.seconds)})",
+            f"{measured.median_seconds * 1e3:.1f} ms",
+        )
     figures.add_row(f"peak memory, {measured.source}", human_bytes(measured.peak_bytes))
     if measured.peak_rss_bytes is not None:  # the CPU: the allocator's view beside the per-op count
         figures.add_row(f"peak memory, {_ALLOCATED}", human_bytes(measured.allocated_peak_bytes))

@@ -28,8 +28,16 @@ def _positive(name: str, value: Any) -> int:
     return value
 
 
-def plan_model(*, model: str | None = None, batch: int = 8, seq: int = 128, backend: Any = None,
-               training: bool = False, runtime: str = "compiled", order: str = "best") -> tuple[MemoryPlan, str]:
+def plan_model(
+    *,
+    model: str | None = None,
+    batch: int = 8,
+    seq: int = 128,
+    backend: Any = None,
+    training: bool = False,
+    runtime: str = "compiled",
+    order: str = "best",
+) -> tuple[MemoryPlan, str]:
     """(plan, description of the model) for token ids of shape (batch, seq)."""
     _positive("batch", batch)
     _positive("seq", seq)
@@ -51,8 +59,15 @@ def plan_model(*, model: str | None = None, batch: int = 8, seq: int = 128, back
 
 def handle(args: argparse.Namespace, console: Console) -> int:
     """Plan, optionally draw the timeline, and print the plan with the inputs it is for."""
-    plan, described = plan_model(model=args.model, batch=args.batch, seq=args.seq, backend=args.backend,
-                                 training=args.training, runtime=args.runtime, order=args.order)
+    plan, described = plan_model(
+        model=args.model,
+        batch=args.batch,
+        seq=args.seq,
+        backend=args.backend,
+        training=args.training,
+        runtime=args.runtime,
+        order=args.order,
+    )
     if args.plot:
         plan.plot(args.plot)
     if args.json:
@@ -69,17 +84,29 @@ def handle(args: argparse.Namespace, console: Console) -> int:
 
 def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
     """Register ``plan``, its options and :func:`handle` on the CLI's subcommands."""
-    plan = commands.add_parser("plan", parents=parents, help="plan a model's memory before running it (no weight is loaded)")
-    plan.add_argument("--model", help="a local Hugging Face model folder (default: the built-in model); only its config is read")
+    plan = commands.add_parser(
+        "plan", parents=parents, help="plan a model's memory before running it (no weight is loaded)"
+    )
+    plan.add_argument(
+        "--model", help="a local Hugging Face model folder (default: the built-in model); only its config is read"
+    )
     plan.add_argument("--batch", type=int, default=8, help="batch size of the planned call (default: 8)")
     plan.add_argument("--seq", type=int, default=128, help="sequence length of the planned call (default: 128)")
     plan.add_argument("--backend", help="backend name or device to plan for (default: the default backend)")
     plan.add_argument("--training", action="store_true", help="plan one training step (forward and backward)")
-    plan.add_argument("--runtime", choices=["compiled", "arena", "eager"], default="compiled",
-                      help="as torch.compile(backend='tightfit') runs it (default), the same inside its planned "
-                           "arena (options={'memory': 'arena'}), or as eager PyTorch does")
-    plan.add_argument("--order", choices=["best", "written", "depth-first", "breadth-first", "least-peak"], default="best",
-                      help="order of the ops (default: the candidate with the lowest peak)")
+    plan.add_argument(
+        "--runtime",
+        choices=["compiled", "arena", "eager"],
+        default="compiled",
+        help="as torch.compile(backend='tightfit') runs it (default), the same inside its planned "
+        "arena (options={'memory': 'arena'}), or as eager PyTorch does",
+    )
+    plan.add_argument(
+        "--order",
+        choices=["best", "written", "depth-first", "breadth-first", "least-peak"],
+        default="best",
+        help="order of the ops (default: the candidate with the lowest peak)",
+    )
     plan.add_argument("--plot", help="also write a PNG timeline to this path (needs tightfit[plot])")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(handler=handle)

@@ -22,16 +22,31 @@ from tightfit._format import human_bytes
 from tightfit._validate import check_type
 from tightfit.app.budget import Budgeted, kv_cache_bytes_per_token, plan_run
 from tightfit.app.generation import Generation, generate_greedy, token_agreement
-from tightfit.app.models import CAUSAL_LM, ENCODER, default_model_dir, embed, folder_kind, load_causal_lm, load_encoder
+from tightfit.app.models import ENCODER, default_model_dir, embed, folder_kind, load_causal_lm, load_encoder
 from tightfit.fitting import Allow, held_bytes, parse_size
 from tightfit.hooks import OFFLOAD_TARGETS, apply_layerwise_casting, apply_offloading, resident_bytes
 from tightfit.memory import Measurement, measure, tensor_bytes
 from tightfit.memory.plot import check_png_path
-from tightfit.quant import Linear8bit, NF4Config, QuantConfig, layer_stack, quantize_, storage_formats, unregistered_tensors
+from tightfit.quant import (
+    Linear8bit,
+    NF4Config,
+    QuantConfig,
+    layer_stack,
+    quantize_,
+    storage_formats,
+    unregistered_tensors,
+)
 
 __all__ = [
-    "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_PROMPT", "DEFAULT_SENTENCES", "STORAGE_DTYPE_CHOICES", "RunOptions", "RunReport", "quant_configs",
-    "run", "weights_bytes",
+    "DEFAULT_MAX_NEW_TOKENS",
+    "DEFAULT_PROMPT",
+    "DEFAULT_SENTENCES",
+    "STORAGE_DTYPE_CHOICES",
+    "RunOptions",
+    "RunReport",
+    "quant_configs",
+    "run",
+    "weights_bytes",
 ]
 
 
@@ -109,23 +124,32 @@ class RunOptions:
         if self.quant is not None and self.quant not in quant_configs():
             raise ValueError(f"quant={self.quant!r} is not accepted; accepted: {', '.join(quant_configs())} or None")
         if self.storage_dtype is not None and self.storage_dtype not in STORAGE_DTYPE_CHOICES:
-            raise ValueError(f"storage_dtype={self.storage_dtype!r} is not accepted; accepted: {', '.join(STORAGE_DTYPE_CHOICES)} or None")
+            raise ValueError(
+                f"storage_dtype={self.storage_dtype!r} is not accepted; accepted: {', '.join(STORAGE_DTYPE_CHOICES)} or None"
+            )
         if self.quant is not None and self.storage_dtype is not None:
             raise ValueError("quant and storage_dtype both change how weights are stored; choose one")
         if self.offload is not None and self.offload not in OFFLOAD_TARGETS:
-            raise ValueError(f"offload={self.offload!r} is not accepted; accepted: {', '.join(OFFLOAD_TARGETS)} or None")
+            raise ValueError(
+                f"offload={self.offload!r} is not accepted; accepted: {', '.join(OFFLOAD_TARGETS)} or None"
+            )
         for name in ("repeat", "top_pairs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.keep_8bit, bool):
             raise TypeError(f"keep_8bit must be a bool, got {type(self.keep_8bit).__name__}: {self.keep_8bit!r}")
-        if not isinstance(self.sentences, tuple) or len(self.sentences) < 2 or not all(isinstance(s, str) and s.strip() for s in self.sentences):
+        if (
+            not isinstance(self.sentences, tuple)
+            or len(self.sentences) < 2
+            or not all(isinstance(s, str) and s.strip() for s in self.sentences)
+        ):
             raise ValueError("sentences must be a tuple of at least two non-empty strings")
         if self.prompt is not None and (not isinstance(self.prompt, str) or not self.prompt.strip()):
             raise ValueError(f"prompt must be a non-empty string or None, got {self.prompt!r}")
-        if self.max_new_tokens is not None and (isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int)
-                                                or self.max_new_tokens < 1):
+        if self.max_new_tokens is not None and (
+            isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1
+        ):
             raise ValueError(f"max_new_tokens must be an int >= 1 or None, got {self.max_new_tokens!r}")
         if self.timeline is not None:
             check_png_path("timeline", self.timeline, "tightfit run --timeline")
@@ -133,10 +157,14 @@ class RunOptions:
             object.__setattr__(self, "budget", parse_size(self.budget, "budget"))
             chosen = [name for name in ("quant", "storage_dtype", "offload") if getattr(self, name) is not None]
             if chosen:
-                raise ValueError(f"budget lets the fit planner choose how weights are stored and where; it cannot be combined with "
-                                 f"{', '.join(chosen)}; drop {'them' if len(chosen) > 1 else 'it'}, or restrict the planner with allow")
+                raise ValueError(
+                    f"budget lets the fit planner choose how weights are stored and where; it cannot be combined with "
+                    f"{', '.join(chosen)}; drop {'them' if len(chosen) > 1 else 'it'}, or restrict the planner with allow"
+                )
         if self.allow is not None and self.budget is None:
-            raise ValueError(f"allow={self.allow!r} restricts the fit planner, which runs only with a budget; give budget too")
+            raise ValueError(
+                f"allow={self.allow!r} restricts the fit planner, which runs only with a budget; give budget too"
+            )
         if self.allow is not None:
             object.__setattr__(self, "allow", Allow.coerce(self.allow))
 
@@ -217,12 +245,21 @@ def run(options: RunOptions | None = None) -> RunReport:
     folder = Path(options.model) if options.model is not None else default_model_dir()
     kind = folder_kind(folder)
     if kind == ENCODER and (options.prompt is not None or options.max_new_tokens is not None):
-        raise ValueError(f"prompt and max_new_tokens apply to causal LMs; model={str(folder)!r} is an encoder, which embeds sentences")
+        raise ValueError(
+            f"prompt and max_new_tokens apply to causal LMs; model={str(folder)!r} is an encoder, which embeds sentences"
+        )
     job = _Encoder(folder, device, options) if kind == ENCODER else _CausalLM(folder, device, options, backend)
     budgeted = None
     if options.budget is not None:
-        budgeted = plan_run(job.model, job.example_inputs(), options.budget, device=device, allow=options.allow,
-                            kv_cache_bytes=job.kv_cache_bytes(), covers=job.covers())
+        budgeted = plan_run(
+            job.model,
+            job.example_inputs(),
+            options.budget,
+            device=device,
+            allow=options.allow,
+            kv_cache_bytes=job.kv_cache_bytes(),
+            covers=job.covers(),
+        )
         changes = not budgeted.plan.applies_nothing
     else:
         changes = bool(options.quant or options.storage_dtype or options.offload)
@@ -233,14 +270,23 @@ def run(options: RunOptions | None = None) -> RunReport:
         kept: tuple[str, ...] = ()
     else:
         kept = _convert(job.model, options, device)
-    kept_linears = [module for name in kept for module in job.model.get_submodule(name).modules() if isinstance(module, Linear8bit)]
+    kept_linears = [
+        module for name in kept for module in job.model.get_submodule(name).modules() if isinstance(module, Linear8bit)
+    ]
     weights = weights_bytes([job.model])
     if budgeted is not None:
         on_device = held_bytes(job.model, device)  # counts the scales of offloaded quantized units too
     else:
         on_device = resident_bytes(job.model, device) if options.offload else weights
-    measurement = measure(job.call, device, repeat=options.repeat, warmup=1, baseline_bytes=on_device,
-                          timeline=options.timeline is not None, keep_results=True)
+    measurement = measure(
+        job.call,
+        device,
+        repeat=options.repeat,
+        warmup=1,
+        baseline_bytes=on_device,
+        timeline=options.timeline is not None,
+        keep_results=True,
+    )
     report = RunReport(
         model=str(folder) if options.model is not None else "all-MiniLM-L6-v2 (built-in default)",
         backend=backend.name,
@@ -263,8 +309,14 @@ def run(options: RunOptions | None = None) -> RunReport:
     job.fill(report, list(measurement.results), reference)  # what the timed calls returned
     if options.timeline is not None:
         title = f"{Path(report.model).name if options.model else 'all-MiniLM-L6-v2'}, {report.changes or 'as loaded'}, on {device}"
-        report.timeline_path = str(measurement.timeline.plot(options.timeline, title=title, budget_bytes=report.budget_bytes,
-                                                             predicted_peak_bytes=report.predicted_peak_bytes))
+        report.timeline_path = str(
+            measurement.timeline.plot(
+                options.timeline,
+                title=title,
+                budget_bytes=report.budget_bytes,
+                predicted_peak_bytes=report.predicted_peak_bytes,
+            )
+        )
     return report
 
 
@@ -275,7 +327,7 @@ def _convert(model: torch.nn.Module, options: RunOptions, device: torch.device) 
         config = quant_configs()[options.quant]
         if options.keep_8bit and isinstance(config, NF4Config):
             stack = layer_stack(model)
-            kept = stack[len(stack) // 2:]
+            kept = stack[len(stack) // 2 :]
             config = replace(config, keep_8bit=kept)
         quantize_(model, config)
     if options.storage_dtype is not None:
@@ -300,7 +352,9 @@ class _Encoder:
 
     def example_inputs(self) -> dict[str, torch.Tensor]:
         """The batch ``call`` embeds: what a plan is made for."""
-        return dict(self.tokenizer(list(self.sentences), padding=True, truncation=True, return_tensors="pt").to(self.device))
+        return dict(
+            self.tokenizer(list(self.sentences), padding=True, truncation=True, return_tensors="pt").to(self.device)
+        )
 
     def kv_cache_bytes(self) -> int:
         """An encoder keeps no cache between forwards."""
@@ -333,8 +387,10 @@ class _CausalLM:
         limit = getattr(self.model.config, "max_position_embeddings", None)
         length = self.input_ids.shape[1] + self.max_new_tokens
         if limit is not None and length > limit:
-            raise ValueError(f"prompt ({self.input_ids.shape[1]} tokens) and max_new_tokens={self.max_new_tokens} make {length} positions; "
-                             f"the model takes at most max_position_embeddings={limit}")
+            raise ValueError(
+                f"prompt ({self.input_ids.shape[1]} tokens) and max_new_tokens={self.max_new_tokens} make {length} positions; "
+                f"the model takes at most max_position_embeddings={limit}"
+            )
         self.synchronize = lambda: backend.synchronize(device)
 
     def call(self) -> Generation:
@@ -350,8 +406,10 @@ class _CausalLM:
         return (self.max_new_tokens - 1) * kv_cache_bytes_per_token(self.model.config, dtype)
 
     def covers(self) -> str:
-        return (f"the prefill forward over the {self.input_ids.shape[1]}-token prompt, plus the KV cache's growth over the "
-                f"{self.max_new_tokens - 1} one-token decode forwards ({human_bytes(self.kv_cache_bytes())})")
+        return (
+            f"the prefill forward over the {self.input_ids.shape[1]}-token prompt, plus the KV cache's growth over the "
+            f"{self.max_new_tokens - 1} one-token decode forwards ({human_bytes(self.kv_cache_bytes())})"
+        )
 
     def result(self) -> Generation:
         """One generation: what quality compares."""
@@ -388,10 +446,16 @@ def weights_bytes(modules: list[torch.nn.Module]) -> int:
 
 
 def __getattr__(name: str) -> object:
-    renamed = {"QUANT_CONFIGS": ("quant_configs()", quant_configs), "STORAGE_DTYPES": ("STORAGE_DTYPE_CHOICES", lambda: STORAGE_DTYPE_CHOICES)}
+    renamed = {
+        "QUANT_CONFIGS": ("quant_configs()", quant_configs),
+        "STORAGE_DTYPES": ("STORAGE_DTYPE_CHOICES", lambda: STORAGE_DTYPE_CHOICES),
+    }
     if name in renamed:
         new, value = renamed[name]
-        warnings.warn(f"tightfit.app.run.{name} is renamed {new} ({name} names other things elsewhere); {name} goes in the next release",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"tightfit.app.run.{name} is renamed {new} ({name} names other things elsewhere); {name} goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return value()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,9 +20,20 @@ __all__: list[str] = []
 
 def handle(args: argparse.Namespace, console: Console) -> int:
     """Run, measure and print the report."""
-    options = RunOptions(model=args.model, backend=args.backend, quant=args.quant, storage_dtype=args.storage_dtype,
-                         offload=args.offload, repeat=args.repeat, keep_8bit=not args.all_4bit, prompt=args.prompt,
-                         max_new_tokens=args.max_new_tokens, timeline=args.timeline, budget=args.budget, allow=args.allow)
+    options = RunOptions(
+        model=args.model,
+        backend=args.backend,
+        quant=args.quant,
+        storage_dtype=args.storage_dtype,
+        offload=args.offload,
+        repeat=args.repeat,
+        keep_8bit=not args.all_4bit,
+        prompt=args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        timeline=args.timeline,
+        budget=args.budget,
+        allow=args.allow,
+    )
     bars = Console(stderr=True)
     with show_progress(bars) if bars.is_terminal and not args.json else nullcontext():  # stderr only, never in --json
         report = run_job(options)
@@ -35,22 +46,49 @@ def handle(args: argparse.Namespace, console: Console) -> int:
 
 def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
     """Register ``run``, its options and :func:`handle` on the CLI's subcommands."""
-    run = commands.add_parser("run", parents=parents, help="run a model (default: the built-in all-MiniLM-L6-v2) and measure it")
-    run.add_argument("--model", help="a local Hugging Face model folder, an encoder (embeds sentences) or a causal LM "
-                                     "(generates text) (default: the built-in model)")
+    run = commands.add_parser(
+        "run", parents=parents, help="run a model (default: the built-in all-MiniLM-L6-v2) and measure it"
+    )
+    run.add_argument(
+        "--model",
+        help="a local Hugging Face model folder, an encoder (embeds sentences) or a causal LM "
+        "(generates text) (default: the built-in model)",
+    )
     run.add_argument("--backend", help="backend name or device, e.g. cpu, cuda, cuda:1 (default: best available)")
-    run.add_argument("--quant", choices=list(quant_configs()), help="quantize the Linear layers first (nf4, fp4: the later half of the layers in 8 bits) and compare with full precision")
-    run.add_argument("--all-4bit", action="store_true",
-                     help="with nf4 or fp4, store every Linear layer in 4 bits (default: the later half of the layers in 8 bits)")
-    run.add_argument("--storage-dtype", choices=list(STORAGE_DTYPE_CHOICES),
-                     help="store weights so (layerwise casting; norms and embeddings stay) and compute in the model's dtype")
-    run.add_argument("--offload", choices=["cpu", "disk"], help="keep weights in CPU memory or memory-mapped files; each block comes onto the device when it runs")
-    run.add_argument("--budget", metavar="SIZE", help="device memory the run may use, e.g. 40MB, 1.5GiB, 123456 (bytes): the fit "
-                                                      "planner chooses per layer how weights are stored and where; "
-                                                      "not with --quant, --storage-dtype or --offload")
-    run.add_argument("--allow", metavar="NAMES", help="with --budget: what the planner may use, comma-separated storages "
-                                                      f"({', '.join(storage_names())}) and/or placements ({', '.join(PLACEMENTS)}), "
-                                                      "e.g. keep,float8,disk; a kind you name nothing of stays unrestricted")
+    run.add_argument(
+        "--quant",
+        choices=list(quant_configs()),
+        help="quantize the Linear layers first (nf4, fp4: the later half of the layers in 8 bits) and compare with full precision",
+    )
+    run.add_argument(
+        "--all-4bit",
+        action="store_true",
+        help="with nf4 or fp4, store every Linear layer in 4 bits (default: the later half of the layers in 8 bits)",
+    )
+    run.add_argument(
+        "--storage-dtype",
+        choices=list(STORAGE_DTYPE_CHOICES),
+        help="store weights so (layerwise casting; norms and embeddings stay) and compute in the model's dtype",
+    )
+    run.add_argument(
+        "--offload",
+        choices=["cpu", "disk"],
+        help="keep weights in CPU memory or memory-mapped files; each block comes onto the device when it runs",
+    )
+    run.add_argument(
+        "--budget",
+        metavar="SIZE",
+        help="device memory the run may use, e.g. 40MB, 1.5GiB, 123456 (bytes): the fit "
+        "planner chooses per layer how weights are stored and where; "
+        "not with --quant, --storage-dtype or --offload",
+    )
+    run.add_argument(
+        "--allow",
+        metavar="NAMES",
+        help="with --budget: what the planner may use, comma-separated storages "
+        f"({', '.join(storage_names())}) and/or placements ({', '.join(PLACEMENTS)}), "
+        "e.g. keep,float8,disk; a kind you name nothing of stays unrestricted",
+    )
     run.add_argument("--repeat", type=int, default=5, help="timed repetitions (default: 5)")
     run.add_argument("--prompt", help="causal LMs: the text to continue (default: a fixed story opening)")
     run.add_argument("--max-new-tokens", type=int, help="causal LMs: tokens to generate greedily (default: 16)")

@@ -102,7 +102,9 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def _synchronize(self, device: torch.device) -> None: ...
 
-    def _compile_split(self, graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any] | None:
+    def _compile_split(
+        self, graph_module: torch.fx.GraphModule, example_inputs: list[Any]
+    ) -> Callable[..., Any] | None:
         """Optional: compile one split of a graph for this device, or None for tightfit's default.
 
         ``graph_module`` is an aten-level FX graph whose nodes carry fake-tensor
@@ -139,9 +141,13 @@ class Backend(abc.ABC):
         try:
             compiled = self._compile_split(graph_module, example_inputs)
         except Exception as error:  # add context, keep the cause
-            raise RuntimeError(f"backend {self.name} failed to compile a split of {len(graph_module.graph.nodes)} nodes: {error}") from error
+            raise RuntimeError(
+                f"backend {self.name} failed to compile a split of {len(graph_module.graph.nodes)} nodes: {error}"
+            ) from error
         if compiled is not None and not callable(compiled):
-            raise TypeError(f"backend {self.name}: _compile_split must return a callable or None, got {type(compiled).__name__}")
+            raise TypeError(
+                f"backend {self.name}: _compile_split must return a callable or None, got {type(compiled).__name__}"
+            )
         return compiled
 
     def memory(self, device: torch.device | str | None = None) -> MemoryInfo:

@@ -17,7 +17,17 @@ import torch
 from tightfit._errors import BackendConflictError
 from tightfit.backends.base import Backend
 
-__all__ = ["ENTRY_POINT_GROUP", "BackendEntry", "all_backends", "available", "conflict", "get", "default", "load_plugins", "use"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "BackendEntry",
+    "all_backends",
+    "available",
+    "conflict",
+    "get",
+    "default",
+    "load_plugins",
+    "use",
+]
 
 ENTRY_POINT_GROUP = "tightfit.backends"
 _ENV_BACKEND = "TIGHTFIT_BACKEND"
@@ -110,8 +120,10 @@ def _load() -> tuple[list[BackendEntry], BackendConflictError | None]:
     with _lock:
         if _entries is None:
             if getattr(_loading, "active", False):
-                raise RuntimeError("a backend plugin used tightfit.backends or an op while it was being loaded; "
-                                   "plugins must not touch tightfit at import or construction")
+                raise RuntimeError(
+                    "a backend plugin used tightfit.backends or an op while it was being loaded; "
+                    "plugins must not touch tightfit at import or construction"
+                )
             _loading.active = True
             try:
                 found = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)

@@ -41,6 +41,8 @@ def __getattr__(name: str) -> Any:
     if name == "STORAGES":  # read from the catalogue each time: a format registered later is in it
         return storage_names()
     if name == "Plan":
-        warnings.warn("tightfit.fitting.Plan is renamed FitPlan; Plan goes in the next release", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "tightfit.fitting.Plan is renamed FitPlan; Plan goes in the next release", DeprecationWarning, stacklevel=2
+        )
         return FitPlan
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

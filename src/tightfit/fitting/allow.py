@@ -13,12 +13,16 @@ __all__ = ["Allow"]
 
 def _names(name: str, value: Any, accepted: tuple[str, ...]) -> frozenset[str]:
     if isinstance(value, str) or not isinstance(value, Iterable):
-        raise TypeError(f"allow {name} must be a set of str, got {type(value).__name__}: {value!r}; accepted: {', '.join(accepted)}")
+        raise TypeError(
+            f"allow {name} must be a set of str, got {type(value).__name__}: {value!r}; accepted: {', '.join(accepted)}"
+        )
     names = frozenset(value)
     unknown = sorted(str(n) for n in names if n not in accepted)
     if unknown:
-        raise ValueError(f"allow {name}={sorted(map(str, names))!r} has {', '.join(map(repr, unknown))}, which is not accepted; "
-                         f"accepted: {', '.join(accepted)}")
+        raise ValueError(
+            f"allow {name}={sorted(map(str, names))!r} has {', '.join(map(repr, unknown))}, which is not accepted; "
+            f"accepted: {', '.join(accepted)}"
+        )
     if not names:
         raise ValueError(f"allow {name} is empty; allow at least one of: {', '.join(accepted)}")
     return names
@@ -51,7 +55,9 @@ class Allow:
             if needed not in value:
                 raise ValueError(f"allow {name}={sorted(value)!r} lacks {needed!r}, which is always allowed; add it")
         if not isinstance(self.hints, bool):
-            raise TypeError(f"allow hints must be a bool, got {type(self.hints).__name__}: {self.hints!r}; accepted: True, False")
+            raise TypeError(
+                f"allow hints must be a bool, got {type(self.hints).__name__}: {self.hints!r}; accepted: True, False"
+            )
 
     @classmethod
     def parse(cls, text: str) -> Allow:
@@ -65,18 +71,24 @@ class Allow:
         if not isinstance(text, str):
             raise TypeError(f"text must be a str such as 'keep,float8,disk', got {type(text).__name__}: {text!r}")
         storages = storage_names()
-        accepted = (f"comma-separated names, storages ({', '.join(storages)}) and/or placements ({', '.join(PLACEMENTS)}), "
-                    f"e.g. 'keep,float8,disk'")
+        accepted = (
+            f"comma-separated names, storages ({', '.join(storages)}) and/or placements ({', '.join(PLACEMENTS)}), "
+            f"e.g. 'keep,float8,disk'"
+        )
         names = [name.strip().lower() for name in text.split(",") if name.strip()]
         if not names:
             raise ValueError(f"allow={text!r} names nothing; accepted: {accepted}")
         unknown = [name for name in names if name not in storages and name not in PLACEMENTS]
         if unknown:
-            raise ValueError(f"allow={text!r} has {', '.join(map(repr, unknown))}, which is not accepted; accepted: {accepted}")
+            raise ValueError(
+                f"allow={text!r} has {', '.join(map(repr, unknown))}, which is not accepted; accepted: {accepted}"
+            )
         storage = {name for name in names if name in storages}
         placement = {name for name in names if name in PLACEMENTS}
-        return cls(storage=frozenset(storage | {"keep"}) if storage else frozenset(storages),
-                   placement=frozenset(placement | {"device"}) if placement else frozenset(PLACEMENTS))
+        return cls(
+            storage=frozenset(storage | {"keep"}) if storage else frozenset(storages),
+            placement=frozenset(placement | {"device"}) if placement else frozenset(PLACEMENTS),
+        )
 
     @classmethod
     def coerce(cls, value: Allow | Mapping[str, Iterable[str]] | str | None) -> Allow:
@@ -89,12 +101,16 @@ class Allow:
         if isinstance(value, str):
             return cls.parse(value)
         if not isinstance(value, Mapping):
-            raise TypeError(f"allow must be None, a str such as 'keep,float8,disk', an Allow or a dict with keys storage, "
-                            f"placement and hints, got {type(value).__name__}: {value!r}")
+            raise TypeError(
+                f"allow must be None, a str such as 'keep,float8,disk', an Allow or a dict with keys storage, "
+                f"placement and hints, got {type(value).__name__}: {value!r}"
+            )
         unknown = sorted(str(k) for k in value if k not in ("storage", "placement", "hints"))
         if unknown:
-            raise ValueError(f"allow has key(s) {', '.join(map(repr, unknown))}, which is not accepted; "
-                             f"accepted: 'storage', 'placement', 'hints'")
+            raise ValueError(
+                f"allow has key(s) {', '.join(map(repr, unknown))}, which is not accepted; "
+                f"accepted: 'storage', 'placement', 'hints'"
+            )
         return cls(**{key: value[key] for key in value})
 
     def to_dict(self) -> dict[str, list[str] | bool]:

@@ -80,12 +80,15 @@ class Calibration:
         decoded = [storage.name for storage in storage_formats() if storage.decodes]
         missing = set(decoded) - set(self.decode_seconds)
         if missing:
-            raise ValueError(f"decode_seconds lacks {', '.join(sorted(missing))}; it needs one figure per storage: "
-                             f"{', '.join(decoded)}")
+            raise ValueError(
+                f"decode_seconds lacks {', '.join(sorted(missing))}; it needs one figure per storage: "
+                f"{', '.join(decoded)}"
+            )
         unknown = [key for key in self.decode_seconds if key not in decoded]
         if unknown:
-            raise ValueError(f"decode_seconds has unknown storage(s) {', '.join(map(repr, unknown))}; accepted: "
-                             f"{', '.join(decoded)}")
+            raise ValueError(
+                f"decode_seconds has unknown storage(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(decoded)}"
+            )
         for key, value in self.decode_seconds.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < math.inf):
                 raise ValueError(f"decode_seconds[{key!r}] must be a finite number >= 0, got {value!r}")
@@ -99,7 +102,9 @@ class Calibration:
         known = {name for name in cls.__dataclass_fields__}
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"calibration data has unknown keys {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
+            raise ValueError(
+                f"calibration data has unknown keys {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}"
+            )
         return cls(**data)
 
 
@@ -132,7 +137,9 @@ def _timed(fn: Callable[[], Any], sync: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def _least_seconds(works: dict[str, Callable[[], Any]], sync: Callable[[], Any], advance: Callable[[int], None]) -> dict[str, float]:
+def _least_seconds(
+    works: dict[str, Callable[[], Any]], sync: Callable[[], Any], advance: Callable[[int], None]
+) -> dict[str, float]:
     """The least seconds of each of ``works`` over ``len(works)`` x :data:`SECONDS_PER_FIGURE`
     (at least :data:`_MIN_SAMPLES` each), taken in turns: one call of each per round.
 
@@ -179,7 +186,9 @@ def _disk_bandwidth(nbytes: int) -> float:
     return len(data) / max(statistics.median(samples), 1e-9)
 
 
-def _probes(device: torch.device, sync: Callable[[], Any], advance: Callable[[int], None]) -> dict[str, tuple[Any, Any]]:
+def _probes(
+    device: torch.device, sync: Callable[[], Any], advance: Callable[[int], None]
+) -> dict[str, tuple[Any, Any]]:
     """Each decoding storage's probe on a layer of :data:`_PROBE_FEATURES` squared and
     :data:`_PROBE_ROWS` rows, run once: the kernels a format compiles at first use are
     compiled here, before the timed part."""
@@ -200,10 +209,15 @@ def _probes(device: torch.device, sync: Callable[[], Any], advance: Callable[[in
 
 def _measure(backend: Any, device: torch.device) -> Calibration:
     start = time.perf_counter()
-    sync = lambda: backend.synchronize(device)
+
+    def sync() -> None:
+        backend.synchronize(device)
+
     decoding = sum(storage.decodes for storage in storage_formats())
     with torch.inference_mode():
-        with task(f"calibrating {backend.name}: preparing the decode probes (kernels compile at first use)", decoding) as advance:
+        with task(
+            f"calibrating {backend.name}: preparing the decode probes (kernels compile at first use)", decoding
+        ) as advance:
             probes = _probes(device, sync, advance)
         a = torch.randn(1024, 1024, device=device)
         b = torch.randn(1024, 256, device=device)
@@ -212,7 +226,11 @@ def _measure(backend: Any, device: torch.device) -> Calibration:
         works = {"matmul": lambda: a @ b, "copy": lambda: target.copy_(block)}
         if device.type != "cpu":
             pinned = backend.capabilities().async_copy
-            host = torch.empty(16 << 20, dtype=torch.uint8).pin_memory() if pinned else torch.empty(16 << 20, dtype=torch.uint8)
+            host = (
+                torch.empty(16 << 20, dtype=torch.uint8).pin_memory()
+                if pinned
+                else torch.empty(16 << 20, dtype=torch.uint8)
+            )
             works["host_to_device"] = lambda: host.to(device)
         for name, (work, baseline) in probes.items():
             works[f"decode {name}"] = work
@@ -224,14 +242,19 @@ def _measure(backend: Any, device: torch.device) -> Calibration:
             disk = _disk_bandwidth(16 << 20)
             advance(1)
             least = _least_seconds(works, sync, advance)
-    decode = {name: max(0.0, least[f"decode {name}"] - least.get(f"baseline {name}", 0.0)) / _PROBE_FEATURES**2  # per weight
-              for name in probes}
+    decode = {
+        name: max(0.0, least[f"decode {name}"] - least.get(f"baseline {name}", 0.0)) / _PROBE_FEATURES**2  # per weight
+        for name in probes
+    }
     return Calibration(
-        backend=backend.name, device_name=_device_name(device), torch_version=torch.__version__,
+        backend=backend.name,
+        device_name=_device_name(device),
+        torch_version=torch.__version__,
         matmul_flops=2 * 1024 * 1024 * 256 / least["matmul"],
         device_bandwidth=2 * block.numel() / least["copy"],  # a copy reads and writes each byte
         host_to_device_bandwidth=block.numel() / least["host_to_device"] if "host_to_device" in least else None,
-        disk_bandwidth=disk, decode_seconds=decode,
+        disk_bandwidth=disk,
+        decode_seconds=decode,
         measured_seconds=time.perf_counter() - start,
     )
 

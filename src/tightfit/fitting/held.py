@@ -20,4 +20,6 @@ def held_bytes(model: nn.Module, device: str | torch.device) -> int:
     which offloading leaves on the device: :func:`tightfit.quant.unregistered_tensors`)."""
     check_type("model", model, nn.Module)
     target = check_device("device", device)
-    return resident_bytes(model, target) + tensor_bytes(t for t in unregistered_tensors(model) if t.device.type == target.type)
+    return resident_bytes(model, target) + tensor_bytes(
+        t for t in unregistered_tensors(model) if t.device.type == target.type
+    )

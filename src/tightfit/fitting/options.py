@@ -68,7 +68,10 @@ class Unit:
         """Whether ``storage`` applies to a leaf of this unit: one of its leaf types, in a
         floating-point dtype; a storage that casts in place not where ``no_cast`` says."""
         kinds = {leaf_type.__name__ for leaf_type in storage.leaf_types}
-        floats = any(kind in kinds and dtype in (torch.float32, torch.float16, torch.bfloat16) for _, kind, _, dtype in self.weights)
+        floats = any(
+            kind in kinds and dtype in (torch.float32, torch.float16, torch.bfloat16)
+            for _, kind, _, dtype in self.weights
+        )
         return floats and not (storage.casts and self.no_cast)
 
 
@@ -127,7 +130,9 @@ def _groups(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
         if name in stack:
             groups.append((name, "layer", module))
             inside.add(name)
-        elif isinstance(module, (nn.Linear, nn.Embedding)) and isinstance(getattr(module, "weight", None), torch.Tensor):
+        elif isinstance(module, (nn.Linear, nn.Embedding)) and isinstance(
+            getattr(module, "weight", None), torch.Tensor
+        ):
             groups.append((name, "linear" if isinstance(module, nn.Linear) else "embedding", module))
             inside.add(name)
     return groups
@@ -151,9 +156,14 @@ def find_units(model: nn.Module) -> list[Unit]:
             units.append(Unit(name, kind, (), size, size, "shares a tensor with a module outside it (tied weights)"))
             covered.update(tensors)
             continue
-        leaves = [(f"{name}.{leaf_name}" if leaf_name else name, leaf) for leaf_name, leaf in module.named_modules()
-                  if type(leaf) in (nn.Linear, nn.Embedding)]
-        weights = tuple((leaf_name, type(leaf).__name__, tuple(leaf.weight.shape), leaf.weight.dtype) for leaf_name, leaf in leaves)
+        leaves = [
+            (f"{name}.{leaf_name}" if leaf_name else name, leaf)
+            for leaf_name, leaf in module.named_modules()
+            if type(leaf) in (nn.Linear, nn.Embedding)
+        ]
+        weights = tuple(
+            (leaf_name, type(leaf).__name__, tuple(leaf.weight.shape), leaf.weight.dtype) for leaf_name, leaf in leaves
+        )
         weight_ids = {id(leaf.weight) for _, leaf in leaves}
         no_cast = "model.dtype reads its weight, which must keep its dtype" if weight_ids & deciders else ""
         other = tensor_bytes(v for k, v in tensors.items() if k not in weight_ids)
@@ -166,9 +176,18 @@ def find_units(model: nn.Module) -> list[Unit]:
     return units
 
 
-def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[str], device: torch.device,
-                rows: dict[str, int], live: dict[str, int], figures: Calibration,
-                outliers: dict[str, int] | None = None, call_rows: dict[str, int] | None = None) -> list[Option]:
+def options_for(
+    unit: Unit,
+    *,
+    storages: frozenset[str],
+    placements: frozenset[str],
+    device: torch.device,
+    rows: dict[str, int],
+    live: dict[str, int],
+    figures: Calibration,
+    outliers: dict[str, int] | None = None,
+    call_rows: dict[str, int] | None = None,
+) -> list[Option]:
     """The options of ``unit`` that ``storages`` and ``placements`` allow, each with bytes and seconds.
 
     ``rows``: rows each leaf computed in the traced forward (summed over calls: its time);
@@ -219,8 +238,18 @@ def options_for(unit: Unit, *, storages: frozenset[str], placements: frozenset[s
                 seconds += onload / figures.host_to_device_bandwidth
             if placement == "disk":
                 seconds += (touched if on_host else stored) / figures.disk_bandwidth
-            options.append(Option(storage.name, placement, stored, held, decoded, onload, seconds,
-                                  _cost(seconds, storage.rank, placement, options) + _TIE * noise))
+            options.append(
+                Option(
+                    storage.name,
+                    placement,
+                    stored,
+                    held,
+                    decoded,
+                    onload,
+                    seconds,
+                    _cost(seconds, storage.rank, placement, options) + _TIE * noise,
+                )
+            )
     return options
 
 

@@ -11,8 +11,6 @@ assumes a bound (:data:`ASSUMED_OUTLIER_FRACTION`).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten

@@ -70,9 +70,13 @@ class PlanEntry:
         if self.kind not in _KINDS:
             raise ValueError(f"PlanEntry.kind={self.kind!r} is not accepted; accepted: {', '.join(_KINDS)}")
         if self.storage not in storage_names():
-            raise ValueError(f"PlanEntry.storage={self.storage!r} is not accepted; accepted: {', '.join(storage_names())}")
+            raise ValueError(
+                f"PlanEntry.storage={self.storage!r} is not accepted; accepted: {', '.join(storage_names())}"
+            )
         if self.placement not in PLACEMENTS:
-            raise ValueError(f"PlanEntry.placement={self.placement!r} is not accepted; accepted: {', '.join(PLACEMENTS)}")
+            raise ValueError(
+                f"PlanEntry.placement={self.placement!r} is not accepted; accepted: {', '.join(PLACEMENTS)}"
+            )
         for name in ("bytes_before", "bytes_after", "held_bytes"):
             _check_bytes("PlanEntry", name, getattr(self, name))
         _check_seconds("PlanEntry", "seconds", self.seconds)
@@ -127,14 +131,22 @@ class FitPlan:
     def __post_init__(self) -> None:
         for name in ("model", "backend", "device", "int8_outliers"):
             _check_str("FitPlan", name, getattr(self, name))
-        for name in ("budget_bytes", "predicted_peak_bytes", "predicted_weights_bytes", "predicted_activation_bytes",
-                     "predicted_transient_bytes", "full_peak_bytes"):
+        for name in (
+            "budget_bytes",
+            "predicted_peak_bytes",
+            "predicted_weights_bytes",
+            "predicted_activation_bytes",
+            "predicted_transient_bytes",
+            "full_peak_bytes",
+        ):
             _check_bytes("FitPlan", name, getattr(self, name))
         for name in ("predicted_seconds", "full_seconds"):
             _check_seconds("FitPlan", name, getattr(self, name))
         if not isinstance(self.applies_nothing, bool):
-            raise TypeError(f"FitPlan.applies_nothing must be a bool, got {type(self.applies_nothing).__name__}: "
-                            f"{self.applies_nothing!r}")
+            raise TypeError(
+                f"FitPlan.applies_nothing must be a bool, got {type(self.applies_nothing).__name__}: "
+                f"{self.applies_nothing!r}"
+            )
         if not isinstance(self.entries, (tuple, list)):
             raise TypeError(f"FitPlan.entries must be a tuple of PlanEntry, got {type(self.entries).__name__}")
         for index, entry in enumerate(self.entries):
@@ -152,8 +164,10 @@ class FitPlan:
         if self.runtime not in _RUNTIMES:
             raise ValueError(f"FitPlan.runtime={self.runtime!r} is not accepted; accepted: {', '.join(_RUNTIMES)}")
         if self.hints and self.runtime != "compiled":
-            raise ValueError(f"FitPlan.runtime={self.runtime!r} with hints: hints save memory only when compiled; "
-                             f"accepted: 'compiled' with hints")
+            raise ValueError(
+                f"FitPlan.runtime={self.runtime!r} with hints: hints save memory only when compiled; "
+                f"accepted: 'compiled' with hints"
+            )
 
     # -- apply ------------------------------------------------------------------------
     def apply(self, model: nn.Module) -> nn.Module:
@@ -180,7 +194,7 @@ class FitPlan:
         for position, placement in enumerate(p for p in ("disk", "cpu") if any(e.placement == p for e in self.entries)):
             units = {e.module for e in self.entries if e.placement == placement}
             if position == 0:  # one call over the model: its units prefetch one another
-                apply_offloading(model, device, offload_to=placement, granularity=lambda name, _: name in units)
+                apply_offloading(model, device, offload_to=placement, granularity=lambda name, _: name in units)  # noqa: B023 (called within this iteration)
             else:  # offloading refuses a second call over a hooked tree: one call per unit
                 for name in sorted(units):
                     apply_offloading(model.get_submodule(name), device, offload_to=placement, granularity="model")
@@ -201,23 +215,31 @@ class FitPlan:
     def _check_matches(self, model: nn.Module) -> None:
         on_meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
         if on_meta is not None:
-            raise ValueError(f"model's {on_meta!r} is on the meta device: a plan can be made for such a model, "
-                             f"but apply needs real weights; load them first")
+            raise ValueError(
+                f"model's {on_meta!r} is on the meta device: a plan can be made for such a model, "
+                f"but apply needs real weights; load them first"
+            )
         names = dict(model.named_modules())
         for entry in self.entries:
             if entry.kind == "rest":
                 continue
             if entry.module not in names:
-                raise ValueError(f"model has no module {entry.module!r}, which this plan decides for; "
-                                 f"apply a plan to the model it was made for ({self.model})")
+                raise ValueError(
+                    f"model has no module {entry.module!r}, which this plan decides for; "
+                    f"apply a plan to the model it was made for ({self.model})"
+                )
             for leaf in entry.leaves:
                 if type(names.get(leaf)) not in (nn.Linear, nn.Embedding):
-                    raise ValueError(f"model's {leaf!r} is {type(names.get(leaf)).__name__}, not the Linear or Embedding "
-                                     f"this plan expects; was the plan applied already, or made for another model?")
+                    raise ValueError(
+                        f"model's {leaf!r} is {type(names.get(leaf)).__name__}, not the Linear or Embedding "
+                        f"this plan expects; was the plan applied already, or made for another model?"
+                    )
         for name in self.hints:
             if name not in names:
-                raise ValueError(f"model has no module {name!r}, which this plan hints; "
-                                 f"apply a plan to the model it was made for ({self.model})")
+                raise ValueError(
+                    f"model has no module {name!r}, which this plan hints; "
+                    f"apply a plan to the model it was made for ({self.model})"
+                )
 
     # -- report ---------------------------------------------------------------------
     def changed_entries(self) -> tuple[PlanEntry, ...]:
@@ -262,9 +284,13 @@ class FitPlan:
             try:
                 built.append(PlanEntry(**entry))
             except (TypeError, ValueError) as error:  # a key missing or unknown, or a value of the wrong type
-                raise ValueError(f"plan JSON field 'entries[{index}]' does not describe a plan entry: {error}") from None
+                raise ValueError(
+                    f"plan JSON field 'entries[{index}]' does not describe a plan entry: {error}"
+                ) from None
         try:
-            return cls(**{key: value for key, value in data.items() if key in known and key != "entries"}, entries=tuple(built))
+            return cls(
+                **{key: value for key, value in data.items() if key in known and key != "entries"}, entries=tuple(built)
+            )
         except (TypeError, ValueError) as error:  # a key missing, or a field of the wrong type (the error names it)
             raise ValueError(f"plan JSON does not describe a plan: {error}") from None
 
@@ -283,6 +309,10 @@ def _move_kept(model: nn.Module, offloaded: set[str], device: torch.device) -> N
 
 def __getattr__(name: str) -> Any:
     if name == "Plan":
-        warnings.warn("tightfit.fitting.plan.Plan is renamed FitPlan; Plan goes in the next release", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "tightfit.fitting.plan.Plan is renamed FitPlan; Plan goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return FitPlan
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

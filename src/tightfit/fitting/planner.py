@@ -29,7 +29,9 @@ class FitError(ValueError):
     """No plan meets the budget. ``smallest_peak_bytes``: the least predicted peak that
     ``allow`` reaches; ``parts``: (what, bytes) of that peak, largest first."""
 
-    def __init__(self, message: str, *, budget_bytes: int, smallest_peak_bytes: int, parts: list[tuple[str, int]]) -> None:
+    def __init__(
+        self, message: str, *, budget_bytes: int, smallest_peak_bytes: int, parts: list[tuple[str, int]]
+    ) -> None:
         super().__init__(message)
         self.budget_bytes = budget_bytes
         self.smallest_peak_bytes = smallest_peak_bytes
@@ -50,12 +52,15 @@ def _split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]
         for index, value in enumerate(example_inputs):
             check_type(f"example_inputs[{index}]", value, torch.Tensor)
         return tuple(example_inputs), {}
-    raise TypeError(f"example_inputs must be a tuple or list of tensors, a dict of keyword tensors or a tensor, "
-                    f"got {type(example_inputs).__name__}")
+    raise TypeError(
+        f"example_inputs must be a tuple or list of tensors, a dict of keyword tensors or a tensor, "
+        f"got {type(example_inputs).__name__}"
+    )
 
 
-def _trace(model: nn.Module, args: tuple, kwargs: dict,
-           backend: Any) -> tuple[Any, dict[str, int], dict[str, int], dict[str, list[tuple[int, int]]]]:
+def _trace(
+    model: nn.Module, args: tuple, kwargs: dict, backend: Any
+) -> tuple[Any, dict[str, int], dict[str, int], dict[str, list[tuple[int, int]]]]:
     """The eager memory plan of one forward; the rows each Linear / Embedding computed in
     it, summed over its calls (what its time scales with) and the most of one call (what
     the buffers of one call scale with); and the steps of the plan's timeline each one's
@@ -94,7 +99,9 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict,
     return memory, rows, call_rows, spans
 
 
-def _live_while_computing(memory: Any, device: torch.device, spans: dict[str, list[tuple[int, int]]], fallback: int) -> dict[str, int]:
+def _live_while_computing(
+    memory: Any, device: torch.device, spans: dict[str, list[tuple[int, int]]], fallback: int
+) -> dict[str, int]:
     """Per leaf, the most activation and input bytes alive during its forward (``fallback``
     where the timeline cannot tell: the whole activation peak)."""
     key = str(device)
@@ -114,13 +121,17 @@ def _why(unit: Unit, option: Option, keep: Option, applies_nothing: bool) -> str
         return f"kept: {unit.fixed}"
     if option.storage == "keep" and option.placement == "device":
         return "the budget covers the unchanged model" if applies_nothing else "kept: fastest, and the budget has room"
-    where = {"device": "", "cpu": ", weights in CPU memory", "disk": ", weights memory-mapped from disk"}[option.placement]
+    where = {"device": "", "cpu": ", weights in CPU memory", "disk": ", weights memory-mapped from disk"}[
+        option.placement
+    ]
     saved = keep.held_bytes - option.held_bytes
     extra = (option.seconds - keep.seconds) * 1e3
     return f"{option.storage}{where}: {human_bytes(saved)} less on the device, {extra:+.2f} ms"
 
 
-def _parts(units: list[Unit], options: list[list[Option]], choice: Choice, activations: int, peak_node: str | None) -> list[tuple[str, int]]:
+def _parts(
+    units: list[Unit], options: list[list[Option]], choice: Choice, activations: int, peak_node: str | None
+) -> list[tuple[str, int]]:
     parts = [(f"activations and inputs (peak at node {peak_node})", activations)]
     for unit, unit_options, pick in zip(units, options, choice.picks):
         option = unit_options[pick]
@@ -133,8 +144,14 @@ def _parts(units: list[Unit], options: list[list[Option]], choice: Choice, activ
     return sorted(parts, key=lambda part: -part[1])
 
 
-def _slicing_note(parts: list[tuple[str, int]], activations: int, allowed: Allow, layers: list[str],
-                  tried: tuple[int, ...], refused: str) -> str:
+def _slicing_note(
+    parts: list[tuple[str, int]],
+    activations: int,
+    allowed: Allow,
+    layers: list[str],
+    tried: tuple[int, ...],
+    refused: str,
+) -> str:
     if parts[0][1] != activations:
         return ""
     if not allowed.hints:
@@ -144,15 +161,26 @@ def _slicing_note(parts: list[tuple[str, int]], activations: int, allowed: Allow
     elif refused:
         why = f"fit did not add them: {refused}"
     else:
-        why = (f"fit tried {', '.join(map(str, tried))} slices of the layer stack over dimension 0 with every unit kept "
-               f"on the device (hints are not combined with quantization or offloading), and none reached the budget")
-    return (". Activations dominate: running that region slice by slice (tightfit.hint(schedule='dfs', slices=N) under "
-            f"torch.compile(backend='tightfit'), docs/hints.md) can cut them; {why}")
+        why = (
+            f"fit tried {', '.join(map(str, tried))} slices of the layer stack over dimension 0 with every unit kept "
+            f"on the device (hints are not combined with quantization or offloading), and none reached the budget"
+        )
+    return (
+        ". Activations dominate: running that region slice by slice (tightfit.hint(schedule='dfs', slices=N) under "
+        f"torch.compile(backend='tightfit'), docs/hints.md) can cut them; {why}"
+    )
 
 
-def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: Any = None,
-        allow: Allow | Mapping[str, Any] | None = None, calibration: Calibration | None = None,
-        remeasure: bool = False) -> FitPlan:
+def fit(
+    model: nn.Module,
+    example_inputs: Any,
+    budget: int | str,
+    *,
+    backend: Any = None,
+    allow: Allow | Mapping[str, Any] | None = None,
+    calibration: Calibration | None = None,
+    remeasure: bool = False,
+) -> FitPlan:
     """A :class:`FitPlan` whose predicted device peak for ``model(*example_inputs)`` (or
     ``model(**example_inputs)`` for a dict) is within ``budget`` at the least predicted time.
 
@@ -202,23 +230,41 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
     units = find_units(model)
 
     def build(outliers: dict[str, int] | None) -> list[list[Option]]:
-        return [options_for(unit, storages=allowed.storage, placements=allowed.placement, device=device, rows=rows, live=live,
-                            figures=figures, outliers=outliers, call_rows=call_rows)
-                for unit in units]
+        return [
+            options_for(
+                unit,
+                storages=allowed.storage,
+                placements=allowed.placement,
+                device=device,
+                rows=rows,
+                live=live,
+                figures=figures,
+                outliers=outliers,
+                call_rows=call_rows,
+            )
+            for unit in units
+        ]
 
     options = build(None)
     outliers, not_observed = None, ""
     sliced: Sliced | None = None  # DFS hints, chosen only when no storage or placement meets the budget
     tried: tuple[int, ...] = ()
     refused = ""
-    keep = [next(i for i, o in enumerate(unit_options) if o.storage == "keep" and o.placement == "device") for unit_options in options]
+    keep = [
+        next(i for i, o in enumerate(unit_options) if o.storage == "keep" and o.placement == "device")
+        for unit_options in options
+    ]
     full = peak_of(options, tuple(keep), activations)
     full_peak = full.peak_bytes
     applies_nothing = full_peak <= budget_bytes
     if applies_nothing:
         choice = full
     else:
-        thresholds = [f.outlier_threshold for f in storage_formats() if f.name in allowed.storage and f.outlier_threshold is not None]
+        thresholds = [
+            f.outlier_threshold
+            for f in storage_formats()
+            if f.name in allowed.storage and f.outlier_threshold is not None
+        ]
         if thresholds:  # only these storages' options depend on the data; a real forward when it can run
             outliers, not_observed = _observe(model, args, kwargs, device, min(thresholds))
             options = build(outliers) if outliers is not None else options
@@ -226,50 +272,79 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *, backend: An
         choice = found.best
         layers = [unit.name for unit in units if unit.kind == "layer"]
         if choice is None and allowed.hints and layers:
-            sliced, tried, refused = slice_layers(model, args, kwargs, backends[0], layers, str(device), budget_bytes - full.held_bytes)
+            sliced, tried, refused = slice_layers(
+                model, args, kwargs, backends[0], layers, str(device), budget_bytes - full.held_bytes
+            )
             choice = full if sliced is not None else None
         if choice is None:
             smallest = found.smallest
             peak = smallest.peak_bytes
             parts = _parts(units, options, smallest, activations, peak_node)
             listed = "; ".join(f"{what}: {human_bytes(size)}" for what, size in parts[:4])
-            raise FitError(f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) cannot be met on {device}: the smallest "
-                           f"predicted peak that allow={allowed.to_dict()} reaches is {human_bytes(peak)} ({peak} B), "
-                           f"dominated by {parts[0][0]}. Largest parts: {listed}"
-                           f"{_slicing_note(parts, activations, allowed, layers, tried, refused)}",
-                           budget_bytes=budget_bytes, smallest_peak_bytes=peak, parts=parts)
+            raise FitError(
+                f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) cannot be met on {device}: the smallest "
+                f"predicted peak that allow={allowed.to_dict()} reaches is {human_bytes(peak)} ({peak} B), "
+                f"dominated by {parts[0][0]}. Largest parts: {listed}"
+                f"{_slicing_note(parts, activations, allowed, layers, tried, refused)}",
+                budget_bytes=budget_bytes,
+                smallest_peak_bytes=peak,
+                parts=parts,
+            )
     entries = tuple(
-        PlanEntry(module=unit.name, kind=unit.kind, storage=unit_options[pick].storage, placement=unit_options[pick].placement,
-                  bytes_before=unit.bytes, bytes_after=unit_options[pick].stored_bytes, held_bytes=unit_options[pick].held_bytes,
-                  seconds=unit_options[pick].seconds,
-                  why=_why(unit, unit_options[pick], unit_options[k], applies_nothing) if sliced is None or unit.name not in sliced.hints
-                  else f"kept; runs in {sliced.hints[unit.name]['slices']} slices over dimension 0 when compiled (DFS hint)",
-                  leaves=tuple(name for name, *_ in unit.weights))
+        PlanEntry(
+            module=unit.name,
+            kind=unit.kind,
+            storage=unit_options[pick].storage,
+            placement=unit_options[pick].placement,
+            bytes_before=unit.bytes,
+            bytes_after=unit_options[pick].stored_bytes,
+            held_bytes=unit_options[pick].held_bytes,
+            seconds=unit_options[pick].seconds,
+            why=_why(unit, unit_options[pick], unit_options[k], applies_nothing)
+            if sliced is None or unit.name not in sliced.hints
+            else f"kept; runs in {sliced.hints[unit.name]['slices']} slices over dimension 0 when compiled (DFS hint)",
+            leaves=tuple(name for name, *_ in unit.weights),
+        )
         for unit, unit_options, pick, k in zip(units, options, choice.picks, keep)
     )
     transient = choice.peak_bytes - choice.held_bytes - activations
     if sliced is not None:  # the compiled plan of the hinted model replaces the eager activations
         activations, peak_node = sliced.activation_bytes, sliced.peak_node
     return FitPlan(
-        model=type(model).__name__, backend=backends[0].name, device=str(device), budget_bytes=budget_bytes,
+        model=type(model).__name__,
+        backend=backends[0].name,
+        device=str(device),
+        budget_bytes=budget_bytes,
         predicted_peak_bytes=choice.held_bytes + activations + transient,
-        predicted_weights_bytes=choice.held_bytes, predicted_activation_bytes=activations,
-        predicted_transient_bytes=transient, predicted_seconds=choice.seconds,
-        full_peak_bytes=full_peak, full_seconds=full.seconds, applies_nothing=applies_nothing, entries=entries,
-        peak_node=peak_node, allow=allowed.to_dict(), calibration=figures.to_dict(),
+        predicted_weights_bytes=choice.held_bytes,
+        predicted_activation_bytes=activations,
+        predicted_transient_bytes=transient,
+        predicted_seconds=choice.seconds,
+        full_peak_bytes=full_peak,
+        full_seconds=full.seconds,
+        applies_nothing=applies_nothing,
+        entries=entries,
+        peak_node=peak_node,
+        allow=allowed.to_dict(),
+        calibration=figures.to_dict(),
         int8_outliers=_int8_outliers(entries, outliers, not_observed),
-        hints=sliced.hints if sliced is not None else {}, runtime="eager" if sliced is None else "compiled",
+        hints=sliced.hints if sliced is not None else {},
+        runtime="eager" if sliced is None else "compiled",
     )
 
 
 def _check_calibration(figures: Calibration, backend: str, device: torch.device) -> None:
     """The figures must be of the backend the plan is for, with the figures its device needs."""
     if figures.backend != backend:
-        raise ValueError(f"calibration is of backend {figures.backend!r} but the plan is for backend {backend!r} "
-                         f"({device}); pass calibrate({backend!r}) or figures measured with that backend")
+        raise ValueError(
+            f"calibration is of backend {figures.backend!r} but the plan is for backend {backend!r} "
+            f"({device}); pass calibrate({backend!r}) or figures measured with that backend"
+        )
     if device.type != "cpu" and figures.host_to_device_bandwidth is None:
-        raise ValueError(f"calibration has host_to_device_bandwidth=None, which a plan for {device} needs (offloaded "
-                         f"weights are copied onto the device); pass calibrate({backend!r}) or give that figure")
+        raise ValueError(
+            f"calibration has host_to_device_bandwidth=None, which a plan for {device} needs (offloaded "
+            f"weights are copied onto the device); pass calibrate({backend!r}) or give that figure"
+        )
 
 
 def _is_out_of_memory(error: RuntimeError) -> bool:
@@ -278,7 +353,9 @@ def _is_out_of_memory(error: RuntimeError) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error)
 
 
-def _observe(model: nn.Module, args: tuple, kwargs: dict, device: torch.device, threshold: float) -> tuple[dict[str, int] | None, str]:
+def _observe(
+    model: nn.Module, args: tuple, kwargs: dict, device: torch.device, threshold: float
+) -> tuple[dict[str, int] | None, str]:
     """The observed outlier columns at ``threshold`` (the least of the allowed storages':
     a column counted at it is counted at a higher one), or None and why they were not observed."""
     try:
@@ -300,7 +377,7 @@ def _int8_outliers(entries: tuple[PlanEntry, ...], outliers: dict[str, int] | No
         return ""
     if outliers is None:
         why = not_observed or "the model has meta tensors, or its tensors and the inputs are on different devices"
-        return (f"assumed: up to {ASSUMED_OUTLIER_FRACTION:.1%} of each layer's input columns (not observed: {why})")
+        return f"assumed: up to {ASSUMED_OUTLIER_FRACTION:.1%} of each layer's input columns (not observed: {why})"
     leaves = [leaf for e in entries if e.storage in data_dependent for leaf in e.leaves]
     taking = sum(1 for leaf in leaves if outliers.get(leaf, 0))
     return f"observed in one real forward of the example inputs: {taking} of {len(leaves)} int8 layers take the outlier path"

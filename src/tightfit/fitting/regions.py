@@ -35,8 +35,10 @@ def check_module_hints(owner: str, hints: Any) -> dict[str, dict[str, Any]]:
     for name, region in hints.items():
         check_type(f"{owner} key", name, str)
         if not isinstance(region, Mapping):
-            raise TypeError(f"{owner}[{name!r}] must be a dict of hints (tightfit.hint's keywords), got "
-                            f"{type(region).__name__}: {region!r}")
+            raise TypeError(
+                f"{owner}[{name!r}] must be a dict of hints (tightfit.hint's keywords), got "
+                f"{type(region).__name__}: {region!r}"
+            )
         checked[name] = dict(canonical_hints(region))
     return checked
 
@@ -80,8 +82,9 @@ class Sliced:
     peak_node: str | None
 
 
-def slice_layers(model: nn.Module, args: tuple, kwargs: dict, backend: Any, layers: list[str], device: str,
-                 room: int) -> tuple[Sliced | None, tuple[int, ...], str]:
+def slice_layers(
+    model: nn.Module, args: tuple, kwargs: dict, backend: Any, layers: list[str], device: str, room: int
+) -> tuple[Sliced | None, tuple[int, ...], str]:
     """The fewest slices (of :data:`SLICE_COUNTS`, over dimension 0 of each layer's input)
     whose compiled activation peak with the inputs is <= ``room``, the counts whose
     prediction was made, and why the search stopped short ("" when it did not). The

@@ -56,8 +56,14 @@ def peak_of(options: list[list[Option]], picks: tuple[int, ...], activations: in
     chosen = [unit_options[pick] for unit_options, pick in zip(options, picks)]
     onloads = sorted((o.onload_bytes for o in chosen), reverse=True)[:2]
     active = max([activations] + [o.compute_peak_bytes for o in chosen])
-    return Choice(picks, sum(o.held_bytes for o in chosen), active, sum(onloads),
-                  sum(o.seconds for o in chosen), sum(o.cost for o in chosen))
+    return Choice(
+        picks,
+        sum(o.held_bytes for o in chosen),
+        active,
+        sum(onloads),
+        sum(o.seconds for o in chosen),
+        sum(o.cost for o in chosen),
+    )
 
 
 def _knapsack(options: list[list[Option]], allowed: list[list[int]], capacity: int) -> tuple[int, ...] | None:
@@ -97,18 +103,24 @@ def search(options: list[list[Option]], budget: int, activations: int) -> Search
     """Choose one option per unit so that the predicted peak is <= ``budget`` at the least
     summed cost (seconds, see :class:`Option`); ``activations``: the planned activation
     peak with the inputs. Every unit must have at least one option."""
-    active_caps = sorted({activations} | {o.compute_peak_bytes for unit in options for o in unit if o.compute_peak_bytes > activations})
+    active_caps = sorted(
+        {activations} | {o.compute_peak_bytes for unit in options for o in unit if o.compute_peak_bytes > activations}
+    )
     onload_caps = sorted({o.onload_bytes for unit in options for o in unit})
     best: Choice | None = None
     smallest: Choice | None = None
     for active_cap in active_caps:
         for onload_cap in onload_caps:
-            allowed = [[i for i, o in enumerate(unit) if o.compute_peak_bytes <= active_cap and o.onload_bytes <= onload_cap]
-                       for unit in options]
+            allowed = [
+                [i for i, o in enumerate(unit) if o.compute_peak_bytes <= active_cap and o.onload_bytes <= onload_cap]
+                for unit in options
+            ]
             if not all(allowed):
                 continue
-            least = tuple(min(indices, key=lambda i, unit=unit: (unit[i].held_bytes, unit[i].cost))
-                          for unit, indices in zip(options, allowed))
+            least = tuple(
+                min(indices, key=lambda i, unit=unit: (unit[i].held_bytes, unit[i].cost))
+                for unit, indices in zip(options, allowed)
+            )
             candidate = peak_of(options, least, activations)
             if smallest is None or candidate.peak_bytes < smallest.peak_bytes:
                 smallest = candidate

@@ -31,21 +31,33 @@ def render(plan: FitPlan) -> str:
         first = next(iter(plan.hints.values()))
         hinted = ", ".join(f"{k}={v!r}" for k, v in first.items())
         same = all(region == first for region in plan.hints.values())
-        lines.append(f"hints on {len(plan.hints)} module(s) ({', '.join(plan.hints)}): "
-                     f"{hinted if same else 'see plan.hints'}; the predicted peak holds only compiled "
-                     f"(plan.compile(model): torch.compile with the tightfit backend, FX execution), not in eager calls")
+        lines.append(
+            f"hints on {len(plan.hints)} module(s) ({', '.join(plan.hints)}): "
+            f"{hinted if same else 'see plan.hints'}; the predicted peak holds only compiled "
+            f"(plan.compile(model): torch.compile with the tightfit backend, FX execution), not in eager calls"
+        )
     if plan.applies_nothing:
         lines.append("the budget covers the unchanged model: apply() changes nothing")
     header = ("module", "before", "after", "held", "storage", "where", "time", "why")
     rows = [header] + [
-        (e.module, human_bytes(e.bytes_before), human_bytes(e.bytes_after), human_bytes(e.held_bytes), e.storage, e.placement,
-         _ms(e.seconds), e.why)
+        (
+            e.module,
+            human_bytes(e.bytes_before),
+            human_bytes(e.bytes_after),
+            human_bytes(e.held_bytes),
+            e.storage,
+            e.placement,
+            _ms(e.seconds),
+            e.why,
+        )
         for e in plan.entries
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     lines.append("")
     for index, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:-1], widths[1:])] + [row[-1]]
+        cells = (
+            [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:-1], widths[1:])] + [row[-1]]
+        )
         lines.append("  ".join(cells))
         if index == 0:
             lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 3)

@@ -41,7 +41,8 @@ _RENAMED = {"Placement": ("Assignment", Assignment), "SlicePlan": ("SliceSchedul
 def __getattr__(name: str) -> Any:
     if name in _RENAMED:
         new_name, value = _RENAMED[name]
-        warnings.warn(f"tightfit.graph.{name} is deprecated; use tightfit.graph.{new_name}", DeprecationWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"tightfit.graph.{name} is deprecated; use tightfit.graph.{new_name}", DeprecationWarning, stacklevel=2
+        )
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,6 +28,7 @@ def runtime_layout(fake: torch.Tensor) -> torch.Tensor:
 
 def _moved(args: Any, device: torch.device) -> Any:
     """Device arguments in a node's args/kwargs pointed at ``device``."""
+
     def move(leaf: Any) -> Any:
         return device if isinstance(leaf, torch.device) and leaf != device else leaf
 

@@ -35,11 +35,26 @@ from tightfit.hints.read import node_hints
 __all__ = ["Assignment", "assign", "unsupported_reason"]
 
 # Ops that move or reinterpret data without arithmetic: no compute dtype needed.
-_DATA_MOVEMENT = frozenset({
-    "aten::_to_copy", "aten::clone", "aten::copy", "aten::cat", "aten::stack", "aten::lift_fresh_copy",
-    "aten::_unsafe_view", "aten::empty", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided",
-    "aten::zeros", "aten::full", "aten::new_zeros", "aten::new_full", "aten::scalar_tensor",
-})
+_DATA_MOVEMENT = frozenset(
+    {
+        "aten::_to_copy",
+        "aten::clone",
+        "aten::copy",
+        "aten::cat",
+        "aten::stack",
+        "aten::lift_fresh_copy",
+        "aten::_unsafe_view",
+        "aten::empty",
+        "aten::empty_strided",
+        "aten::new_empty",
+        "aten::new_empty_strided",
+        "aten::zeros",
+        "aten::full",
+        "aten::new_zeros",
+        "aten::new_full",
+        "aten::scalar_tensor",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -136,11 +151,21 @@ class _Assigner:
         if hinted is None and producers and _nodes.is_view(node):
             source = self.assigned[producers[0]]
             before = self.previous
-            if before is not None and before.device == source.device and unsupported_reason(before.backend, self.ledger, node) is None:
-                self.assigned[node] = Assignment(before.backend, before.device, f"a view of {producers[0].name}: on its device, with the op before it")
+            if (
+                before is not None
+                and before.device == source.device
+                and unsupported_reason(before.backend, self.ledger, node) is None
+            ):
+                self.assigned[node] = Assignment(
+                    before.backend,
+                    before.device,
+                    f"a view of {producers[0].name}: on its device, with the op before it",
+                )
                 return True
             if unsupported_reason(source.backend, self.ledger, node) is None:
-                self.assigned[node] = Assignment(source.backend, source.device, f"a view of {producers[0].name}: stays with it (no copy)")
+                self.assigned[node] = Assignment(
+                    source.backend, source.device, f"a view of {producers[0].name}: stays with it (no copy)"
+                )
                 return True
         if hinted is None and not any(_nodes.tensors(arg) for arg in _nodes.input_nodes(node)) and node.users:
             return False  # creates a tensor from nothing: goes where its user runs
@@ -166,8 +191,12 @@ class _Assigner:
         else:
             backend = self.cpu  # the last fallback runs it even if it says otherwise
         if backend is not first:
-            report_fallback(_nodes.op_name(node), first.name, "cpu",
-                            f"{'; '.join(refusals)}; running it on backend {backend.name} (assignment, {node.name})")
+            report_fallback(
+                _nodes.op_name(node),
+                first.name,
+                "cpu",
+                f"{'; '.join(refusals)}; running it on backend {backend.name} (assignment, {node.name})",
+            )
             why = f"{why}; {'; '.join(refusals)}: fallback to {backend.name}"
         device = target if backend.device_type == target.type else backend.resolve_device(None)
         self.assigned[node] = Assignment(backend, device, why)
@@ -177,13 +206,17 @@ class _Assigner:
         if users:
             source = self.assigned[users[0]]
             if unsupported_reason(source.backend, self.ledger, node) is None:
-                self.assigned[node] = Assignment(source.backend, source.device, f"created for {users[0].name}: goes where it is used")
+                self.assigned[node] = Assignment(
+                    source.backend, source.device, f"created for {users[0].name}: goes where it is used"
+                )
                 return
         device = _nodes.device_of(node) or self.cpu.resolve_device(None)
         self.choose(node, self.home(device), device, f"creates a tensor on {device}")
 
 
-def assign(graph_module: torch.fx.GraphModule, backends: Sequence[Backend], cpu: Backend, ledger: HintLedger) -> dict[torch.fx.Node, Assignment]:
+def assign(
+    graph_module: torch.fx.GraphModule, backends: Sequence[Backend], cpu: Backend, ledger: HintLedger
+) -> dict[torch.fx.Node, Assignment]:
     """An :class:`Assignment` for every input and op of ``graph_module`` (the output node has none)."""
     assigner = _Assigner(backends, cpu, ledger)
     deferred = []
@@ -196,8 +229,10 @@ def assign(graph_module: torch.fx.GraphModule, backends: Sequence[Backend], cpu:
             else:
                 deferred.append(node)
         elif node.op != "output":
-            raise ValueError(f"tightfit's compile backend cannot assign a {node.op} node ({node.name}); "
-                             "it expects the aten graphs aot_autograd produces")
+            raise ValueError(
+                f"tightfit's compile backend cannot assign a {node.op} node ({node.name}); "
+                "it expects the aten graphs aot_autograd produces"
+            )
     for node in reversed(deferred):
         assigner.follow_users(node)
     return assigner.assigned

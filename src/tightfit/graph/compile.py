@@ -23,12 +23,12 @@ import torch.fx
 
 from tightfit._validate import check_choice, check_type
 from tightfit.backends.base import Backend
+from tightfit.graph.assign import Assignment, assign
 from tightfit.graph.debug import debug_topics, maybe_print
 from tightfit.graph.execution import EXECUTIONS, MEMORY_MODES, Program, build_program
 from tightfit.graph.honor import HintLedger
 from tightfit.graph.inline import inline_hints_wrappers
 from tightfit.graph.partition import Split, partition
-from tightfit.graph.assign import Assignment, assign
 from tightfit.graph.schedules import plan_schedules
 
 __all__ = ["CompileOptions", "compile_graph", "compiler", "split_graph", "tightfit_backend"]
@@ -59,8 +59,10 @@ class CompileOptions:
         check_type("memory", self.memory, str)
         check_choice("memory", self.memory, MEMORY_MODES)
         if self.memory == "arena" and self.execution == "inductor":
-            raise ValueError("memory='arena' runs splits op by op in their arena, which execution='inductor' "
-                             "cannot do; accepted with memory='arena': execution='auto' or 'fx'")
+            raise ValueError(
+                "memory='arena' runs splits op by op in their arena, which execution='inductor' "
+                "cannot do; accepted with memory='arena': execution='auto' or 'fx'"
+            )
         if self.backends is not None:
             check_type("backends", self.backends, (tuple, list))
             if not self.backends:
@@ -91,7 +93,9 @@ def _backends(options: CompileOptions) -> tuple[list[Backend], Backend]:
     return chosen, cpu
 
 
-def split_graph(graph_module: torch.fx.GraphModule, *, options: CompileOptions, name: str) -> tuple[list[Split], dict[torch.fx.Node, Assignment], HintLedger]:
+def split_graph(
+    graph_module: torch.fx.GraphModule, *, options: CompileOptions, name: str
+) -> tuple[list[Split], dict[torch.fx.Node, Assignment], HintLedger]:
     """Assignment, hint check, schedules and partition of one aten graph: its splits in order.
 
     What :func:`compile_graph` compiles, and what the memory planner plans.
@@ -99,13 +103,17 @@ def split_graph(graph_module: torch.fx.GraphModule, *, options: CompileOptions, 
     backends, cpu = _backends(options)
     ledger = HintLedger(name)
     assignment = assign(graph_module, backends, cpu, ledger)
-    ledger.check_all((node for node in graph_module.graph.nodes if node.op == "call_function"),
-                     {node: where.backend for node, where in assignment.items()})
+    ledger.check_all(
+        (node for node in graph_module.graph.nodes if node.op == "call_function"),
+        {node: where.backend for node, where in assignment.items()},
+    )
     plans = plan_schedules(graph_module, assignment, ledger)
     return partition(graph_module, assignment, plans, ledger), assignment, ledger
 
 
-def compile_graph(graph_module: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: CompileOptions, name: str) -> Program:
+def compile_graph(
+    graph_module: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: CompileOptions, name: str
+) -> Program:
     """Compile one aten graph (aot_autograd's forward, backward or inference graph)."""
     debug_topics()  # a bad TIGHTFIT_DEBUG is an error before any work
     splits, assignment, ledger = split_graph(graph_module, options=options, name=name)
@@ -115,31 +123,43 @@ def compile_graph(graph_module: torch.fx.GraphModule, example_inputs: Sequence[A
     return program
 
 
-def _compile(graph_module: torch.fx.GraphModule, example_inputs: list[Any], options: CompileOptions) -> Callable[..., Any]:
+def _compile(
+    graph_module: torch.fx.GraphModule, example_inputs: list[Any], options: CompileOptions
+) -> Callable[..., Any]:
     from torch._dynamo.backends.common import aot_autograd
 
     inline_hints_wrappers(graph_module)
-    stages = {stage: functools.partial(_aot_stage, options=options, name=stage) for stage in ("forward", "backward", "inference")}
-    return aot_autograd(fw_compiler=stages["forward"], bw_compiler=stages["backward"],
-                        inference_compiler=stages["inference"])(graph_module, example_inputs)
+    stages = {
+        stage: functools.partial(_aot_stage, options=options, name=stage)
+        for stage in ("forward", "backward", "inference")
+    }
+    return aot_autograd(
+        fw_compiler=stages["forward"], bw_compiler=stages["backward"], inference_compiler=stages["inference"]
+    )(graph_module, example_inputs)
 
 
-def _aot_stage(graph_module: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: CompileOptions, name: str) -> Program:
+def _aot_stage(
+    graph_module: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: CompileOptions, name: str
+) -> Program:
     return compile_graph(graph_module, example_inputs, options=options, name=name)
 
 
-def tightfit_backend(graph_module: torch.fx.GraphModule, example_inputs: list[Any], *, mode: str | None = None, options: Any = None) -> Callable[..., Any]:
+def tightfit_backend(
+    graph_module: torch.fx.GraphModule, example_inputs: list[Any], *, mode: str | None = None, options: Any = None
+) -> Callable[..., Any]:
     """The backend behind ``torch.compile(model, backend="tightfit")``."""
     if mode not in (None, "default"):
         logger.debug("tightfit compile backend: mode=%r has no effect", mode)
     return _compile(graph_module, example_inputs, CompileOptions.from_options(options))
 
 
-def compiler(*, execution: str = "auto", backends: Sequence[Backend] | None = None,
-             memory: str = "allocator") -> Callable[..., Any]:
+def compiler(
+    *, execution: str = "auto", backends: Sequence[Backend] | None = None, memory: str = "allocator"
+) -> Callable[..., Any]:
     """A tightfit compile backend with options, for ``torch.compile(model, backend=...)``."""
-    options = CompileOptions(execution=execution, backends=tuple(backends) if isinstance(backends, list) else backends,
-                             memory=memory)
+    options = CompileOptions(
+        execution=execution, backends=tuple(backends) if isinstance(backends, list) else backends, memory=memory
+    )
 
     def tightfit(graph_module: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
         if kwargs.get("options") is not None:

@@ -11,9 +11,9 @@ from typing import TextIO
 import torch.fx
 
 from tightfit.graph import _nodes
+from tightfit.graph.assign import Assignment
 from tightfit.graph.execution import Program
 from tightfit.graph.honor import HintLedger
-from tightfit.graph.assign import Assignment
 
 __all__ = ["DEBUG_TOPICS", "debug_topics", "describe", "maybe_print"]
 
@@ -28,8 +28,10 @@ def debug_topics() -> set[str]:
     topics = {part.strip().lower() for part in raw.split(",") if part.strip()}
     unknown = topics - set(DEBUG_TOPICS)
     if unknown:
-        raise ValueError(f"{_ENV}={raw!r} is not accepted: unknown topic {', '.join(sorted(unknown))}; "
-                         f"accepted: {', '.join(DEBUG_TOPICS)} (comma-separated)")
+        raise ValueError(
+            f"{_ENV}={raw!r} is not accepted: unknown topic {', '.join(sorted(unknown))}; "
+            f"accepted: {', '.join(DEBUG_TOPICS)} (comma-separated)"
+        )
     return topics
 
 
@@ -40,15 +42,17 @@ def describe(program: Program, assignment: dict[torch.fx.Node, Assignment], ledg
     owner = {node: step.split for step in program.steps for node in step.split.nodes}
     for step in program.steps:
         split = step.split
-        lines.append(f"split {split.index}: backend {split.backend.name} on {split.device}, {split.schedule}, "
-                     f"runs as {step.how}, {len(split.nodes)} node(s)")
+        lines.append(
+            f"split {split.index}: backend {split.backend.name} on {split.device}, {split.schedule}, "
+            f"runs as {step.how}, {len(split.nodes)} node(s)"
+        )
         inputs = [_input(node, split, owner.get(node)) for node in split.inputs]
         lines.append(f"  inputs:  {', '.join(inputs) or '-'}")
         lines.append(f"  outputs: {', '.join(node.name for node in split.outputs) or '-'}")
         for node in split.nodes:
             where = assignment.get(node)
             lines.append(f"    {node.name:<28} {_nodes.op_name(node):<34} {where.reason if where else ''}")
-    for message in (ledger.ignored if ledger else []):
+    for message in ledger.ignored if ledger else []:
         lines.append(f"  ignored: {message}")
     return "\n".join(lines)
 
@@ -61,7 +65,9 @@ def _input(node: torch.fx.Node, split: object, producer: object) -> str:
     return node.name
 
 
-def maybe_print(program: Program, assignment: dict[torch.fx.Node, Assignment], ledger: HintLedger, stream: TextIO | None = None) -> None:
+def maybe_print(
+    program: Program, assignment: dict[torch.fx.Node, Assignment], ledger: HintLedger, stream: TextIO | None = None
+) -> None:
     """Print :func:`describe` to stderr when ``TIGHTFIT_DEBUG`` includes ``sched``."""
     if "sched" in debug_topics():
         print(describe(program, assignment, ledger), file=stream or sys.stderr, flush=True)

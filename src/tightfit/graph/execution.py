@@ -29,8 +29,8 @@ import torch.fx
 
 from tightfit._strict import report_slow_path
 from tightfit.graph import _nodes
-from tightfit.graph.alloc.run import ArenaRun
 from tightfit.graph.alloc.layout import ArenaLayout, arena_layout
+from tightfit.graph.alloc.run import ArenaRun
 from tightfit.graph.partition import Split
 from tightfit.graph.schedules import SliceSchedule
 from tightfit.graph.slicing import put, take
@@ -47,7 +47,9 @@ EXECUTIONS = ("auto", "fx", "inductor")
 MEMORY_MODES = ("allocator", "arena")
 
 Observer = Callable[[str, Split], None]
-_observers: contextvars.ContextVar[tuple[Observer, ...]] = contextvars.ContextVar("tightfit_split_observers", default=())
+_observers: contextvars.ContextVar[tuple[Observer, ...]] = contextvars.ContextVar(
+    "tightfit_split_observers", default=()
+)
 
 
 @contextlib.contextmanager
@@ -102,9 +104,14 @@ def _conforming(run: Boxed, examples: Sequence[Any]) -> Boxed:
 
     def call(args: list[Any]) -> tuple[Any, ...]:
         for index, layout in enumerate(expected):
-            if layout is not None and isinstance(args[index], torch.Tensor) and tuple(args[index].stride()) != layout[1]:
-                args[index] = torch.empty_strided(layout[0], layout[1], dtype=args[index].dtype,
-                                                  device=args[index].device).copy_(args[index])
+            if (
+                layout is not None
+                and isinstance(args[index], torch.Tensor)
+                and tuple(args[index].stride()) != layout[1]
+            ):
+                args[index] = torch.empty_strided(
+                    layout[0], layout[1], dtype=args[index].dtype, device=args[index].device
+                ).copy_(args[index])
         return run(args)
 
     return call
@@ -124,12 +131,16 @@ def _compile(split: Split, graph_module: torch.fx.GraphModule, execution: str) -
         return _conforming(_boxed(inductor.compile_split(graph_module, examples)), examples), "inductor"
     except Exception as error:
         if execution == "inductor":
-            raise RuntimeError(f"inductor could not compile split {split.index} for {split.device} "
-                               f"(execution='inductor'): {type(error).__name__}: {error}") from error
-        report_slow_path(("inductor", split.device.type),
-                         f"tightfit: inductor could not compile a split for {split.device} "
-                         f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
-                         "running such splits as FX modules")
+            raise RuntimeError(
+                f"inductor could not compile split {split.index} for {split.device} "
+                f"(execution='inductor'): {type(error).__name__}: {error}"
+            ) from error
+        report_slow_path(
+            ("inductor", split.device.type),
+            f"tightfit: inductor could not compile a split for {split.device} "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+            "running such splits as FX modules",
+        )
     return _boxed_fx(graph_module), "fx"
 
 
@@ -189,8 +200,9 @@ class Program:
 
     _boxed_call = True
 
-    def __init__(self, graph_module: torch.fx.GraphModule, steps: list[Step], name: str,
-                 layout: ArenaLayout | None = None) -> None:
+    def __init__(
+        self, graph_module: torch.fx.GraphModule, steps: list[Step], name: str, layout: ArenaLayout | None = None
+    ) -> None:
         self._boxed_call = True  # an instance attribute: wrappers copy __dict__, not class attributes
         self.name = name
         self.ledger: Any = None  # the compile's HintLedger: what was ignored, for reports
@@ -200,7 +212,8 @@ class Program:
         self.placeholders = [node for node in graph.nodes if node.op == "placeholder"]
         self.constants = {
             node: _nodes.fetch_attr(graph_module, node.target)
-            for node in graph.nodes if node.op == "get_attr" and _nodes.tensors(node)
+            for node in graph.nodes
+            if node.op == "get_attr" and _nodes.tensors(node)
         }
         self.output = next(node for node in graph.nodes if node.op == "output").args[0]
         kept: set[torch.fx.Node] = set()
@@ -242,15 +255,17 @@ class Program:
         return torch.fx.node.map_arg(self.output, env.__getitem__)
 
 
-def build_program(graph_module: torch.fx.GraphModule, splits: list[Split], execution: str, name: str,
-                  memory: str = "allocator") -> Program:
+def build_program(
+    graph_module: torch.fx.GraphModule, splits: list[Split], execution: str, name: str, memory: str = "allocator"
+) -> Program:
     """Compile every split (per ``execution``) into a :class:`Program`; with
     ``memory="arena"``, whole splits run in their arena instead (DFS splits as usual)."""
     if memory == "allocator":
         return Program(graph_module, [_step(split, execution) for split in splits], name)
     layout = arena_layout(graph_module, splits, name=name)
     steps = [
-        _step(split, execution) if split.plan is not None
+        _step(split, execution)
+        if split.plan is not None
         else Step(split, ArenaRun(split, layout), "arena", _step_non_blocking(split))
         for split in splits
     ]

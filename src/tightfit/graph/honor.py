@@ -52,8 +52,11 @@ class HintLedger:
             return True
         value = node_hints(node).get(key)
         region = _describe_region(node)
-        self._report(("unhonored", node_regions(node)[-1:], key, backend.name), logging.DEBUG,
-                     f"hint {key}={value!r} on {region} is not honored by backend {backend.name}; ignored")
+        self._report(
+            ("unhonored", node_regions(node)[-1:], key, backend.name),
+            logging.DEBUG,
+            f"hint {key}={value!r} on {region} is not honored by backend {backend.name}; ignored",
+        )
         return False
 
     def check_all(self, nodes: Iterable[torch.fx.Node], backend_of: dict[torch.fx.Node, Backend]) -> None:
@@ -68,8 +71,11 @@ class HintLedger:
     def not_applied(self, node: torch.fx.Node, what: str, reason: str) -> None:
         """A hint that is honored in principle but could not be carried out here."""
         region = _describe_region(node)
-        self._report(("not-applied", node_regions(node)[-1:], what, reason), logging.WARNING,
-                     f"{what} on {region} ignored: {reason}")
+        self._report(
+            ("not-applied", node_regions(node)[-1:], what, reason),
+            logging.WARNING,
+            f"{what} on {region} ignored: {reason}",
+        )
 
     def _report(self, key: tuple[Any, ...], level: int, message: str) -> None:
         if key in self._reported:

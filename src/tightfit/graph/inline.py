@@ -29,7 +29,9 @@ def _hints_wrapper() -> Any:
 
 
 def _declared(hints: dict[str, Any], node: torch.fx.Node) -> tuple[tuple[str, Any], ...]:
-    renamed = {key if key in KNOWN_HINTS or "." in key else f"hints_wrapper.{key}": value for key, value in hints.items()}
+    renamed = {
+        key if key in KNOWN_HINTS or "." in key else f"hints_wrapper.{key}": value for key, value in hints.items()
+    }
     try:
         return canonical_hints(renamed)
     except (TypeError, ValueError) as error:

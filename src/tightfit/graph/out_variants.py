@@ -30,7 +30,7 @@ def _signature(schema: torch._C.FunctionSchema) -> list[tuple[str, str]]:
     return [(argument.name, str(argument.type)) for argument in schema.arguments if not argument.is_out]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _find(op: torch._ops.OpOverload) -> OutVariant | None:
     schema = op._schema
     if schema.is_mutable or not schema.returns:
@@ -47,7 +47,7 @@ def _find(op: torch._ops.OpOverload) -> OutVariant | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _native(name: str, device_type: str) -> bool:
     key = torch._C._dispatch_key_for_device(device_type)
     return bool(torch._C._dispatch_has_kernel_for_dispatch_key(name, key))

@@ -21,8 +21,8 @@ import torch.fx
 from tightfit.backends.base import Backend
 from tightfit.graph import _nodes
 from tightfit.graph._extract import extract, runtime_layout
-from tightfit.graph.honor import HintLedger
 from tightfit.graph.assign import Assignment
+from tightfit.graph.honor import HintLedger
 from tightfit.graph.schedules import SliceSchedule, schedule_region
 from tightfit.hints.read import node_hints, owning_region
 
@@ -63,7 +63,12 @@ def _scheduled_region(node: torch.fx.Node, backend: Backend, ledger: HintLedger)
     return schedule_region(node)
 
 
-def _runs(graph: torch.fx.Graph, assignment: dict[torch.fx.Node, Assignment], plans: Sequence[SliceSchedule], ledger: HintLedger) -> list[Split]:
+def _runs(
+    graph: torch.fx.Graph,
+    assignment: dict[torch.fx.Node, Assignment],
+    plans: Sequence[SliceSchedule],
+    ledger: HintLedger,
+) -> list[Split]:
     plan_of = {node: plan for plan in plans for node in plan.nodes}
     splits: list[Split] = []
     last_key = None
@@ -72,9 +77,13 @@ def _runs(graph: torch.fx.Graph, assignment: dict[torch.fx.Node, Assignment], pl
             continue
         where = assignment[node]
         plan = plan_of.get(node)
-        key = (where.backend.name, where.device, id(plan) if plan else None,
-               None if plan else _as_written_region(node, where.backend, ledger),
-               None if plan else _scheduled_region(node, where.backend, ledger))
+        key = (
+            where.backend.name,
+            where.device,
+            id(plan) if plan else None,
+            None if plan else _as_written_region(node, where.backend, ledger),
+            None if plan else _scheduled_region(node, where.backend, ledger),
+        )
         if key != last_key:
             splits.append(Split(len(splits), where.backend, where.device, [], plan=plan, as_written=key[3] is not None))
             last_key = key
@@ -112,7 +121,12 @@ def _example(node: torch.fx.Node, split: Split, produced_by_dfs: set[torch.fx.No
     return value
 
 
-def partition(graph_module: torch.fx.GraphModule, assignment: dict[torch.fx.Node, Assignment], plans: Sequence[SliceSchedule], ledger: HintLedger) -> list[Split]:
+def partition(
+    graph_module: torch.fx.GraphModule,
+    assignment: dict[torch.fx.Node, Assignment],
+    plans: Sequence[SliceSchedule],
+    ledger: HintLedger,
+) -> list[Split]:
     """The graph's splits in execution order, each with its own GraphModule (DFS: its slice bodies)."""
     splits = _runs(graph_module.graph, assignment, plans, ledger)
     _connect(splits, assignment)
@@ -122,6 +136,7 @@ def partition(graph_module: torch.fx.GraphModule, assignment: dict[torch.fx.Node
             continue
         moved = any(_nodes.device_of(node) not in (None, split.device) for node in split.nodes)
         examples = [_example(node, split, produced_by_dfs) for node in split.inputs]
-        split.graph_module = extract(graph_module, split.nodes, split.inputs, split.outputs, examples,
-                                     device=split.device if moved else None)
+        split.graph_module = extract(
+            graph_module, split.nodes, split.inputs, split.outputs, examples, device=split.device if moved else None
+        )
     return splits

@@ -29,8 +29,8 @@ import torch.fx
 
 from tightfit.graph import _nodes
 from tightfit.graph._extract import extract
-from tightfit.graph.honor import HintLedger
 from tightfit.graph.assign import Assignment
+from tightfit.graph.honor import HintLedger
 from tightfit.graph.slicing import Invalid, Proof, Rewrite, Sliced, State, prove, take
 from tightfit.hints.read import node_hints, owning_region
 from tightfit.hints.schema import keys_honored_by
@@ -85,7 +85,9 @@ def schedule_region(node: torch.fx.Node) -> int | None:
     return owning_region(node, _SCHEDULE_KEYS)
 
 
-def _groups(graph: torch.fx.Graph, assignment: dict[torch.fx.Node, Assignment], ledger: HintLedger) -> list[list[torch.fx.Node]]:
+def _groups(
+    graph: torch.fx.Graph, assignment: dict[torch.fx.Node, Assignment], ledger: HintLedger
+) -> list[list[torch.fx.Node]]:
     groups: dict[tuple[object, ...], list[torch.fx.Node]] = {}
     for node in graph.nodes:
         if node.op != "call_function" or node_hints(node).get("schedule") != "dfs" or node not in assignment:
@@ -149,10 +151,14 @@ def _make_contiguous(graph: torch.fx.Graph, sliced: list[torch.fx.Node]) -> None
     for node in sliced:
         blocker = next((arg for arg in _nodes.input_nodes(node) if arg in downstream), None)
         if blocker is not None:
-            raise Invalid(f"the region is not contiguous: {blocker.name} uses the region's values and feeds {node.name}")
+            raise Invalid(
+                f"the region is not contiguous: {blocker.name} uses the region's values and feeds {node.name}"
+            )
     for node in before + after:
         if node_hints(node).get("order") == "as_written":
-            raise Invalid(f"making the region contiguous would move {node.name}, which is in an order='as_written' region")
+            raise Invalid(
+                f"making the region contiguous would move {node.name}, which is in an order='as_written' region"
+            )
     for node in before:
         sliced[0].prepend(node)
     anchor = sliced[-1]
@@ -161,8 +167,12 @@ def _make_contiguous(graph: torch.fx.Graph, sliced: list[torch.fx.Node]) -> None
         anchor = node
 
 
-def _plan_group(graph_module: torch.fx.GraphModule, group: list[torch.fx.Node], assignment: dict[torch.fx.Node, Assignment],
-                ledger: HintLedger) -> SliceSchedule | None:
+def _plan_group(
+    graph_module: torch.fx.GraphModule,
+    group: list[torch.fx.Node],
+    assignment: dict[torch.fx.Node, Assignment],
+    ledger: HintLedger,
+) -> SliceSchedule | None:
     hints = node_hints(group[0])
     slices, slice_dim = hints.get("slices"), hints.get("slice_dim", "auto")
     what = f"schedule='dfs' slices={slices}"
@@ -187,8 +197,15 @@ def _plan_group(graph_module: torch.fx.GraphModule, group: list[torch.fx.Node], 
             if isinstance(proof.states[node], tuple) and any(user not in sliced for user in node.users):
                 raise Invalid(f"{node.name} returns several values that leave the region unsplit")
         _make_contiguous(graph_module.graph, sliced)
-        plan = SliceSchedule(schedule_region(group[0]) or 0, sliced, dim, proof.extent, min(slices, proof.extent),
-                         proof.states, proof.rewrites)
+        plan = SliceSchedule(
+            schedule_region(group[0]) or 0,
+            sliced,
+            dim,
+            proof.extent,
+            min(slices, proof.extent),
+            proof.states,
+            proof.rewrites,
+        )
         _build_bodies(graph_module, plan, assignment[group[0]].device)
     except Invalid as error:
         ledger.not_applied(group[0], what, str(error))
@@ -226,19 +243,33 @@ def _build_bodies(graph_module: torch.fx.GraphModule, plan: SliceSchedule, devic
     for start, length in plan.bounds():
         if length in plan.bodies:
             continue
-        examples = [_on(take(_nodes.value(arg), plan.state(arg), plan.extent, start, length), device) for arg in plan.inputs]
+        examples = [
+            _on(take(_nodes.value(arg), plan.state(arg), plan.extent, start, length), device) for arg in plan.inputs
+        ]
         moved = any(_nodes.device_of(node) not in (None, device) for node in plan.nodes)
         try:
-            body = extract(graph_module, plan.nodes, plan.inputs, plan.outputs, examples, rewrites=plan.rewrites,
-                           length=length, device=device if moved else None)
+            body = extract(
+                graph_module,
+                plan.nodes,
+                plan.inputs,
+                plan.outputs,
+                examples,
+                rewrites=plan.rewrites,
+                length=length,
+                device=device if moved else None,
+            )
         except Exception as error:  # a rule's rewrite that the ops reject: refuse, never guess
             raise Invalid(f"the sliced graph does not trace: {type(error).__name__}: {error}") from None
-        copies = {node.name: new for node, new in zip(plan.nodes, (n for n in body.graph.nodes if n.op == "call_function"))}
+        copies = {
+            node.name: new for node, new in zip(plan.nodes, (n for n in body.graph.nodes if n.op == "call_function"))
+        }
         for node in plan.nodes:
             got = [tuple(t.shape) for t in _nodes.tensors(copies[node.name])]
             if got != _expected_shapes(_nodes.value(node), plan.state(node), length):
-                raise Invalid(f"{node.name}: a slice of length {length} gives shapes {got}, the proof expected "
-                              f"{_expected_shapes(_nodes.value(node), plan.state(node), length)}")
+                raise Invalid(
+                    f"{node.name}: a slice of length {length} gives shapes {got}, the proof expected "
+                    f"{_expected_shapes(_nodes.value(node), plan.state(node), length)}"
+                )
         plan.bodies[length] = body
 
 
@@ -248,7 +279,9 @@ def _is_sliced(state: State) -> bool:
     return isinstance(state, Sliced)
 
 
-def plan_schedules(graph_module: torch.fx.GraphModule, assignment: dict[torch.fx.Node, Assignment], ledger: HintLedger) -> list[SliceSchedule]:
+def plan_schedules(
+    graph_module: torch.fx.GraphModule, assignment: dict[torch.fx.Node, Assignment], ledger: HintLedger
+) -> list[SliceSchedule]:
     """Prove and prepare every DFS region of the graph (reordering nodes where needed)."""
     graph = graph_module.graph
     plans = []

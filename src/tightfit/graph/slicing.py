@@ -165,7 +165,9 @@ def _axis_map(node: torch.fx.Node, state: Sliced, extent: int, forward: bool) ->
     return state  # identity: same shape, same layout of the axis
 
 
-def _drop_map(node: torch.fx.Node, src: Sequence[int], dst: Sequence[int], state: Sliced, forward: bool) -> Sliced | None:
+def _drop_map(
+    node: torch.fx.Node, src: Sequence[int], dst: Sequence[int], state: Sliced, forward: bool
+) -> Sliced | None:
     """select / slice / squeeze: ops that index or drop dimensions other than the sliced one."""
     rank_in = len(_shape(node.args[0]))
     if node.target is aten.squeeze.dims or node.target is aten.squeeze.dim:
@@ -184,11 +186,24 @@ def _drop_map(node: torch.fx.Node, src: Sequence[int], dst: Sequence[int], state
 
 
 _MOVEMENT = {
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
-    aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default,
-    aten.squeeze.dim, aten.squeeze.dims, aten.select.int, aten.slice.Tensor,
-    aten.clone.default, aten.detach.default, aten.alias.default, aten._to_copy.default,
-    aten.lift_fresh_copy.default, aten.contiguous.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.expand.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.t.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.select.int,
+    aten.slice.Tensor,
+    aten.clone.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten._to_copy.default,
+    aten.lift_fresh_copy.default,
+    aten.contiguous.default,
 }
 _SIZE_ARG = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
 
@@ -211,16 +226,22 @@ class _Propagation:
         """``by`` needs ``node`` sliced as ``wanted``: decide the pending input it comes from."""
         state = self.state(node)
         if not isinstance(state, Pending):
-            raise Invalid(f"{by.name} ({_nodes.op_name(by)}) combines sliced data with {node.name}, "
-                          "which is the same for every slice, along the sliced dimension")
+            raise Invalid(
+                f"{by.name} ({_nodes.op_name(by)}) combines sliced data with {node.name}, "
+                "which is the same for every slice, along the sliced dimension"
+            )
         for step in reversed(state.path):
             wanted = _axis_map(step, wanted, self.extent, forward=False)
             if wanted is None:
-                raise Invalid(f"cannot slice {state.root.name} so that {by.name} gets {node.name} sliced "
-                              f"(through {step.name}, {_nodes.op_name(step)})")
+                raise Invalid(
+                    f"cannot slice {state.root.name} so that {by.name} gets {node.name} sliced "
+                    f"(through {step.name}, {_nodes.op_name(step)})"
+                )
         if _shape(state.root)[wanted.dim] != wanted.size(self.extent):
-            raise Invalid(f"{by.name} needs {state.root.name} sliced along its dim {wanted.dim}, which has "
-                          f"{_shape(state.root)[wanted.dim]} elements, not {wanted.outer} x {self.extent} x {wanted.unit}")
+            raise Invalid(
+                f"{by.name} needs {state.root.name} sliced along its dim {wanted.dim}, which has "
+                f"{_shape(state.root)[wanted.dim]} elements, not {wanted.outer} x {self.extent} x {wanted.unit}"
+            )
         self.decided[state.root] = wanted
         raise _Restart
 
@@ -262,7 +283,9 @@ def _movement(p: _Propagation, node: torch.fx.Node) -> State:
         raise Invalid(f"{node.name} slices along the sliced dimension")
     if node.target in _SIZE_ARG:
 
-        def resize(args: tuple[Any, ...], kwargs: dict[str, Any], length: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        def resize(
+            args: tuple[Any, ...], kwargs: dict[str, Any], length: int
+        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
             size = list(args[1])
             if size[mapped.dim] != -1:
                 size[mapped.dim] = mapped.size(length)
@@ -272,7 +295,9 @@ def _movement(p: _Propagation, node: torch.fx.Node) -> State:
     return mapped
 
 
-def _broadcast(p: _Propagation, node: torch.fx.Node, operands: Sequence[torch.fx.Node], out_shape: Sequence[int]) -> Sliced:
+def _broadcast(
+    p: _Propagation, node: torch.fx.Node, operands: Sequence[torch.fx.Node], out_shape: Sequence[int]
+) -> Sliced:
     """Operands combined element by element (with broadcasting): the sliced axes must line up."""
     position = first = None
     for arg in operands:
@@ -282,7 +307,9 @@ def _broadcast(p: _Propagation, node: torch.fx.Node, operands: Sequence[torch.fx
             if position is None:
                 position, first = here, state
             elif here != position or state.at(0) != first.at(0):
-                raise Invalid(f"{node.name} ({_nodes.op_name(node)}) combines operands sliced along different dimensions")
+                raise Invalid(
+                    f"{node.name} ({_nodes.op_name(node)}) combines operands sliced along different dimensions"
+                )
     for arg in operands:
         state, shape = p.state(arg), _shape(arg)
         if isinstance(state, Sliced) or len(shape) < position or shape[len(shape) - position] == 1:
@@ -348,7 +375,9 @@ def _matmul(batch: bool, bias: bool) -> Callable[[_Propagation, torch.fx.Node], 
         elif isinstance(sb, Sliced) and sb.dim == off + 1 and not isinstance(sa, Sliced):
             out = sb  # columns of b: the same columns of the product
         else:
-            raise Invalid(f"{node.name} ({_nodes.op_name(node)}) sums over (or pairs rows and columns of) the sliced dimension")
+            raise Invalid(
+                f"{node.name} ({_nodes.op_name(node)}) sums over (or pairs rows and columns of) the sliced dimension"
+            )
         if bias:
             _check_broadcast_full(p, node, node.args[0], out, _shape(node))
         return out
@@ -356,7 +385,9 @@ def _matmul(batch: bool, bias: bool) -> Callable[[_Propagation, torch.fx.Node], 
     return rule
 
 
-def _check_broadcast_full(p: _Propagation, node: torch.fx.Node, arg: Any, out: Sliced, out_shape: Sequence[int]) -> None:
+def _check_broadcast_full(
+    p: _Propagation, node: torch.fx.Node, arg: Any, out: Sliced, out_shape: Sequence[int]
+) -> None:
     if not isinstance(arg, torch.fx.Node):
         return
     shape, position = _shape(arg), len(out_shape) - out.dim
@@ -391,7 +422,11 @@ def _attention(p: _Propagation, node: torch.fx.Node) -> State:
     if isinstance(mask, torch.fx.Node):
         _check_broadcast_full(p, node, mask, first, _shape(operands[0])[:-1] + (_shape(operands[1])[-2],))
     outputs = _nodes.value(node)
-    return tuple(first if isinstance(o, torch.Tensor) else FULL for o in outputs) if isinstance(outputs, (tuple, list)) else first
+    return (
+        tuple(first if isinstance(o, torch.Tensor) else FULL for o in outputs)
+        if isinstance(outputs, (tuple, list))
+        else first
+    )
 
 
 def _cat(p: _Propagation, node: torch.fx.Node) -> State:
@@ -468,4 +503,3 @@ def prove(nodes: Sequence[torch.fx.Node], inputs: Sequence[torch.fx.Node], dim: 
         done.run()  # with every input decided: no pending state, no demand
         return Proof(extent, done.states, done.rewrites)  # the inputs' states and every node's
     raise Invalid("the region's inputs could not be decided")  # pragma: no cover - bounded by the inputs
-

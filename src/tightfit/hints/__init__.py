@@ -34,7 +34,10 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "ORDERS":  # renamed: "order" also names the graph's topological orders (TOPOLOGICAL_ORDERS)
-        warnings.warn("tightfit.hints.ORDERS is deprecated; use tightfit.hints.HINT_ORDERS (the values of the "
-                      "order hint)", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "tightfit.hints.ORDERS is deprecated; use tightfit.hints.HINT_ORDERS (the values of the order hint)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return HINT_ORDERS
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

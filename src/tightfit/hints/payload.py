@@ -43,7 +43,9 @@ def make_payload(chain: Chain) -> dict[str, Any]:
     return {"chain": tuple(chain), "hints": merged(chain)}
 
 
-def nest(outer: dict[str, Any] | None, declared: Iterable[tuple[str, Any]], inner: dict[str, Any] | None = None) -> dict[str, Any]:
+def nest(
+    outer: dict[str, Any] | None, declared: Iterable[tuple[str, Any]], inner: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """A payload for a new region inside ``outer`` (and around ``inner``, when inlining)."""
     chain = tuple(outer["chain"]) if outer else ()
     chain += ((new_region_id(), tuple(declared)),)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from collections.abc import Collection
-from typing import Any, Mapping
+from typing import Any
 
 import torch.fx
 
@@ -70,7 +70,7 @@ def where(node: torch.fx.Node) -> str | None:
     for line in reversed(trace.strip().splitlines()):
         line = line.strip()
         if line.startswith('File "'):
-            path, _, rest = line[len('File "'):].partition('", line ')
+            path, _, rest = line[len('File "') :].partition('", line ')
             return f"{path.rsplit('/', 1)[-1]}:{rest.split(',')[0]}"
     return None
 
@@ -90,19 +90,28 @@ def hints_of(graph_module: torch.fx.GraphModule | torch.fx.Graph) -> list[Region
             continue
         chain = payload["chain"]
         for depth, (region, declared) in enumerate(chain):
-            entry = found.setdefault(region, {
-                "start": (index, depth),
-                "hints": merged(chain[: depth + 1]),
-                "declared": dict(declared),
-                "parent": chain[depth - 1][0] if depth else None,
-                "nodes": [],
-                "where": None,
-            })
+            entry = found.setdefault(
+                region,
+                {
+                    "start": (index, depth),
+                    "hints": merged(chain[: depth + 1]),
+                    "declared": dict(declared),
+                    "parent": chain[depth - 1][0] if depth else None,
+                    "nodes": [],
+                    "where": None,
+                },
+            )
             entry["nodes"].append(node.name)
             if entry["where"] is None:
                 entry["where"] = where(node)
     return [
-        Region(id=region, hints=MappingProxyType(entry["hints"]), declared=MappingProxyType(entry["declared"]),
-               parent=entry["parent"], nodes=tuple(entry["nodes"]), where=entry["where"])
+        Region(
+            id=region,
+            hints=MappingProxyType(entry["hints"]),
+            declared=MappingProxyType(entry["declared"]),
+            parent=entry["parent"],
+            nodes=tuple(entry["nodes"]),
+            where=entry["where"],
+        )
         for region, entry in sorted(found.items(), key=lambda item: item[1]["start"])
     ]

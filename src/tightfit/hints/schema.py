@@ -23,8 +23,18 @@ import torch
 
 from tightfit._validate import check_choice, check_type
 
-__all__ = ["HINTS", "HINT_ORDERS", "HintSpec", "KNOWN_HINTS", "PASSES", "SCHEDULES", "canonical_hints", "check_hints",
-           "is_vendor_key", "keys_honored_by"]
+__all__ = [
+    "HINTS",
+    "HINT_ORDERS",
+    "HintSpec",
+    "KNOWN_HINTS",
+    "PASSES",
+    "SCHEDULES",
+    "canonical_hints",
+    "check_hints",
+    "is_vendor_key",
+    "keys_honored_by",
+]
 
 #: Schedules a region may ask for: run it whole, or slice by slice.
 SCHEDULES = ("bfs", "dfs")
@@ -51,8 +61,9 @@ class HintSpec:
     def __post_init__(self) -> None:
         unknown = [name for name in self.honored_by if name not in PASSES]
         if unknown:
-            raise ValueError(f"HintSpec {self.name!r}: honored_by={self.honored_by!r} names no pass; "
-                             f"accepted: {', '.join(PASSES)}")
+            raise ValueError(
+                f"HintSpec {self.name!r}: honored_by={self.honored_by!r} names no pass; accepted: {', '.join(PASSES)}"
+            )
 
 
 def _check_choice_of(key: str, choices: tuple[str, ...]) -> Callable[[Any], Any]:
@@ -85,8 +96,10 @@ def _check_device(value: Any) -> str:
     text = str(value).strip()
     name, colon, index = text.partition(":")
     if not name or not name.replace("_", "").replace("-", "").isalnum() or (colon and not index.isdigit()):
-        raise ValueError(f"hint device={value!r} is not a backend name or device string; "
-                         "accepted: a backend name such as 'cpu' or 'cuda', or 'cuda:1'")
+        raise ValueError(
+            f"hint device={value!r} is not a backend name or device string; "
+            "accepted: a backend name such as 'cpu' or 'cuda', or 'cuda:1'"
+        )
     return text
 
 
@@ -97,18 +110,39 @@ def _check_stream(value: Any) -> int | str:
 
 
 #: The hint table, by key.
-HINTS: Mapping[str, HintSpec] = MappingProxyType({spec.name: spec for spec in (
-    HintSpec("schedule", "'bfs' (run the region whole) or 'dfs' (run it slice by slice)",
-             _check_choice_of("schedule", SCHEDULES), ("schedules", "partition")),
-    HintSpec("slices", "int >= 1: how many slices a 'dfs' region runs in", _check_slices, ("schedules",)),
-    HintSpec("slice_dim", "int (a dimension of the region's highest-rank inputs) or 'auto'", _check_slice_dim,
-             ("schedules",)),
-    HintSpec("device", "a backend name or device string ('cpu', 'cuda:1'), or a torch.device", _check_device,
-             ("assignment",)),
-    HintSpec("stream", "str or int: a side stream, on backends that have streams", _check_stream, ()),
-    HintSpec("order", "'as_written' (keep the traced order) or 'any'", _check_choice_of("order", HINT_ORDERS),
-             ("partition", "memory order")),
-)})
+HINTS: Mapping[str, HintSpec] = MappingProxyType(
+    {
+        spec.name: spec
+        for spec in (
+            HintSpec(
+                "schedule",
+                "'bfs' (run the region whole) or 'dfs' (run it slice by slice)",
+                _check_choice_of("schedule", SCHEDULES),
+                ("schedules", "partition"),
+            ),
+            HintSpec("slices", "int >= 1: how many slices a 'dfs' region runs in", _check_slices, ("schedules",)),
+            HintSpec(
+                "slice_dim",
+                "int (a dimension of the region's highest-rank inputs) or 'auto'",
+                _check_slice_dim,
+                ("schedules",),
+            ),
+            HintSpec(
+                "device",
+                "a backend name or device string ('cpu', 'cuda:1'), or a torch.device",
+                _check_device,
+                ("assignment",),
+            ),
+            HintSpec("stream", "str or int: a side stream, on backends that have streams", _check_stream, ()),
+            HintSpec(
+                "order",
+                "'as_written' (keep the traced order) or 'any'",
+                _check_choice_of("order", HINT_ORDERS),
+                ("partition", "memory order"),
+            ),
+        )
+    }
+)
 #: Each key's one-line description (read off :data:`HINTS`).
 KNOWN_HINTS: Mapping[str, str] = MappingProxyType({name: spec.doc for name, spec in HINTS.items()})
 
@@ -123,16 +157,24 @@ def keys_honored_by(graph_pass: str | None = None) -> frozenset[str]:
 def is_vendor_key(key: str) -> bool:
     """A namespaced third-party key such as ``"acme.tile"``: ``namespace.name``, both non-empty."""
     namespace, dot, name = key.partition(".")
-    return bool(dot and namespace and name and namespace != "tightfit" and namespace.isidentifier()
-                and all(part.isidentifier() for part in name.split(".")))
+    return bool(
+        dot
+        and namespace
+        and name
+        and namespace != "tightfit"
+        and namespace.isidentifier()
+        and all(part.isidentifier() for part in name.split("."))
+    )
 
 
 def _check_vendor_value(key: str, value: Any) -> None:
     leaves = value if isinstance(value, tuple) else (value,)
     for leaf in leaves:
         if not isinstance(leaf, _VENDOR_VALUE_TYPES):
-            raise TypeError(f"hint {key}={value!r}: a namespaced hint's value must be None, bool, int, float, str "
-                            f"or a tuple of those (so that it survives tracing and export), got {type(leaf).__name__}")
+            raise TypeError(
+                f"hint {key}={value!r}: a namespaced hint's value must be None, bool, int, float, str "
+                f"or a tuple of those (so that it survives tracing and export), got {type(leaf).__name__}"
+            )
 
 
 def _check_one(key: str, value: Any) -> Any:
@@ -141,8 +183,10 @@ def _check_one(key: str, value: Any) -> Any:
     if spec is not None:
         return spec.check(value)
     if not is_vendor_key(key):
-        raise ValueError(f"hint {key!r} is not known; known hints: {', '.join(HINTS)}; a third-party backend's hint "
-                         "must be namespaced as 'vendor.key'")
+        raise ValueError(
+            f"hint {key!r} is not known; known hints: {', '.join(HINTS)}; a third-party backend's hint "
+            "must be namespaced as 'vendor.key'"
+        )
     _check_vendor_value(key, value)
     return value
 
@@ -163,4 +207,3 @@ def check_hints(hints: Mapping[str, Any]) -> tuple[type[Exception] | None, Any]:
         return None, canonical_hints(hints)
     except (TypeError, ValueError) as error:
         return type(error), str(error)
-

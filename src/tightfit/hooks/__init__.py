@@ -10,7 +10,6 @@ device and compute each layer in bf16 on it.
 import warnings
 from typing import Any
 
-
 from tightfit.hooks.casting import (
     COMPUTE_DTYPES,
     DEFAULT_SKIP,
@@ -60,7 +59,11 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "STORAGES":  # renamed: "storage" is a weight format in the fit planner
-        warnings.warn("tightfit.hooks.STORAGES is deprecated; use tightfit.hooks.OFFLOAD_TARGETS (where "
-                      "apply_offloading's offload_to= may put weights)", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "tightfit.hooks.STORAGES is deprecated; use tightfit.hooks.OFFLOAD_TARGETS (where "
+            "apply_offloading's offload_to= may put weights)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return OFFLOAD_TARGETS
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,10 +27,22 @@ import torch
 __all__: list[str] = []
 
 #: dtypes a disk store holds.
-DISK_DTYPES: frozenset[torch.dtype] = frozenset({
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-})
+DISK_DTYPES: frozenset[torch.dtype] = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    }
+)
 
 #: Byte alignment of each tensor in the file (a view of any dtype needs its element size).
 _ALIGN = 64
@@ -82,7 +94,8 @@ class MappedFile:
         return OffloadFileError(
             f"the offload file of unit {self.unit!r} (unnamed, in {self.folder}) {what} after tightfit wrote it: "
             f"the weights it holds can no longer be trusted, and nothing is read from it. Another process wrote to it "
-            f"(through /proc/{os.getpid()}/fd) or the disk failed; load the model's weights again")
+            f"(through /proc/{os.getpid()}/fd) or the disk failed; load the model's weights again"
+        )
 
     def check(self) -> None:
         """Raise :class:`OffloadFileError` when the file was written to or resized since tightfit wrote it."""

@@ -31,7 +31,8 @@ class OneForwardAtATime:
             raise RuntimeError(
                 f"this {type(module).__name__} is running a forward in another thread ({self.hook}): a module with "
                 f"tightfit hooks runs one forward at a time. Call it from one thread at a time (a lock around the "
-                f"call), or give each thread its own copy of the model")
+                f"call), or give each thread its own copy of the model"
+            )
 
     def exit(self) -> None:
         if torch.compiler.is_compiling():

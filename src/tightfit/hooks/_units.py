@@ -66,7 +66,9 @@ def compile_patterns(name: str, patterns: object) -> tuple[re.Pattern, ...]:
     if isinstance(patterns, str):
         patterns = (patterns,)
     if not isinstance(patterns, (tuple, list)):
-        raise TypeError(f"{name} must be a str or a tuple of str (regular expressions), got {type(patterns).__name__}: {patterns!r}")
+        raise TypeError(
+            f"{name} must be a str or a tuple of str (regular expressions), got {type(patterns).__name__}: {patterns!r}"
+        )
     compiled = []
     for pattern in patterns:
         check_type(f"{name} entry", pattern, str)
@@ -81,10 +83,14 @@ def check_granularity(granularity: object) -> None:
     if callable(granularity):
         return
     if not isinstance(granularity, str):
-        raise TypeError(f"granularity must be one of {', '.join(GRANULARITIES)} or a callable (name, module) -> bool, "
-                        f"got {type(granularity).__name__}: {granularity!r}")
+        raise TypeError(
+            f"granularity must be one of {', '.join(GRANULARITIES)} or a callable (name, module) -> bool, "
+            f"got {type(granularity).__name__}: {granularity!r}"
+        )
     if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity={granularity!r} is not accepted; accepted: {', '.join(GRANULARITIES)} or a callable (name, module) -> bool")
+        raise ValueError(
+            f"granularity={granularity!r} is not accepted; accepted: {', '.join(GRANULARITIES)} or a callable (name, module) -> bool"
+        )
 
 
 def is_skipped(name: str, module: nn.Module, skip: tuple[re.Pattern, ...]) -> bool:

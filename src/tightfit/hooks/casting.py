@@ -77,7 +77,9 @@ class _Entry:
     scale_slot: Slot | None = None
 
 
-def _power_of_two_scale(x: torch.Tensor, mode: str, storage_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.Tensor:
+def _power_of_two_scale(
+    x: torch.Tensor, mode: str, storage_dtype: torch.dtype, compute_dtype: torch.dtype
+) -> torch.Tensor:
     """The smallest power of two s with max |x| / s <= the storage dtype's largest value.
 
     Per output channel (shape (rows, 1, ...)) or per tensor (shape ()); clamped to
@@ -96,7 +98,9 @@ def _power_of_two_scale(x: torch.Tensor, mode: str, storage_dtype: torch.dtype, 
     return torch.where(amax > 0, scale, torch.ones_like(scale))
 
 
-def _to_storage(x: torch.Tensor, storage_dtype: torch.dtype, scale_mode: str | None, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _to_storage(
+    x: torch.Tensor, storage_dtype: torch.dtype, scale_mode: str | None, compute_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(stored tensor, scale or None), converted through ``tightfit.ops.cast``."""
     source = x.detach()
     if source.dtype not in ops.CAST_DTYPES:
@@ -148,7 +152,9 @@ class LayerwiseCastingHook(ModuleHook):
         self._claim.enter(module)
         stored = [entry.slot.get() for entry in self.entries]
         try:
-            presented = [self._present(entry, tensor) for entry, tensor in zip(self.entries, stored)]  # nothing changed yet
+            presented = [
+                self._present(entry, tensor) for entry, tensor in zip(self.entries, stored)
+            ]  # nothing changed yet
         except BaseException:
             self._claim.exit()
             raise
@@ -198,7 +204,9 @@ def _check_dtypes(storage_dtype: object, compute_dtype: object) -> None:
     check_type("storage_dtype", storage_dtype, torch.dtype)
     check_type("compute_dtype", compute_dtype, torch.dtype)
     if not compute_dtype.is_floating_point:
-        raise ValueError(f"compute_dtype={compute_dtype} is not a floating-point dtype; accepted: bfloat16, float16, float32")
+        raise ValueError(
+            f"compute_dtype={compute_dtype} is not a floating-point dtype; accepted: bfloat16, float16, float32"
+        )
     check_choice("compute_dtype", compute_dtype, COMPUTE_DTYPES)
     check_choice("storage_dtype", storage_dtype, STORAGE_DTYPES)
     if storage_dtype == compute_dtype:
@@ -210,10 +218,14 @@ def _check_backends(tensors: list[torch.Tensor], storage_dtype: torch.dtype, com
         backend = backends.get(device)
         capabilities = backend.capabilities()
         if storage_dtype not in capabilities.storage_dtypes:
-            raise ValueError(f"storage_dtype={storage_dtype} cannot be held by backend {backend.name} (tensors on {device}); "
-                             f"it stores: {', '.join(sorted(str(d) for d in capabilities.storage_dtypes if d.is_floating_point))}")
+            raise ValueError(
+                f"storage_dtype={storage_dtype} cannot be held by backend {backend.name} (tensors on {device}); "
+                f"it stores: {', '.join(sorted(str(d) for d in capabilities.storage_dtypes if d.is_floating_point))}"
+            )
         if compute_dtype not in capabilities.compute_dtypes:
-            raise ValueError(f"compute_dtype={compute_dtype} is not computed by backend {backend.name} (tensors on {device})")
+            raise ValueError(
+                f"compute_dtype={compute_dtype} is not computed by backend {backend.name} (tensors on {device})"
+            )
 
 
 def apply_layerwise_casting(
@@ -251,16 +263,26 @@ def apply_layerwise_casting(
     check_type("non_blocking", non_blocking, bool)
     check_type("keep_originals", keep_originals, bool)
     if _hooked_modules(module, LAYERWISE_CASTING):
-        raise ValueError("layerwise casting is already applied to this module; call remove_layerwise_casting(module) first")
+        raise ValueError(
+            "layerwise casting is already applied to this module; call remove_layerwise_casting(module) first"
+        )
     if _hooked_modules(module, OFFLOADING):
-        raise ValueError("this module is offloaded; apply layerwise casting first, then offloading "
-                         "(remove_offloading(module), then apply both in that order)")
+        raise ValueError(
+            "this module is offloaded; apply layerwise casting first, then offloading "
+            "(remove_offloading(module), then apply both in that order)"
+        )
     units = select_units(module, granularity, skip_patterns)
     return _apply_layerwise_casting(module, units, storage_dtype, compute_dtype, scale, keep_originals)
 
 
-def _apply_layerwise_casting(module: nn.Module, units: list[Unit], storage_dtype: torch.dtype, compute_dtype: torch.dtype,
-                             scale_mode: str | None, keep_originals: bool) -> list[str]:
+def _apply_layerwise_casting(
+    module: nn.Module,
+    units: list[Unit],
+    storage_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+    scale_mode: str | None,
+    keep_originals: bool,
+) -> list[str]:
     covered = {(id(slot.owner), slot.name) for unit in units for slot in unit.slots}
     keep = {id(slot.get()) for slot in all_slots(module) if (id(slot.owner), slot.name) not in covered}
     keep |= dtype_deciders(module)
@@ -274,7 +296,12 @@ def _apply_layerwise_casting(module: nn.Module, units: list[Unit], storage_dtype
                 continue
             record = records.get(id(tensor))
             if record is None:
-                store = tensor.dim() >= 2 and id(tensor) not in keep and tensor.dtype != storage_dtype and bool(torch.isfinite(tensor).all())
+                store = (
+                    tensor.dim() >= 2
+                    and id(tensor) not in keep
+                    and tensor.dtype != storage_dtype
+                    and bool(torch.isfinite(tensor).all())
+                )
                 record = records[id(tensor)] = _Record(tensor, tensor.dtype, tensor.requires_grad, stored=store)
             if record.stored or tensor.dtype != compute_dtype:
                 entries.append(_Entry(slot, record))
@@ -298,7 +325,9 @@ def _apply_layerwise_casting(module: nn.Module, units: list[Unit], storage_dtype
             if entry.record.scale is not None:
                 entry.scale_slot = Slot(entry.slot.owner, f"{entry.slot.name}_scale", False)
                 entry.scale_slot.set(entry.record.scale)
-        HookRegistry.of(unit.module).register(LAYERWISE_CASTING, LayerwiseCastingHook(entries, storage_dtype, compute_dtype))
+        HookRegistry.of(unit.module).register(
+            LAYERWISE_CASTING, LayerwiseCastingHook(entries, storage_dtype, compute_dtype)
+        )
     return [unit.name for unit, _ in plans]
 
 
@@ -325,10 +354,16 @@ def _check_scale_names(plans: list) -> None:
     for _, entries in plans:
         for entry in entries:
             slot, name = entry.slot, f"{entry.slot.name}_scale"
-            if entry.record.stored and (name in slot.owner._parameters or name in slot.owner._buffers or name in slot.owner._modules
-                                  or name in slot.owner.__dict__):
-                raise ValueError(f"{type(slot.owner).__name__} already has an attribute {name!r}, where the float8 scale of "
-                                 f"{slot.name!r} would go; pass scale=None or skip this module")
+            if entry.record.stored and (
+                name in slot.owner._parameters
+                or name in slot.owner._buffers
+                or name in slot.owner._modules
+                or name in slot.owner.__dict__
+            ):
+                raise ValueError(
+                    f"{type(slot.owner).__name__} already has an attribute {name!r}, where the float8 scale of "
+                    f"{slot.name!r} would go; pass scale=None or skip this module"
+                )
 
 
 def remove_layerwise_casting(module: nn.Module) -> None:
@@ -342,6 +377,8 @@ def remove_layerwise_casting(module: nn.Module) -> None:
     if not hooked:
         raise ValueError("no layerwise casting is applied to this module")
     if _hooked_modules(module, OFFLOADING):
-        raise ValueError("this module is offloaded; call remove_offloading(module) before remove_layerwise_casting(module)")
+        raise ValueError(
+            "this module is offloaded; call remove_offloading(module) before remove_layerwise_casting(module)"
+        )
     for submodule in hooked:
         HookRegistry.get(submodule).remove(LAYERWISE_CASTING)

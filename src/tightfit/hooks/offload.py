@@ -31,7 +31,16 @@ from tightfit.hooks._exclusive import OneForwardAtATime
 from tightfit.hooks._units import Granularity, Slot, Unit, check_granularity, select_units
 from tightfit.hooks.registry import HookRegistry, ModuleHook
 
-__all__ = ["OFFLOADING", "OFFLOADING_SCHEDULE", "OFFLOAD_TARGETS", "OffloadFileError", "OffloadHook", "apply_offloading", "remove_offloading", "resident_bytes"]
+__all__ = [
+    "OFFLOADING",
+    "OFFLOADING_SCHEDULE",
+    "OFFLOAD_TARGETS",
+    "OffloadFileError",
+    "OffloadHook",
+    "apply_offloading",
+    "remove_offloading",
+    "resident_bytes",
+]
 
 #: Name of the per-unit offloading hook in a module's :class:`HookRegistry`.
 OFFLOADING = "tightfit.offloading"
@@ -247,7 +256,9 @@ def _check_device(device: object) -> tuple[backends.Backend, torch.device]:
     if resolved.type != "cpu" and resolved.index is not None:
         count = torch.get_device_module(resolved.type).device_count()
         if resolved.index >= count:
-            raise ValueError(f"device={str(device)!r} does not exist: this machine has {count} {resolved.type} device(s)")
+            raise ValueError(
+                f"device={str(device)!r} does not exist: this machine has {count} {resolved.type} device(s)"
+            )
     return backend, resolved
 
 
@@ -282,7 +293,9 @@ def apply_offloading(
     if storage is not None:
         if offload_to != "cpu":
             raise TypeError(f"pass offload_to={offload_to!r} alone: storage={storage!r} is its deprecated old name")
-        warnings.warn("apply_offloading(storage=...) is deprecated; use offload_to=...", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "apply_offloading(storage=...) is deprecated; use offload_to=...", DeprecationWarning, stacklevel=2
+        )
         offload_to = storage
     backend, device = _check_device(device)
     check_choice("offload_to", offload_to, OFFLOAD_TARGETS)
@@ -292,8 +305,10 @@ def apply_offloading(
         check_type("pin_memory", pin_memory, bool)
     async_copy = device.type != "cpu" and backend.capabilities().async_copy
     if pin_memory and (offload_to != "cpu" or not async_copy):
-        raise ValueError(f"pin_memory=True needs offload_to='cpu' and a device with asynchronous copies; got offload_to={offload_to!r}, "
-                         f"device {device} (backend {backend.name}, async_copy={async_copy})")
+        raise ValueError(
+            f"pin_memory=True needs offload_to='cpu' and a device with asynchronous copies; got offload_to={offload_to!r}, "
+            f"device {device} (backend {backend.name}, async_copy={async_copy})"
+        )
     if path is not None:
         check_type("path", path, (str, Path))
         if offload_to != "disk":
@@ -307,9 +322,15 @@ def apply_offloading(
         for unit in units:
             for slot in unit.slots:
                 if slot.get().dtype not in DISK_DTYPES:
-                    raise ValueError(f"{unit.name or type(module).__name__}.{slot.name} has dtype {slot.get().dtype}, "
-                                     f"which an offload file does not hold; use offload_to='cpu'")
-    streams = torch.get_device_module(device.type) if async_copy and hasattr(torch.get_device_module(device.type), "Stream") else None
+                    raise ValueError(
+                        f"{unit.name or type(module).__name__}.{slot.name} has dtype {slot.get().dtype}, "
+                        f"which an offload file does not hold; use offload_to='cpu'"
+                    )
+    streams = (
+        torch.get_device_module(device.type)
+        if async_copy and hasattr(torch.get_device_module(device.type), "Stream")
+        else None
+    )
     folder = Path(path if path is not None else tempfile.gettempdir()) if offload_to == "disk" else None
     state = _Offload(device, offload_to, folder, streams if prefetch else None)
     pin = async_copy if pin_memory is None else pin_memory
@@ -397,8 +418,11 @@ def resident_bytes(module: nn.Module, device: str | torch.device) -> int:
         mapped |= {id(record.tensor) for record in state.records.values() if record.file is not None}
     storages = {}
     for tensor in [*module.parameters(), *module.buffers()]:
-        if id(tensor) not in mapped and tensor.device.type == target.type and (target.index is None or tensor.device.index == target.index):
+        if (
+            id(tensor) not in mapped
+            and tensor.device.type == target.type
+            and (target.index is None or tensor.device.index == target.index)
+        ):
             storage = tensor.untyped_storage()
             storages[storage._cdata] = storage.nbytes()
     return sum(storages.values())
-

@@ -127,7 +127,9 @@ class HookRegistry:
         if isinstance(hook.order, bool) or not isinstance(hook.order, int):
             raise TypeError(f"hook.order must be an int, got {hook.order!r}")
         if name in self._hooks:
-            raise ValueError(f"a hook named {name!r} is already registered on this {type(self.module).__name__}; remove it first")
+            raise ValueError(
+                f"a hook named {name!r} is already registered on this {type(self.module).__name__}; remove it first"
+            )
         hook.attach(self.module)
         self._hooks[name] = hook
         self._sequence[name] = self._counter
@@ -140,7 +142,9 @@ class HookRegistry:
     def remove(self, name: str) -> ModuleHook:
         """Detach the hook named ``name`` and return it; the last one out restores ``forward``."""
         if name not in self._hooks:
-            raise ValueError(f"no hook named {name!r} on this {type(self.module).__name__}; registered: {', '.join(self.names()) or 'none'}")
+            raise ValueError(
+                f"no hook named {name!r} on this {type(self.module).__name__}; registered: {', '.join(self.names()) or 'none'}"
+            )
         hook = self._hooks.pop(name)
         del self._sequence[name]
         self._refresh()
@@ -181,8 +185,15 @@ def _hooked_forward(registry: HookRegistry, *args: Any, **kwargs: Any) -> Any:
     return _enter(registry.module, registry._ordered, 0, registry._inner_forward, *args, **kwargs)
 
 
-def _enter(module: nn.Module, hooks: tuple[ModuleHook, ...], index: int, forward: Callable[..., Any], /,
-           *args: Any, **kwargs: Any) -> Any:
+def _enter(
+    module: nn.Module,
+    hooks: tuple[ModuleHook, ...],
+    index: int,
+    forward: Callable[..., Any],
+    /,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
     """Run ``hooks[index:]`` around ``forward``: each hook's ``pre_forward``, its ``around``
     (which calls the hooks inside it), then its ``post_forward``. When anything inside a
     hook raises (``forward``, an inner hook, or its own ``around``), the hook's ``abort``

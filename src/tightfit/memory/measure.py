@@ -32,7 +32,17 @@ from tightfit._validate import check_device
 from tightfit.backends import get
 from tightfit.backends.cpu import read_process_memory, reset_process_peak
 
-__all__ = ["AllocatedBytes", "Lifetime", "LiveTensorBytes", "Measurement", "MemoryTimeline", "allocated_peak", "mark", "measure", "tensor_bytes"]
+__all__ = [
+    "AllocatedBytes",
+    "Lifetime",
+    "LiveTensorBytes",
+    "Measurement",
+    "MemoryTimeline",
+    "allocated_peak",
+    "mark",
+    "measure",
+    "tensor_bytes",
+]
 
 _THREAD = threading.local()  # .recording: this thread's recording modes, innermost last (dispatch modes are per thread)
 # Held while torch's profiler runs, and while measure resets and reads the process's peak RSS:
@@ -118,7 +128,9 @@ class LiveTensorBytes(_Recorder):
     ``samples`` keeps ``current`` after every op (a timeline).
     """
 
-    def __init__(self, device_type: str | None = "cpu", existing: Iterable[torch.Tensor] = (), *, record: bool = False) -> None:
+    def __init__(
+        self, device_type: str | None = "cpu", existing: Iterable[torch.Tensor] = (), *, record: bool = False
+    ) -> None:
         super().__init__(record)
         if device_type is not None and (not isinstance(device_type, str) or not device_type):
             raise ValueError(f"device_type must be a non-empty str or None (every device), got {device_type!r}")
@@ -170,7 +182,9 @@ class LiveTensorBytes(_Recorder):
             nbytes = int(storage.nbytes())
             self._live[ref] = nbytes
             self._index[ref] = len(self.lifetimes)
-            self.lifetimes.append(Lifetime(name if index == 0 else f"{name}[{index}]", str(tensor.device), nbytes, step))
+            self.lifetimes.append(
+                Lifetime(name if index == 0 else f"{name}[{index}]", str(tensor.device), nbytes, step)
+            )
             self.current += nbytes
         self.peak = max(self.peak, self.current)
         if self.record:
@@ -220,8 +234,10 @@ def allocated_peak(fn: Callable[[], Any]) -> int:
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     if torch._C._autograd._profiler_enabled():
-        raise RuntimeError("allocated_peak needs torch's profiler to itself, but a profiler is already running in this thread "
-                           "(torch.profiler.profile, or allocated_peak inside fn); call it outside that profiler")
+        raise RuntimeError(
+            "allocated_peak needs torch's profiler to itself, but a profiler is already running in this thread "
+            "(torch.profiler.profile, or allocated_peak inside fn); call it outside that profiler"
+        )
     with _PROCESS_WIDE:
         profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         with _native_stderr_muted():
@@ -231,8 +247,9 @@ def allocated_peak(fn: Callable[[], Any]) -> int:
         finally:
             with _native_stderr_muted():
                 profiler.stop()
-        events = sorted((e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"),
-                        key=lambda e: e.start_ns())
+        events = sorted(
+            (e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+        )
     current = peak = 0
     for event in events:
         current += event.nbytes()
@@ -289,12 +306,20 @@ class MemoryTimeline:
     def peak_bytes(self) -> int:
         return max(self.samples, default=0)
 
-    def plot(self, path: str | Path, *, title: str = "", budget_bytes: int | None = None,
-             predicted_peak_bytes: int | None = None) -> Path:
+    def plot(
+        self,
+        path: str | Path,
+        *,
+        title: str = "",
+        budget_bytes: int | None = None,
+        predicted_peak_bytes: int | None = None,
+    ) -> Path:
         """Write a PNG of the samples, with the budget and the predicted peak as lines where given."""
         from tightfit.memory.plot import plot_timeline
 
-        return plot_timeline(self, path, title=title, budget_bytes=budget_bytes, predicted_peak_bytes=predicted_peak_bytes)
+        return plot_timeline(
+            self, path, title=title, budget_bytes=budget_bytes, predicted_peak_bytes=predicted_peak_bytes
+        )
 
 
 @dataclass(frozen=True)
@@ -327,8 +352,16 @@ class Measurement:
         return statistics.median(self.seconds)
 
 
-def measure(fn: Callable[[], Any], device: torch.device | str, *, repeat: int = 5, warmup: int = 1, baseline_bytes: int = 0,
-            timeline: bool = False, keep_results: bool = False) -> Measurement:
+def measure(
+    fn: Callable[[], Any],
+    device: torch.device | str,
+    *,
+    repeat: int = 5,
+    warmup: int = 1,
+    baseline_bytes: int = 0,
+    timeline: bool = False,
+    keep_results: bool = False,
+) -> Measurement:
     """Time ``fn`` ``repeat`` times after ``warmup`` calls, then record its peak memory.
 
     Timing runs untracked; on the CPU one more call runs under :class:`LiveTensorBytes`,
@@ -370,7 +403,9 @@ def measure(fn: Callable[[], Any], device: torch.device | str, *, repeat: int = 
                 fn()
             backend.synchronize(device)
             recorded = MemoryTimeline(str(device), tuple(sampler.samples), tuple(sampler.marks), info.source)
-        return Measurement(str(device), seconds, baseline_bytes, info.peak, None, info.source, recorded, info.peak, tuple(results))
+        return Measurement(
+            str(device), seconds, baseline_bytes, info.peak, None, info.source, recorded, info.peak, tuple(results)
+        )
     with _PROCESS_WIDE:  # another thread's measure would reset the peak RSS in the middle of this one
         rss_reset = reset_process_peak()
         with LiveTensorBytes("cpu", record=timeline) as tracker:
@@ -381,6 +416,17 @@ def measure(fn: Callable[[], Any], device: torch.device | str, *, repeat: int = 
     recorded = None
     if timeline:
         samples = tuple(baseline_bytes + sample for sample in [0, *tracker.samples])
-        recorded = MemoryTimeline(str(device), samples, tuple((index + 1, label) for index, label in tracker.marks), source)
-    return Measurement(str(device), seconds, baseline_bytes, baseline_bytes + tracker.peak, peak_rss, source, recorded, allocated,
-                       tuple(results))
+        recorded = MemoryTimeline(
+            str(device), samples, tuple((index + 1, label) for index, label in tracker.marks), source
+        )
+    return Measurement(
+        str(device),
+        seconds,
+        baseline_bytes,
+        baseline_bytes + tracker.peak,
+        peak_rss,
+        source,
+        recorded,
+        allocated,
+        tuple(results),
+    )

@@ -59,8 +59,11 @@ class DevicePlan:
     @property
     def placement(self) -> str:
         """Deprecated: :attr:`strategy`."""
-        warnings.warn("DevicePlan.placement is renamed DevicePlan.strategy; placement goes in the next release",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "DevicePlan.placement is renamed DevicePlan.strategy; placement goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self.strategy
 
     @property
@@ -105,8 +108,10 @@ class MemoryPlan:
         moved = {graph: order for graph, order in self.orders.items() if order != "written"}
         if self.runtime == "compiled" and moved:
             kept = ", ".join(f"{graph} {order}" for graph, order in moved.items())
-            return (f"{COVERS['compiled']} once the order kept ({kept}) is applied with tightfit.graph.alloc.apply_order "
-                    "(the backend runs the written order: plan order='written' for it)")
+            return (
+                f"{COVERS['compiled']} once the order kept ({kept}) is applied with tightfit.graph.alloc.apply_order "
+                "(the backend runs the written order: plan order='written' for it)"
+            )
         return COVERS[self.runtime]
 
     @property
@@ -127,23 +132,45 @@ class MemoryPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "model": self.model, "training": self.training, "runtime": self.runtime, "backend": self.backend, "alignment": self.alignment,
-            "covers": self.covers, "not_covered": NOT_COVERED,
+            "model": self.model,
+            "training": self.training,
+            "runtime": self.runtime,
+            "backend": self.backend,
+            "alignment": self.alignment,
+            "covers": self.covers,
+            "not_covered": NOT_COVERED,
             "steps": len(self.timeline.steps),
-            "orders": dict(self.orders), "order_peaks": {g: dict(p) for g, p in self.order_peaks.items()},
+            "orders": dict(self.orders),
+            "order_peaks": {g: dict(p) for g, p in self.order_peaks.items()},
             "devices": {
                 name: {
-                    "weights_bytes": d.weights_bytes, "inputs_bytes": d.inputs_bytes, "arena_bytes": d.arena_bytes,
-                    "lower_bound_bytes": d.lower_bound_bytes, "live_peak_bytes": d.live_peak_bytes,
-                    "ratio": d.ratio, "total_bytes": d.total_bytes, "strategy": d.strategy,
-                    "peak_step": d.peak_step, "peak_node": d.peak_node, "peak_graph": d.peak_graph,
+                    "weights_bytes": d.weights_bytes,
+                    "inputs_bytes": d.inputs_bytes,
+                    "arena_bytes": d.arena_bytes,
+                    "lower_bound_bytes": d.lower_bound_bytes,
+                    "live_peak_bytes": d.live_peak_bytes,
+                    "ratio": d.ratio,
+                    "total_bytes": d.total_bytes,
+                    "strategy": d.strategy,
+                    "peak_step": d.peak_step,
+                    "peak_node": d.peak_node,
+                    "peak_graph": d.peak_graph,
                     "largest_live": [{"tensor": n, "graph": g, "bytes": b} for n, g, b in d.largest_live],
                 }
                 for name, d in self.devices.items()
             },
             "run_arenas": {graph: dict(sizes) for graph, sizes in self.run_arenas.items()},
-            "outside": [{"graph": o.graph, "tensor": o.name, "op": o.op, "device": o.device, "bytes": o.nbytes,
-                         "reason": o.reason} for o in self.outside],
+            "outside": [
+                {
+                    "graph": o.graph,
+                    "tensor": o.name,
+                    "op": o.op,
+                    "device": o.device,
+                    "bytes": o.nbytes,
+                    "reason": o.reason,
+                }
+                for o in self.outside
+            ],
         }
 
     def __str__(self) -> str:
@@ -184,9 +211,17 @@ def _check_alignment(alignment: Any) -> int:
     return alignment
 
 
-def _plan_compiled(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs: dict[str, Any], backends: list[Any],
-                   device: torch.device, training: bool, order: str, alignment: int, arena: bool
-                   ) -> tuple[Timeline, dict[str, str], dict[str, dict[str, int]], list[ArenaLayout]]:
+def _plan_compiled(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    kwargs: dict[str, Any],
+    backends: list[Any],
+    device: torch.device,
+    training: bool,
+    order: str,
+    alignment: int,
+    arena: bool,
+) -> tuple[Timeline, dict[str, str], dict[str, dict[str, int]], list[ArenaLayout]]:
     """The timeline of the aten graphs the compile backend gets, split as it splits them, in the best order
     (``arena``: in the written order, as arena execution runs them, with the arena layouts)."""
     from tightfit.graph.compile import CompileOptions, split_graph
@@ -202,13 +237,23 @@ def _plan_compiled(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs
         placeholders = [node for node in graph_module.graph.nodes if node.op == "placeholder"]
         weights = placeholders[: traced.weights] if index == 0 else ()
         released = [placeholders[position] for _, position in traced.saved] if index == 1 else ()
-        plans = graph_plans(graph_module, splits=splits, weights=weights, orders=orders,
-                            released=released, name=name, alignment=alignment)
+        plans = graph_plans(
+            graph_module,
+            splits=splits,
+            weights=weights,
+            orders=orders,
+            released=released,
+            name=name,
+            alignment=alignment,
+        )
         if arena:
             layout = arena_layout(graph_module, splits, name=name, plan=plans["written"])  # the run's alignment
             timeline = layout.timeline(plans["written"].timeline)
-            plans = {"written": replace(plans["written"], timeline=timeline,
-                                        order_peaks={"written": total_bound(timeline, alignment)})}
+            plans = {
+                "written": replace(
+                    plans["written"], timeline=timeline, order_peaks={"written": total_bound(timeline, alignment)}
+                )
+            }
             layouts.append(layout)
         candidates.append(plans)
     first = candidates[0][choose_order(next(iter(candidates[0].values())).order_peaks)]
@@ -220,8 +265,12 @@ def _plan_compiled(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs
         best = choose_order(peaks)
         chosen.append(replace(candidates[1][best], order_peaks=peaks))
         timeline = joined[best]
-    return (timeline, {plan.name: plan.order for plan in chosen}, {plan.name: plan.order_peaks for plan in chosen},
-            layouts)
+    return (
+        timeline,
+        {plan.name: plan.order for plan in chosen},
+        {plan.name: plan.order_peaks for plan in chosen},
+        layouts,
+    )
 
 
 #: How the planned graphs run: as the tightfit compile backend runs them (splits, DFS
@@ -232,20 +281,31 @@ RUNTIMES = ("compiled", "arena", "eager")
 
 #: The run each runtime's figures predict: the tests and benchmarks/memory_plan.py hold
 #: each to the allocator's own count (:func:`tightfit.memory.allocated_peak`), within 5%.
-COVERS = MappingProxyType({
-    "compiled": 'torch.compile(model, backend=tightfit.graph.compiler(execution="fx"))',
-    "arena": 'torch.compile(model, backend=tightfit.graph.compiler(memory="arena")), DFS splits as with execution="fx"',
-    "eager": "model(...) run by eager PyTorch",
-})
+COVERS = MappingProxyType(
+    {
+        "compiled": 'torch.compile(model, backend=tightfit.graph.compiler(execution="fx"))',
+        "arena": 'torch.compile(model, backend=tightfit.graph.compiler(memory="arena")), DFS splits as with execution="fx"',
+        "eager": "model(...) run by eager PyTorch",
+    }
+)
 
 #: What no plan predicts, and why: ``runtime="inductor"`` (or ``"auto"``) is refused with it.
-NOT_COVERED = ('inductor or a backend\'s own compiler running the splits (the compile backend\'s default execution="auto" '
-               'where one compiles, or execution="inductor"): they fuse ops and reuse buffers their own way')
+NOT_COVERED = (
+    "inductor or a backend's own compiler running the splits (the compile backend's default execution=\"auto\" "
+    'where one compiles, or execution="inductor"): they fuse ops and reuse buffers their own way'
+)
 
 
-def plan_memory(model: torch.nn.Module, *example_inputs: Any, backend: Any = None, training: bool = False,
-                kwargs: Mapping[str, Any] | None = None, order: str = "best", runtime: str = "compiled",
-                alignment: int = 64) -> MemoryPlan:
+def plan_memory(
+    model: torch.nn.Module,
+    *example_inputs: Any,
+    backend: Any = None,
+    training: bool = False,
+    kwargs: Mapping[str, Any] | None = None,
+    order: str = "best",
+    runtime: str = "compiled",
+    alignment: int = 64,
+) -> MemoryPlan:
     """Plan the memory of ``model(*example_inputs, **kwargs)`` without running it.
 
     ``backend``: a backend name, device or ``Backend`` (default: the default backend);
@@ -263,8 +323,8 @@ def plan_memory(model: torch.nn.Module, *example_inputs: Any, backend: Any = Non
     ``alignment``: of every offset and size in an arena, in bytes (arena execution
     always aligns its own arenas to ``tightfit.graph.alloc.ARENA_ALIGNMENT``).
     """
-    from tightfit.memory.simulate import simulate_eager
     from tightfit.backends.resolve import resolve_backend
+    from tightfit.memory.simulate import simulate_eager
     from tightfit.memory.trace import refuse_data_dependence
 
     check_type("model", model, torch.nn.Module)
@@ -273,13 +333,17 @@ def plan_memory(model: torch.nn.Module, *example_inputs: Any, backend: Any = Non
     alignment = _check_alignment(alignment)
     check_type("runtime", runtime, str)
     if runtime in ("inductor", "auto"):
-        raise ValueError(f"runtime={runtime!r} is not predicted: {NOT_COVERED}. Plan runtime='compiled' and run with "
-                         "execution='fx', or measure the compiled call with tightfit.memory.allocated_peak; accepted: "
-                         f"{', '.join(RUNTIMES)}")
+        raise ValueError(
+            f"runtime={runtime!r} is not predicted: {NOT_COVERED}. Plan runtime='compiled' and run with "
+            "execution='fx', or measure the compiled call with tightfit.memory.allocated_peak; accepted: "
+            f"{', '.join(RUNTIMES)}"
+        )
     check_choice("runtime", runtime, RUNTIMES)
     if runtime in ("eager", "arena") and order not in ("best", "written"):
-        raise ValueError(f"order={order!r} with runtime={runtime!r}: {runtime} execution runs the written order; "
-                         "accepted: 'best' or 'written'")
+        raise ValueError(
+            f"order={order!r} with runtime={runtime!r}: {runtime} execution runs the written order; "
+            "accepted: 'best' or 'written'"
+        )
     if kwargs is not None:
         check_type("kwargs", kwargs, Mapping)
     backends, device = resolve_backend(backend)
@@ -293,20 +357,36 @@ def plan_memory(model: torch.nn.Module, *example_inputs: Any, backend: Any = Non
     else:
         with refuse_data_dependence(model):
             timeline, orders, order_peaks, layouts = _plan_compiled(
-                model, example_inputs, dict(kwargs or {}), backends, device, training,
-                "written" if runtime == "arena" else order, alignment, runtime == "arena")
+                model,
+                example_inputs,
+                dict(kwargs or {}),
+                backends,
+                device,
+                training,
+                "written" if runtime == "arena" else order,
+                alignment,
+                runtime == "arena",
+            )
     arenas = plan_arenas(timeline, alignment)
     for arena in arenas.values():
         verify_arena(arena)
-    devices = {device_name: _device_plan(timeline, arenas.get(device_name), device_name, alignment)
-               for device_name in timeline.devices}
+    devices = {
+        device_name: _device_plan(timeline, arenas.get(device_name), device_name, alignment)
+        for device_name in timeline.devices
+    }
     return MemoryPlan(
-        model=type(model).__name__, training=training, runtime=runtime, backend=backends[0].name, alignment=alignment,
+        model=type(model).__name__,
+        training=training,
+        runtime=runtime,
+        backend=backends[0].name,
+        alignment=alignment,
         devices=MappingProxyType(devices),
         orders=MappingProxyType(orders),
         order_peaks=MappingProxyType({graph: MappingProxyType(dict(peaks)) for graph, peaks in order_peaks.items()}),
-        timeline=timeline, arenas=MappingProxyType(arenas),
-        run_arenas=MappingProxyType({layout.name: MappingProxyType({d: a.size for d, a in layout.arenas.items()})
-                                     for layout in layouts}),
+        timeline=timeline,
+        arenas=MappingProxyType(arenas),
+        run_arenas=MappingProxyType(
+            {layout.name: MappingProxyType({d: a.size for d, a in layout.arenas.items()}) for layout in layouts}
+        ),
         outside=tuple(entry for layout in layouts for entry in layout.outside),
     )

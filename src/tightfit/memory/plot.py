@@ -73,8 +73,14 @@ def save(figure: Any, target: Path) -> Path:
     return target
 
 
-def plot_timeline(timeline: MemoryTimeline, path: str | Path, *, title: str = "", budget_bytes: int | None = None,
-                  predicted_peak_bytes: int | None = None) -> Path:
+def plot_timeline(
+    timeline: MemoryTimeline,
+    path: str | Path,
+    *,
+    title: str = "",
+    budget_bytes: int | None = None,
+    predicted_peak_bytes: int | None = None,
+) -> Path:
     """The PNG of :meth:`tightfit.memory.MemoryTimeline.plot`."""
     target = check_png_path("path", path, "MemoryTimeline.plot")
     check_type("title", title, str)

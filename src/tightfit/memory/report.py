@@ -20,8 +20,10 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for index, row in enumerate(rows):
-        cells = [cell.ljust(width) if column in (0, len(row) - 1) else cell.rjust(width)
-                 for column, (cell, width) in enumerate(zip(row, widths))]
+        cells = [
+            cell.ljust(width) if column in (0, len(row) - 1) else cell.rjust(width)
+            for column, (cell, width) in enumerate(zip(row, widths))
+        ]
         lines.append("  ".join(cells).rstrip())
         if index == 0:
             lines.append("  ".join("-" * width for width in widths))
@@ -32,20 +34,34 @@ def render(plan: MemoryPlan) -> str:
     """A readable table: per device weights, inputs, arena, lower bound; the peak and what is alive there."""
     mode = "training step (forward + backward)" if plan.training else "inference"
     steps = len(plan.timeline.steps)
-    lines = [f"memory plan: {plan.model}, {mode}, {plan.runtime}, backend {plan.backend}, {steps} steps, "
-             f"alignment {plan.alignment} B"]
+    lines = [
+        f"memory plan: {plan.model}, {mode}, {plan.runtime}, backend {plan.backend}, {steps} steps, "
+        f"alignment {plan.alignment} B"
+    ]
     rows = [_COLUMNS]
     for name, device in plan.devices.items():
-        rows.append((name, human_bytes(device.weights_bytes), human_bytes(device.inputs_bytes),
-                     human_bytes(device.arena_bytes), human_bytes(device.lower_bound_bytes), f"{device.ratio:.3f}",
-                     human_bytes(device.live_peak_bytes), human_bytes(device.total_bytes), device.strategy))
+        rows.append(
+            (
+                name,
+                human_bytes(device.weights_bytes),
+                human_bytes(device.inputs_bytes),
+                human_bytes(device.arena_bytes),
+                human_bytes(device.lower_bound_bytes),
+                f"{device.ratio:.3f}",
+                human_bytes(device.live_peak_bytes),
+                human_bytes(device.total_bytes),
+                device.strategy,
+            )
+        )
     lines += _table(rows)
     lines.append(f"predicts: {plan.covers}; not inductor or a backend's own compiler (see tightfit.memory.NOT_COVERED)")
     for name, device in plan.devices.items():
         if device.peak_step is None:
             continue
-        lines.append(f"peak on {name}: step {device.peak_step} of {steps}, {device.peak_graph} graph, "
-                     f"node {device.peak_node}; largest tensors alive there:")
+        lines.append(
+            f"peak on {name}: step {device.peak_step} of {steps}, {device.peak_graph} graph, "
+            f"node {device.peak_node}; largest tensors alive there:"
+        )
         for tensor, graph, nbytes in device.largest_live:
             lines.append(f"  {human_bytes(nbytes):>10}  {tensor} ({graph})")
     for graph, peaks in plan.order_peaks.items():
@@ -96,8 +112,11 @@ def plot(plan: MemoryPlan, path: str | Path) -> Path:
         steps = plan.timeline.step_graphs
         draw_marks(axis, [(index, steps[index]) for index in range(1, len(steps)) if steps[index] != steps[index - 1]])
         held = human_bytes(device.weights_bytes + device.inputs_bytes)
-        axis.set_title(f"{plan.model} on {name}, {'training step' if plan.training else 'inference'} ({plan.runtime}): "
-                       f"activations, outputs, workspaces; weights and inputs ({held}) not drawn", fontsize="medium")
+        axis.set_title(
+            f"{plan.model} on {name}, {'training step' if plan.training else 'inference'} ({plan.runtime}): "
+            f"activations, outputs, workspaces; weights and inputs ({held}) not drawn",
+            fontsize="medium",
+        )
         axis.set_xlabel("step (op in execution order)")
         axis.set_ylabel("MiB")
         axis.set_ylim(bottom=0)

@@ -26,16 +26,27 @@ from tightfit.memory.trace import _flatten, _loss_outputs
 
 __all__ = ["current_step", "simulate_eager"]
 
-_SIMULATION: contextvars.ContextVar[LiveTensorBytes | None] = contextvars.ContextVar("tightfit_simulation", default=None)
+_SIMULATION: contextvars.ContextVar[LiveTensorBytes | None] = contextvars.ContextVar(
+    "tightfit_simulation", default=None
+)
 
 
 def _buffers(tracker: LiveTensorBytes, kept: Sequence[torch.Tensor]) -> list[Buffer]:
     """The tracker's lifetimes as buffers; still alive at the end: alive to the last step, ``kept``: outputs."""
     last = len(tracker.steps) - 1
     outputs = set(tracker.alive(kept))
-    return [Buffer(life.name, life.device, life.nbytes, life.start, last if life.end is None else max(life.start, life.end),
-                   "output" if index in outputs else "activation", tracker.step_phases[life.start])
-            for index, life in enumerate(tracker.lifetimes)]
+    return [
+        Buffer(
+            life.name,
+            life.device,
+            life.nbytes,
+            life.start,
+            last if life.end is None else max(life.start, life.end),
+            "output" if index in outputs else "activation",
+            tracker.step_phases[life.start],
+        )
+        for index, life in enumerate(tracker.lifetimes)
+    ]
 
 
 def current_step() -> int | None:
@@ -59,8 +70,14 @@ def _bytes_by_device(tensors: Sequence[torch.Tensor]) -> dict[str, int]:
     return totals
 
 
-def simulate_eager(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs: Mapping[str, Any], *,
-                   device: torch.device, training: bool) -> Timeline:
+def simulate_eager(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    *,
+    device: torch.device,
+    training: bool,
+) -> Timeline:
     """The timeline of one eager call (training: forward and backward) on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -88,5 +105,10 @@ def simulate_eager(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs
         _SIMULATION.reset(token)
     if not recorder.steps:
         raise ValueError(f"{type(model).__name__} ran no op; there is nothing to plan")
-    return Timeline(steps=recorder.steps, step_graphs=recorder.step_phases, buffers=_buffers(recorder, kept),
-                    weights=_bytes_by_device(flat.state), inputs=_bytes_by_device(flat.fakes))
+    return Timeline(
+        steps=recorder.steps,
+        step_graphs=recorder.step_phases,
+        buffers=_buffers(recorder, kept),
+        weights=_bytes_by_device(flat.state),
+        inputs=_bytes_by_device(flat.fakes),
+    )

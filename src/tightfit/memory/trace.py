@@ -22,7 +22,6 @@ import torch.fx
 import torch.fx.traceback as fx_traceback
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-
 __all__ = ["Traced", "refuse_data_dependence", "trace"]
 
 
@@ -57,7 +56,9 @@ def _fake(mode: Any, tensor: torch.Tensor, device: torch.device, requires_grad: 
 def _check_inputs(example_inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
     for index, leaf in enumerate(tree_flatten((list(example_inputs), dict(kwargs)))[0]):
         if isinstance(leaf, torch.Tensor) and (leaf.is_sparse or leaf.layout != torch.strided):
-            raise ValueError(f"example input {index} is a {leaf.layout} tensor; memory planning supports strided tensors only")
+            raise ValueError(
+                f"example input {index} is a {leaf.layout} tensor; memory planning supports strided tensors only"
+            )
 
 
 def _returned_tensors(out: Any) -> list[torch.Tensor]:
@@ -72,8 +73,12 @@ def _returned_tensors(out: Any) -> list[torch.Tensor]:
         for leaf in tree_flatten(value)[0]:
             if isinstance(leaf, torch.Tensor):
                 found.append(leaf)
-            elif (hasattr(leaf, "__dict__") and id(leaf) not in seen and not isinstance(leaf, (type, torch.nn.Module))
-                  and not callable(leaf)):
+            elif (
+                hasattr(leaf, "__dict__")
+                and id(leaf) not in seen
+                and not isinstance(leaf, (type, torch.nn.Module))
+                and not callable(leaf)
+            ):
                 seen.add(id(leaf))
                 pending.append(list(vars(leaf).values()))
     return found
@@ -96,7 +101,7 @@ class _Flat:
 
         weights = dict(zip(self.names, flat[: len(self.names)]))
         filled = list(self.leaves)
-        for position, value in zip(self.positions, flat[len(self.names):]):
+        for position, value in zip(self.positions, flat[len(self.names) :]):
             filled[position] = value
         args, kwargs = tree_unflatten(filled, self.spec)
         out = functional_call(self.model, weights, tuple(args), kwargs)
@@ -106,8 +111,14 @@ class _Flat:
         return outs
 
 
-def _flatten(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs: Mapping[str, Any], mode: Any,
-             device: torch.device, training: bool) -> _Flat:
+def _flatten(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    mode: Any,
+    device: torch.device,
+    training: bool,
+) -> _Flat:
     _check_inputs(example_inputs, kwargs)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -119,8 +130,14 @@ def _flatten(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs: Mapp
     return _Flat(model, list(params) + list(buffers), leaves, spec, positions, state, fakes)
 
 
-def trace(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs: Mapping[str, Any], *, device: torch.device,
-          training: bool) -> Traced:
+def trace(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    *,
+    device: torch.device,
+    training: bool,
+) -> Traced:
     """Trace ``model(*example_inputs, **kwargs)`` with fake tensors on ``device``, as aot_autograd does."""
     from torch._functorch.aot_autograd import aot_function, make_boxed_func
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -133,10 +150,12 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs: Mapping
         def compiler(graph_module: torch.fx.GraphModule, _examples: Any) -> Any:
             graphs[stage] = graph_module
             return make_boxed_func(graph_module.forward)
+
         return compiler
 
-    compiled = aot_function(flat, fw_compiler=capture("forward"), bw_compiler=capture("backward"),
-                            inference_compiler=capture("inference"))
+    compiled = aot_function(
+        flat, fw_compiler=capture("forward"), bw_compiler=capture("backward"), inference_compiler=capture("inference")
+    )
     with _compile_session(), fx_traceback.preserve_node_meta(), mode:  # hints reach the nodes, as under dynamo
         outs = compiled(*flat.state, *flat.fakes)
         if training:
@@ -145,8 +164,13 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any], kwargs: Mapping
         saved = _saved(graphs["forward"], graphs["backward"])
         returned = len(next(node for node in graphs["forward"].graph.nodes if node.op == "output").args[0])
         first_user = returned - len(saved) - len(outs)  # aot_autograd returns mutated inputs first
-        return Traced([("forward", graphs["forward"]), ("backward", graphs["backward"])], len(flat.names),
-                      saved, device, [first_user + index for index in chosen])
+        return Traced(
+            [("forward", graphs["forward"]), ("backward", graphs["backward"])],
+            len(flat.names),
+            saved,
+            device,
+            [first_user + index for index in chosen],
+        )
     return Traced([("inference", graphs["inference"])], len(flat.names), [], device)
 
 
@@ -164,8 +188,9 @@ def _loss_outputs(outs: Sequence[torch.Tensor], model_name: str) -> list[torch.T
     """The scalar outputs that need a gradient (a loss), else every output that does."""
     needing = [out for out in outs if out.requires_grad and out.dtype.is_floating_point]
     if not needing:
-        raise ValueError(f"training=True, but no output of {model_name} needs a gradient "
-                         "(no parameter or input requires grad)")
+        raise ValueError(
+            f"training=True, but no output of {model_name} needs a gradient (no parameter or input requires grad)"
+        )
     losses = [out for out in needing if out.dim() == 0]
     return losses or needing
 
@@ -207,12 +232,20 @@ def refuse_data_dependence(model: torch.nn.Module) -> Iterator[None]:
         yield
     except tuple(kind for kind, _ in kinds) as error:
         what = next(text for kind, text in kinds if isinstance(error, kind))
-        library = (os.path.dirname(os.path.abspath(torch.__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        frames = [frame for frame in traceback.extract_tb(error.__traceback__) if not frame.filename.startswith((*library, "<"))]
+        library = (
+            os.path.dirname(os.path.abspath(torch.__file__)),
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+        frames = [
+            frame
+            for frame in traceback.extract_tb(error.__traceback__)
+            if not frame.filename.startswith((*library, "<"))
+        ]
         where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
         detail = " ".join(str(error).split()[:12])
         raise ValueError(
             f"{type(model).__name__}'s forward {what}{where}: a plan runs the model on fake tensors, which have shapes but "
             f"no values, so it cannot follow that (torch: {type(error).__name__}: {detail}). Make the forward independent "
             "of tensor values (torch.where instead of a Python branch, a Python argument instead of a tensor flag), or "
-            "measure real calls with tightfit.memory.measure instead of planning") from error
+            "measure real calls with tightfit.memory.measure instead of planning"
+        ) from error

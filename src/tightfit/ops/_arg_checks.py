@@ -63,7 +63,9 @@ def check_code(code: object, A: torch.Tensor) -> torch.Tensor:
     """The 8-bit code table: 256 float32 values, since codes are bytes that index it."""
     check_type("code", code, torch.Tensor)
     if code.dtype != torch.float32 or code.dim() != 1 or code.numel() != 256:
-        raise ValueError(f"code must be a 1-D float32 tensor of 256 values, got dtype {code.dtype}, shape {tuple(code.shape)}")
+        raise ValueError(
+            f"code must be a 1-D float32 tensor of 256 values, got dtype {code.dtype}, shape {tuple(code.shape)}"
+        )
     check_same_device("code", code, "A", A)
     return code
 
@@ -71,18 +73,25 @@ def check_code(code: object, A: torch.Tensor) -> torch.Tensor:
 def check_absmax(absmax: object, numel: int, blocksize: int, A: torch.Tensor) -> torch.Tensor:
     check_type("absmax", absmax, torch.Tensor)
     if absmax.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"absmax must be a floating-point tensor (float32, float16 or bfloat16), got dtype {absmax.dtype}")
+        raise TypeError(
+            f"absmax must be a floating-point tensor (float32, float16 or bfloat16), got dtype {absmax.dtype}"
+        )
     expected = block_count(numel, blocksize)
     if absmax.dim() != 1 or absmax.numel() != expected:
-        raise ValueError(f"absmax has shape {tuple(absmax.shape)}; {numel} values in blocks of {blocksize} need {expected} (1-D)")
+        raise ValueError(
+            f"absmax has shape {tuple(absmax.shape)}; {numel} values in blocks of {blocksize} need {expected} (1-D)"
+        )
     check_same_device("absmax", absmax, "A", A)
     return absmax
 
 
 def check_shape(shape: object, *, matrix: bool) -> list[int]:
     """A weight shape as a list of ints: any rank >= 0 with sizes >= 0, or (out, in) > 0."""
-    if isinstance(shape, (str, bytes)) or not isinstance(shape, (list, tuple, torch.Size)) \
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+    if (
+        isinstance(shape, (str, bytes))
+        or not isinstance(shape, (list, tuple, torch.Size))
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
         raise TypeError(f"shape must be a sequence of non-negative ints, got {type(shape).__name__}: {shape!r}")
     if matrix and (len(shape) != 2 or min(shape) == 0):
         raise ValueError(f"shape must be (out_features, in_features) with positive ints, got {list(shape)!r}")
@@ -97,7 +106,9 @@ def check_packed(name: str, packed: object, numel: int, shape: list[int]) -> tor
     if have != need:
         raise ValueError(f"{name} holds {have} packed bytes but shape {tuple(shape)} needs {need}")
     if not packed.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (packed bytes are read in memory order), got strides {packed.stride()}")
+        raise ValueError(
+            f"{name} must be contiguous (packed bytes are read in memory order), got strides {packed.stride()}"
+        )
     return packed
 
 
@@ -125,7 +136,9 @@ def quantize_4bit(A: Any, blocksize: Any, quant_type: Any, quant_storage: Any) -
     check_choice("quant_storage", quant_storage, PACKED_DTYPES)
     nbytes = packed_bytes(A.numel())
     if nbytes % quant_storage.itemsize:
-        raise ValueError(f"quant_storage={quant_storage} cannot hold {nbytes} packed bytes (itemsize {quant_storage.itemsize}); use torch.uint8")
+        raise ValueError(
+            f"quant_storage={quant_storage} cannot hold {nbytes} packed bytes (itemsize {quant_storage.itemsize}); use torch.uint8"
+        )
 
 
 def dequantize_4bit(A: Any, absmax: Any, blocksize: Any, quant_type: Any, shape: Any, dtype: Any) -> None:
@@ -144,7 +157,9 @@ def gemv_4bit(A: Any, B: Any, shape: Any, absmax: Any, blocksize: Any, quant_typ
     check_quant_type(quant_type)
     shape = check_shape(shape, matrix=True)
     if A.dim() < 1 or A.shape[-1] != shape[1]:
-        raise ValueError(f"A has shape {tuple(A.shape)}; its last dimension must be the weight's in_features, {shape[1]}")
+        raise ValueError(
+            f"A has shape {tuple(A.shape)}; its last dimension must be the weight's in_features, {shape[1]}"
+        )
     check_packed("B", B, shape[0] * shape[1], shape)
     check_same_device("B", B, "A", A)
     check_absmax(absmax, shape[0] * shape[1], blocksize, A)

@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from tightfit.ops._hugepages import empty_with_huge_pages
 from tightfit.ops._arg_checks import block_count
+from tightfit.ops._hugepages import empty_with_huge_pages
 from tightfit.ops._numba import kernel_lock, load_numba, usable_numba
 
 __all__: list[str] = []
@@ -201,7 +201,10 @@ def _kernels():
                     else:
                         for t in range(i, stop):
                             nibbles = packed[t >> np.uint64(1)]
-                            part += x[xm + (t - row)] * code[(nibbles & np.uint8(15)) if t & np.uint64(1) else (nibbles >> np.uint8(4))]
+                            part += (
+                                x[xm + (t - row)]
+                                * code[(nibbles & np.uint8(15)) if t & np.uint64(1) else (nibbles >> np.uint8(4))]
+                            )
                     acc += part * absmax[block]
                     i = stop
                 out[m, j] = acc
@@ -223,7 +226,9 @@ def _float_bits(A: torch.Tensor) -> np.ndarray:
     return flat.float().contiguous().view(torch.int32).numpy().view(np.uint32)
 
 
-def quantize_cpu(op: str, A: torch.Tensor, blocksize: int, sorted_code: torch.Tensor, order: torch.Tensor | None, reference):
+def quantize_cpu(
+    op: str, A: torch.Tensor, blocksize: int, sorted_code: torch.Tensor, order: torch.Tensor | None, reference
+):
     """8-bit codes shaped like ``A`` (``order`` None) or packed 4-bit codes mapped through ``order``; and absmax."""
     if usable_numba(op, "running the reference kernel") is None:
         return reference()
@@ -234,12 +239,30 @@ def quantize_cpu(op: str, A: torch.Tensor, blocksize: int, sorted_code: torch.Te
     if four_bit and not single_step:
         raise ValueError("internal: a 4-bit code reached quantize_cpu with several bounds in one search bucket")
     with kernel_lock:
-        _kernels().quantize(_float_bits(A), A.numel(), blocksize, table, bounds, single_step, four_bit, out.view(-1).numpy(), absmax.numpy())
+        _kernels().quantize(
+            _float_bits(A),
+            A.numel(),
+            blocksize,
+            table,
+            bounds,
+            single_step,
+            four_bit,
+            out.view(-1).numpy(),
+            absmax.numpy(),
+        )
     return out, absmax
 
 
-def _dequantize_into(op: str, data: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
-                     blocksize: int, numel: int, dtype: torch.dtype, reference) -> torch.Tensor:
+def _dequantize_into(
+    op: str,
+    data: torch.Tensor,
+    absmax: torch.Tensor,
+    code: torch.Tensor,
+    blocksize: int,
+    numel: int,
+    dtype: torch.dtype,
+    reference,
+) -> torch.Tensor:
     if usable_numba(op, "running the reference kernel") is None:
         return reference()
     as_bf16 = dtype == torch.bfloat16
@@ -248,18 +271,31 @@ def _dequantize_into(op: str, data: torch.Tensor, absmax: torch.Tensor, code: to
     code32 = code.float().contiguous().numpy()
     pairs = _pair_table(code32.tobytes()) if op == "dequantize_4bit" else _NO_PAIRS
     with kernel_lock:
-        _kernels().dequantize(data.numpy(), absmax.float().contiguous().numpy(), code32, pairs, blocksize, numel, target)
+        _kernels().dequantize(
+            data.numpy(), absmax.float().contiguous().numpy(), code32, pairs, blocksize, numel, target
+        )
     return out if out.dtype == dtype else out.to(dtype)
 
 
 def dequantize_8bit_cpu(A, absmax, code, blocksize, dtype, reference) -> torch.Tensor:
-    out = _dequantize_into("dequantize_blockwise", A.reshape(-1).contiguous(), absmax, code, blocksize, A.numel(), dtype, reference)
+    out = _dequantize_into(
+        "dequantize_blockwise", A.reshape(-1).contiguous(), absmax, code, blocksize, A.numel(), dtype, reference
+    )
     return out.reshape(A.shape)
 
 
 def dequantize_4bit_cpu(A, absmax, code, blocksize, shape, dtype, reference) -> torch.Tensor:
     numel = math.prod(shape)
-    out = _dequantize_into("dequantize_4bit", A.reshape(-1).view(torch.uint8).contiguous(), absmax, code, blocksize, numel, dtype, reference)
+    out = _dequantize_into(
+        "dequantize_4bit",
+        A.reshape(-1).view(torch.uint8).contiguous(),
+        absmax,
+        code,
+        blocksize,
+        numel,
+        dtype,
+        reference,
+    )
     return out.reshape(shape)
 
 
@@ -271,6 +307,14 @@ def gemv_4bit_cpu(A, B, shape, absmax, code, blocksize, reference) -> torch.Tens
     out = torch.empty(x.shape[0], rows, dtype=torch.float32)
     code32 = code.float().contiguous().numpy()
     with kernel_lock:
-        _kernels().gemv_4bit(x.view(-1).numpy(), B.reshape(-1).view(torch.uint8).contiguous().numpy(), absmax.float().contiguous().numpy(),
-                             code32, _pair_table(code32.tobytes()), blocksize, cols, out.numpy())
+        _kernels().gemv_4bit(
+            x.view(-1).numpy(),
+            B.reshape(-1).view(torch.uint8).contiguous().numpy(),
+            absmax.float().contiguous().numpy(),
+            code32,
+            _pair_table(code32.tobytes()),
+            blocksize,
+            cols,
+            out.numpy(),
+        )
     return out.to(A.dtype).reshape(*A.shape[:-1], rows)

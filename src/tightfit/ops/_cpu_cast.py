@@ -16,8 +16,8 @@ import sys
 import numpy as np
 import torch
 
-from tightfit.ops._hugepages import empty_with_huge_pages
 from tightfit.backends.base import FLOAT8_DTYPES
+from tightfit.ops._hugepages import empty_with_huge_pages
 from tightfit.ops._numba import kernel_lock, load_numba, usable_numba
 
 __all__ = ["cast_cpu", "cast_into_cpu"]
@@ -41,11 +41,13 @@ def _kernels():
     return gather
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _table(src: torch.dtype, dst: torch.dtype, pairs: bool) -> np.ndarray:
     """Every source bit pattern cast by torch; with ``pairs``, two 8-bit inputs per entry."""
     width = src.itemsize
-    patterns = torch.from_numpy(np.arange(1 << (8 * width), dtype=_UNSIGNED[width]).view(f"i{width}" if width > 1 else "u1"))
+    patterns = torch.from_numpy(
+        np.arange(1 << (8 * width), dtype=_UNSIGNED[width]).view(f"i{width}" if width > 1 else "u1")
+    )
     converted = patterns.view(src).to(dst).view(_TORCH_SAME_WIDTH[dst.itemsize]).numpy().view(_UNSIGNED[dst.itemsize])
     if not pairs:
         return np.ascontiguousarray(converted)

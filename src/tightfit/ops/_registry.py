@@ -147,14 +147,24 @@ def _default_kernel(opdef: OpDef, args: tuple[Any, ...]) -> Any:
         return kernel.fn(*args)
     reason = opdef.unsupported(device, args) if opdef.unsupported is not None else None
     if reason is None:
-        report_fallback(opdef.name, device.type, "reference", f"no {device.type} kernel is registered; running the pure-torch reference kernel")
+        report_fallback(
+            opdef.name,
+            device.type,
+            "reference",
+            f"no {device.type} kernel is registered; running the pure-torch reference kernel",
+        )
         try:
             return opdef.reference(*args)
         except NotImplementedError as error:
             if device.type == "cpu":
                 raise
             reason = str(error).splitlines()[0]
-    report_fallback(opdef.name, device.type, "cpu", f"the op cannot run on {device.type} ({reason}); running it on the CPU with copies")
+    report_fallback(
+        opdef.name,
+        device.type,
+        "cpu",
+        f"the op cannot run on {device.type} ({reason}); running it on the CPU with copies",
+    )
     return _run_on_cpu(opdef, args, device)
 
 
@@ -182,7 +192,9 @@ def define_op(
     parameters = list(inspect.signature(reference).parameters)
     for arg in mutates_args:
         if arg not in parameters:
-            raise ValueError(f"mutates_args names {arg!r}, which is not a parameter of the reference; parameters: {', '.join(parameters)}")
+            raise ValueError(
+                f"mutates_args names {arg!r}, which is not a parameter of the reference; parameters: {', '.join(parameters)}"
+            )
     opdef = OpDef(
         name=name,
         reference=reference,
@@ -199,6 +211,7 @@ def define_op(
         return _default_kernel(opdef, args)
 
     opdef.custom_op = torch.library.custom_op(f"{NAMESPACE}::{name}", default, mutates_args=mutates_args)
+
     @functools.wraps(fake)
     def traced(*args: Any) -> Any:
         _ensure_plugins_loaded()  # runs while compiling, before the compiled graph ever dispatches

@@ -78,8 +78,19 @@ def _block_absmax(x):
 
 
 @triton.jit
-def _quantized_blocks(x_ptr, bounds_ptr, table_ptr, absmax_ptr, numel, n_blocks, BLOCKSIZE: tl.constexpr,
-                      GROUP: tl.constexpr, MINIMUM: tl.constexpr, STEPS: tl.constexpr, SINGLE_STEP: tl.constexpr):
+def _quantized_blocks(
+    x_ptr,
+    bounds_ptr,
+    table_ptr,
+    absmax_ptr,
+    numel,
+    n_blocks,
+    BLOCKSIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    MINIMUM: tl.constexpr,
+    STEPS: tl.constexpr,
+    SINGLE_STEP: tl.constexpr,
+):
     """Sorted-code indices of this program's GROUP whole blocks, shaped (GROUP, BLOCKSIZE);
     stores their absmax. Elements past the end read as 0.0 (a scaled zero)."""
     blocks = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
@@ -94,19 +105,46 @@ def _quantized_blocks(x_ptr, bounds_ptr, table_ptr, absmax_ptr, numel, n_blocks,
 
 
 @triton.jit
-def _quantize_8bit_kernel(x_ptr, bounds_ptr, table_ptr, q_ptr, absmax_ptr, numel, n_blocks,
-                          BLOCKSIZE: tl.constexpr, GROUP: tl.constexpr, MINIMUM: tl.constexpr, SINGLE_STEP: tl.constexpr):
-    codes, offsets = _quantized_blocks(x_ptr, bounds_ptr, table_ptr, absmax_ptr, numel, n_blocks, BLOCKSIZE, GROUP, MINIMUM, 8, SINGLE_STEP)
+def _quantize_8bit_kernel(
+    x_ptr,
+    bounds_ptr,
+    table_ptr,
+    q_ptr,
+    absmax_ptr,
+    numel,
+    n_blocks,
+    BLOCKSIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    MINIMUM: tl.constexpr,
+    SINGLE_STEP: tl.constexpr,
+):
+    codes, offsets = _quantized_blocks(
+        x_ptr, bounds_ptr, table_ptr, absmax_ptr, numel, n_blocks, BLOCKSIZE, GROUP, MINIMUM, 8, SINGLE_STEP
+    )
     tl.store(q_ptr + offsets, codes.to(tl.uint8), mask=offsets < numel)
 
 
 @triton.jit
-def _quantize_4bit_kernel(x_ptr, bounds_ptr, table_ptr, packed_ptr, absmax_ptr, numel, n_blocks,
-                          BLOCKSIZE: tl.constexpr, GROUP: tl.constexpr, MINIMUM: tl.constexpr):
+def _quantize_4bit_kernel(
+    x_ptr,
+    bounds_ptr,
+    table_ptr,
+    packed_ptr,
+    absmax_ptr,
+    numel,
+    n_blocks,
+    BLOCKSIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    MINIMUM: tl.constexpr,
+):
     # 4-bit codes always take the table path, whose entries are already in code order.
-    codes, _ = _quantized_blocks(x_ptr, bounds_ptr, table_ptr, absmax_ptr, numel, n_blocks, BLOCKSIZE, GROUP, MINIMUM, 4, True)
+    codes, _ = _quantized_blocks(
+        x_ptr, bounds_ptr, table_ptr, absmax_ptr, numel, n_blocks, BLOCKSIZE, GROUP, MINIMUM, 4, True
+    )
     high, low = tl.split(tl.reshape(codes, (GROUP, BLOCKSIZE // 2, 2)))
-    first = (tl.program_id(0) * GROUP + tl.arange(0, GROUP))[:, None].to(tl.int64) * BLOCKSIZE + 2 * tl.arange(0, BLOCKSIZE // 2)[None, :]
+    first = (tl.program_id(0) * GROUP + tl.arange(0, GROUP))[:, None].to(tl.int64) * BLOCKSIZE + 2 * tl.arange(
+        0, BLOCKSIZE // 2
+    )[None, :]
     # An odd count's last byte pairs the last value with the scaled zero read past the end.
     tl.store(packed_ptr + first // 2, ((high << 4) | low).to(tl.uint8), mask=first < numel)
 
@@ -124,8 +162,9 @@ def _decoded(data_ptr, absmax_ptr, code_ptr, offsets, inside, BLOCKSIZE: tl.cons
 
 
 @triton.jit
-def _dequantize_kernel(data_ptr, absmax_ptr, code_ptr, out_ptr, numel,
-                       BLOCKSIZE: tl.constexpr, FOUR_BIT: tl.constexpr, TILE: tl.constexpr):
+def _dequantize_kernel(
+    data_ptr, absmax_ptr, code_ptr, out_ptr, numel, BLOCKSIZE: tl.constexpr, FOUR_BIT: tl.constexpr, TILE: tl.constexpr
+):
     offsets = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
     inside = offsets < numel
     values = _decoded(data_ptr, absmax_ptr, code_ptr, offsets, inside, BLOCKSIZE, FOUR_BIT)
@@ -133,8 +172,18 @@ def _dequantize_kernel(data_ptr, absmax_ptr, code_ptr, out_ptr, numel,
 
 
 @triton.jit
-def _gemv_4bit_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, out_ptr, rows, cols: tl.constexpr,
-                      BLOCKSIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+def _gemv_4bit_kernel(
+    x_ptr,
+    packed_ptr,
+    absmax_ptr,
+    code_ptr,
+    out_ptr,
+    rows,
+    cols: tl.constexpr,
+    BLOCKSIZE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr,
+):
     # Each byte holds two neighbouring weights of one row (``cols`` is even); ``cols`` is a
     # compile-time constant: a model has a handful of input widths, and a known trip count
     # lets Triton pipeline the loop.
@@ -156,7 +205,9 @@ def _gemv_4bit_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, out_ptr, rows, co
     tl.store(out_ptr + token * rows + row, tl.sum(total, axis=1).to(out_ptr.dtype.element_ty), mask=row < rows)
 
 
-def search_tables(sorted_code: torch.Tensor, device: torch.device, order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def search_tables(
+    sorted_code: torch.Tensor, device: torch.device, order: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(bounds padded with +inf, the CPU kernel's search table, single_step) for a sorted
     code, on ``device``; ``order`` maps sorted positions to codes (identity if None)."""
     bounds, table, single_step = cpu_search_table(sorted_code.float().cpu(), None if order is None else order.cpu())
@@ -167,8 +218,9 @@ def _group(blocksize: int) -> int:
     return max(_QUANTIZE_TILE // blocksize, 1)
 
 
-def quantize(A: torch.Tensor, blocksize: int, search: tuple[torch.Tensor, torch.Tensor, bool],
-             four_bit: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    A: torch.Tensor, blocksize: int, search: tuple[torch.Tensor, torch.Tensor, bool], four_bit: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, absmax): 8-bit codes shaped like A, or 4-bit codes packed two per byte;
     ``search`` comes from :func:`search_tables`."""
     flat = A.contiguous().view(-1)
@@ -182,7 +234,9 @@ def quantize(A: torch.Tensor, blocksize: int, search: tuple[torch.Tensor, torch.
     if not four_bit:
         q = torch.empty(A.shape, dtype=torch.uint8, device=A.device)
         if numel:
-            _quantize_8bit_kernel[grid](flat, bounds, table, q, absmax, numel, n_blocks, SINGLE_STEP=single_step, **options)
+            _quantize_8bit_kernel[grid](
+                flat, bounds, table, q, absmax, numel, n_blocks, SINGLE_STEP=single_step, **options
+            )
         return q, absmax
     if not single_step:
         raise ValueError("internal: 4-bit codes must be searchable in one step")  # true of NF4 and FP4
@@ -192,25 +246,54 @@ def quantize(A: torch.Tensor, blocksize: int, search: tuple[torch.Tensor, torch.
     return packed, absmax
 
 
-def dequantize(data: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
-               shape: list[int], dtype: torch.dtype, four_bit: bool) -> torch.Tensor:
+def dequantize(
+    data: torch.Tensor,
+    absmax: torch.Tensor,
+    code: torch.Tensor,
+    blocksize: int,
+    shape: list[int],
+    dtype: torch.dtype,
+    four_bit: bool,
+) -> torch.Tensor:
     """``code[q] * absmax[block]`` as a ``dtype`` tensor of ``shape``."""
     out = torch.empty(shape, dtype=dtype, device=data.device)
     numel = out.numel()
     if numel:
         grid = (triton.cdiv(numel, _DEQUANTIZE_TILE),)
-        _dequantize_kernel[grid](data.contiguous().view(torch.uint8).view(-1), absmax.float().contiguous(), code.float().contiguous(),
-                                 out, numel, BLOCKSIZE=blocksize, FOUR_BIT=four_bit, TILE=_DEQUANTIZE_TILE, num_warps=_DEQUANTIZE_WARPS)
+        _dequantize_kernel[grid](
+            data.contiguous().view(torch.uint8).view(-1),
+            absmax.float().contiguous(),
+            code.float().contiguous(),
+            out,
+            numel,
+            BLOCKSIZE=blocksize,
+            FOUR_BIT=four_bit,
+            TILE=_DEQUANTIZE_TILE,
+            num_warps=_DEQUANTIZE_WARPS,
+        )
     return out
 
 
-def gemv_4bit(A: torch.Tensor, packed: torch.Tensor, shape: list[int], absmax: torch.Tensor, code: torch.Tensor, blocksize: int) -> torch.Tensor:
+def gemv_4bit(
+    A: torch.Tensor, packed: torch.Tensor, shape: list[int], absmax: torch.Tensor, code: torch.Tensor, blocksize: int
+) -> torch.Tensor:
     """``A @ dequantize(packed).T``, decoding the weight tile by tile (a few tokens; even ``cols``)."""
     rows, cols = shape
     x = A.contiguous().view(-1, cols)
     out = torch.empty(x.shape[0], rows, dtype=A.dtype, device=A.device)
     if out.numel():
         grid = (triton.cdiv(rows, _GEMV_ROWS), x.shape[0])
-        _gemv_4bit_kernel[grid](x, packed.contiguous().view(torch.uint8).view(-1), absmax.float().contiguous(), code.float().contiguous(),
-                                out, rows, cols, BLOCKSIZE=blocksize, BLOCK_ROWS=_GEMV_ROWS, BLOCK_BYTES=_GEMV_BYTES, num_warps=_GEMV_WARPS)
+        _gemv_4bit_kernel[grid](
+            x,
+            packed.contiguous().view(torch.uint8).view(-1),
+            absmax.float().contiguous(),
+            code.float().contiguous(),
+            out,
+            rows,
+            cols,
+            BLOCKSIZE=blocksize,
+            BLOCK_ROWS=_GEMV_ROWS,
+            BLOCK_BYTES=_GEMV_BYTES,
+            num_warps=_GEMV_WARPS,
+        )
     return out.view(*A.shape[:-1], rows)

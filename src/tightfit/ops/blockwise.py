@@ -55,25 +55,29 @@ def _block_scales(absmax: torch.Tensor, numel: int, blocksize: int) -> torch.Ten
     return absmax.float().repeat_interleave(blocksize)[:numel]
 
 
-def _quantize_blockwise_reference(A: torch.Tensor, code: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_blockwise_reference(
+    A: torch.Tensor, code: torch.Tensor, blocksize: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     scaled, absmax = _scale_blocks(A, blocksize)
     q = torch.bucketize(scaled, cpu.midpoints(code), out_int32=True).to(torch.uint8)
     return q.reshape(A.shape), absmax
 
 
-def _dequantize_blockwise_reference(A: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int, dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_blockwise_reference(
+    A: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int, dtype: torch.dtype
+) -> torch.Tensor:
     values = code.float()[A.reshape(-1).long()] * _block_scales(absmax, A.numel(), blocksize)
     return values.reshape(A.shape).to(dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _code_on(name: str, device: torch.device) -> torch.Tensor:
     """The dynamic map ("dynamic") or a 4-bit code on ``device``, copied there once: kernels
     only read it, and a host-to-device copy per call would stall a GPU's queue."""
     return (dynamic_map() if name == "dynamic" else code_4bit(name)).to(device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sorted_code(quant_type: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     code = code_4bit(quant_type)
     # The CPU's argsort, as bitsandbytes' reference calls it, decides FP4's +0/-0 tie;
@@ -93,7 +97,9 @@ def _as_storage(packed: torch.Tensor, quant_storage: torch.dtype) -> torch.Tenso
     return packed.view(quant_storage).unsqueeze(1)
 
 
-def _quantize_4bit_reference(A: torch.Tensor, blocksize: int, quant_type: str, quant_storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_4bit_reference(
+    A: torch.Tensor, blocksize: int, quant_type: str, quant_storage: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     scaled, absmax = _scale_blocks(A, blocksize)
     if scaled.numel() % 2:
         scaled = torch.nn.functional.pad(scaled, (0, 1))  # a scaled zero
@@ -107,14 +113,18 @@ def _unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return torch.stack([flat >> 4, flat & 15], dim=1).reshape(-1)[:numel].long()
 
 
-def _dequantize_4bit_reference(A: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant_type: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_4bit_reference(
+    A: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant_type: str, shape: list[int], dtype: torch.dtype
+) -> torch.Tensor:
     numel = math.prod(shape)
     code = _code_on(quant_type, A.device)
     values = code[_unpack(A, numel)] * _block_scales(absmax, numel, blocksize)
     return values.reshape(shape).to(dtype)
 
 
-def _gemv_4bit_reference(A: torch.Tensor, B: torch.Tensor, shape: list[int], absmax: torch.Tensor, blocksize: int, quant_type: str) -> torch.Tensor:
+def _gemv_4bit_reference(
+    A: torch.Tensor, B: torch.Tensor, shape: list[int], absmax: torch.Tensor, blocksize: int, quant_type: str
+) -> torch.Tensor:
     weight = _dequantize_4bit_reference(B, absmax, blocksize, quant_type, shape, A.dtype)
     return torch.nn.functional.linear(A, weight)
 
@@ -123,7 +133,9 @@ def _gemv_4bit_reference(A: torch.Tensor, B: torch.Tensor, shape: list[int], abs
 
 
 def _quantize_blockwise_fake(A, code, blocksize):
-    return torch.empty(A.shape, dtype=torch.uint8, device=A.device), torch.empty(block_count(A.numel(), blocksize), device=A.device)
+    return torch.empty(A.shape, dtype=torch.uint8, device=A.device), torch.empty(
+        block_count(A.numel(), blocksize), device=A.device
+    )
 
 
 def _dequantize_blockwise_fake(A, absmax, code, blocksize, dtype):
@@ -155,29 +167,52 @@ def _check_sorted(code: torch.Tensor, device: torch.device) -> None:
 
 def _quantize_blockwise_cpu(A, code, blocksize):
     _check_sorted(code, A.device)
-    return cpu.quantize_cpu("quantize_blockwise", A, blocksize, code, None, lambda: _quantize_blockwise_reference(A, code, blocksize))
+    return cpu.quantize_cpu(
+        "quantize_blockwise", A, blocksize, code, None, lambda: _quantize_blockwise_reference(A, code, blocksize)
+    )
 
 
 def _dequantize_blockwise_cpu(A, absmax, code, blocksize, dtype):
-    return cpu.dequantize_8bit_cpu(A, absmax, code, blocksize, dtype,
-                                   lambda: _dequantize_blockwise_reference(A, absmax, code, blocksize, dtype))
+    return cpu.dequantize_8bit_cpu(
+        A, absmax, code, blocksize, dtype, lambda: _dequantize_blockwise_reference(A, absmax, code, blocksize, dtype)
+    )
 
 
 def _quantize_4bit_cpu(A, blocksize, quant_type, quant_storage):
     sorted_code, order = _sorted_code(quant_type, A.device)
-    packed, absmax = cpu.quantize_cpu("quantize_4bit", A, blocksize, sorted_code, order,
-                                      lambda: _quantize_4bit_reference(A, blocksize, quant_type, torch.uint8))
+    packed, absmax = cpu.quantize_cpu(
+        "quantize_4bit",
+        A,
+        blocksize,
+        sorted_code,
+        order,
+        lambda: _quantize_4bit_reference(A, blocksize, quant_type, torch.uint8),
+    )
     return _as_storage(packed.reshape(-1), quant_storage), absmax
 
 
 def _dequantize_4bit_cpu(A, absmax, blocksize, quant_type, shape, dtype):
-    return cpu.dequantize_4bit_cpu(A, absmax, code_4bit(quant_type), blocksize, shape, dtype,
-                                   lambda: _dequantize_4bit_reference(A, absmax, blocksize, quant_type, shape, dtype))
+    return cpu.dequantize_4bit_cpu(
+        A,
+        absmax,
+        code_4bit(quant_type),
+        blocksize,
+        shape,
+        dtype,
+        lambda: _dequantize_4bit_reference(A, absmax, blocksize, quant_type, shape, dtype),
+    )
 
 
 def _gemv_4bit_cpu(A, B, shape, absmax, blocksize, quant_type):
-    return cpu.gemv_4bit_cpu(A, B, shape, absmax, code_4bit(quant_type), blocksize,
-                             lambda: _gemv_4bit_reference(A, B, shape, absmax, blocksize, quant_type))
+    return cpu.gemv_4bit_cpu(
+        A,
+        B,
+        shape,
+        absmax,
+        code_4bit(quant_type),
+        blocksize,
+        lambda: _gemv_4bit_reference(A, B, shape, absmax, blocksize, quant_type),
+    )
 
 
 # -- GPU kernels (Triton, imported at the first call) -------------------------------------
@@ -191,7 +226,7 @@ def _triton():
     return importlib.import_module("tightfit.ops._triton_blockwise")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _named_search(name: str, device: torch.device):
     """Search tables for the dynamic map or a 4-bit code, built once per device."""
     if name == "dynamic":
@@ -271,7 +306,12 @@ def _4bit_cases() -> list[Case]:
         for dtype in FLOAT_DTYPES:
             for name, values in _inputs(1).items():
                 for blocksize in (32, 64, 4096):
-                    cases.append(Case(f"{quant_type} {name} {dtype} bs{blocksize}", (values.to(dtype), blocksize, quant_type, torch.uint8)))
+                    cases.append(
+                        Case(
+                            f"{quant_type} {name} {dtype} bs{blocksize}",
+                            (values.to(dtype), blocksize, quant_type, torch.uint8),
+                        )
+                    )
     return cases
 
 
@@ -293,19 +333,42 @@ def _gemv_4bit_cases() -> list[Case]:
                 weight = torch.randn(rows, cols, generator=generator)
                 packed, absmax = _quantize_4bit_reference(weight, 64, quant_type, torch.uint8)
                 x = torch.randn(tokens, cols, generator=generator).to(dtype)
-                cases.append(Case(f"{quant_type} {dtype} {tokens}x{cols} @ {rows}x{cols}", (x, packed, [rows, cols], absmax, 64, quant_type)))
+                cases.append(
+                    Case(
+                        f"{quant_type} {dtype} {tokens}x{cols} @ {rows}x{cols}",
+                        (x, packed, [rows, cols], absmax, 64, quant_type),
+                    )
+                )
     return cases
 
 
-_QUANTIZE_BLOCKWISE = define_op("quantize_blockwise", _quantize_blockwise_reference, fake=_quantize_blockwise_fake,
-                                cases=_blockwise_cases, check=checks.quantize_blockwise)
-_DEQUANTIZE_BLOCKWISE = define_op("dequantize_blockwise", _dequantize_blockwise_reference, fake=_dequantize_blockwise_fake,
-                                  cases=_dequantize_blockwise_cases, check=checks.dequantize_blockwise)
-_QUANTIZE_4BIT = define_op("quantize_4bit", _quantize_4bit_reference, fake=_quantize_4bit_fake, cases=_4bit_cases, check=checks.quantize_4bit)
-_DEQUANTIZE_4BIT = define_op("dequantize_4bit", _dequantize_4bit_reference, fake=_dequantize_4bit_fake,
-                             cases=_dequantize_4bit_cases, check=checks.dequantize_4bit)
-_GEMV_4BIT = define_op("gemv_4bit", _gemv_4bit_reference, fake=_gemv_4bit_fake, cases=_gemv_4bit_cases, metric=1e-4,
-                       check=checks.gemv_4bit)
+_QUANTIZE_BLOCKWISE = define_op(
+    "quantize_blockwise",
+    _quantize_blockwise_reference,
+    fake=_quantize_blockwise_fake,
+    cases=_blockwise_cases,
+    check=checks.quantize_blockwise,
+)
+_DEQUANTIZE_BLOCKWISE = define_op(
+    "dequantize_blockwise",
+    _dequantize_blockwise_reference,
+    fake=_dequantize_blockwise_fake,
+    cases=_dequantize_blockwise_cases,
+    check=checks.dequantize_blockwise,
+)
+_QUANTIZE_4BIT = define_op(
+    "quantize_4bit", _quantize_4bit_reference, fake=_quantize_4bit_fake, cases=_4bit_cases, check=checks.quantize_4bit
+)
+_DEQUANTIZE_4BIT = define_op(
+    "dequantize_4bit",
+    _dequantize_4bit_reference,
+    fake=_dequantize_4bit_fake,
+    cases=_dequantize_4bit_cases,
+    check=checks.dequantize_4bit,
+)
+_GEMV_4BIT = define_op(
+    "gemv_4bit", _gemv_4bit_reference, fake=_gemv_4bit_fake, cases=_gemv_4bit_cases, metric=1e-4, check=checks.gemv_4bit
+)
 register_kernel("gemv_4bit", "cpu", _gemv_4bit_cpu, label="fused decode + dot (numba)")
 register_kernel("quantize_blockwise", "cpu", _quantize_blockwise_cpu, label="block scan (numba)")
 register_kernel("dequantize_blockwise", "cpu", _dequantize_blockwise_cpu, label="block scan (numba)")
@@ -337,7 +400,9 @@ def _code_for(code: torch.Tensor | None, A: object) -> torch.Tensor | None:
     return code
 
 
-def quantize_blockwise(A: torch.Tensor, code: torch.Tensor | None = None, blocksize: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(
+    A: torch.Tensor, code: torch.Tensor | None = None, blocksize: int = 4096
+) -> tuple[torch.Tensor, torch.Tensor]:
     """8-bit blockwise quantization: (codes as uint8 shaped like ``A``, float32 absmax per block).
 
     ``code`` defaults to the dynamic map; ``blocksize`` is 64..4096, a power of two.
@@ -348,12 +413,20 @@ def quantize_blockwise(A: torch.Tensor, code: torch.Tensor | None = None, blocks
     return q, absmax
 
 
-def dequantize_blockwise(A: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor | None = None, blocksize: int = 4096, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_blockwise(
+    A: torch.Tensor,
+    absmax: torch.Tensor,
+    code: torch.Tensor | None = None,
+    blocksize: int = 4096,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Decode 8-bit blockwise codes: ``code[A] * absmax[block]`` in float32, returned as ``dtype``."""
     return _DEQUANTIZE_BLOCKWISE(A, absmax, _code_for(code, A), blocksize, dtype)
 
 
-def quantize_4bit(A: torch.Tensor, blocksize: int = 64, quant_type: str = "fp4", quant_storage: torch.dtype = torch.uint8) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_4bit(
+    A: torch.Tensor, blocksize: int = 64, quant_type: str = "fp4", quant_storage: torch.dtype = torch.uint8
+) -> tuple[torch.Tensor, torch.Tensor]:
     """4-bit blockwise quantization: (packed codes shaped ``(bytes / itemsize, 1)``, float32 absmax).
 
     Two codes per byte, the first value in the high nibble; an odd count is padded
@@ -365,12 +438,26 @@ def quantize_4bit(A: torch.Tensor, blocksize: int = 64, quant_type: str = "fp4",
     return packed, absmax
 
 
-def dequantize_4bit(A: torch.Tensor, absmax: torch.Tensor, blocksize: int = 64, quant_type: str = "fp4", shape: Sequence[int] | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_4bit(
+    A: torch.Tensor,
+    absmax: torch.Tensor,
+    blocksize: int = 64,
+    quant_type: str = "fp4",
+    shape: Sequence[int] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Decode packed 4-bit codes into a tensor of ``shape`` and ``dtype``."""
     return _DEQUANTIZE_4BIT(A, absmax, blocksize, quant_type, shape, dtype)
 
 
-def gemv_4bit(A: torch.Tensor, B: torch.Tensor, shape: Sequence[int], absmax: torch.Tensor, blocksize: int = 64, quant_type: str = "nf4") -> torch.Tensor:
+def gemv_4bit(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    shape: Sequence[int],
+    absmax: torch.Tensor,
+    blocksize: int = 64,
+    quant_type: str = "nf4",
+) -> torch.Tensor:
     """``A @ dequantize(B).T`` for a packed 4-bit weight of ``shape`` (out x in), decoding
     the weight block by block instead of materializing it: the single-token case.
 

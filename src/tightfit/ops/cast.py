@@ -98,12 +98,19 @@ def _cast_cases() -> list[Case]:
             cases.append(Case(f"{source}->{target} {label}", (_source(source, numel, 1).reshape(shape), target)))
     strided = _source(torch.float8_e4m3fn, 2 * (MIN_FAST_NUMEL + 5), 2).reshape(-1, 2)
     cases.append(Case("float8_e4m3fn->bf16 transposed", (strided.t(), torch.bfloat16)))
-    cases.append(Case("bf16->float8_e4m3fn every-other", (_source(torch.bfloat16, 2 * MIN_FAST_NUMEL + 2, 3)[::2], torch.float8_e4m3fn)))
+    cases.append(
+        Case(
+            "bf16->float8_e4m3fn every-other",
+            (_source(torch.bfloat16, 2 * MIN_FAST_NUMEL + 2, 3)[::2], torch.float8_e4m3fn),
+        )
+    )
     return cases
 
 
 def _cast_into_cases() -> list[Case]:
-    return [Case(case.name, (case.args[0], torch.empty(case.args[0].shape, dtype=case.args[1]))) for case in _cast_cases()]
+    return [
+        Case(case.name, (case.args[0], torch.empty(case.args[0].shape, dtype=case.args[1]))) for case in _cast_cases()
+    ]
 
 
 def _check_cast(x: object, dtype: object) -> None:
@@ -131,7 +138,12 @@ def _check_cast_into(x: object, out: object) -> None:
 _CAST = define_op("cast", _cast_reference, fake=_cast_fake, cases=_cast_cases, check=_check_cast)
 _CAST.custom_op.register_autograd(_cast_backward, setup_context=_cast_setup_context)
 _CAST_INTO = define_op(
-    "cast_into", _cast_into_reference, fake=_cast_into_fake, cases=_cast_into_cases, mutates_args=("out",), check=_check_cast_into
+    "cast_into",
+    _cast_into_reference,
+    fake=_cast_into_fake,
+    cases=_cast_into_cases,
+    mutates_args=("out",),
+    check=_check_cast_into,
 )
 register_kernel("cast", "cpu", cast_cpu, label="table lookup (numba)")
 register_kernel("cast_into", "cpu", cast_into_cpu, label="table lookup (numba)")

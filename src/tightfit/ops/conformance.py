@@ -91,7 +91,11 @@ def _compare(expected: Any, actual: Any, metric: str | float) -> str | None:
 
 def _required_dtypes(case: Case) -> set[torch.dtype]:
     leaves, _ = tree_flatten(case.args)
-    return {leaf.dtype if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves if isinstance(leaf, (torch.Tensor, torch.dtype))}
+    return {
+        leaf.dtype if isinstance(leaf, torch.Tensor) else leaf
+        for leaf in leaves
+        if isinstance(leaf, (torch.Tensor, torch.dtype))
+    }
 
 
 def _run_case(opdef: OpDef, case: Case, fn: Callable[..., Any], device: torch.device) -> str | None:
@@ -126,7 +130,9 @@ def _targets(opdef: OpDef, backends: Iterable[Backend]) -> list[tuple[Backend, s
     return targets
 
 
-def _outcome(opdef: OpDef, case: Case, fn: Callable[..., Any], device: torch.device, storage: set[torch.dtype]) -> tuple[str, str]:
+def _outcome(
+    opdef: OpDef, case: Case, fn: Callable[..., Any], device: torch.device, storage: set[torch.dtype]
+) -> tuple[str, str]:
     """(status, detail) of one case on one target."""
     missing = _required_dtypes(case) - storage
     if missing:
@@ -138,8 +144,14 @@ def _outcome(opdef: OpDef, case: Case, fn: Callable[..., Any], device: torch.dev
     return ("OK", "") if problem is None else ("FAIL", problem)
 
 
-def _check_target(opdef: OpDef, cases: list[Case], backend: Backend, label: str, fn: Callable[..., Any],
-                  advance: Callable[[int], None]) -> list[CheckResult]:
+def _check_target(
+    opdef: OpDef,
+    cases: list[Case],
+    backend: Backend,
+    label: str,
+    fn: Callable[..., Any],
+    advance: Callable[[int], None],
+) -> list[CheckResult]:
     def result(case: str, status: str, detail: str = "") -> CheckResult:
         return CheckResult(opdef.name, backend.name, label, case, status, detail)
 

@@ -35,8 +35,19 @@ __all__ = ["FuzzCase", "make_case", "run_case"]
 
 CLEAN_ERRORS = (ValueError, TypeError, RuntimeError)
 #: dtypes a mutation may swap in (complex and bool included: kernels must not reinterpret them).
-_ANY_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.uint8, torch.int8,
-               torch.int32, torch.int64, torch.bool, torch.complex64)
+_ANY_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.uint8,
+    torch.int8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+)
 _BAD_BLOCKSIZES = (0, -64, 1, 63, 100, 8192, 1 << 31, 1 << 62)
 
 
@@ -80,8 +91,16 @@ class _Builder:
         self.labels.append(label)
         self.valid = self.valid and harmless
 
-    def tensor_mutation(self, args: list[Any], index: int, name: str, valid: Callable[[torch.Tensor], bool], *,
-                        primary: bool = False, optional: bool = False) -> None:
+    def tensor_mutation(
+        self,
+        args: list[Any],
+        index: int,
+        name: str,
+        valid: Callable[[torch.Tensor], bool],
+        *,
+        primary: bool = False,
+        optional: bool = False,
+    ) -> None:
         """One mutation of tensor argument ``index``; ``valid(new)`` says whether the op must accept it
         (the oracle, written from the op's documented contract, not from its checks)."""
         tensor = args[index]
@@ -105,16 +124,22 @@ class _Builder:
             self.mutate(f"{name} = {args[index]!r}", optional and args[index] is None)
             return
         args[index] = new
-        self.mutate(f"{name} {kind}: {new.dtype} {tuple(new.shape)} {new.device.type}", new.device.type == "cpu" and valid(new))
+        self.mutate(
+            f"{name} {kind}: {new.dtype} {tuple(new.shape)} {new.device.type}", new.device.type == "cpu" and valid(new)
+        )
 
     def blocksize(self, args: list[Any], index: int, accepted: tuple[int, ...], numel: int | None = None) -> None:
         """A new blocksize; with ``numel`` (decoding), it stays valid only if absmax still has one value a block."""
         old, value = args[index], self.rng.choice(_BAD_BLOCKSIZES + accepted)
         args[index] = value
-        same_blocks = numel is None or (value > 0 and checks.block_count(numel, value) == checks.block_count(numel, old))
+        same_blocks = numel is None or (
+            value > 0 and checks.block_count(numel, value) == checks.block_count(numel, old)
+        )
         self.mutate(f"blocksize {value}", value in accepted and same_blocks)
 
-    def choice_arg(self, args: list[Any], index: int, name: str, values: tuple[Any, ...], accepted: tuple[Any, ...]) -> None:
+    def choice_arg(
+        self, args: list[Any], index: int, name: str, values: tuple[Any, ...], accepted: tuple[Any, ...]
+    ) -> None:
         value = self.rng.choice(values)
         args[index] = value
         self.mutate(f"{name} {value!r}", value in accepted)
@@ -130,12 +155,17 @@ def _floats_ok(t: torch.Tensor) -> bool:
 
 
 def _absmax_ok(numel: int, blocksize: int) -> Callable[[torch.Tensor], bool]:
-    return lambda t: t.dtype in checks.FLOAT_DTYPES and t.dim() == 1 and t.numel() == checks.block_count(numel, blocksize)
+    return lambda t: (
+        t.dtype in checks.FLOAT_DTYPES and t.dim() == 1 and t.numel() == checks.block_count(numel, blocksize)
+    )
 
 
 def _packed_ok(numel: int) -> Callable[[torch.Tensor], bool]:
-    return lambda t: (t.dtype in checks.PACKED_DTYPES and t.is_contiguous()
-                      and t.numel() * t.element_size() == checks.packed_bytes(numel))
+    return lambda t: (
+        t.dtype in checks.PACKED_DTYPES
+        and t.is_contiguous()
+        and t.numel() * t.element_size() == checks.packed_bytes(numel)
+    )
 
 
 def _code_ok(t: torch.Tensor) -> bool:
@@ -145,7 +175,9 @@ def _code_ok(t: torch.Tensor) -> bool:
 def _absmax(b: _Builder, numel: int, blocksize: int) -> torch.Tensor:
     absmax = torch.rand(checks.block_count(numel, blocksize), generator=b.generator) * 4
     if absmax.numel() and b.rng.random() < 0.1:
-        absmax[b.rng.randrange(absmax.numel())] = b.rng.choice((math.nan, math.inf, -1.0, 0.0))  # decodes as the reference does
+        absmax[b.rng.randrange(absmax.numel())] = b.rng.choice(
+            (math.nan, math.inf, -1.0, 0.0)
+        )  # decodes as the reference does
     return absmax
 
 
@@ -156,7 +188,11 @@ def _sorted_code(b: _Builder) -> torch.Tensor:
 
 
 def _quantize_blockwise(b: _Builder) -> list[Any]:
-    args = [b.floats(b.shape(), b.rng.choice(checks.FLOAT_DTYPES)), _sorted_code(b), b.rng.choice(checks.BLOCKSIZES_8BIT)]
+    args = [
+        b.floats(b.shape(), b.rng.choice(checks.FLOAT_DTYPES)),
+        _sorted_code(b),
+        b.rng.choice(checks.BLOCKSIZES_8BIT),
+    ]
     for what in b.which(("A", "code", "blocksize")):
         if what == "A":
             b.tensor_mutation(args, 0, "A", _floats_ok, primary=True)
@@ -176,8 +212,13 @@ def _dequantize_blockwise(b: _Builder) -> list[Any]:
     args = [A, _absmax(b, A.numel(), blocksize), _sorted_code(b), blocksize, b.rng.choice(checks.FLOAT_DTYPES)]
     for what in b.which(("A", "absmax", "code", "blocksize", "dtype")):
         if what == "A":
-            b.tensor_mutation(args, 0, "A", lambda t: t.dtype == torch.uint8 and checks.block_count(t.numel(), blocksize) == args[1].numel(),
-                              primary=True)
+            b.tensor_mutation(
+                args,
+                0,
+                "A",
+                lambda t: t.dtype == torch.uint8 and checks.block_count(t.numel(), blocksize) == args[1].numel(),
+                primary=True,
+            )
         elif what == "absmax":
             b.tensor_mutation(args, 1, "absmax", _absmax_ok(A.numel(), blocksize))
         elif what == "code":
@@ -190,8 +231,12 @@ def _dequantize_blockwise(b: _Builder) -> list[Any]:
 
 
 def _quantize_4bit(b: _Builder) -> list[Any]:
-    args = [b.floats(b.shape(), b.rng.choice(checks.FLOAT_DTYPES)), b.rng.choice(checks.BLOCKSIZES_4BIT),
-            b.rng.choice(QUANT_TYPES_4BIT), torch.uint8]
+    args = [
+        b.floats(b.shape(), b.rng.choice(checks.FLOAT_DTYPES)),
+        b.rng.choice(checks.BLOCKSIZES_4BIT),
+        b.rng.choice(QUANT_TYPES_4BIT),
+        torch.uint8,
+    ]
     for what in b.which(("A", "blocksize", "quant_type", "quant_storage")):
         if what == "A":
             b.tensor_mutation(args, 0, "A", _floats_ok, primary=True)
@@ -203,7 +248,10 @@ def _quantize_4bit(b: _Builder) -> list[Any]:
             storage = b.rng.choice(_ANY_DTYPES)
             numel = args[0].numel() if isinstance(args[0], torch.Tensor) else 0
             args[3] = storage
-            b.mutate(f"quant_storage {storage}", storage in checks.PACKED_DTYPES and checks.packed_bytes(numel) % storage.itemsize == 0)
+            b.mutate(
+                f"quant_storage {storage}",
+                storage in checks.PACKED_DTYPES and checks.packed_bytes(numel) % storage.itemsize == 0,
+            )
     return args
 
 
@@ -216,8 +264,14 @@ def _packed_weight(b: _Builder, numel: int) -> torch.Tensor:
 def _dequantize_4bit(b: _Builder) -> list[Any]:
     shape, blocksize = list(b.shape()), b.rng.choice(checks.BLOCKSIZES_4BIT)
     numel = math.prod(shape)
-    args = [_packed_weight(b, numel), _absmax(b, numel, blocksize), blocksize, b.rng.choice(QUANT_TYPES_4BIT), shape,
-            b.rng.choice(checks.FLOAT_DTYPES)]
+    args = [
+        _packed_weight(b, numel),
+        _absmax(b, numel, blocksize),
+        blocksize,
+        b.rng.choice(QUANT_TYPES_4BIT),
+        shape,
+        b.rng.choice(checks.FLOAT_DTYPES),
+    ]
     for what in b.which(("A", "absmax", "blocksize", "shape", "dtype")):
         if what == "A":
             b.tensor_mutation(args, 0, "A", _packed_ok(numel), primary=True)
@@ -228,8 +282,12 @@ def _dequantize_4bit(b: _Builder) -> list[Any]:
         elif what == "shape":
             args[4] = b.rng.choice(([*shape, 2], [-numel, -1], [1 << 40, 1 << 40], [numel + 2], []))
             new = math.prod(args[4])
-            b.mutate(f"shape {args[4]}", min(args[4], default=0) >= 0 and checks.packed_bytes(new) == checks.packed_bytes(numel)
-                     and checks.block_count(new, blocksize) == checks.block_count(numel, blocksize))
+            b.mutate(
+                f"shape {args[4]}",
+                min(args[4], default=0) >= 0
+                and checks.packed_bytes(new) == checks.packed_bytes(numel)
+                and checks.block_count(new, blocksize) == checks.block_count(numel, blocksize),
+            )
         else:
             b.choice_arg(args, 5, "dtype", _ANY_DTYPES, checks.FLOAT_DTYPES)
     return args
@@ -238,11 +296,19 @@ def _dequantize_4bit(b: _Builder) -> list[Any]:
 def _gemv_4bit(b: _Builder) -> list[Any]:
     rows, cols, blocksize = b.rng.randint(1, 40), b.rng.randint(1, 70), b.rng.choice(checks.BLOCKSIZES_4BIT)
     tokens = b.rng.choice(((cols,), (1, cols), (3, cols), (2, 2, cols)))
-    args = [b.floats(tokens, b.rng.choice(checks.FLOAT_DTYPES)), _packed_weight(b, rows * cols), [rows, cols],
-            _absmax(b, rows * cols, blocksize), blocksize, b.rng.choice(QUANT_TYPES_4BIT)]
+    args = [
+        b.floats(tokens, b.rng.choice(checks.FLOAT_DTYPES)),
+        _packed_weight(b, rows * cols),
+        [rows, cols],
+        _absmax(b, rows * cols, blocksize),
+        blocksize,
+        b.rng.choice(QUANT_TYPES_4BIT),
+    ]
     for what in b.which(("A", "B", "shape", "absmax", "blocksize")):
         if what == "A":
-            b.tensor_mutation(args, 0, "A", lambda t: _floats_ok(t) and t.dim() >= 1 and t.shape[-1] == cols, primary=True)
+            b.tensor_mutation(
+                args, 0, "A", lambda t: _floats_ok(t) and t.dim() >= 1 and t.shape[-1] == cols, primary=True
+            )
         elif what == "B":
             b.tensor_mutation(args, 1, "B", _packed_ok(rows * cols))
         elif what == "shape":
@@ -256,7 +322,9 @@ def _gemv_4bit(b: _Builder) -> list[Any]:
 
 
 def _int8_vectorwise_quant(b: _Builder) -> list[Any]:
-    shape = b.rng.choice(((b.rng.randint(0, 9), b.rng.randint(0, 40)), (b.rng.randint(1, 40),), (2, 3, b.rng.randint(0, 9))))
+    shape = b.rng.choice(
+        ((b.rng.randint(0, 9), b.rng.randint(0, 40)), (b.rng.randint(1, 40),), (2, 3, b.rng.randint(0, 9)))
+    )
     args = [b.floats(shape, b.rng.choice(checks.FLOAT_DTYPES)), b.rng.choice((0.0, 0.5, 2.0, 6.0))]
     for what in b.which(("A", "threshold")):
         if what == "A":
@@ -276,7 +344,9 @@ def _int8_linear_matmul(b: _Builder) -> list[Any]:
     args = [ints(rows, inner), ints(out, inner)]
     for what in b.which(("A", "B")):
         if what == "A":
-            b.tensor_mutation(args, 0, "A", lambda t: t.dtype == torch.int8 and t.dim() >= 1 and t.shape[-1] == inner, primary=True)
+            b.tensor_mutation(
+                args, 0, "A", lambda t: t.dtype == torch.int8 and t.dim() >= 1 and t.shape[-1] == inner, primary=True
+            )
         else:
             b.tensor_mutation(args, 1, "B", lambda t: t.dtype == torch.int8 and t.shape == (out, inner))
     return args
@@ -286,16 +356,28 @@ def _int8_mm_dequant(b: _Builder) -> list[Any]:
     rows, cols = b.rng.randint(0, 9), b.rng.randint(0, 20)
     product = torch.randint(-(1 << 20), 1 << 20, (rows, cols), generator=b.generator, dtype=torch.int32)
     bias = b.floats((cols,), torch.float32) if b.rng.random() < 0.5 else None
-    args = [product, torch.rand(rows, generator=b.generator) * 5, torch.rand(cols, generator=b.generator) * 5,
-            b.rng.choice(checks.FLOAT_DTYPES), bias]
+    args = [
+        product,
+        torch.rand(rows, generator=b.generator) * 5,
+        torch.rand(cols, generator=b.generator) * 5,
+        b.rng.choice(checks.FLOAT_DTYPES),
+        bias,
+    ]
 
     def stats_ok(count: int) -> Callable[[torch.Tensor], bool]:
         return lambda t: t.dtype == torch.float32 and t.numel() == count
 
     for what in b.which(("A", "row_stats", "col_stats", "dtype", "bias")):
         if what == "A":
-            b.tensor_mutation(args, 0, "A", lambda t: t.dtype == torch.int32 and t.dim() >= 1 and t.shape[-1] == cols
-                              and math.prod(t.shape[:-1]) == rows, primary=True)
+            b.tensor_mutation(
+                args,
+                0,
+                "A",
+                lambda t: (
+                    t.dtype == torch.int32 and t.dim() >= 1 and t.shape[-1] == cols and math.prod(t.shape[:-1]) == rows
+                ),
+                primary=True,
+            )
         elif what == "row_stats":
             b.tensor_mutation(args, 1, "row_stats", stats_ok(rows))
         elif what == "col_stats":
@@ -303,8 +385,13 @@ def _int8_mm_dequant(b: _Builder) -> list[Any]:
         elif what == "dtype":
             b.choice_arg(args, 3, "dtype", _ANY_DTYPES, checks.FLOAT_DTYPES)
         elif bias is not None:
-            b.tensor_mutation(args, 4, "bias", lambda t: t.dtype in (*checks.FLOAT_DTYPES, torch.float64) and t.shape == (cols,),
-                              optional=True)
+            b.tensor_mutation(
+                args,
+                4,
+                "bias",
+                lambda t: t.dtype in (*checks.FLOAT_DTYPES, torch.float64) and t.shape == (cols,),
+                optional=True,
+            )
     return args
 
 
@@ -341,10 +428,16 @@ def _cast_into(b: _Builder) -> list[Any]:
 
 
 _GENERATORS: dict[str, Callable[[_Builder], list[Any]]] = {
-    "quantize_blockwise": _quantize_blockwise, "dequantize_blockwise": _dequantize_blockwise,
-    "quantize_4bit": _quantize_4bit, "dequantize_4bit": _dequantize_4bit, "gemv_4bit": _gemv_4bit,
-    "int8_vectorwise_quant": _int8_vectorwise_quant, "int8_linear_matmul": _int8_linear_matmul,
-    "int8_mm_dequant": _int8_mm_dequant, "cast": _cast, "cast_into": _cast_into,
+    "quantize_blockwise": _quantize_blockwise,
+    "dequantize_blockwise": _dequantize_blockwise,
+    "quantize_4bit": _quantize_4bit,
+    "dequantize_4bit": _dequantize_4bit,
+    "gemv_4bit": _gemv_4bit,
+    "int8_vectorwise_quant": _int8_vectorwise_quant,
+    "int8_linear_matmul": _int8_linear_matmul,
+    "int8_mm_dequant": _int8_mm_dequant,
+    "cast": _cast,
+    "cast_into": _cast_into,
 }
 
 
@@ -364,8 +457,10 @@ def _snapshot(args: list[Any]) -> list[Any]:
 def _unchanged(before: list[Any], after: list[Any], skip: tuple[int, ...]) -> bool:
     from tightfit.ops.conformance import _bytes_differing
 
-    return all(i in skip or not isinstance(a, torch.Tensor) or a.device.type == "meta" or _bytes_differing(a, b) == 0
-               for i, (a, b) in enumerate(zip(before, after)))
+    return all(
+        i in skip or not isinstance(a, torch.Tensor) or a.device.type == "meta" or _bytes_differing(a, b) == 0
+        for i, (a, b) in enumerate(zip(before, after))
+    )
 
 
 def run_case(case: FuzzCase, index: int) -> tuple[str, str]:
@@ -396,8 +491,13 @@ def run_case(case: FuzzCase, index: int) -> tuple[str, str]:
 def _finite_parts(expected: Any, actual: Any, metric: str | float) -> tuple[Any, Any]:
     """For a tolerance metric, where non-finite values sit must match and the rest is compared:
     a reassociated sum over inf and -inf may give NaN where the reference gives inf."""
-    if metric == "bitwise" or not isinstance(expected, torch.Tensor) or not isinstance(actual, torch.Tensor) \
-            or expected.shape != actual.shape or bool(torch.isfinite(expected).all()):
+    if (
+        metric == "bitwise"
+        or not isinstance(expected, torch.Tensor)
+        or not isinstance(actual, torch.Tensor)
+        or expected.shape != actual.shape
+        or bool(torch.isfinite(expected).all())
+    ):
         return expected, actual
     finite = torch.isfinite(expected)
     if not torch.equal(finite, torch.isfinite(actual)):

@@ -49,8 +49,11 @@ def _vectorwise_reference(A: torch.Tensor, threshold: float) -> tuple[torch.Tens
 def _vectorwise_fake(A, threshold):
     ctx = torch.library.get_ctx()
     cols = ctx.new_dynamic_size()
-    return (torch.empty(A.shape, dtype=torch.int8, device=A.device), torch.empty(_row_count(A), device=A.device),
-            torch.empty(cols, dtype=torch.int64, device=A.device))
+    return (
+        torch.empty(A.shape, dtype=torch.int8, device=A.device),
+        torch.empty(_row_count(A), device=A.device),
+        torch.empty(cols, dtype=torch.int64, device=A.device),
+    )
 
 
 def _linear_matmul_reference(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
@@ -69,7 +72,9 @@ def _linear_matmul_cpu(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(rows.contiguous(), B.t()).reshape(*A.shape[:-1], B.shape[0])
 
 
-def _mm_dequant_reference(A: torch.Tensor, row_stats: torch.Tensor, col_stats: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+def _mm_dequant_reference(
+    A: torch.Tensor, row_stats: torch.Tensor, col_stats: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None
+) -> torch.Tensor:
     rows = _rows(A)
     out = rows * (row_stats.reshape(-1, 1) * col_stats.reshape(1, -1)) * INV_127_SQUARED
     if bias is not None:
@@ -85,24 +90,44 @@ def _cases_vectorwise() -> list[Case]:
     generator = torch.Generator().manual_seed(0)
     A = torch.randn(33, 64, generator=generator)
     A[3, 7] = 20.0
-    return [Case(f"{dtype} t={t}", (A.to(dtype), t)) for dtype in (torch.float32, torch.float16, torch.bfloat16) for t in (0.0, 6.0)] + [
-        Case("zero row", (torch.cat([A[:2], torch.zeros(1, 64)]), 0.0))]
+    return [
+        Case(f"{dtype} t={t}", (A.to(dtype), t))
+        for dtype in (torch.float32, torch.float16, torch.bfloat16)
+        for t in (0.0, 6.0)
+    ] + [Case("zero row", (torch.cat([A[:2], torch.zeros(1, 64)]), 0.0))]
 
 
 def _cases_matmul() -> list[Case]:
     generator = torch.Generator().manual_seed(1)
+
     def ints(*shape):
         return torch.randint(-127, 128, shape, generator=generator, dtype=torch.int8)
-    return [Case("17x64 @ 48x64", (ints(17, 64), ints(48, 64))), Case("one token", (ints(1, 1, 4096), ints(8, 4096))),
-            Case("empty", (ints(0, 64), ints(8, 64))), Case("zero width", (ints(3, 0), ints(8, 0)))]
+
+    return [
+        Case("17x64 @ 48x64", (ints(17, 64), ints(48, 64))),
+        Case("one token", (ints(1, 1, 4096), ints(8, 4096))),
+        Case("empty", (ints(0, 64), ints(8, 64))),
+        Case("zero width", (ints(3, 0), ints(8, 0))),
+    ]
 
 
 def _cases_dequant() -> list[Case]:
     generator = torch.Generator().manual_seed(2)
     A = torch.randint(-(1 << 20), 1 << 20, (9, 12), generator=generator, dtype=torch.int32)
-    return [Case(f"{dtype} bias={b}", (A, torch.rand(9, generator=generator) * 5, torch.rand(12, generator=generator) * 5, dtype,
-                                       torch.randn(12, generator=generator) if b else None))
-            for dtype in (torch.float32, torch.float16, torch.bfloat16) for b in (False, True)]
+    return [
+        Case(
+            f"{dtype} bias={b}",
+            (
+                A,
+                torch.rand(9, generator=generator) * 5,
+                torch.rand(12, generator=generator) * 5,
+                dtype,
+                torch.randn(12, generator=generator) if b else None,
+            ),
+        )
+        for dtype in (torch.float32, torch.float16, torch.bfloat16)
+        for b in (False, True)
+    ]
 
 
 # -- checks (D9): what every kernel relies on, run inside the op on every path --------------
@@ -149,21 +174,34 @@ def _check_dequant(A: object, row_stats: object, col_stats: object, dtype: objec
     if bias is not None:
         check_type("bias", bias, torch.Tensor)
         if bias.shape != (A.shape[-1],) or bias.dtype not in _BIAS_DTYPES:
-            raise ValueError(f"bias must be a float32, float16, bfloat16 or float64 tensor of shape ({A.shape[-1]},), "
-                             f"got {bias.dtype} {tuple(bias.shape)}")
+            raise ValueError(
+                f"bias must be a float32, float16, bfloat16 or float64 tensor of shape ({A.shape[-1]},), "
+                f"got {bias.dtype} {tuple(bias.shape)}"
+            )
         check_same_device("bias", bias, "A", A)
 
 
-_VECTORWISE = define_op("int8_vectorwise_quant", _vectorwise_reference, fake=_vectorwise_fake, cases=_cases_vectorwise,
-                        check=_check_vectorwise)
-_MATMUL = define_op("int8_linear_matmul", _linear_matmul_reference, fake=_linear_matmul_fake, cases=_cases_matmul, check=_check_matmul)
-_DEQUANT = define_op("int8_mm_dequant", _mm_dequant_reference, fake=_mm_dequant_fake, cases=_cases_dequant, check=_check_dequant)
+_VECTORWISE = define_op(
+    "int8_vectorwise_quant",
+    _vectorwise_reference,
+    fake=_vectorwise_fake,
+    cases=_cases_vectorwise,
+    check=_check_vectorwise,
+)
+_MATMUL = define_op(
+    "int8_linear_matmul", _linear_matmul_reference, fake=_linear_matmul_fake, cases=_cases_matmul, check=_check_matmul
+)
+_DEQUANT = define_op(
+    "int8_mm_dequant", _mm_dequant_reference, fake=_mm_dequant_fake, cases=_cases_dequant, check=_check_dequant
+)
 register_kernel("int8_linear_matmul", "cpu", _linear_matmul_cpu, label="oneDNN int8 GEMM")
 register_kernel("int8_vectorwise_quant", "cpu", _vectorwise_reference, label="vectorized torch")
 register_kernel("int8_mm_dequant", "cpu", _mm_dequant_reference, label="vectorized torch")
 
 
-def int8_vectorwise_quant(A: torch.Tensor, threshold: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def int8_vectorwise_quant(
+    A: torch.Tensor, threshold: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Row-wise int8: (q, row_stats, outlier_cols). With ``threshold`` > 0, entries with
     |A| >= threshold are left out of the scales and their columns zeroed in ``q``
     (``outlier_cols`` lists them; None when ``threshold`` is 0). ``A`` is not modified."""
@@ -190,7 +228,12 @@ def int8_linear_matmul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     return _MATMUL(A, B)
 
 
-def int8_mm_dequant(A: torch.Tensor, row_stats: torch.Tensor, col_stats: torch.Tensor, dtype: torch.dtype | None = None,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_mm_dequant(
+    A: torch.Tensor,
+    row_stats: torch.Tensor,
+    col_stats: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Scale an int32 product back: ``A * row_stats * col_stats / 127**2`` (+ bias), as ``dtype`` (default float16)."""
     return _DEQUANT(A, row_stats, col_stats, torch.float16 if dtype is None else dtype, bias)

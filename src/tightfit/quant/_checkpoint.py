@@ -70,7 +70,9 @@ def _code_table(name: str, value: object, quant_type: str | None) -> torch.Tenso
     tensor = dense_tensor(name, value, torch.float32)
     if quant_type is not None:
         if tensor.shape != (16,) or not torch.equal(tensor.cpu(), code_4bit(quant_type)):
-            raise ValueError(f"{name} (shape {tuple(tensor.shape)}) is not the {quant_type} table; accepted: the 16 values of {quant_type}")
+            raise ValueError(
+                f"{name} (shape {tuple(tensor.shape)}) is not the {quant_type} table; accepted: the 16 values of {quant_type}"
+            )
         return tensor
     if tensor.shape != (256,):
         raise ValueError(f"{name} has shape {tuple(tensor.shape)}; accepted: (256,), an 8-bit code table")
@@ -104,7 +106,9 @@ def _offset(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}: {value!r:.80}")
     if not 0.0 <= value <= torch.finfo(torch.float32).max:  # compared exactly, so a huge int never overflows
-        raise ValueError(f"{name}={value!r:.80} is not accepted; accepted: a finite float32 number >= 0 (the mean of the scales)")
+        raise ValueError(
+            f"{name}={value!r:.80} is not accepted; accepted: a finite float32 number >= 0 (the mean of the scales)"
+        )
     return float(value)
 
 
@@ -112,7 +116,9 @@ def _unpack(key: str, blob: object) -> dict[str, Any]:
     """The metadata held by a packed entry: UTF-8 JSON of one object, in a 1-D uint8 tensor."""
     tensor = dense_tensor(key, blob, torch.uint8)
     if tensor.dim() != 1 or tensor.numel() > _MAX_METADATA_BYTES:
-        raise ValueError(f"{key} has shape {tuple(tensor.shape)}; accepted: 1-D, at most {_MAX_METADATA_BYTES} bytes of JSON")
+        raise ValueError(
+            f"{key} has shape {tuple(tensor.shape)}; accepted: 1-D, at most {_MAX_METADATA_BYTES} bytes of JSON"
+        )
     try:
         metadata = json.loads(bytes(tensor.cpu().tolist()).decode("utf-8"))
     except (ValueError, RecursionError) as error:  # bad UTF-8, bad JSON, too deep, too many digits
@@ -141,7 +147,9 @@ def _collect(items: dict) -> tuple[dict[str, Any], dict[str, str], str | None]:
             given = [(key, name, value)]
         for source, field, item in given:
             if field not in _TENSOR_KEYS and field not in _METADATA_KEYS:
-                raise ValueError(f"{source} is not a quant state entry; accepted: {', '.join(_TENSOR_KEYS + _METADATA_KEYS)}")
+                raise ValueError(
+                    f"{source} is not a quant state entry; accepted: {', '.join(_TENSOR_KEYS + _METADATA_KEYS)}"
+                )
             if field in fields:
                 raise ValueError(f"{source} is given twice (also as {sources[field]}); a quant state has one of each")
             fields[field], sources[field] = item, source
@@ -166,25 +174,35 @@ def read_quant_state(items: object) -> dict[str, Any]:
         raise ValueError(f"{sources['quant_type']} is quant_type={quant_type!r} but the packed entry is {packed_key!r}")
     checked: dict[str, Any] = {
         "quant_type": quant_type,
-        "blocksize": _int_choice(sources["blocksize"], fields["blocksize"], BLOCKSIZES_4BIT if quant_type else BLOCKSIZES_8BIT),
+        "blocksize": _int_choice(
+            sources["blocksize"], fields["blocksize"], BLOCKSIZES_4BIT if quant_type else BLOCKSIZES_8BIT
+        ),
         "dtype": _dtype(sources["dtype"], fields["dtype"]),
         "shape": None if fields.get("shape") is None else _shape(sources["shape"], fields["shape"]),
         "quant_map": _code_table(sources["quant_map"], fields["quant_map"], quant_type),
     }
     if quant_type is not None and checked["shape"] is None:
-        raise ValueError(f"{sources.get('shape', 'shape')} is missing or null; a 4-bit state needs the shape it decodes to")
+        raise ValueError(
+            f"{sources.get('shape', 'shape')} is missing or null; a 4-bit state needs the shape it decodes to"
+        )
     nested = [key for key in _NESTED_KEYS if key in fields]
     if nested and len(nested) != len(_NESTED_KEYS):
-        raise ValueError(f"double-quantization entries come together; found {nested}, missing {[k for k in _NESTED_KEYS if k not in fields]}")
+        raise ValueError(
+            f"double-quantization entries come together; found {nested}, missing {[k for k in _NESTED_KEYS if k not in fields]}"
+        )
     count = None if checked["shape"] is None else block_count(math.prod(checked["shape"]), checked["blocksize"])
     if nested:
         absmax = dense_tensor(sources["absmax"], fields["absmax"], torch.uint8)
         if absmax.dim() != 1 or (count is not None and absmax.numel() != count):
-            raise ValueError(f"{sources['absmax']} has shape {tuple(absmax.shape)}; accepted: ({'n' if count is None else count},)")
+            raise ValueError(
+                f"{sources['absmax']} has shape {tuple(absmax.shape)}; accepted: ({'n' if count is None else count},)"
+            )
         nested_blocksize = _int_choice(sources["nested_blocksize"], fields["nested_blocksize"], BLOCKSIZES_8BIT)
         checked.update(
             absmax=absmax,
-            nested_absmax=scales(sources["nested_absmax"], fields["nested_absmax"], block_count(absmax.numel(), nested_blocksize)),
+            nested_absmax=scales(
+                sources["nested_absmax"], fields["nested_absmax"], block_count(absmax.numel(), nested_blocksize)
+            ),
             nested_quant_map=_code_table(sources["nested_quant_map"], fields["nested_quant_map"], None),
             nested_blocksize=nested_blocksize,
             nested_dtype=_dtype(sources["nested_dtype"], fields["nested_dtype"]),
@@ -216,4 +234,6 @@ def weight_format(name: str, value: object) -> None:
     the only layout read here."""
     tensor = dense_tensor(name, value)
     if tensor.numel() != 1 or tensor.is_complex() or tensor.dtype == torch.bool or float(tensor.reshape(())) != 0:
-        raise ValueError(f"{name} must be one number, 0 (row-major, what bitsandbytes writes); got {tensor.dtype} shape {tuple(tensor.shape)}")
+        raise ValueError(
+            f"{name} must be one number, 0 (row-major, what bitsandbytes writes); got {tensor.dtype} shape {tuple(tensor.shape)}"
+        )

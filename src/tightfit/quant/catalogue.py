@@ -36,8 +36,15 @@ from tightfit.quant.config import (
 )
 from tightfit.quant.modules import Linear4bit, Linear8bit, LinearInt8, QuantizedLinear
 
-__all__ = ["FLOAT8_DTYPE", "StorageFormat", "quantized_format", "register_format", "storage_format", "storage_formats",
-           "unregister_format"]
+__all__ = [
+    "FLOAT8_DTYPE",
+    "StorageFormat",
+    "quantized_format",
+    "register_format",
+    "storage_format",
+    "storage_formats",
+    "unregister_format",
+]
 
 Shape = tuple[int, ...]
 #: A decode probe: given a full-precision ``nn.Linear`` and an input for it, the work whose
@@ -95,7 +102,9 @@ class StorageFormat:
     def __post_init__(self) -> None:
         check_type("name", self.name, str)
         if not self.name or self.name != self.name.strip().lower() or "," in self.name:
-            raise ValueError(f"name={self.name!r} is not accepted; accepted: a non-empty lower-case word without commas or spaces")
+            raise ValueError(
+                f"name={self.name!r} is not accepted; accepted: a non-empty lower-case word without commas or spaces"
+            )
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise ValueError(f"rank must be an int >= 0, got {self.rank!r}")
         if isinstance(self.noise, bool) or not isinstance(self.noise, (int, float)) or not 0 <= self.noise < math.inf:
@@ -107,10 +116,15 @@ class StorageFormat:
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise TypeError(f"{name} must be callable or None, got {getattr(self, name)!r}")
         if (self.transient_bytes is None) != (self.decode_probe is None):
-            raise ValueError(f"format {self.name!r}: transient_bytes and decode_probe go together (a format that decodes "
-                             f"has both) or not at all")
-        if not isinstance(self.leaf_types, tuple) or not self.leaf_types or not all(
-                isinstance(t, type) and issubclass(t, nn.Module) for t in self.leaf_types):
+            raise ValueError(
+                f"format {self.name!r}: transient_bytes and decode_probe go together (a format that decodes "
+                f"has both) or not at all"
+            )
+        if (
+            not isinstance(self.leaf_types, tuple)
+            or not self.leaf_types
+            or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in self.leaf_types)
+        ):
             raise TypeError(f"leaf_types must be a non-empty tuple of nn.Module classes, got {self.leaf_types!r}")
         check_type("casts", self.casts, bool)
         if self.config is not None:
@@ -123,6 +137,7 @@ class StorageFormat:
 
 
 # -- the formats tightfit ships ------------------------------------------------------------
+
 
 def _keep_bytes(shape: Shape, dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
@@ -139,7 +154,9 @@ def _float8_bytes(shape: Shape, dtype: torch.dtype) -> int:
 def _float8_apply(model: nn.Module, leaves: frozenset[str]) -> None:
     dtypes = {module.weight.dtype for name, module in model.named_modules() if name in leaves}
     if len(dtypes) != 1:
-        raise ValueError(f"the float8 leaves compute in {len(dtypes)} dtypes ({dtypes}); float8 storage casts them to one")
+        raise ValueError(
+            f"the float8 leaves compute in {len(dtypes)} dtypes ({dtypes}); float8 storage casts them to one"
+        )
     apply_layerwise_casting(model, FLOAT8_DTYPE, dtypes.pop(), granularity=lambda name, _: name in leaves, skip=())
 
 
@@ -150,9 +167,17 @@ def _float8_probe(linear: nn.Linear, x: torch.Tensor) -> tuple[Callable[[], Any]
     return (lambda: ops.cast(stored, torch.float32).mul_(scale)), None
 
 
-def quantized_format(name: str, rank: int, noise: float, config: QuantConfig, module: type[nn.Module],
-                     stored_bytes: Callable[[Shape, torch.dtype], int], *, held_offloaded: Callable[[Shape, torch.dtype], int] = _nothing,
-                     outlier_threshold: float | None = None) -> StorageFormat:
+def quantized_format(
+    name: str,
+    rank: int,
+    noise: float,
+    config: QuantConfig,
+    module: type[nn.Module],
+    stored_bytes: Callable[[Shape, torch.dtype], int],
+    *,
+    held_offloaded: Callable[[Shape, torch.dtype], int] = _nothing,
+    outlier_threshold: float | None = None,
+) -> StorageFormat:
     """A format whose layers (``module``) ``quantize_`` builds from ``config``: applied by
     quantizing the chosen ``nn.Linear`` leaves; its transient bytes are the ones
     ``module.transient_bytes`` counts for the forward it runs; its decode probe times
@@ -160,11 +185,15 @@ def quantized_format(name: str, rank: int, noise: float, config: QuantConfig, mo
     against the full-precision one."""
     transient = getattr(module, "transient_bytes", None)
     if not callable(transient):
-        raise TypeError(f"module {module!r} must have a transient_bytes(shape, rows, outliers, dtype) classmethod: the bytes "
-                        f"its forward allocates")
+        raise TypeError(
+            f"module {module!r} must have a transient_bytes(shape, rows, outliers, dtype) classmethod: the bytes "
+            f"its forward allocates"
+        )
 
     def apply(model: nn.Module, leaves: frozenset[str]) -> None:
-        others = tuple(glob.escape(n) for n, leaf in model.named_modules() if type(leaf) is nn.Linear and n not in leaves)
+        others = tuple(
+            glob.escape(n) for n, leaf in model.named_modules() if type(leaf) is nn.Linear and n not in leaves
+        )
         quantize_(model, replace(config, skip=others))
 
     def probe(linear: nn.Linear, x: torch.Tensor) -> tuple[Callable[[], Any], Callable[[], Any] | None]:
@@ -173,15 +202,27 @@ def quantized_format(name: str, rank: int, noise: float, config: QuantConfig, mo
             return layer.dequantize, None
         return (lambda: layer(x)), (lambda: linear(x))
 
-    return StorageFormat(name, rank, noise, stored_bytes, apply, held_offloaded, transient, probe, config=config,
-                         outlier_threshold=outlier_threshold)
+    return StorageFormat(
+        name,
+        rank,
+        noise,
+        stored_bytes,
+        apply,
+        held_offloaded,
+        transient,
+        probe,
+        config=config,
+        outlier_threshold=outlier_threshold,
+    )
 
 
-def _blockwise_bytes(bits: int, blocksize: int, map_size: int) -> tuple[Callable[[Shape, torch.dtype], int],
-                                                                          Callable[[Shape, torch.dtype], int]]:
+def _blockwise_bytes(
+    bits: int, blocksize: int, map_size: int
+) -> tuple[Callable[[Shape, torch.dtype], int], Callable[[Shape, torch.dtype], int]]:
     """Stored bytes (codes of ``bits`` bits, a float32 scale per block, the map of
     ``map_size`` float32 values) and those held when offloaded (the scales and the map:
     a QuantState is neither a parameter nor a buffer)."""
+
     def scales(shape: Shape, dtype: torch.dtype) -> int:
         return math.ceil(math.prod(shape) / blocksize) * 4 + map_size * 4
 
@@ -201,8 +242,17 @@ def _builtin() -> list[StorageFormat]:
     stored_8bit, held_8bit = _blockwise_bytes(8, blockwise8.blocksize, 256)
     return [
         StorageFormat("keep", 0, 0.0, _keep_bytes, _keep_apply, leaf_types=(nn.Linear, nn.Embedding)),
-        StorageFormat("float8", 1, 1.0, _float8_bytes, _float8_apply, transient_bytes=_decoded_copy, decode_probe=_float8_probe,
-                      leaf_types=(nn.Linear, nn.Embedding), casts=True),
+        StorageFormat(
+            "float8",
+            1,
+            1.0,
+            _float8_bytes,
+            _float8_apply,
+            transient_bytes=_decoded_copy,
+            decode_probe=_float8_probe,
+            leaf_types=(nn.Linear, nn.Embedding),
+            casts=True,
+        ),
         quantized_format("8bit", 1, 1.0, blockwise8, Linear8bit, stored_8bit, held_offloaded=held_8bit),
         quantized_format("int8", 1, 1.0, int8, LinearInt8, _rows_bytes, outlier_threshold=int8.threshold),
         quantized_format("nf4", 2, 16.0, nf4, Linear4bit, stored_4bit, held_offloaded=held_4bit),
@@ -236,7 +286,9 @@ def register_format(storage: StorageFormat) -> StorageFormat:
     check_type("storage", storage, StorageFormat)
     with _LOCK:
         if storage.name in _FORMATS:
-            raise ValueError(f"storage format {storage.name!r} is registered already; unregister_format({storage.name!r}) first")
+            raise ValueError(
+                f"storage format {storage.name!r} is registered already; unregister_format({storage.name!r}) first"
+            )
         _FORMATS[storage.name] = storage
     return storage
 
@@ -246,7 +298,9 @@ def unregister_format(name: str) -> StorageFormat:
     must always be able to leave a weight as it is); returns it."""
     storage = storage_format(name)
     if name == "keep":
-        raise ValueError("storage format 'keep' cannot be unregistered: the planner must be able to leave a weight as it is")
+        raise ValueError(
+            "storage format 'keep' cannot be unregistered: the planner must be able to leave a weight as it is"
+        )
     with _LOCK:
         del _FORMATS[name]
     return storage

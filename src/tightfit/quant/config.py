@@ -19,7 +19,16 @@ from tightfit._validate import check_non_negative_number, check_type
 from tightfit.ops.blockwise import BLOCKSIZES_4BIT, BLOCKSIZES_8BIT
 from tightfit.quant.modules import Linear4bit, Linear8bit, LinearInt8
 
-__all__ = ["Blockwise8Config", "FP4Config", "Int8Config", "NF4Config", "QuantConfig", "handler_for", "quantize_", "register_handler"]
+__all__ = [
+    "Blockwise8Config",
+    "FP4Config",
+    "Int8Config",
+    "NF4Config",
+    "QuantConfig",
+    "handler_for",
+    "quantize_",
+    "register_handler",
+]
 
 
 def _check_patterns(name: str, value: object) -> None:
@@ -126,12 +135,24 @@ def register_handler(config_type: type) -> Callable:
 
 @register_handler(NF4Config)
 def _nf4(linear: nn.Linear, config: NF4Config) -> nn.Module:
-    return Linear4bit.from_linear(linear, quant_type="nf4", blocksize=config.blocksize, compress_statistics=config.double_quant, quant_storage=config.quant_storage)
+    return Linear4bit.from_linear(
+        linear,
+        quant_type="nf4",
+        blocksize=config.blocksize,
+        compress_statistics=config.double_quant,
+        quant_storage=config.quant_storage,
+    )
 
 
 @register_handler(FP4Config)
 def _fp4(linear: nn.Linear, config: FP4Config) -> nn.Module:
-    return Linear4bit.from_linear(linear, quant_type="fp4", blocksize=config.blocksize, compress_statistics=config.double_quant, quant_storage=config.quant_storage)
+    return Linear4bit.from_linear(
+        linear,
+        quant_type="fp4",
+        blocksize=config.blocksize,
+        compress_statistics=config.double_quant,
+        quant_storage=config.quant_storage,
+    )
 
 
 @register_handler(Blockwise8Config)
@@ -147,7 +168,9 @@ def _int8(linear: nn.Linear, config: Int8Config) -> nn.Module:
 def handler_for(config: QuantConfig) -> Callable[[nn.Linear, QuantConfig], nn.Module]:
     handler = _HANDLERS.get(type(config))
     if handler is None:
-        raise ValueError(f"no handler is registered for {type(config).__name__}; registered: {', '.join(t.__name__ for t in _HANDLERS)}")
+        raise ValueError(
+            f"no handler is registered for {type(config).__name__}; registered: {', '.join(t.__name__ for t in _HANDLERS)}"
+        )
     return handler
 
 
@@ -162,8 +185,12 @@ def quantize_(model: nn.Module, config: QuantConfig) -> nn.Module:
     check_type("config", config, QuantConfig)
     handler_for(config)
     if isinstance(model, nn.Linear):
-        raise ValueError("model is itself an nn.Linear; quantize_ replaces children, so wrap it or use Linear4bit.from_linear")
-    with task(f"quantizing Linear layers ({type(config).__name__})", sum(type(m) is nn.Linear for m in model.modules())) as advance:
+        raise ValueError(
+            "model is itself an nn.Linear; quantize_ replaces children, so wrap it or use Linear4bit.from_linear"
+        )
+    with task(
+        f"quantizing Linear layers ({type(config).__name__})", sum(type(m) is nn.Linear for m in model.modules())
+    ) as advance:
         _quantize_children(model, config, prefix="", advance=advance)
     return model
 

@@ -14,8 +14,19 @@ from tightfit import ops
 from tightfit._validate import check_type
 from tightfit.quant.state import QuantState
 
-__all__ = ["QuantState", "dequantize_4bit", "dequantize_blockwise", "dequantize_fp4", "dequantize_nf4", "gemv_4bit", "matmul_4bit",
-           "quantize_4bit", "quantize_blockwise", "quantize_fp4", "quantize_nf4"]
+__all__ = [
+    "QuantState",
+    "dequantize_4bit",
+    "dequantize_blockwise",
+    "dequantize_fp4",
+    "dequantize_nf4",
+    "gemv_4bit",
+    "matmul_4bit",
+    "quantize_4bit",
+    "quantize_blockwise",
+    "quantize_fp4",
+    "quantize_nf4",
+]
 
 NESTED_BLOCKSIZE_4BIT = 256
 
@@ -26,7 +37,9 @@ def _copy_into(name: str, target: torch.Tensor | None, value: torch.Tensor) -> t
         return value
     check_type(name, target, torch.Tensor)
     if target.shape != value.shape or target.dtype != value.dtype:
-        raise ValueError(f"{name} must have shape {tuple(value.shape)} and dtype {value.dtype}, got {tuple(target.shape)} {target.dtype}")
+        raise ValueError(
+            f"{name} must have shape {tuple(value.shape)} and dtype {value.dtype}, got {tuple(target.shape)} {target.dtype}"
+        )
     return target.copy_(value)
 
 
@@ -42,41 +55,74 @@ def _absmax_of(state: QuantState) -> torch.Tensor:
     return dequantize_blockwise(state.absmax, state.state2) + state.offset
 
 
-def quantize_blockwise(A: torch.Tensor, code: torch.Tensor | None = None, absmax: torch.Tensor | None = None,
-                       out: torch.Tensor | None = None, blocksize: int = 4096, nested: bool = False) -> tuple[torch.Tensor, QuantState]:
+def quantize_blockwise(
+    A: torch.Tensor,
+    code: torch.Tensor | None = None,
+    absmax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    blocksize: int = 4096,
+    nested: bool = False,
+) -> tuple[torch.Tensor, QuantState]:
     """8-bit blockwise quantization; returns (uint8 codes, QuantState)."""
     check_type("nested", nested, bool)
     q, scales = ops.quantize_blockwise(A, code, blocksize)
     code = ops.dynamic_map().to(A.device) if code is None else code.clone()
     if nested:
         nested_codes, offset, state2 = _nest(scales, blocksize)
-        state = QuantState(absmax=nested_codes, code=code, blocksize=blocksize, dtype=A.dtype, offset=offset, state2=state2)
+        state = QuantState(
+            absmax=nested_codes, code=code, blocksize=blocksize, dtype=A.dtype, offset=offset, state2=state2
+        )
     else:
         state = QuantState(absmax=_copy_into("absmax", absmax, scales), code=code, blocksize=blocksize, dtype=A.dtype)
     return _copy_into("out", out, q), state
 
 
-def dequantize_blockwise(A: torch.Tensor, quant_state: QuantState | None = None, absmax: torch.Tensor | None = None,
-                         code: torch.Tensor | None = None, out: torch.Tensor | None = None, blocksize: int = 4096,
-                         nested: bool = False) -> torch.Tensor:
+def dequantize_blockwise(
+    A: torch.Tensor,
+    quant_state: QuantState | None = None,
+    absmax: torch.Tensor | None = None,
+    code: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    blocksize: int = 4096,
+    nested: bool = False,
+) -> torch.Tensor:
     """Decode 8-bit codes with ``quant_state`` (or with ``absmax``, ``code`` and ``blocksize``)."""
     if quant_state is None:
         if absmax is None:
             raise ValueError("dequantize_blockwise needs quant_state, or absmax (with code and blocksize)")
-        quant_state = QuantState(absmax=absmax, code=ops.dynamic_map().to(absmax.device) if code is None else code,
-                                 blocksize=blocksize, dtype=torch.float32)
+        quant_state = QuantState(
+            absmax=absmax,
+            code=ops.dynamic_map().to(absmax.device) if code is None else code,
+            blocksize=blocksize,
+            dtype=torch.float32,
+        )
     check_type("quant_state", quant_state, QuantState)
-    result = ops.dequantize_blockwise(A, _absmax_of(quant_state).float(), quant_state.code, quant_state.blocksize, quant_state.dtype)
+    result = ops.dequantize_blockwise(
+        A, _absmax_of(quant_state).float(), quant_state.code, quant_state.blocksize, quant_state.dtype
+    )
     return _copy_into("out", out, result)
 
 
-def quantize_4bit(A: torch.Tensor, absmax: torch.Tensor | None = None, out: torch.Tensor | None = None, blocksize: int | None = None,
-                  compress_statistics: bool = False, quant_type: str = "fp4", quant_storage: torch.dtype = torch.uint8) -> tuple[torch.Tensor, QuantState]:
+def quantize_4bit(
+    A: torch.Tensor,
+    absmax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    blocksize: int | None = None,
+    compress_statistics: bool = False,
+    quant_type: str = "fp4",
+    quant_storage: torch.dtype = torch.uint8,
+) -> tuple[torch.Tensor, QuantState]:
     """4-bit (NF4 / FP4) blockwise quantization; returns (packed codes, QuantState)."""
     check_type("compress_statistics", compress_statistics, bool)
     blocksize = 64 if blocksize is None else blocksize
     packed, scales = ops.quantize_4bit(A, blocksize, quant_type, quant_storage)
-    common = dict(shape=A.shape, dtype=A.dtype, blocksize=blocksize, code=ops.code_4bit(quant_type).to(A.device), quant_type=quant_type)
+    common = dict(
+        shape=A.shape,
+        dtype=A.dtype,
+        blocksize=blocksize,
+        code=ops.code_4bit(quant_type).to(A.device),
+        quant_type=quant_type,
+    )
     if compress_statistics:
         nested_codes, offset, state2 = _nest(scales, NESTED_BLOCKSIZE_4BIT)
         state = QuantState(absmax=nested_codes, offset=offset, state2=state2, **common)
@@ -85,39 +131,79 @@ def quantize_4bit(A: torch.Tensor, absmax: torch.Tensor | None = None, out: torc
     return _copy_into("out", out, packed), state
 
 
-def dequantize_4bit(A: torch.Tensor, quant_state: QuantState | None = None, absmax: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None, blocksize: int | None = None, quant_type: str = "fp4") -> torch.Tensor:
+def dequantize_4bit(
+    A: torch.Tensor,
+    quant_state: QuantState | None = None,
+    absmax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    blocksize: int | None = None,
+    quant_type: str = "fp4",
+) -> torch.Tensor:
     """Decode packed 4-bit codes with ``quant_state`` (or with ``absmax`` and ``out``'s shape and dtype)."""
     if quant_state is None:
         if absmax is None or out is None:
             raise ValueError("dequantize_4bit needs quant_state, or both absmax and out")
-        quant_state = QuantState(absmax=absmax, code=ops.code_4bit(quant_type), shape=out.shape, dtype=out.dtype,
-                                 blocksize=64 if blocksize is None else blocksize, quant_type=quant_type)
+        quant_state = QuantState(
+            absmax=absmax,
+            code=ops.code_4bit(quant_type),
+            shape=out.shape,
+            dtype=out.dtype,
+            blocksize=64 if blocksize is None else blocksize,
+            quant_type=quant_type,
+        )
     check_type("quant_state", quant_state, QuantState)
     if quant_state.quant_type is None or quant_state.shape is None:
         raise ValueError("quant_state is not a 4-bit state (quant_type and shape are needed)")
-    result = ops.dequantize_4bit(A, _absmax_of(quant_state).float(), quant_state.blocksize, quant_state.quant_type,
-                                 list(quant_state.shape), quant_state.dtype)
+    result = ops.dequantize_4bit(
+        A,
+        _absmax_of(quant_state).float(),
+        quant_state.blocksize,
+        quant_state.quant_type,
+        list(quant_state.shape),
+        quant_state.dtype,
+    )
     return _copy_into("out", out, result)
 
 
-def quantize_nf4(A: torch.Tensor, absmax: torch.Tensor | None = None, out: torch.Tensor | None = None, blocksize: int | None = None,
-                 compress_statistics: bool = False, quant_storage: torch.dtype = torch.uint8) -> tuple[torch.Tensor, QuantState]:
+def quantize_nf4(
+    A: torch.Tensor,
+    absmax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    blocksize: int | None = None,
+    compress_statistics: bool = False,
+    quant_storage: torch.dtype = torch.uint8,
+) -> tuple[torch.Tensor, QuantState]:
     return quantize_4bit(A, absmax, out, blocksize, compress_statistics, "nf4", quant_storage)
 
 
-def quantize_fp4(A: torch.Tensor, absmax: torch.Tensor | None = None, out: torch.Tensor | None = None, blocksize: int | None = None,
-                 compress_statistics: bool = False, quant_storage: torch.dtype = torch.uint8) -> tuple[torch.Tensor, QuantState]:
+def quantize_fp4(
+    A: torch.Tensor,
+    absmax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    blocksize: int | None = None,
+    compress_statistics: bool = False,
+    quant_storage: torch.dtype = torch.uint8,
+) -> tuple[torch.Tensor, QuantState]:
     return quantize_4bit(A, absmax, out, blocksize, compress_statistics, "fp4", quant_storage)
 
 
-def dequantize_nf4(A: torch.Tensor, quant_state: QuantState | None = None, absmax: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None, blocksize: int | None = None) -> torch.Tensor:
+def dequantize_nf4(
+    A: torch.Tensor,
+    quant_state: QuantState | None = None,
+    absmax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    blocksize: int | None = None,
+) -> torch.Tensor:
     return dequantize_4bit(A, quant_state, absmax, out, blocksize, "nf4")
 
 
-def dequantize_fp4(A: torch.Tensor, quant_state: QuantState | None = None, absmax: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None, blocksize: int | None = None) -> torch.Tensor:
+def dequantize_fp4(
+    A: torch.Tensor,
+    quant_state: QuantState | None = None,
+    absmax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    blocksize: int | None = None,
+) -> torch.Tensor:
     return dequantize_4bit(A, quant_state, absmax, out, blocksize, "fp4")
 
 
@@ -128,8 +214,14 @@ def _check_4bit_weight_state(state: object) -> QuantState:
     return state
 
 
-def gemv_4bit(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor | None = None, transposed_A: bool = False,
-              transposed_B: bool = False, state: QuantState | None = None) -> torch.Tensor:
+def gemv_4bit(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    out: torch.Tensor | None = None,
+    transposed_A: bool = False,
+    transposed_B: bool = False,
+    state: QuantState | None = None,
+) -> torch.Tensor:
     """``A @ dequantize(B).T`` without materializing the weight (bitsandbytes' signature;
     the transposed flags are accepted for compatibility and must be False)."""
     if transposed_A or transposed_B:
@@ -139,8 +231,13 @@ def gemv_4bit(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor | None = None,
     return _copy_into("out", out, result)
 
 
-def matmul_4bit(A: torch.Tensor, B: torch.Tensor, quant_state: QuantState, out: torch.Tensor | None = None,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def matmul_4bit(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    quant_state: QuantState,
+    out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``A @ dequantize(B).T + bias`` in ``A``'s dtype. One token at a time (decode) runs
     the fused kernel and never holds the decoded weight; larger batches decode the weight
     once and use torch's matmul."""

@@ -38,12 +38,14 @@ import torch
 from torch import nn
 
 from tightfit._fuzz_campaign import main
-from tightfit.quant import Linear4bit, Linear8bit, LinearInt8, QuantState, QuantizedLinear
+from tightfit.quant import Linear4bit, Linear8bit, LinearInt8, QuantizedLinear, QuantState
 from tightfit.quant import functional as F
 
 KINDS = {
     "nf4": lambda linear: Linear4bit.from_linear(linear, quant_type="nf4"),
-    "fp4-nested": lambda linear: Linear4bit.from_linear(linear, quant_type="fp4", blocksize=32, compress_statistics=True),
+    "fp4-nested": lambda linear: Linear4bit.from_linear(
+        linear, quant_type="fp4", blocksize=32, compress_statistics=True
+    ),
     "8bit": lambda linear: Linear8bit.from_linear(linear, blocksize=64),
     "8bit-nested": lambda linear: Linear8bit.from_linear(linear, blocksize=64, nested=True),
     "int8": lambda linear: LinearInt8.from_linear(linear),
@@ -65,13 +67,54 @@ FIELD_VALUES = {
     "nested_offset": (math.nan, math.inf, -math.inf, "nan", "0.5", -1.0, None, [], 1e39, 10**400, True),
 }
 _RESHAPES = ("flatten", "unsqueeze", "drop_last", "append", "empty", "scalar", "transpose")
-_DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "complex64")
+_DTYPES = (
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "float8_e4m3fn",
+    "complex64",
+)
 _VALUES = ("nan", "inf", "-inf", "negative")
-_NAMES = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state.bitsandbytes__nf4", "quant_state.bitsandbytes__fp4",
-          "quant_state.tightfit__blockwise8", "quant_state.bitsandbytes__int4", "SCB", "bias", "weight", "weight_format", "blocksize")
+_NAMES = (
+    "absmax",
+    "quant_map",
+    "nested_absmax",
+    "nested_quant_map",
+    "quant_state.bitsandbytes__nf4",
+    "quant_state.bitsandbytes__fp4",
+    "quant_state.tightfit__blockwise8",
+    "quant_state.bitsandbytes__int4",
+    "SCB",
+    "bias",
+    "weight",
+    "weight_format",
+    "blocksize",
+)
 #: whole replacements of the packed JSON: other JSON, broken JSON, deep nesting, huge numbers, bad UTF-8.
-_BLOBS = (b"", b"null", b"[]", b"42", b'"nf4"', b"{", b"{}", b"NaN", b"\xff\xfe{}", b"[" * 60000, b'{"a":' * 12000,
-          b"9" * 5000, b'{"blocksize": ' + b"9" * 5000 + b"}", b'{"quant_type": "nf4"}', b"[" * 70000)
+_BLOBS = (
+    b"",
+    b"null",
+    b"[]",
+    b"42",
+    b'"nf4"',
+    b"{",
+    b"{}",
+    b"NaN",
+    b"\xff\xfe{}",
+    b"[" * 60000,
+    b'{"a":' * 12000,
+    b"9" * 5000,
+    b'{"blocksize": ' + b"9" * 5000 + b"}",
+    b'{"quant_type": "nf4"}',
+    b"[" * 70000,
+)
 #: bytes that break JSON wherever they land (outside a string they unbalance it; inside one
 #: they make a name or value that no field accepts).
 _BAD_BYTES = (0xFF, 0x00, ord("{"), ord("["))
@@ -92,13 +135,13 @@ def layers(kind: str) -> tuple[nn.Module, nn.Module]:
     return _LAYERS[kind]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(kind: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     module = layers(kind)[0]
     return module, dict(module.state_dict())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fresh_snapshot(kind: str) -> list[torch.Tensor]:
     return snapshot(layers(kind)[1])
 
@@ -156,7 +199,9 @@ def draw_mutations(rng: random.Random, items: dict[str, Any]) -> list[tuple]:
         elif op == "json":
             field = rng.choice(sorted(FIELD_VALUES) + ["extra"])
             what = rng.choice(["set", "set", "drop"])
-            mutations.append(("json", key, field, "drop" if what == "drop" else rng.choice(FIELD_VALUES.get(field, (1,)))))
+            mutations.append(
+                ("json", key, field, "drop" if what == "drop" else rng.choice(FIELD_VALUES.get(field, (1,))))
+            )
         else:
             how = rng.choice(["cut", "byte", "blob"])
             arg = rng.choice(_BLOBS) if how == "blob" else rng.randrange(value.numel())
@@ -169,10 +214,17 @@ def draw_mutations(rng: random.Random, items: dict[str, Any]) -> list[tuple]:
 def _addition(rng: random.Random, items: dict[str, Any]) -> tuple:
     """A new entry: an unknown one, a lone nested one, a second packed one, a weight_format."""
     prefix = "weight." if "weight" in items else ""
-    candidates = [(prefix + "extra", torch.ones(2)), (prefix + "nested_absmax", torch.ones(1)),
-                  ("weight_format", torch.tensor(rng.choice([0, 1]), dtype=torch.uint8))]
-    candidates += [(key.rsplit(".", 1)[0] + ".bitsandbytes__" + quant_type, value)
-                   for key, value in items.items() if is_packed(key) for quant_type in ("nf4", "fp4")]
+    candidates = [
+        (prefix + "extra", torch.ones(2)),
+        (prefix + "nested_absmax", torch.ones(1)),
+        ("weight_format", torch.tensor(rng.choice([0, 1]), dtype=torch.uint8)),
+    ]
+    candidates += [
+        (key.rsplit(".", 1)[0] + ".bitsandbytes__" + quant_type, value)
+        for key, value in items.items()
+        if is_packed(key)
+        for quant_type in ("nf4", "fp4")
+    ]
     key, value = rng.choice([(key, value) for key, value in candidates if key not in items])
     return ("add", key, value)
 
@@ -244,7 +296,7 @@ def apply(items: dict[str, Any], mutations: list[tuple]) -> dict[str, Any]:
             if how == "cut":
                 data = data[:arg]
             elif how == "byte":
-                data = data[:arg] + bytes([bad_byte]) + data[arg + 1:]
+                data = data[:arg] + bytes([bad_byte]) + data[arg + 1 :]
             else:
                 data = arg
             out[key] = _json_tensor(data)
@@ -261,7 +313,9 @@ def snapshot(module: nn.Module) -> list[torch.Tensor]:
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b)
+    )
 
 
 def _behaviour(module: nn.Module) -> list[torch.Tensor]:
@@ -271,7 +325,7 @@ def _behaviour(module: nn.Module) -> list[torch.Tensor]:
         return [module.dequantize()] + ([] if module.bias is None else [module.bias.detach()]) + [module(x)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _expected(kind: str) -> list[torch.Tensor]:
     return _behaviour(reference(kind)[0])
 
@@ -279,7 +333,8 @@ def _expected(kind: str) -> list[torch.Tensor]:
 def _strict_report_only(error: RuntimeError) -> bool:
     lines = str(error).splitlines()
     return lines[0].startswith("Error(s) in loading state_dict") and all(
-        line.strip().startswith(("Missing key(s)", "Unexpected key(s)")) for line in lines[1:] if line.strip())
+        line.strip().startswith(("Missing key(s)", "Unexpected key(s)")) for line in lines[1:] if line.strip()
+    )
 
 
 def run_load(kind: str, mutations: list[tuple], strict: bool) -> str:

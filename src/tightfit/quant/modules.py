@@ -36,7 +36,9 @@ def _check_input(x: torch.Tensor, in_features: int) -> None:
     if x.dtype not in FLOAT_DTYPES:  # as nn.Linear refuses them; decoding into an integer dtype would truncate
         raise TypeError(f"x has dtype {x.dtype}; accepted: float32, float16, bfloat16")
     if x.dim() == 0 or x.shape[-1] != in_features:
-        raise ValueError(f"input has {x.shape[-1] if x.dim() else 0} features in its last dimension; this layer takes {in_features}")
+        raise ValueError(
+            f"input has {x.shape[-1] if x.dim() else 0} features in its last dimension; this layer takes {in_features}"
+        )
 
 
 class _CheckedLoading(nn.Module, abc.ABC):
@@ -58,19 +60,36 @@ class _CheckedLoading(nn.Module, abc.ABC):
     def _read_entries(self, entries: dict[str, Any], prefix: str, device: torch.device) -> dict[str, Any]:
         """The checked attributes to set, on ``device``, from the entries other than the bias."""
 
-    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
-                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
-        entries = {key[len(prefix):]: state_dict.pop(key) for key in list(state_dict)
-                   if isinstance(key, str) and key.startswith(prefix) and self._owns(key[len(prefix):])}
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+    def _load_from_state_dict(
+        self,
+        state_dict: dict,
+        prefix: str,
+        local_metadata: dict,
+        strict: bool,
+        missing_keys: list,
+        unexpected_keys: list,
+        error_msgs: list,
+    ) -> None:
+        entries = {
+            key[len(prefix) :]: state_dict.pop(key)
+            for key in list(state_dict)
+            if isinstance(key, str) and key.startswith(prefix) and self._owns(key[len(prefix) :])
+        }
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
         taken = {prefix + name for name in entries}
         missing_keys[:] = [key for key in missing_keys if key not in taken]  # torch saw them popped, not absent
         absent = [prefix + name for name in self._required(entries) if name not in entries]
         if absent:
             missing_keys.extend([key for key in absent if key not in missing_keys])
             return
-        assign = local_metadata.get("assign_to_params_buffers", False)  # load_state_dict(assign=True): keep their device
-        device = entries["weight"].device if assign and isinstance(entries["weight"], torch.Tensor) else self.weight.device
+        assign = local_metadata.get(
+            "assign_to_params_buffers", False
+        )  # load_state_dict(assign=True): keep their device
+        device = (
+            entries["weight"].device if assign and isinstance(entries["weight"], torch.Tensor) else self.weight.device
+        )
         values = self._read_entries(entries, prefix, device)
         bias = checks.bias(prefix + "bias", entries["bias"], self.bias) if self.bias is not None else None
         for name, value in values.items():
@@ -85,7 +104,9 @@ class _CheckedLoading(nn.Module, abc.ABC):
 class QuantizedLinear(_CheckedLoading):
     """Shared machinery: a packed weight buffer, its QuantState, an optional bias."""
 
-    def __init__(self, in_features: int, out_features: int, packed: torch.Tensor, state: QuantState, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, packed: torch.Tensor, state: QuantState, bias: torch.Tensor | None
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
@@ -148,7 +169,9 @@ class QuantizedLinear(_CheckedLoading):
         """``weight`` from a checkpoint, checked against this layer and ``state``."""
 
     def _read_entries(self, entries: dict[str, Any], prefix: str, device: torch.device) -> dict[str, Any]:
-        state = QuantState.from_dict({prefix + name: value for name, value in entries.items() if name.startswith("weight.")}, device=device)
+        state = QuantState.from_dict(
+            {prefix + name: value for name, value in entries.items() if name.startswith("weight.")}, device=device
+        )
         weight = self._checked_weight(prefix + "weight", entries["weight"], state)
         return {"weight": weight.to(device), "quant_state": state}
 
@@ -169,11 +192,23 @@ class Linear4bit(QuantizedLinear):
     """``nn.Linear`` with an NF4 or FP4 weight (4 bits per value plus one scale per block)."""
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, quant_type: str = "nf4", blocksize: int = 64, compress_statistics: bool = False,
-                    quant_storage: torch.dtype = torch.uint8) -> Linear4bit:
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        *,
+        quant_type: str = "nf4",
+        blocksize: int = 64,
+        compress_statistics: bool = False,
+        quant_storage: torch.dtype = torch.uint8,
+    ) -> Linear4bit:
         _check_linear(linear)
-        packed, state = F.quantize_4bit(linear.weight.detach(), blocksize=blocksize, compress_statistics=compress_statistics,
-                                        quant_type=quant_type, quant_storage=quant_storage)
+        packed, state = F.quantize_4bit(
+            linear.weight.detach(),
+            blocksize=blocksize,
+            compress_statistics=compress_statistics,
+            quant_type=quant_type,
+            quant_storage=quant_storage,
+        )
         return cls(linear.in_features, linear.out_features, packed, state, linear.bias)
 
     def _decode(self) -> torch.Tensor:
@@ -182,8 +217,10 @@ class Linear4bit(QuantizedLinear):
     def _checked_weight(self, name: str, weight: object, state: QuantState) -> torch.Tensor:
         shape = (self.out_features, self.in_features)
         if state.quant_type is None or state.shape != shape:
-            raise ValueError(f"{name}'s quant state is {state.quant_type or '8-bit blockwise'} of shape {state.shape}; "
-                             f"accepted: nf4 or fp4 of shape {shape}")
+            raise ValueError(
+                f"{name}'s quant state is {state.quant_type or '8-bit blockwise'} of shape {state.shape}; "
+                f"accepted: nf4 or fp4 of shape {shape}"
+            )
         return checks.packed_4bit(name, weight, shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -206,11 +243,15 @@ class Linear8bit(QuantizedLinear):
     def _checked_weight(self, name: str, weight: object, state: QuantState) -> torch.Tensor:
         shape = (self.out_features, self.in_features)
         if state.quant_type is not None or state.shape not in (None, shape):
-            raise ValueError(f"{name}'s quant state is {state.quant_type or '8-bit blockwise'} of shape {state.shape}; "
-                             f"accepted: 8-bit blockwise of shape {shape}")
+            raise ValueError(
+                f"{name}'s quant state is {state.quant_type or '8-bit blockwise'} of shape {state.shape}; "
+                f"accepted: 8-bit blockwise of shape {shape}"
+            )
         blocks = block_count(self.out_features * self.in_features, state.blocksize)
         if state.absmax.numel() != blocks:
-            raise ValueError(f"{name}.absmax has {state.absmax.numel()} values; {shape} in blocks of {state.blocksize} needs {blocks}")
+            raise ValueError(
+                f"{name}.absmax has {state.absmax.numel()} values; {shape} in blocks of {state.blocksize} needs {blocks}"
+            )
         return checks.exact_tensor(name, weight, torch.uint8, shape)
 
 
@@ -223,8 +264,15 @@ class LinearInt8(_CheckedLoading):
     ``Linear8bitLt`` does.
     """
 
-    def __init__(self, in_features: int, out_features: int, weight: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None, threshold: float) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        threshold: float,
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
@@ -251,7 +299,9 @@ class LinearInt8(_CheckedLoading):
         return ["weight", "SCB"] + (["bias"] if self.bias is not None else [])
 
     def _read_entries(self, entries: dict[str, Any], prefix: str, device: torch.device) -> dict[str, Any]:
-        weight = checks.exact_tensor(prefix + "weight", entries["weight"], torch.int8, (self.out_features, self.in_features))
+        weight = checks.exact_tensor(
+            prefix + "weight", entries["weight"], torch.int8, (self.out_features, self.in_features)
+        )
         scales = checks.scales(prefix + "SCB", entries["SCB"], self.out_features)
         if "weight_format" in entries:
             checks.weight_format(prefix + "weight_format", entries["weight_format"])
@@ -308,7 +358,12 @@ def unregistered_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Every tensor the layers under ``model`` hold outside their parameters and buffers
     (see :meth:`QuantizedLinear.unregistered_tensors`)."""
     check_type("model", model, nn.Module)
-    return [tensor for module in model.modules() if isinstance(module, QuantizedLinear) for tensor in module.unregistered_tensors()]
+    return [
+        tensor
+        for module in model.modules()
+        if isinstance(module, QuantizedLinear)
+        for tensor in module.unregistered_tensors()
+    ]
 
 
 def move_unregistered(module: nn.Module, device: torch.device | str) -> None:

@@ -55,7 +55,9 @@ class QuantState:
             raise ValueError(f"QuantState.quant_type={self.quant_type!r} is not accepted; accepted: nf4, fp4, None")
         accepted = BLOCKSIZES_4BIT if self.quant_type else BLOCKSIZES_8BIT
         if isinstance(self.blocksize, bool) or self.blocksize not in accepted:
-            raise ValueError(f"QuantState.blocksize={self.blocksize!r} is not accepted; accepted: {', '.join(map(str, accepted))}")
+            raise ValueError(
+                f"QuantState.blocksize={self.blocksize!r} is not accepted; accepted: {', '.join(map(str, accepted))}"
+            )
         if self.dtype not in FLOAT_DTYPES:
             raise ValueError(f"QuantState.dtype={self.dtype!r} is not accepted; accepted: float32, float16, bfloat16")
         if self.shape is not None:
@@ -123,8 +125,12 @@ class QuantState:
         device = check_device("device", device)
         state2 = offset = None
         if "nested_absmax" in fields:
-            state2 = cls(absmax=fields["nested_absmax"].to(device), code=fields["nested_quant_map"].to(device),
-                         blocksize=fields["nested_blocksize"], dtype=fields["nested_dtype"])
+            state2 = cls(
+                absmax=fields["nested_absmax"].to(device),
+                code=fields["nested_quant_map"].to(device),
+                blocksize=fields["nested_blocksize"],
+                dtype=fields["nested_dtype"],
+            )
             offset = torch.tensor(fields["nested_offset"], dtype=torch.float32, device=device)
         return cls(
             absmax=fields["absmax"].to(device),

@@ -67,7 +67,10 @@ def __getattr__(name: str) -> object:
         return deprecated_orders()
     if name in _RENAMED:
         new_name, value = _RENAMED[name]
-        warnings.warn(f"tightfit.graph.alloc.{name} is renamed {new_name}; {name} goes in the next release",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"tightfit.graph.alloc.{name} is renamed {new_name}; {name} goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -47,8 +47,9 @@ class Arena:
     @property
     def method(self) -> str:
         """Deprecated: :attr:`strategy`."""
-        warnings.warn("Arena.method is renamed Arena.strategy; method goes in the next release", DeprecationWarning,
-                      stacklevel=2)
+        warnings.warn(
+            "Arena.method is renamed Arena.strategy; method goes in the next release", DeprecationWarning, stacklevel=2
+        )
         return self.strategy
 
     def offset_of(self, name: str) -> int:
@@ -134,8 +135,13 @@ def _free(holes: list[list[int]], offset: int, size: int, top: int) -> int:
 _STRATEGIES = {"greedy-by-size": greedy_by_size, "best-fit": best_fit}
 
 
-def place_arena(device: str, buffers: Sequence[Buffer], alignment: int = 64, strategies: Sequence[str] = STRATEGIES,
-                **deprecated: Any) -> Arena:
+def place_arena(
+    device: str,
+    buffers: Sequence[Buffer],
+    alignment: int = 64,
+    strategies: Sequence[str] = STRATEGIES,
+    **deprecated: Any,
+) -> Arena:
     """The smallest arena the ``strategies`` find for ``buffers`` (all on ``device``).
 
     ``methods=``, the old name of ``strategies=``, works for one release with a DeprecationWarning.
@@ -146,8 +152,11 @@ def place_arena(device: str, buffers: Sequence[Buffer], alignment: int = 64, str
     if unknown:
         raise TypeError(f"place_arena() got an unexpected keyword argument {unknown[0]!r}")
     if "methods" in deprecated:
-        warnings.warn("place_arena(methods=...) is renamed strategies=...; methods= goes in the next release",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "place_arena(methods=...) is renamed strategies=...; methods= goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         strategies = deprecated["methods"]
     best: Arena | None = None
     for strategy in strategies:
@@ -162,7 +171,10 @@ def place_arena(device: str, buffers: Sequence[Buffer], alignment: int = 64, str
 
 def __getattr__(name: str) -> Any:
     if name == "PLACEMENTS":
-        warnings.warn("tightfit.graph.alloc.PLACEMENTS is renamed STRATEGIES; PLACEMENTS goes in the next release",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "tightfit.graph.alloc.PLACEMENTS is renamed STRATEGIES; PLACEMENTS goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return STRATEGIES
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -86,7 +86,9 @@ class ArenaLayout:
         buffers = [buffer for buffer in timeline.buffers if (buffer.device, buffer.name) not in placed]
         for device, arena in self.arenas.items():
             start, end = self.lifetimes[device]
-            buffers.append(Buffer(f"arena of the {self.name} graph", device, arena.size, start, end, "arena", self.name))
+            buffers.append(
+                Buffer(f"arena of the {self.name} graph", device, arena.size, start, end, "arena", self.name)
+            )
         return replace(timeline, buffers=buffers)
 
 
@@ -103,8 +105,14 @@ def _reason(node: torch.fx.Node, split: Split | None, device: str, escapes: bool
     return found, ""
 
 
-def arena_layout(graph_module: torch.fx.GraphModule, splits: Sequence[Split], *, name: str = "graph",
-                 alignment: int = ARENA_ALIGNMENT, plan: ScheduledGraph | None = None) -> ArenaLayout:
+def arena_layout(
+    graph_module: torch.fx.GraphModule,
+    splits: Sequence[Split],
+    *,
+    name: str = "graph",
+    alignment: int = ARENA_ALIGNMENT,
+    plan: ScheduledGraph | None = None,
+) -> ArenaLayout:
     """The arena layout of ``graph_module`` run split by split in the written order.
 
     ``plan``: the graph's plan in the written order with these splits, if made already.
@@ -155,17 +163,33 @@ def arena_layout(graph_module: torch.fx.GraphModule, splits: Sequence[Split], *,
     arenas = {device: place_arena(device, buffers, alignment) for device, buffers in chosen.items()}
     for arena in arenas.values():
         verify_arena(arena)
-    offsets = {(arena.device, buffer.name): offset for arena in arenas.values()
-               for buffer, offset in zip(arena.buffers, arena.offsets)}
-    slots = {node.name: tuple(None if leaf is None else offsets[(leaf.device, leaf.name)] for leaf in leaves)
-             for node, leaves in wanted.items()}
+    offsets = {
+        (arena.device, buffer.name): offset
+        for arena in arenas.values()
+        for buffer, offset in zip(arena.buffers, arena.offsets)
+    }
+    slots = {
+        node.name: tuple(None if leaf is None else offsets[(leaf.device, leaf.name)] for leaf in leaves)
+        for node, leaves in wanted.items()
+    }
     step = {node: index for index, node in enumerate(plan.nodes)}
     closes: dict[str, str] = {}
     lifetimes: dict[str, tuple[int, int]] = {}
     for device, arena in arenas.items():
-        writers = sorted((step[node], node.name) for node, leaves in wanted.items()
-                         if any(leaf is not None and leaf.device == device for leaf in leaves))
+        writers = sorted(
+            (step[node], node.name)
+            for node, leaves in wanted.items()
+            if any(leaf is not None and leaf.device == device for leaf in leaves)
+        )
         closes[device] = writers[-1][1]
         lifetimes[device] = (writers[0][0], max(buffer.end for buffer in arena.buffers))
-    return ArenaLayout(name, alignment, arenas, slots, {node.name: variants[node] for node in wanted},
-                       tuple(outside), closes, lifetimes)
+    return ArenaLayout(
+        name,
+        alignment,
+        arenas,
+        slots,
+        {node.name: variants[node] for node in wanted},
+        tuple(outside),
+        closes,
+        lifetimes,
+    )

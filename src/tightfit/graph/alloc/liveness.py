@@ -111,8 +111,9 @@ def _storage_bytes(tensor: torch.Tensor) -> int:
     try:
         return int(tensor.untyped_storage().nbytes())
     except (TypeError, RuntimeError) as error:  # a symbolic size with no hint
-        raise ValueError(f"a tensor of shape {tuple(tensor.shape)} has a dynamic size; "
-                         "memory planning needs static shapes") from error
+        raise ValueError(
+            f"a tensor of shape {tuple(tensor.shape)} has a dynamic size; memory planning needs static shapes"
+        ) from error
 
 
 def _leaves(node: torch.fx.Node) -> list[torch.Tensor]:
@@ -179,7 +180,9 @@ def check_order(graph: torch.fx.Graph, order: Sequence[torch.fx.Node]) -> list[t
     ops = [node for node in graph.nodes if node.op == "call_function"]
     order = list(order)
     if len(order) != len(ops) or set(order) != set(ops):
-        raise ValueError(f"order must list each of the graph's {len(ops)} call_function nodes once, got {len(order)} entries")
+        raise ValueError(
+            f"order must list each of the graph's {len(ops)} call_function nodes once, got {len(order)} entries"
+        )
     done: set[torch.fx.Node] = set()
     for node in order:
         missing = [arg.name for arg in _nodes.input_nodes(node) if arg.op == "call_function" and arg not in done]
@@ -200,16 +203,26 @@ def graph_timeline(
     graph = graph_module.graph if isinstance(graph_module, torch.fx.GraphModule) else graph_module
     ops = check_order(graph, order) if order is not None else [n for n in graph.nodes if n.op == "call_function"]
     found = storages_of(graph, weights)
-    timeline = Timeline(steps=[n.name for n in ops], step_graphs=[name] * len(ops),
-                        weights=found.bytes_of("weight"), inputs=found.bytes_of("input"))
+    timeline = Timeline(
+        steps=[n.name for n in ops],
+        step_graphs=[name] * len(ops),
+        weights=found.bytes_of("weight"),
+        inputs=found.bytes_of("input"),
+    )
     spans = lifetimes(graph, ops, found)
-    timeline.buffers = [Buffer(found.names[sid], found.device[sid], found.nbytes[sid], start, end, kind, name)
-                        for sid, (start, end, kind) in spans.items()]
+    timeline.buffers = [
+        Buffer(found.names[sid], found.device[sid], found.nbytes[sid], start, end, kind, name)
+        for sid, (start, end, kind) in spans.items()
+    ]
     return timeline
 
 
-def lifetimes(graph: torch.fx.Graph, ops: Sequence[torch.fx.Node], found: Storages,
-              holds: Iterable[tuple[torch.fx.Node, int]] = ()) -> dict[int, tuple[int, int, str]]:
+def lifetimes(
+    graph: torch.fx.Graph,
+    ops: Sequence[torch.fx.Node],
+    found: Storages,
+    holds: Iterable[tuple[torch.fx.Node, int]] = (),
+) -> dict[int, tuple[int, int, str]]:
     """``{storage id: (start, end, kind)}`` for the storages the steps ``ops`` create.
 
     ``holds``: (node, step) pairs keeping a node's storages alive at least to that step

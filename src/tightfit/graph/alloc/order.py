@@ -135,8 +135,9 @@ def _breadth_first(units: Sequence[Unit], deps: Sequence[set[int]]) -> list[int]
     return sorted(range(len(units)), key=lambda index: (level[index], index))
 
 
-def _least_peak(units: Sequence[Unit], deps: Sequence[set[int]], found: Storages, escaping: set[int],
-                released: set[int]) -> list[int]:
+def _least_peak(
+    units: Sequence[Unit], deps: Sequence[set[int]], found: Storages, escaping: set[int], released: set[int]
+) -> list[int]:
     """Greedy: the ready unit whose bytes born minus bytes freed is smallest runs next."""
     born: list[set[int]] = [set() for _ in units]
     reads: list[set[int]] = [set() for _ in units]
@@ -182,9 +183,14 @@ def _least_peak(units: Sequence[Unit], deps: Sequence[set[int]], found: Storages
     return order
 
 
-def candidate_orders(segment: Sequence[torch.fx.Node], found: Storages, *, escaping: set[int] = frozenset(),
-                     released: set[int] = frozenset(),
-                     fixed: Sequence[Sequence[torch.fx.Node]] = ()) -> dict[str, list[torch.fx.Node]]:
+def candidate_orders(
+    segment: Sequence[torch.fx.Node],
+    found: Storages,
+    *,
+    escaping: set[int] = frozenset(),
+    released: set[int] = frozenset(),
+    fixed: Sequence[Sequence[torch.fx.Node]] = (),
+) -> dict[str, list[torch.fx.Node]]:
     """Every candidate order of ``segment`` (a run of ops, in a valid order), by name.
 
     ``escaping``: storages read after the segment or returned (never freed inside it);
@@ -214,8 +220,12 @@ def canonical_order(order: object) -> str:
     accepted."""
     check_type("order", order, str)
     if order in _RENAMED:
-        warnings.warn(f"order={order!r} is deprecated; use order={_RENAMED[order]!r} (a topological order; "
-                      f"{order!r} is a schedule hint, which slices a region)", DeprecationWarning, stacklevel=3)
+        warnings.warn(
+            f"order={order!r} is deprecated; use order={_RENAMED[order]!r} (a topological order; "
+            f"{order!r} is a schedule hint, which slices a region)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         return _RENAMED[order]
     check_choice("order", order, ("best", *TOPOLOGICAL_ORDERS))
     return order
@@ -240,8 +250,12 @@ def apply_order(graph: torch.fx.Graph, order: Sequence[torch.fx.Node]) -> None:
 
 def deprecated_orders() -> tuple[str, ...]:
     """What the old name ``ORDERS`` gives, with its DeprecationWarning (for a module ``__getattr__``)."""
-    warnings.warn("ORDERS of tightfit.graph.alloc is deprecated; use TOPOLOGICAL_ORDERS (whose 'dfs' and 'bfs' "
-                  "are now 'depth-first' and 'breadth-first')", DeprecationWarning, stacklevel=3)
+    warnings.warn(
+        "ORDERS of tightfit.graph.alloc is deprecated; use TOPOLOGICAL_ORDERS (whose 'dfs' and 'bfs' "
+        "are now 'depth-first' and 'breadth-first')",
+        DeprecationWarning,
+        stacklevel=3,
+    )
     return TOPOLOGICAL_ORDERS
 
 

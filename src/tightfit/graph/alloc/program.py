@@ -74,16 +74,28 @@ def _runs(graph: torch.fx.Graph, splits: Sequence[Split] | None) -> list[_Run]:
         return [_Run([node for node in graph.nodes if node.op == "call_function"])]
     runs = []
     for split in splits:
-        runs.append(_Run(list(split.nodes), list(split.inputs), list(split.outputs), dict(split.copies),
-                         str(split.device), split.plan is None and not split.as_written, split))
+        runs.append(
+            _Run(
+                list(split.nodes),
+                list(split.inputs),
+                list(split.outputs),
+                dict(split.copies),
+                str(split.device),
+                split.plan is None and not split.as_written,
+                split,
+            )
+        )
     return runs
 
 
 def _last_read(node: torch.fx.Node, order: Sequence[torch.fx.Node], first: int, found: Storages) -> int:
     """The last step of a run (starting at step ``first``) that reads ``node``'s storage, itself or through a view."""
     sids = set(found.refs.get(node, ()))
-    reads = [first + index for index, op in enumerate(order)
-             if any(sids & set(found.refs.get(arg, ())) for arg in _nodes.input_nodes(op))]
+    reads = [
+        first + index
+        for index, op in enumerate(order)
+        if any(sids & set(found.refs.get(arg, ())) for arg in _nodes.input_nodes(op))
+    ]
     return max(reads, default=first)
 
 
@@ -107,8 +119,14 @@ def _scratch_bytes(split: Split, alignment: int) -> int:
     return largest
 
 
-def _timeline(graph: torch.fx.Graph, runs: Sequence[_Run], orders: Sequence[list[torch.fx.Node]], found: Storages,
-              name: str, alignment: int) -> tuple[Timeline, list[torch.fx.Node]]:
+def _timeline(
+    graph: torch.fx.Graph,
+    runs: Sequence[_Run],
+    orders: Sequence[list[torch.fx.Node]],
+    found: Storages,
+    name: str,
+    alignment: int,
+) -> tuple[Timeline, list[torch.fx.Node]]:
     ops = [node for order in orders for node in order]
     bounds, holds, position = [], [], 0
     for run, order in zip(runs, orders):
@@ -128,17 +146,35 @@ def _timeline(graph: torch.fx.Graph, runs: Sequence[_Run], orders: Sequence[list
                         del spans[sid]
                     elif sid in spans and sid in kept:
                         spans[sid] = (first, *spans[sid][1:])
-            extra.append(Buffer(f"split {run.split.index} slice workspace", run.device,
-                                _scratch_bytes(run.split, alignment), first, last, "scratch", name))
+            extra.append(
+                Buffer(
+                    f"split {run.split.index} slice workspace",
+                    run.device,
+                    _scratch_bytes(run.split, alignment),
+                    first,
+                    last,
+                    "scratch",
+                    name,
+                )
+            )
         for node, source in run.copies.items():
             end = last if _holds_inputs(run) else _last_read(node, order, first, found)
             for tensor in _nodes.tensors(node):
-                extra.append(Buffer(f"{node.name} copied from {source}", run.device, _nodes.nbytes(tensor),
-                                    first, end, "copy", name))
-    timeline = Timeline(steps=[node.name for node in ops], step_graphs=[name] * len(ops),
-                        weights=found.bytes_of("weight"), inputs=found.bytes_of("input"))
-    timeline.buffers = [Buffer(found.names[sid], found.device[sid], found.nbytes[sid], start, end, kind, name)
-                        for sid, (start, end, kind) in spans.items()] + extra
+                extra.append(
+                    Buffer(
+                        f"{node.name} copied from {source}", run.device, _nodes.nbytes(tensor), first, end, "copy", name
+                    )
+                )
+    timeline = Timeline(
+        steps=[node.name for node in ops],
+        step_graphs=[name] * len(ops),
+        weights=found.bytes_of("weight"),
+        inputs=found.bytes_of("input"),
+    )
+    timeline.buffers = [
+        Buffer(found.names[sid], found.device[sid], found.nbytes[sid], start, end, kind, name)
+        for sid, (start, end, kind) in spans.items()
+    ] + extra
     return timeline, ops
 
 
@@ -160,7 +196,9 @@ def graph_plans(
     """
     unknown = [order for order in orders if order not in TOPOLOGICAL_ORDERS]
     if unknown or not orders:
-        raise ValueError(f"orders={list(orders)!r} is not accepted; accepted: a non-empty list of {', '.join(TOPOLOGICAL_ORDERS)}")
+        raise ValueError(
+            f"orders={list(orders)!r} is not accepted; accepted: a non-empty list of {', '.join(TOPOLOGICAL_ORDERS)}"
+        )
     graph = graph_module.graph
     found = storages_of(graph, weights)
     runs = _runs(graph, splits)
@@ -180,7 +218,9 @@ def graph_plans(
     plans = {}
     for order in orders:
         timeline, ops = _timeline(graph, runs, [c[order] for c in candidates], found, name, alignment)
-        plans[order] = ScheduledGraph(name, timeline, order, {}, ops, outputs, placeholders, _last_use(graph, ops, runs))
+        plans[order] = ScheduledGraph(
+            name, timeline, order, {}, ops, outputs, placeholders, _last_use(graph, ops, runs)
+        )
     peaks = {order: total_bound(plan.timeline, alignment) for order, plan in plans.items()}
     for plan in plans.values():
         plan.order_peaks = dict(peaks)
@@ -208,8 +248,14 @@ def plan_graph(
     or one of :data:`~tightfit.graph.alloc.order.TOPOLOGICAL_ORDERS` ("written": as traced).
     """
     order = canonical_order(order)
-    plans = graph_plans(graph_module, splits=splits, weights=weights, orders=TOPOLOGICAL_ORDERS if order == "best" else (order,),
-                        name=name, alignment=alignment)
+    plans = graph_plans(
+        graph_module,
+        splits=splits,
+        weights=weights,
+        orders=TOPOLOGICAL_ORDERS if order == "best" else (order,),
+        name=name,
+        alignment=alignment,
+    )
     return plans[choose_order(next(iter(plans.values())).order_peaks)]
 
 
@@ -219,7 +265,7 @@ def _output_buffers(graph: torch.fx.Graph, found: Storages) -> list[tuple[str, .
     named = []
     for value in values:
         sids: list[int] = []
-        torch.fx.node.map_arg(value, lambda arg: sids.extend(found.refs.get(arg, ())))
+        torch.fx.node.map_arg(value, lambda arg: sids.extend(found.refs.get(arg, ())))  # noqa: B023 (called at once)
         named.append(tuple(found.names[sid] for sid in sids if found.kind[sid] == "new"))
     return named
 
@@ -229,8 +275,14 @@ def _placeholders(graph: torch.fx.Graph, found: Storages) -> list[tuple[str, str
     for node in graph.nodes:
         if node.op == "placeholder":
             sids = found.refs.get(node, ())
-            rows.append((node.name, found.device[sids[0]] if sids else "", sum(found.nbytes[s] for s in sids),
-                         found.kind[sids[0]] if sids else "input"))
+            rows.append(
+                (
+                    node.name,
+                    found.device[sids[0]] if sids else "",
+                    sum(found.nbytes[s] for s in sids),
+                    found.kind[sids[0]] if sids else "input",
+                )
+            )
     return rows
 
 
@@ -272,8 +324,12 @@ def plan_arenas(timeline: Timeline, alignment: int = 64) -> dict[str, Arena]:
     return {device: place_arena(device, timeline.device_buffers(device), alignment) for device in timeline.devices}
 
 
-def join_training(forward: ScheduledGraph, backward: ScheduledGraph, saved: Sequence[tuple[int, int]],
-                  kept: Iterable[int] | None = None) -> Timeline:
+def join_training(
+    forward: ScheduledGraph,
+    backward: ScheduledGraph,
+    saved: Sequence[tuple[int, int]],
+    kept: Iterable[int] | None = None,
+) -> Timeline:
     """One timeline for a training step: the forward's steps, then the backward's.
 
     ``saved``: (forward output position, backward placeholder position) of each value the
@@ -311,14 +367,19 @@ def join_training(forward: ScheduledGraph, backward: ScheduledGraph, saved: Sequ
     for position, (_, device, nbytes, kind) in enumerate(backward.placeholders):
         if position not in taken and kind == "input" and device:
             inputs[device] = inputs.get(device, 0) + nbytes
-    return Timeline(steps=forward.timeline.steps + backward.timeline.steps,
-                    step_graphs=forward.timeline.step_graphs + backward.timeline.step_graphs,
-                    buffers=buffers, weights=dict(forward.timeline.weights), inputs=inputs)
+    return Timeline(
+        steps=forward.timeline.steps + backward.timeline.steps,
+        step_graphs=forward.timeline.step_graphs + backward.timeline.step_graphs,
+        buffers=buffers,
+        weights=dict(forward.timeline.weights),
+        inputs=inputs,
+    )
 
 
 def __getattr__(name: str) -> Any:
     if name == "GraphPlan":
-        warnings.warn("GraphPlan is renamed ScheduledGraph; GraphPlan goes in the next release", DeprecationWarning,
-                      stacklevel=2)
+        warnings.warn(
+            "GraphPlan is renamed ScheduledGraph; GraphPlan goes in the next release", DeprecationWarning, stacklevel=2
+        )
         return ScheduledGraph
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,7 +25,9 @@ __all__ = ["ArenaRun"]
 def _slot(arena: torch.Tensor, offset: int, fake: torch.Tensor) -> torch.Tensor:
     """A tensor shaped and strided like ``fake`` at byte ``offset`` of ``arena`` (a uint8 buffer)."""
     typed = arena.view(fake.dtype)
-    return typed.as_strided(tuple(fake.shape), tuple(fake.stride()), offset // fake.element_size() + fake.storage_offset())
+    return typed.as_strided(
+        tuple(fake.shape), tuple(fake.stride()), offset // fake.element_size() + fake.storage_offset()
+    )
 
 
 class ArenaRun:
@@ -46,7 +48,9 @@ class ArenaRun:
         graph = graph_module.graph
         self.placeholders = [node for node in graph.nodes if node.op == "placeholder"]
         self.output = next(node for node in graph.nodes if node.op == "output").args[0]
-        self.constants = {node: _nodes.fetch_attr(graph_module, node.target) for node in graph.nodes if node.op == "get_attr"}
+        self.constants = {
+            node: _nodes.fetch_attr(graph_module, node.target) for node in graph.nodes if node.op == "get_attr"
+        }
         last_use: dict[torch.fx.Node, torch.fx.Node] = {}
         for node in graph.nodes:
             for arg in _nodes.input_nodes(node):
@@ -62,8 +66,9 @@ class ArenaRun:
             slots = layout.slots.get(node.name)
             variant = layout.out_ops.get(node.name) if slots is not None else None
             fakes = _nodes.tensors(node) if variant is not None else []
-            self.steps.append((node, variant, tuple(zip(slots, fakes)) if variant else (), dead.get(node, []),
-                               node.name == closes))
+            self.steps.append(
+                (node, variant, tuple(zip(slots, fakes)) if variant else (), dead.get(node, []), node.name == closes)
+            )
 
     def __call__(self, inputs: list[Any], arenas: dict[str, torch.Tensor]) -> tuple[Any, ...]:
         env: dict[torch.fx.Node, Any] = dict(zip(self.placeholders, inputs))
@@ -80,7 +85,10 @@ class ArenaRun:
             else:
                 if arena is None:
                     arena = arenas[key] = torch.empty(self.size, dtype=torch.uint8, device=self.device)
-                outs = [_nodes.allocate(fake, self.device) if offset is None else _slot(arena, offset, fake) for offset, fake in slots]
+                outs = [
+                    _nodes.allocate(fake, self.device) if offset is None else _slot(arena, offset, fake)
+                    for offset, fake in slots
+                ]
                 kwargs = dict(kwargs, **dict(zip(variant.names, outs)))
                 variant.op(*args, **kwargs)
                 env[node] = outs[0] if len(outs) == 1 else tuple(outs)

@@ -38,13 +38,18 @@ def verify_arena(arena: Arena) -> None:
     for step in sorted(events):
         live = {index for index in live if arena.buffers[index].end >= step}
         live.update(events[step])
-        spans = sorted((arena.offsets[i], arena.offsets[i] + align(arena.buffers[i].nbytes, arena.alignment), i)
-                       for i in live if arena.buffers[i].nbytes > 0)
+        spans = sorted(
+            (arena.offsets[i], arena.offsets[i] + align(arena.buffers[i].nbytes, arena.alignment), i)
+            for i in live
+            if arena.buffers[i].nbytes > 0
+        )
         for (low, high, first), (next_low, _, second) in zip(spans, spans[1:]):
             if next_low < high:
                 a, b = arena.buffers[first], arena.buffers[second]
-                problems.append(f"{a.name} [{low}, {high}) and {b.name} [{next_low}, ...) overlap at step {step} "
-                                f"(alive {a.start}..{a.end} and {b.start}..{b.end})")
+                problems.append(
+                    f"{a.name} [{low}, {high}) and {b.name} [{next_low}, ...) overlap at step {step} "
+                    f"(alive {a.start}..{a.end} and {b.start}..{b.end})"
+                )
         if len(problems) >= 5:
             break
     if problems:
