@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [
@@ -29,6 +30,7 @@ def python_blocks(page: str) -> list[str]:
 def test_python_examples_run(page, capsys):
     blocks = python_blocks(page)
     assert blocks, f"{page} has no python example"
+    torch._dynamo.reset()  # each page is a fresh session: no page sees another's compiled frames
     for block in blocks:
         # "<page>", not the page's path: dynamo tokenizes the file a frame names (for its
         # source lines), and a Markdown page need not tokenize as Python

@@ -97,6 +97,18 @@ def test_results_are_views_of_one_buffer_at_the_planned_offsets():
     assert reasons == {"relu": "out= variant generated (computes, then copies) on cpu", "sum_1": "a graph output"}
 
 
+def test_symbolic_shapes_run_with_the_allocator_and_say_so():
+    """A recompile for a new input shape gives symbolic shapes, which an arena in bytes cannot hold."""
+    compiled = torch.compile(Function(branches), backend=compiler(memory="arena"), dynamic=True)
+    x = torch.randn(32, 16)
+    with pytest.warns(tightfit.FallbackWarning, match="arena execution needs static shapes"), torch.no_grad():
+        got = compiled(x)
+    torch.testing.assert_close(got, branches(x))
+    with tightfit.strict(), pytest.raises(Exception, match="static shapes.*strict mode forbids"), torch.no_grad():
+        torch._dynamo.reset()
+        compiled(x)
+
+
 def test_ops_without_an_out_kernel_are_reported_with_their_bytes():
     x = torch.randn(64, 64)
     plan = tightfit.plan_memory(Function(no_out_variant), x, runtime="arena")

@@ -255,11 +255,29 @@ class Program:
         return torch.fx.node.map_arg(self.output, env.__getitem__)
 
 
+def _symbolic_shapes(graph_module: torch.fx.GraphModule) -> bool:
+    """Whether a traced value has a shape or stride known only as a symbol (an arena is laid out in bytes)."""
+    return any(
+        not isinstance(size, int)
+        for node in graph_module.graph.nodes
+        for tensor in _nodes.tensors(node)
+        for size in (*tensor.shape, *tensor.stride(), tensor.storage_offset())
+    )
+
+
 def build_program(
     graph_module: torch.fx.GraphModule, splits: list[Split], execution: str, name: str, memory: str = "allocator"
 ) -> Program:
     """Compile every split (per ``execution``) into a :class:`Program`; with
     ``memory="arena"``, whole splits run in their arena instead (DFS splits as usual)."""
+    if memory == "arena" and _symbolic_shapes(graph_module):
+        report_slow_path(
+            ("arena", "symbolic shapes"),
+            f"tightfit: arena execution needs static shapes, and graph {name} has symbolic ones (dynamo "
+            "recompiled it for a new input shape); running it with the allocator (compile with dynamic=False "
+            "to keep arena execution)",
+        )
+        memory = "allocator"
     if memory == "allocator":
         return Program(graph_module, [_step(split, execution) for split in splits], name)
     layout = arena_layout(graph_module, splits, name=name)
