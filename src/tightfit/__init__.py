@@ -4,9 +4,8 @@ Importing tightfit does no device work: backends are detected at first use (D2).
 layers, and the decisions the code cites as (D1) to (D9), are in docs/architecture.md.
 """
 
-import warnings
-
 from tightfit import backends, graph, hints, ops
+from tightfit._deprecation import renamed
 from tightfit._errors import BackendConflictError, FallbackWarning, StrictModeError
 from tightfit._strict import is_strict, strict
 from tightfit.fitting import FitError, FitPlan, fit, parse_size
@@ -40,10 +39,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    if name == "Plan":
-        warnings.warn(
-            "tightfit.Plan is renamed tightfit.FitPlan; Plan goes in the next release", DeprecationWarning, stacklevel=2
-        )
-        return FitPlan
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = renamed(__name__, Plan=("FitPlan", lambda: FitPlan))

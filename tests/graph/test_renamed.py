@@ -16,14 +16,12 @@ from tightfit.graph.alloc import TOPOLOGICAL_ORDERS, plan_graph
 
 @pytest.mark.parametrize("old, new", [("Placement", Assignment), ("SlicePlan", SliceSchedule)])
 def test_old_class_names_warn_and_give_the_new_class(old, new):
-    with pytest.warns(
-        DeprecationWarning, match=f"tightfit.graph.{old} is deprecated; use tightfit.graph.{new.__name__}"
-    ):
+    with pytest.warns(DeprecationWarning, match=f"tightfit.graph.{old} is renamed {new.__name__}"):
         assert getattr(tightfit.graph, old) is new
 
 
 def test_old_orders_constant_warns():
-    with pytest.warns(DeprecationWarning, match="ORDERS of tightfit.graph.alloc is deprecated; use TOPOLOGICAL_ORDERS"):
+    with pytest.warns(DeprecationWarning, match="tightfit.graph.alloc.ORDERS is renamed TOPOLOGICAL_ORDERS"):
         assert (
             tightfit.graph.alloc.ORDERS
             == TOPOLOGICAL_ORDERS

@@ -106,7 +106,7 @@ def test_one_table_says_what_each_key_is_and_who_honors_it():
 
 
 def test_the_old_name_of_the_order_hints_values_warns():
-    with pytest.warns(DeprecationWarning, match="tightfit.hints.ORDERS is deprecated; use tightfit.hints.HINT_ORDERS"):
+    with pytest.warns(DeprecationWarning, match="tightfit.hints.ORDERS is renamed HINT_ORDERS"):
         assert tightfit.hints.ORDERS == HINT_ORDERS == ("any", "as_written")
 
 

@@ -9,7 +9,6 @@ measurement."""
 from __future__ import annotations
 
 import statistics
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from tightfit import backends
+from tightfit._deprecation import renamed
 from tightfit._format import human_bytes
 from tightfit._validate import check_type
 from tightfit.app.budget import Budgeted, kv_cache_bytes_per_token, plan_run
@@ -445,17 +445,8 @@ def weights_bytes(modules: list[torch.nn.Module]) -> int:
     return tensor_bytes(tensors)
 
 
-def __getattr__(name: str) -> object:
-    renamed = {
-        "QUANT_CONFIGS": ("quant_configs()", quant_configs),
-        "STORAGE_DTYPES": ("STORAGE_DTYPE_CHOICES", lambda: STORAGE_DTYPE_CHOICES),
-    }
-    if name in renamed:
-        new, value = renamed[name]
-        warnings.warn(
-            f"tightfit.app.run.{name} is renamed {new} ({name} names other things elsewhere); {name} goes in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return value()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = renamed(
+    __name__,
+    QUANT_CONFIGS=("quant_configs()", quant_configs),
+    STORAGE_DTYPES=("STORAGE_DTYPE_CHOICES", lambda: STORAGE_DTYPE_CHOICES),
+)

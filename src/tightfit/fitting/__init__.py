@@ -7,9 +7,9 @@ The storages are the storage catalogue's formats (:func:`tightfit.quant.storage_
 before, still works for one release with a DeprecationWarning.
 """
 
-import warnings
 from typing import Any
 
+from tightfit._deprecation import renamed
 from tightfit.fitting.allow import Allow
 from tightfit.fitting.calibration import Calibration, calibrate
 from tightfit.fitting.held import held_bytes
@@ -37,12 +37,10 @@ __all__ = [
 ]
 
 
+_renamed = renamed(__name__, Plan=("FitPlan", lambda: FitPlan))
+
+
 def __getattr__(name: str) -> Any:
     if name == "STORAGES":  # read from the catalogue each time: a format registered later is in it
         return storage_names()
-    if name == "Plan":
-        warnings.warn(
-            "tightfit.fitting.Plan is renamed FitPlan; Plan goes in the next release", DeprecationWarning, stacklevel=2
-        )
-        return FitPlan
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _renamed(name, stacklevel=3)

@@ -7,13 +7,13 @@ format in the storage catalogue applies it), ``print`` shows it, JSON keeps it.
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import nn
 
+from tightfit._deprecation import renamed
 from tightfit._validate import check_type
 from tightfit.fitting.options import PLACEMENTS, storage_names
 from tightfit.fitting.regions import add_hints, check_module_hints
@@ -307,12 +307,4 @@ def _move_kept(model: nn.Module, offloaded: set[str], device: torch.device) -> N
         module._apply(lambda tensor: tensor.to(device), recurse=False)
 
 
-def __getattr__(name: str) -> Any:
-    if name == "Plan":
-        warnings.warn(
-            "tightfit.fitting.plan.Plan is renamed FitPlan; Plan goes in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return FitPlan
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = renamed(__name__, Plan=("FitPlan", lambda: FitPlan))

@@ -8,9 +8,7 @@ See docs/compile.md. Passes: :mod:`~tightfit.graph.assign`,
 :mod:`~tightfit.graph.partition`, :mod:`~tightfit.graph.execution`.
 """
 
-import warnings
-from typing import Any
-
+from tightfit._deprecation import renamed
 from tightfit.graph.assign import Assignment
 from tightfit.graph.compile import CompileOptions, compile_graph, compiler, tightfit_backend
 from tightfit.graph.execution import EXECUTIONS, MEMORY_MODES, Program, observe_splits
@@ -35,14 +33,8 @@ __all__ = [
 
 #: Old names kept for one release: "placement" now means where weights live (device, CPU,
 #: disk), and "plan" the fit and memory plans.
-_RENAMED = {"Placement": ("Assignment", Assignment), "SlicePlan": ("SliceSchedule", SliceSchedule)}
 
 
-def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        new_name, value = _RENAMED[name]
-        warnings.warn(
-            f"tightfit.graph.{name} is deprecated; use tightfit.graph.{new_name}", DeprecationWarning, stacklevel=2
-        )
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = renamed(
+    __name__, Placement=("Assignment", lambda: Assignment), SlicePlan=("SliceSchedule", lambda: SliceSchedule)
+)

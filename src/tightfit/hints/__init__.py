@@ -5,9 +5,7 @@ See docs/hints.md. Hints are validated when written; a backend honors the keys i
 declares in ``Capabilities.hints`` and ignores the rest.
 """
 
-import warnings
-from typing import Any
-
+from tightfit._deprecation import renamed
 from tightfit.hints.payload import HINT_KEY
 from tightfit.hints.read import Region, hints_of, node_hints, node_regions, owning_region
 from tightfit.hints.schema import HINT_ORDERS, HINTS, KNOWN_HINTS, SCHEDULES, HintSpec, is_vendor_key, keys_honored_by
@@ -32,12 +30,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "ORDERS":  # renamed: "order" also names the graph's topological orders (TOPOLOGICAL_ORDERS)
-        warnings.warn(
-            "tightfit.hints.ORDERS is deprecated; use tightfit.hints.HINT_ORDERS (the values of the order hint)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return HINT_ORDERS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = renamed(__name__, ORDERS=("HINT_ORDERS (the values of the order hint)", lambda: HINT_ORDERS))

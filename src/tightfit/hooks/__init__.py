@@ -7,9 +7,7 @@ Hooks compose: apply layerwise casting, then offloading, to keep float8 weights 
 device and compute each layer in bf16 on it.
 """
 
-import warnings
-from typing import Any
-
+from tightfit._deprecation import renamed
 from tightfit.hooks.casting import (
     COMPUTE_DTYPES,
     DEFAULT_SKIP,
@@ -57,13 +55,6 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "STORAGES":  # renamed: "storage" is a weight format in the fit planner
-        warnings.warn(
-            "tightfit.hooks.STORAGES is deprecated; use tightfit.hooks.OFFLOAD_TARGETS (where "
-            "apply_offloading's offload_to= may put weights)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return OFFLOAD_TARGETS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = renamed(
+    __name__, STORAGES=("OFFLOAD_TARGETS (where offload_to= may put weights)", lambda: OFFLOAD_TARGETS)
+)

@@ -14,8 +14,7 @@ arena per device, and a verifier that no two live tensors overlap.
 ``tightfit.plan_memory`` builds on these for a whole model; see docs/memory.md.
 """
 
-import warnings
-
+from tightfit._deprecation import renamed
 from tightfit.graph.alloc.arena import STRATEGIES, Arena, best_fit, greedy_by_size, place_arena
 from tightfit.graph.alloc.layout import ARENA_ALIGNMENT, ArenaLayout, Outside, arena_layout
 from tightfit.graph.alloc.liveness import Buffer, Timeline, align, graph_timeline
@@ -25,7 +24,6 @@ from tightfit.graph.alloc.order import (
     candidate_orders,
     canonical_order,
     choose_order,
-    deprecated_orders,
 )
 from tightfit.graph.alloc.program import ScheduledGraph, join_training, plan_arenas, plan_graph
 from tightfit.graph.alloc.verify import PlanError, verify_arena
@@ -59,18 +57,11 @@ __all__ = [
 
 #: Old names kept for one release: "placement" names where nodes run and weights live, and
 #: "plan" the fit and memory plans only.
-_RENAMED = {"PLACEMENTS": ("STRATEGIES", STRATEGIES), "GraphPlan": ("ScheduledGraph", ScheduledGraph)}
 
 
-def __getattr__(name: str) -> object:
-    if name == "ORDERS":  # renamed: TOPOLOGICAL_ORDERS
-        return deprecated_orders()
-    if name in _RENAMED:
-        new_name, value = _RENAMED[name]
-        warnings.warn(
-            f"tightfit.graph.alloc.{name} is renamed {new_name}; {name} goes in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = renamed(
+    __name__,
+    ORDERS=("TOPOLOGICAL_ORDERS (dfs, bfs: depth-first, breadth-first)", lambda: TOPOLOGICAL_ORDERS),
+    PLACEMENTS=("STRATEGIES", lambda: STRATEGIES),
+    GraphPlan=("ScheduledGraph", lambda: ScheduledGraph),
+)

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from tightfit._deprecation import renamed
 from tightfit.graph.alloc.liveness import Buffer, align
 
 __all__ = ["STRATEGIES", "Arena", "best_fit", "greedy_by_size", "place_arena"]
@@ -169,12 +170,4 @@ def place_arena(
     return best
 
 
-def __getattr__(name: str) -> Any:
-    if name == "PLACEMENTS":
-        warnings.warn(
-            "tightfit.graph.alloc.PLACEMENTS is renamed STRATEGIES; PLACEMENTS goes in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return STRATEGIES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = renamed(__name__, PLACEMENTS=("STRATEGIES", lambda: STRATEGIES))

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.fx
 
+from tightfit._deprecation import renamed
 from tightfit._validate import check_choice, check_type
 from tightfit.graph import _nodes
 from tightfit.graph.alloc.liveness import Storages, check_order
@@ -248,18 +249,6 @@ def apply_order(graph: torch.fx.Graph, order: Sequence[torch.fx.Node]) -> None:
     graph.lint()
 
 
-def deprecated_orders() -> tuple[str, ...]:
-    """What the old name ``ORDERS`` gives, with its DeprecationWarning (for a module ``__getattr__``)."""
-    warnings.warn(
-        "ORDERS of tightfit.graph.alloc is deprecated; use TOPOLOGICAL_ORDERS (whose 'dfs' and 'bfs' "
-        "are now 'depth-first' and 'breadth-first')",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return TOPOLOGICAL_ORDERS
-
-
-def __getattr__(name: str) -> object:
-    if name == "ORDERS":
-        return deprecated_orders()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = renamed(
+    __name__, ORDERS=("TOPOLOGICAL_ORDERS (dfs, bfs: depth-first, breadth-first)", lambda: TOPOLOGICAL_ORDERS)
+)

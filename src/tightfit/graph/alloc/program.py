@@ -20,14 +20,13 @@ the lowest total lower bound is kept.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
 import torch.fx
 
+from tightfit._deprecation import renamed
 from tightfit.graph import _nodes
 from tightfit.graph.alloc.arena import Arena, place_arena
 from tightfit.graph.alloc.liveness import Buffer, Storages, Timeline, align, graph_timeline, lifetimes, storages_of
@@ -376,10 +375,4 @@ def join_training(
     )
 
 
-def __getattr__(name: str) -> Any:
-    if name == "GraphPlan":
-        warnings.warn(
-            "GraphPlan is renamed ScheduledGraph; GraphPlan goes in the next release", DeprecationWarning, stacklevel=2
-        )
-        return ScheduledGraph
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = renamed(__name__, GraphPlan=("ScheduledGraph", lambda: ScheduledGraph))
