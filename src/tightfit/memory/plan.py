@@ -25,7 +25,7 @@ from tightfit.graph.alloc.order import TOPOLOGICAL_ORDERS, canonical_order, choo
 from tightfit.graph.alloc.program import graph_plans, join_training, plan_arenas, total_bound
 from tightfit.graph.alloc.verify import verify_arena
 
-__all__ = ["COVERS", "NOT_COVERED", "RUNTIMES", "DevicePlan", "MemoryPlan", "plan_memory"]
+__all__ = ["COVERS", "LIMITS", "NOT_COVERED", "RUNTIMES", "DevicePlan", "MemoryPlan", "plan_memory"]
 
 _LARGEST = 5  # tensors listed at the peak
 
@@ -87,6 +87,7 @@ class MemoryPlan:
     ``runtime="arena"`` only: ``run_arenas`` (graph -> device -> bytes) are the buffers
     arena execution allocates, and ``outside`` the storages it allocates as usual
     (what made them, their bytes, and why they are not in the arena).
+    ``covers`` names the run the figures predict, ``limits`` what they leave out of it.
     """
 
     model: str
@@ -115,6 +116,11 @@ class MemoryPlan:
         return COVERS[self.runtime]
 
     @property
+    def limits(self) -> str:
+        """What this plan's figures leave out of the run they cover (see :data:`LIMITS`)."""
+        return LIMITS[self.runtime]
+
+    @property
     def graphs(self) -> tuple[str, ...]:
         return tuple(self.orders)
 
@@ -138,6 +144,7 @@ class MemoryPlan:
             "backend": self.backend,
             "alignment": self.alignment,
             "covers": self.covers,
+            "limits": self.limits,
             "not_covered": NOT_COVERED,
             "steps": len(self.timeline.steps),
             "orders": dict(self.orders),
@@ -289,6 +296,22 @@ COVERS = MappingProxyType(
     }
 )
 
+_KERNEL_SCRATCH = (
+    "scratch allocated inside native kernels (convolution workspaces) is not predicted: it depends on the "
+    "kernel library and the CPU, not on shapes (on the CPU, oneDNN convolutions copy their input, weights and "
+    "output into blocked layouts and free them within the op); tightfit.memory.allocated_peak measures it"
+)
+
+#: What each runtime's figures leave out of the run they cover (:data:`COVERS`): a plan says
+#: it as ``plan.limits``, and its report prints it under ``predicts:``.
+LIMITS = MappingProxyType(
+    {
+        "compiled": _KERNEL_SCRATCH,
+        "arena": _KERNEL_SCRATCH + "; under arena execution it comes on top of the whole arena",
+        "eager": _KERNEL_SCRATCH,
+    }
+)
+
 #: What no plan predicts, and why: ``runtime="inductor"`` (or ``"auto"``) is refused with it.
 NOT_COVERED = (
     "inductor or a backend's own compiler running the splits (the compile backend's default execution=\"auto\" "
@@ -319,7 +342,8 @@ def plan_memory(
     predicted: :data:`NOT_COVERED`), "arena" (the same with ``options={"memory": "arena"}``:
     written order, each graph's results in one arena per device; ``outside`` lists what
     is not) or "eager" (op by op in the written order, as PyTorch runs the module).
-    ``plan.covers`` names the run the figures predict (:data:`COVERS`).
+    ``plan.covers`` names the run the figures predict (:data:`COVERS`), ``plan.limits``
+    what they leave out of it (:data:`LIMITS`: scratch inside native kernels).
     ``alignment``: of every offset and size in an arena, in bytes (arena execution
     always aligns its own arenas to ``tightfit.graph.alloc.ARENA_ALIGNMENT``).
     """

@@ -55,6 +55,7 @@ def render(plan: MemoryPlan) -> str:
         )
     lines += _table(rows)
     lines.append(f"predicts: {plan.covers}; not inductor or a backend's own compiler (see tightfit.memory.NOT_COVERED)")
+    lines.append(f"limits: {plan.limits}")
     for name, device in plan.devices.items():
         if device.peak_step is None:
             continue
