@@ -24,10 +24,11 @@ from tightfit.memory.measure import (
     measure,
     tensor_bytes,
 )
-from tightfit.memory.plan import COVERS, NOT_COVERED, RUNTIMES, DevicePlan, MemoryPlan, plan_memory
+from tightfit.memory.plan import COVERS, LIMITS, NOT_COVERED, RUNTIMES, DevicePlan, MemoryPlan, plan_memory
 
 __all__ = [
     "COVERS",
+    "LIMITS",
     "NOT_COVERED",
     "RUNTIMES",
     "AllocatedBytes",
