@@ -8,7 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 import tightfit
-from tightfit.fitting import Calibration
+from zoo.lm import figures
 
 
 class Branches(torch.nn.Module):
@@ -47,16 +47,7 @@ def _line(marker: str) -> int:
     return next(number for number, line in enumerate(lines, 1) if line.endswith(f"# {marker}"))
 
 
-FIGURES = Calibration(
-    backend="cpu",
-    device_name="test",
-    torch_version=torch.__version__,
-    matmul_flops=1e10,
-    device_bandwidth=1e10,
-    host_to_device_bandwidth=None,
-    disk_bandwidth=1e9,
-    decode_seconds=dict.fromkeys(("float8", "8bit", "int8", "nf4", "fp4"), 0.0),
-)
+FIGURES = figures()
 PLANNERS = {
     "compiled": lambda model, x: tightfit.plan_memory(model, x),
     "eager": lambda model, x: tightfit.plan_memory(model, x, runtime="eager"),

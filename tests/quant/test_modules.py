@@ -21,6 +21,7 @@ from tightfit.quant import (
     quantize_,
     register_handler,
 )
+from zoo.hooks import unet as zoo_unet
 
 safetensors = pytest.importorskip("safetensors.torch")
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
@@ -127,17 +128,8 @@ def test_transformers_and_diffusers_models():
     assert (
         torch.nn.functional.cosine_similarity(bert(ids).last_hidden_state.flatten(), expected.flatten(), dim=0) > 0.99
     )
-    diffusers = pytest.importorskip("diffusers")
-    unet = diffusers.UNet2DModel(
-        sample_size=8,
-        in_channels=3,
-        out_channels=3,
-        layers_per_block=1,
-        block_out_channels=(32, 32),
-        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
-        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
-        norm_num_groups=8,
-    ).eval()
+    pytest.importorskip("diffusers")
+    unet = zoo_unet()
     sample = torch.randn(1, 3, 8, 8)
     with torch.no_grad():
         before = unet(sample, 1).sample
