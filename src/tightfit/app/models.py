@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from tightfit._progress import transformers_bars
 from tightfit._validate import check_type
 
 __all__ = [
@@ -181,8 +182,6 @@ def _load(path: str | Path, device: torch.device, auto_class: str) -> tuple[Any,
     folder = _model_folder(path)
     import transformers
 
-    from tightfit._progress import transformers_bars
-
     _check_weights(folder)
     with transformers_bars():
         try:
@@ -273,7 +272,6 @@ def save_causal_lm(
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).eval()
     folder.mkdir(parents=True, exist_ok=True)
-    from tightfit._progress import transformers_bars
 
     with transformers_bars():
         model.save_pretrained(folder)

@@ -35,6 +35,7 @@ from torch import nn
 
 from tightfit._progress import task
 from tightfit._validate import check_type
+from tightfit.backends.resolve import resolve_backend
 from tightfit.quant import storage_formats
 
 __all__ = ["SECONDS_PER_FIGURE", "Calibration", "cache_path", "calibrate"]
@@ -262,7 +263,6 @@ def _measure(backend: Any, device: torch.device) -> Calibration:
 def calibrate(backend: Any = None, *, remeasure: bool = False) -> Calibration:
     """The figures of ``backend``'s device (a name, device or Backend; None: the default),
     from the cache when there, else measured now and cached; ``remeasure`` measures again."""
-    from tightfit.backends.resolve import resolve_backend
 
     check_type("remeasure", remeasure, bool)
     backends, device = resolve_backend(backend)

@@ -13,10 +13,13 @@ from typing import Any
 import torch
 from torch import nn
 
+import tightfit.graph
 from tightfit._deprecation import renamed
 from tightfit._validate import check_type
 from tightfit.fitting.options import PLACEMENTS, storage_names
 from tightfit.fitting.regions import add_hints, check_module_hints
+from tightfit.fitting.table import render
+from tightfit.hooks import apply_offloading
 from tightfit.quant import move_unregistered, storage_formats
 
 __all__ = ["FitPlan", "PlanEntry"]
@@ -184,7 +187,6 @@ class FitPlan:
         self._check_matches(model)
         if self.applies_nothing:
             return model
-        from tightfit.hooks import apply_offloading
 
         for storage in storage_formats():
             chosen = frozenset(leaf for e in self.entries if e.storage == storage.name for leaf in e.leaves)
@@ -208,7 +210,6 @@ class FitPlan:
         backend with FX execution, which carries out the DFS hints; the prediction does
         not describe inductor-compiled splits (``execution="auto"``), which fuse ops."""
         check_type("model", model, nn.Module)
-        import tightfit.graph
 
         return torch.compile(model, backend=tightfit.graph.compiler(execution="fx"))
 
@@ -246,7 +247,6 @@ class FitPlan:
         return tuple(e for e in self.entries if e.changed)
 
     def __str__(self) -> str:
-        from tightfit.fitting.table import render
 
         return render(self)
 
