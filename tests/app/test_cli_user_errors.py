@@ -21,16 +21,7 @@ import pytest
 import torch
 
 from tightfit.app import cli, plan_command, run_command
-from tightfit.app.models import save_causal_lm
 
-TINY = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
 RUN = ["--repeat", "1", "--max-new-tokens", "1"]
 
 
@@ -134,11 +125,6 @@ DAMAGES = [
     (_empty_pickle, "pytorch_model.bin is empty", False),
     (_no_tokenizer, "its tokenizer does not load", False),
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return save_causal_lm(tmp_path_factory.mktemp("tiny-llama"), **TINY)
 
 
 def broken_copy(tiny_llama: Path, tmp_path: Path, index: int, seed: int = 0) -> Path:

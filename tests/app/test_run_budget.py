@@ -12,26 +12,12 @@ import pytest
 
 from tightfit.app.budget import kv_cache_bytes_per_token
 from tightfit.app.cli import main
-from tightfit.app.models import save_causal_lm
 from tightfit.app.run import RunOptions, run
 from tightfit.fitting import PLACEMENTS, Allow, FitError, storage_names
 
-TINY = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
 # keys and values of 2 layers, 2 KV heads of 8 dimensions, float32
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 8 * 4
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return save_causal_lm(tmp_path_factory.mktemp("tiny-llama"), **TINY)
 
 
 # -- options --------------------------------------------------------------------------

@@ -14,21 +14,9 @@ import torch
 from tightfit.app.generation import generate_greedy, token_agreement
 from tightfit.app.models import CAUSAL_LM, ENCODER, folder_kind, load_causal_lm, model_kind, save_causal_lm
 from tightfit.app.run import DEFAULT_PROMPT, RunOptions, run
+from zoo.lm import TINY_CAUSAL_LM as TINY
 
-TINY = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return save_causal_lm(tmp_path_factory.mktemp("tiny-llama"), **TINY)
 
 
 @pytest.fixture(scope="module")

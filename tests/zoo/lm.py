@@ -8,6 +8,17 @@ from torch import nn
 from tightfit.fitting import Calibration
 from tightfit.quant import storage_formats
 
+#: A Llama-style causal LM small enough to save, load and run in well under a second
+#: (``tightfit.app.models.save_causal_lm(path, **TINY_CAUSAL_LM)``).
+TINY_CAUSAL_LM = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+
 
 def figures(**changes) -> Calibration:
     """Deterministic figures: 10 GFLOP/s, 10 GB/s memory, 1 GB/s disk, decoding free unless
