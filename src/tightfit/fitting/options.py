@@ -99,6 +99,12 @@ class Option:
     onload_bytes: int  # copied onto the device for each forward (offloaded to cpu/disk, accelerators)
     seconds: float
     cost: float
+    load_bytes: int = 0  # above held, while this unit streams in from a checkpoint and converts (on the host)
+
+    @property
+    def transient_bytes(self) -> int:
+        """The most this option adds above held bytes at one moment: computing or loading."""
+        return max(self.compute_peak_bytes, self.load_bytes)
 
 
 def _tensors(module: nn.Module) -> dict[int, torch.Tensor]:
@@ -187,6 +193,7 @@ def options_for(
     figures: Calibration,
     outliers: dict[str, int] | None = None,
     call_rows: dict[str, int] | None = None,
+    loading: bool = False,
 ) -> list[Option]:
     """The options of ``unit`` that ``storages`` and ``placements`` allow, each with bytes and seconds.
 
@@ -197,6 +204,9 @@ def options_for(
     included); ``figures``: the time model's figures; ``outliers``: input columns each
     Linear's outlier path takes (:func:`~tightfit.fitting.outliers.observe_outliers`),
     or None where not observed (then :func:`~tightfit.fitting.outliers.assumed_outliers`).
+    ``loading``: the plan covers streaming the unit in from a checkpoint on this (host)
+    device: its tensors as read, plus the largest leaf's converted copy and its
+    conversion scratch, minus what it holds once loaded.
     """
     if unit.fixed:
         storages, placements = frozenset({"keep"}), frozenset({"device"})
@@ -207,7 +217,7 @@ def options_for(
             continue
         kinds = {leaf_type.__name__ for leaf_type in storage.leaf_types}
         stored, held_offloaded, decoded, decode_seconds, compute_seconds = unit.other_bytes, 0, 0, 0.0, 0.0
-        touched, noise = unit.other_bytes, 0.0
+        touched, noise, converting = unit.other_bytes, 0.0, 0
         for name, kind, shape, dtype in unit.weights:
             leaf = storage if kind in kinds else storage_format("keep")  # a leaf the storage does not apply to stays
             size = leaf.stored_bytes(shape, dtype)
@@ -220,6 +230,7 @@ def options_for(
             else:  # an embedding kept as it is reads only the rows it looks up (whole pages from a file)
                 touched += min(size, count * max(size // shape[0], _PAGE)) if not leaf.decodes else size
             if leaf.decodes:
+                converting = max(converting, size + leaf.convert_bytes(shape, dtype))
                 noise += numel * leaf.noise
                 decode_seconds += numel * figures.decode_seconds[leaf.name]
                 columns = 0
@@ -248,6 +259,7 @@ def options_for(
                     onload,
                     seconds,
                     _cost(seconds, storage.rank, placement, options) + _TIE * noise,
+                    max(0, unit.bytes + converting - held) if loading and on_host else 0,
                 )
             )
     return options

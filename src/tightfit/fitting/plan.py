@@ -109,6 +109,10 @@ class FitPlan:
     ``"eager"`` or ``"compiled"``. A plan with hints is ``"compiled"``: in eager mode
     hints are no-ops, so its predicted peak holds only for the model
     :meth:`compile` returns (the tightfit backend with FX execution).
+
+    ``covers_load``: the prediction covers streaming the weights in from a checkpoint
+    (:func:`tightfit.load`); ``predicted_load_peak_bytes`` is the most held while loading
+    (weights held + the largest unit as read and converting), within ``predicted_peak_bytes``.
     """
 
     model: str
@@ -130,6 +134,8 @@ class FitPlan:
     int8_outliers: str = ""  # what the int8 units' prediction assumes about outlier columns ("" without int8 units)
     hints: dict[str, dict[str, Any]] = field(default_factory=dict)
     runtime: str = "eager"
+    covers_load: bool = False
+    predicted_load_peak_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("model", "backend", "device", "int8_outliers"):
@@ -141,15 +147,16 @@ class FitPlan:
             "predicted_activation_bytes",
             "predicted_transient_bytes",
             "full_peak_bytes",
+            "predicted_load_peak_bytes",
         ):
             _check_bytes("FitPlan", name, getattr(self, name))
         for name in ("predicted_seconds", "full_seconds"):
             _check_seconds("FitPlan", name, getattr(self, name))
-        if not isinstance(self.applies_nothing, bool):
-            raise TypeError(
-                f"FitPlan.applies_nothing must be a bool, got {type(self.applies_nothing).__name__}: "
-                f"{self.applies_nothing!r}"
-            )
+        for name in ("applies_nothing", "covers_load"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"FitPlan.{name} must be a bool, got {type(getattr(self, name)).__name__}: {getattr(self, name)!r}"
+                )
         if not isinstance(self.entries, (tuple, list)):
             raise TypeError(f"FitPlan.entries must be a tuple of PlanEntry, got {type(self.entries).__name__}")
         for index, entry in enumerate(self.entries):
@@ -200,7 +207,7 @@ class FitPlan:
             else:  # offloading refuses a second call over a hooked tree: one call per unit
                 for name in sorted(units):
                     apply_offloading(model.get_submodule(name), device, offload_to=placement, granularity="model")
-        _move_kept(model, {e.module for e in self.entries if e.placement != "device"}, device)
+        move_kept(model, {e.module for e in self.entries if e.placement != "device"}, device)
         if self.hints:
             add_hints(model, self.hints)
         return model
@@ -295,7 +302,7 @@ class FitPlan:
             raise ValueError(f"plan JSON does not describe a plan: {error}") from None
 
 
-def _move_kept(model: nn.Module, offloaded: set[str], device: torch.device) -> None:
+def move_kept(model: nn.Module, offloaded: set[str], device: torch.device) -> None:
     """Move every tensor outside the offloaded units onto ``device`` (a no-op where they
     are). Offloaded units stay in their storage; the tensors their layers hold outside
     parameters and buffers (quantization scales and maps, which offloading does not move)

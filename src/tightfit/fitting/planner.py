@@ -137,8 +137,13 @@ def _parts(
         option = unit_options[pick]
         if option.held_bytes:
             parts.append((f"weights of {unit.name} ({option.storage} on the {option.placement})", option.held_bytes))
-    if choice.active_bytes > activations:
-        parts.append(("decoded weights while their unit computes", choice.active_bytes - activations))
+    chosen = [unit_options[pick] for unit_options, pick in zip(options, choice.picks)]
+    computing = max([activations] + [o.compute_peak_bytes for o in chosen])
+    loading = max([0] + [o.load_bytes for o in chosen])
+    if loading > computing:
+        parts[0] = ("the largest unit while it streams in and converts (more than the activations)", loading)
+    elif computing > activations:
+        parts.append(("decoded weights while their unit computes", computing - activations))
     if choice.onload_bytes:
         parts.append(("copies of offloaded units onloaded for their forward", choice.onload_bytes))
     return sorted(parts, key=lambda part: -part[1])
@@ -180,6 +185,7 @@ def fit(
     allow: Allow | Mapping[str, Any] | None = None,
     calibration: Calibration | None = None,
     remeasure: bool = False,
+    loading: bool = False,
 ) -> FitPlan:
     """A :class:`FitPlan` whose predicted device peak for ``model(*example_inputs)`` (or
     ``model(**example_inputs)`` for a dict) is within ``budget`` at the least predicted time.
@@ -209,6 +215,11 @@ def fit(
     under strict mode (a region the slicing proof refuses is not counted), is within
     the budget. Such a plan has ``plan.hints`` and ``plan.runtime == "compiled"``: its
     peak holds only for ``plan.compile(model)``, not for eager calls.
+
+    ``loading``: the plan also covers streaming the weights in from a checkpoint
+    (:func:`tightfit.load`): on the CPU, each unit's tensors as read and its conversion
+    count above the weights held, so the budget holds from the first byte read. Plan
+    such a model on the meta device (it needs no weights).
     """
     from tightfit.backends.resolve import resolve_backend
 
@@ -219,6 +230,7 @@ def fit(
     if calibration is not None:
         check_type("calibration", calibration, Calibration)
     check_type("remeasure", remeasure, bool)
+    check_type("loading", loading, bool)
     backends, device = resolve_backend(backend)
     figures = calibration if calibration is not None else calibrate(backends[0], remeasure=remeasure)
     _check_calibration(figures, backends[0].name, device)
@@ -241,6 +253,7 @@ def fit(
                 figures=figures,
                 outliers=outliers,
                 call_rows=call_rows,
+                loading=loading,
             )
             for unit in units
         ]
@@ -308,6 +321,8 @@ def fit(
         for unit, unit_options, pick, k in zip(units, options, choice.picks, keep)
     )
     transient = choice.peak_bytes - choice.held_bytes - activations
+    chosen = [unit_options[pick] for unit_options, pick in zip(options, choice.picks)]
+    load_peak = choice.held_bytes + max(o.load_bytes for o in chosen) if loading else 0
     if sliced is not None:  # the compiled plan of the hinted model replaces the eager activations
         activations, peak_node = sliced.activation_bytes, sliced.peak_node
     return FitPlan(
@@ -330,6 +345,8 @@ def fit(
         int8_outliers=_int8_outliers(entries, outliers, not_observed),
         hints=sliced.hints if sliced is not None else {},
         runtime="eager" if sliced is None else "compiled",
+        covers_load=loading,
+        predicted_load_peak_bytes=load_peak,
     )
 
 

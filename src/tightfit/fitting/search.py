@@ -1,9 +1,10 @@
 """The search: one option per unit, predicted device peak within the budget, least
 predicted time.
 
-The peak is the bytes units hold + the larger of the planned activation peak and the
+The peak is the bytes units hold + the largest of the planned activation peak, the
 peak while a unit computes with its decoded weight (activations alive then + the
-decoded copy) + the onloaded copies of two offloaded units (the one computing and the
+decoded copy) and, for a plan that covers loading, the peak while a unit streams in
+and converts + the onloaded copies of two offloaded units (the one computing and the
 one prefetched). The last two terms are maxima, not sums, so the search fixes a cap on
 each (every distinct value an option has), keeps the options under the caps, and
 solves the rest, a multiple-choice knapsack over held bytes, by dynamic programming on
@@ -52,10 +53,10 @@ class Search:
 
 def peak_of(options: list[list[Option]], picks: tuple[int, ...], activations: int) -> Choice:
     """What a choice predicts: held bytes summed, the activation peak raised by the
-    largest compute peak, the two largest onloads."""
+    largest compute or load peak, the two largest onloads."""
     chosen = [unit_options[pick] for unit_options, pick in zip(options, picks)]
     onloads = sorted((o.onload_bytes for o in chosen), reverse=True)[:2]
-    active = max([activations] + [o.compute_peak_bytes for o in chosen])
+    active = max([activations] + [o.transient_bytes for o in chosen])
     return Choice(
         picks,
         sum(o.held_bytes for o in chosen),
@@ -104,7 +105,7 @@ def search(options: list[list[Option]], budget: int, activations: int) -> Search
     summed cost (seconds, see :class:`Option`); ``activations``: the planned activation
     peak with the inputs. Every unit must have at least one option."""
     active_caps = sorted(
-        {activations} | {o.compute_peak_bytes for unit in options for o in unit if o.compute_peak_bytes > activations}
+        {activations} | {o.transient_bytes for unit in options for o in unit if o.transient_bytes > activations}
     )
     onload_caps = sorted({o.onload_bytes for unit in options for o in unit})
     best: Choice | None = None
@@ -112,7 +113,7 @@ def search(options: list[list[Option]], budget: int, activations: int) -> Search
     for active_cap in active_caps:
         for onload_cap in onload_caps:
             allowed = [
-                [i for i, o in enumerate(unit) if o.compute_peak_bytes <= active_cap and o.onload_bytes <= onload_cap]
+                [i for i, o in enumerate(unit) if o.transient_bytes <= active_cap and o.onload_bytes <= onload_cap]
                 for unit in options
             ]
             if not all(allowed):

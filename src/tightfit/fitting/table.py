@@ -25,6 +25,11 @@ def render(plan: FitPlan) -> str:
         f"; unchanged model {human_bytes(plan.full_peak_bytes)}",
         f"time model, weight work per forward (ranks plans; not a latency) {_ms(plan.predicted_seconds)} (unchanged {_ms(plan.full_seconds)})",
     ]
+    if plan.covers_load:
+        lines.append(
+            f"loading covered: peak {human_bytes(plan.predicted_load_peak_bytes)} while the checkpoint streams in "
+            f"(weights held + the largest unit as read and converting)"
+        )
     if plan.int8_outliers:
         lines.append(f"int8 outlier columns {plan.int8_outliers}")
     if plan.hints:

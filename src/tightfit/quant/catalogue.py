@@ -24,7 +24,7 @@ from torch import nn
 
 from tightfit import ops
 from tightfit._validate import check_type
-from tightfit.hooks.casting import apply_layerwise_casting
+from tightfit.hooks.casting import apply_layerwise_casting, dtype_deciders
 from tightfit.quant.config import (
     Blockwise8Config,
     FP4Config,
@@ -84,6 +84,10 @@ class StorageFormat:
     format applies (``tightfit run --quant`` offers those formats).
     ``outlier_threshold``: for a format whose transient bytes depend on the data (the
     input columns at or above it), the threshold the planner observes them with.
+    ``convert_bytes(shape, dtype)``: what converting one full-precision weight allocates
+    above the stored result (scratch of the quantizer or the cast), the part of loading a
+    checkpoint the planner must count; declared from the CPU allocator's peak while
+    converting (tests/quant/test_catalogue_convert.py holds each format to it).
     """
 
     name: str
@@ -98,6 +102,7 @@ class StorageFormat:
     casts: bool = False
     config: QuantConfig | None = None
     outlier_threshold: float | None = None
+    convert_bytes: Callable[[Shape, torch.dtype], int] = _nothing
 
     def __post_init__(self) -> None:
         check_type("name", self.name, str)
@@ -109,7 +114,7 @@ class StorageFormat:
             raise ValueError(f"rank must be an int >= 0, got {self.rank!r}")
         if isinstance(self.noise, bool) or not isinstance(self.noise, (int, float)) or not 0 <= self.noise < math.inf:
             raise ValueError(f"noise must be a finite number >= 0, got {self.noise!r}")
-        for name in ("stored_bytes", "apply", "held_offloaded"):
+        for name in ("stored_bytes", "apply", "held_offloaded", "convert_bytes"):
             if not callable(getattr(self, name)):
                 raise TypeError(f"{name} must be callable, got {getattr(self, name)!r}")
         for name in ("transient_bytes", "decode_probe"):
@@ -152,12 +157,20 @@ def _float8_bytes(shape: Shape, dtype: torch.dtype) -> int:
 
 
 def _float8_apply(model: nn.Module, leaves: frozenset[str]) -> None:
-    dtypes = {module.weight.dtype for name, module in model.named_modules() if name in leaves}
-    if len(dtypes) != 1:
-        raise ValueError(
-            f"the float8 leaves compute in {len(dtypes)} dtypes ({dtypes}); float8 storage casts them to one"
-        )
-    apply_layerwise_casting(model, FLOAT8_DTYPE, dtypes.pop(), granularity=lambda name, _: name in leaves, skip=())
+    """One casting call per leaf, each leaf its own root: a model whose other units were
+    cast already (streamed in unit by unit) takes more; a weight that ``model.dtype``
+    reads keeps its dtype."""
+    chosen = [(name, module) for name, module in model.named_modules() if name in leaves]
+    deciders = dtype_deciders(model)
+    for name, module in chosen:
+        if id(module.weight) in deciders:
+            raise ValueError(f"{name}.weight is what model.dtype reads; float8 storage would change that dtype")
+    for _, module in chosen:
+        apply_layerwise_casting(module, FLOAT8_DTYPE, module.weight.dtype, granularity="model", skip=())
+
+
+def _float8_convert_bytes(shape: Shape, dtype: torch.dtype) -> int:
+    return math.prod(shape) * (dtype.itemsize + 2)  # the scaled copy in the compute dtype, and a half-width one
 
 
 def _float8_probe(linear: nn.Linear, x: torch.Tensor) -> tuple[Callable[[], Any], None]:
@@ -177,6 +190,7 @@ def quantized_format(
     *,
     held_offloaded: Callable[[Shape, torch.dtype], int] = _nothing,
     outlier_threshold: float | None = None,
+    convert_bytes: Callable[[Shape, torch.dtype], int] = _nothing,
 ) -> StorageFormat:
     """A format whose layers (``module``) ``quantize_`` builds from ``config``: applied by
     quantizing the chosen ``nn.Linear`` leaves; its transient bytes are the ones
@@ -213,6 +227,7 @@ def quantized_format(
         probe,
         config=config,
         outlier_threshold=outlier_threshold,
+        convert_bytes=convert_bytes,
     )
 
 
@@ -230,6 +245,18 @@ def _blockwise_bytes(
         return math.ceil(math.prod(shape) * bits / 8) + scales(shape, dtype)
 
     return stored, scales
+
+
+def _code_table_scratch(shape: Shape, dtype: torch.dtype) -> int:
+    return 4096  # blockwise 8-bit quantizes in place of its output; a copy of the code table and a little more
+
+
+def _packing_scratch(shape: Shape, dtype: torch.dtype) -> int:
+    return math.ceil(math.prod(shape) / 8)  # 4-bit: the unpacked codes of one chunk, the scales before packing
+
+
+def _int8_convert_bytes(shape: Shape, dtype: torch.dtype) -> int:
+    return math.prod(shape) * 7  # a float32 copy, the rounded codes before the int8 cast, the outlier mask
 
 
 def _rows_bytes(shape: Shape, dtype: torch.dtype) -> int:
@@ -252,11 +279,34 @@ def _builtin() -> list[StorageFormat]:
             decode_probe=_float8_probe,
             leaf_types=(nn.Linear, nn.Embedding),
             casts=True,
+            convert_bytes=_float8_convert_bytes,
         ),
-        quantized_format("8bit", 1, 1.0, blockwise8, Linear8bit, stored_8bit, held_offloaded=held_8bit),
-        quantized_format("int8", 1, 1.0, int8, LinearInt8, _rows_bytes, outlier_threshold=int8.threshold),
-        quantized_format("nf4", 2, 16.0, nf4, Linear4bit, stored_4bit, held_offloaded=held_4bit),
-        quantized_format("fp4", 3, 24.0, fp4, Linear4bit, stored_4bit, held_offloaded=held_4bit),
+        quantized_format(
+            "8bit",
+            1,
+            1.0,
+            blockwise8,
+            Linear8bit,
+            stored_8bit,
+            held_offloaded=held_8bit,
+            convert_bytes=_code_table_scratch,
+        ),
+        quantized_format(
+            "int8",
+            1,
+            1.0,
+            int8,
+            LinearInt8,
+            _rows_bytes,
+            outlier_threshold=int8.threshold,
+            convert_bytes=_int8_convert_bytes,
+        ),
+        quantized_format(
+            "nf4", 2, 16.0, nf4, Linear4bit, stored_4bit, held_offloaded=held_4bit, convert_bytes=_packing_scratch
+        ),
+        quantized_format(
+            "fp4", 3, 24.0, fp4, Linear4bit, stored_4bit, held_offloaded=held_4bit, convert_bytes=_packing_scratch
+        ),
     ]
 
 

@@ -1,0 +1,155 @@
+"""A local Hugging Face model folder as tightfit reads it before any weight: its config,
+what kind of model it holds, its checkpoint's dtype, and the skeleton built from the
+config with every parameter on the meta device. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["CAUSAL_LM", "ENCODER", "checkpoint_dtype", "folder_kind", "model_folder", "model_kind", "skeleton"]
+
+ENCODER = "encoder"
+CAUSAL_LM = "causal-lm"
+#: The transformers auto class that builds each kind.
+_AUTO_CLASSES = {ENCODER: "AutoModel", CAUSAL_LM: "AutoModelForCausalLM"}
+#: dtypes a checkpoint's config may name (``torch_dtype``, or ``dtype`` from transformers 5).
+_CONFIG_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def require(module: str, extra: str = "hf") -> None:
+    """RuntimeError naming the extra to install when the package ``module`` is missing."""
+    if importlib.util.find_spec(module) is None:
+        raise RuntimeError(
+            f"this needs the Python package {module!r}; install it with: pip install 'tightfit[{extra}]'"
+        )
+
+
+def read_json(file: Path) -> Any:
+    """The JSON in ``file``; a ValueError naming the file where it is not JSON (OSError where unreadable)."""
+    try:
+        return json.loads(file.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{file} is not valid JSON: {error}") from None
+
+
+def model_folder(path: str | Path) -> Path:
+    """The folder, once its config.json is known to be a JSON object of a model type transformers knows."""
+    if not isinstance(path, (str, Path)):
+        raise TypeError(f"model must be a folder path, got {type(path).__name__}: {path!r}")
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"model={str(path)!r} is not a folder; pass a local Hugging Face model folder")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"model={str(path)!r} has no config.json; pass a local Hugging Face model folder")
+    require("transformers")
+    _check_config(folder / "config.json")
+    return folder
+
+
+def _check_config(file: Path) -> None:
+    """Refuse, naming the file, a config.json that transformers would fail on with a message naming neither."""
+    config = read_json(file)
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} must hold a JSON object (a model config), got a JSON {type(config).__name__}")
+    model_type = config.get("model_type")
+    if model_type is None:
+        return  # transformers may still tell the type from the folder's name, or says it cannot
+    from transformers import __version__
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise ValueError(f"{file}: model_type={model_type!r} is not a model type that transformers {__version__} knows")
+
+
+def read_config(path: str | Path) -> Any:
+    """The transformers config of a local folder (only config.json is read)."""
+    folder = model_folder(path)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder, local_files_only=True)
+
+
+def model_kind(config: Any) -> str:
+    """``"causal-lm"`` or ``"encoder"``: what ``tightfit run`` does with a model of this config.
+
+    The config's ``architectures`` decide when present (a causal LM class of
+    transformers' ``AutoModelForCausalLM`` mapping, such as ``LlamaForCausalLM``); without
+    them ``is_decoder``, or a model type that has a causal LM and no masked LM (decoder-only
+    families such as Llama and GPT-2; BERT has both and stays an encoder).
+    """
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    if getattr(config, "architectures", None):
+        causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+        return CAUSAL_LM if any(name in causal for name in config.architectures) else ENCODER
+    if getattr(config, "is_decoder", False):
+        return CAUSAL_LM
+    model_type = getattr(config, "model_type", None)
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return CAUSAL_LM
+    return ENCODER
+
+
+def folder_kind(path: str | Path) -> str:
+    """:func:`model_kind` of a local Hugging Face folder (only its config.json is read)."""
+    return model_kind(read_config(path))
+
+
+def checkpoint_dtype(config: Any) -> torch.dtype:
+    """The dtype the checkpoint's weights are in, as its config says (``dtype``, or
+    ``torch_dtype`` before transformers 5); float32 where it says nothing."""
+    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if named is None:
+        return torch.float32
+    if isinstance(named, torch.dtype) and named in _CONFIG_DTYPES.values():
+        return named
+    if isinstance(named, str) and named in _CONFIG_DTYPES:
+        return _CONFIG_DTYPES[named]
+    raise ValueError(f"the config's dtype={named!r} is not accepted; accepted: {', '.join(_CONFIG_DTYPES)}")
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device and their buffers
+    for real: a buffer a checkpoint does not hold (rotary frequencies, position ids) is
+    computed by its module's constructor, as when loading normally. A parameter's
+    ``torch.empty`` is moved to meta before any initializer writes to it."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def skeleton(path: str | Path, kind: str | None = None) -> tuple[nn.Module, Any]:
+    """(model, config) of a local folder: the model of ``kind`` (default: the folder's own,
+    :func:`model_kind`) built from its config in the checkpoint's dtype, in eval mode,
+    parameters on the meta device (tied ones one object), buffers real. No weight is read."""
+    config = read_config(path)
+    kind = model_kind(config) if kind is None else kind
+    if kind not in _AUTO_CLASSES:
+        raise ValueError(f"kind={kind!r} is not accepted; accepted: {', '.join(_AUTO_CLASSES)}")
+    import transformers
+
+    auto = getattr(transformers, _AUTO_CLASSES[kind])
+    with _parameters_on_meta():
+        model = auto.from_config(config, dtype=checkpoint_dtype(config))
+    return model.eval(), config

@@ -1,0 +1,261 @@
+"""``tightfit.load``: plan a local model folder from its config before reading a byte,
+then stream its safetensors checkpoint into that plan, unit by unit (D8).
+
+Each unit of the plan is read tensor by tensor into the skeleton's meta parameters,
+converted to its planned storage (the storage catalogue's ``apply``: quantize, cast) and
+put where the plan says (kept on the device; offloaded to CPU memory or to a disk file,
+which frees the host copy at once). The full-precision model never exists: what is alive
+at once is the weights held so far plus one unit as read and converting, which is what a
+plan made with ``loading=True`` predicts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tightfit._progress import muted, task
+from tightfit._validate import check_type
+from tightfit.backends.resolve import resolve_backend
+from tightfit.fitting import Allow, Calibration, FitPlan, fit, parse_size
+from tightfit.fitting.plan import move_kept
+from tightfit.hooks import apply_offloading
+from tightfit.loading.folder import CAUSAL_LM, model_folder, skeleton
+from tightfit.loading.safetensors import Checkpoint
+from tightfit.quant import storage_format
+
+__all__ = ["default_inputs", "load", "plan_folder"]
+
+#: Tokens per sequence of the inputs a folder is planned for when none are given.
+DEFAULT_TOKENS = 128
+#: Sequences in that batch, per kind: a causal LM generates for one prompt; an encoder embeds a batch.
+_DEFAULT_BATCH = {CAUSAL_LM: 1}
+_ENCODER_BATCH = 8
+
+
+def default_inputs(config: Any, kind: str) -> dict[str, torch.Tensor]:
+    """The inputs a folder is planned for when none are given, on the meta device: one
+    prompt of 128 tokens for a causal LM, 8 sequences of 128 for an encoder (fewer tokens
+    where the model's ``max_position_embeddings`` is smaller)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    tokens = min(DEFAULT_TOKENS, limit) if isinstance(limit, int) and limit > 0 else DEFAULT_TOKENS
+    shape = (_DEFAULT_BATCH.get(kind, _ENCODER_BATCH), tokens)
+    inputs = {"input_ids": torch.zeros(shape, dtype=torch.long, device="meta")}
+    if kind != CAUSAL_LM:
+        inputs["attention_mask"] = torch.ones(shape, dtype=torch.long, device="meta")
+    return inputs
+
+
+def _on_meta(inputs: Any) -> Any:
+    if isinstance(inputs, torch.Tensor):
+        return inputs.to("meta")
+    if isinstance(inputs, Mapping):
+        return {key: _on_meta(value) for key, value in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(_on_meta(value) for value in inputs)
+    return inputs
+
+
+def plan_folder(
+    folder: str | Path,
+    budget: int | str,
+    *,
+    example_inputs: Any = None,
+    backend: Any = None,
+    allow: Allow | Mapping[str, Any] | None = None,
+    calibration: Calibration | None = None,
+    kind: str | None = None,
+) -> tuple[nn.Module, FitPlan]:
+    """(skeleton, plan): the plan of a local Hugging Face folder for ``budget``, covering
+    loading, made from its config.json alone (no weight file is opened). ``example_inputs``
+    (default :func:`default_inputs`) are moved to the meta device; the other arguments are
+    :func:`tightfit.fit`'s. Raises :class:`tightfit.FitError` when nothing fits: before
+    loading, naming the smallest peak reachable and what dominates it."""
+    model, config = skeleton(folder, kind)
+    inputs = default_inputs(config, kind or _kind_of(model)) if example_inputs is None else _on_meta(example_inputs)
+    plan = fit(model, inputs, budget, backend=backend, allow=allow, calibration=calibration, loading=True)
+    return model, plan
+
+
+def _kind_of(model: nn.Module) -> str:
+    from tightfit.loading.folder import model_kind
+
+    return model_kind(model.config)
+
+
+def load(
+    folder: str | Path,
+    budget: int | str | None = None,
+    *,
+    plan: FitPlan | None = None,
+    example_inputs: Any = None,
+    backend: Any = None,
+    allow: Allow | Mapping[str, Any] | None = None,
+    calibration: Calibration | None = None,
+    kind: str | None = None,
+) -> tuple[nn.Module, FitPlan]:
+    """(model, plan): a local Hugging Face folder's model, streamed into a plan for ``budget``.
+
+    The plan is made first, from the config alone (:func:`plan_folder`; ``FitError``
+    before any weight is read when nothing fits), or given as ``plan`` (then ``budget``,
+    ``example_inputs``, ``allow`` and ``calibration`` are refused). The safetensors
+    checkpoint is then read unit by unit, each unit converted and placed as planned, in
+    the dtype the checkpoint's config names (``torch_dtype``). ``kind``: ``"causal-lm"``
+    (with its LM head) or ``"encoder"`` (the base model); default: the config's. Returns
+    the model in eval mode, on the plan's device.
+    """
+    path = model_folder(folder)
+    if plan is not None:
+        check_type("plan", plan, FitPlan)
+        given = [
+            name
+            for name, value in (
+                ("budget", budget),
+                ("example_inputs", example_inputs),
+                ("allow", allow),
+                ("calibration", calibration),
+            )
+            if value is not None
+        ]
+        if given:
+            raise ValueError(f"plan is given, so {', '.join(given)} would be ignored; pass either a plan or a budget")
+        model, _ = skeleton(path, kind)
+        if plan.model != type(model).__name__:
+            raise ValueError(f"plan was made for {plan.model}, but {path} holds a {type(model).__name__}")
+        if not plan.covers_load:
+            raise ValueError(
+                "plan does not cover loading: make it with tightfit.load, plan_folder or fit(..., loading=True)"
+            )
+    else:
+        if budget is None:
+            raise ValueError("budget is needed to plan the load (bytes or a size such as '6GB'), or pass plan")
+        model, plan = plan_folder(
+            path,
+            parse_size(budget, "budget"),
+            example_inputs=example_inputs,
+            backend=backend,
+            allow=allow,
+            calibration=calibration,
+            kind=kind,
+        )
+    _, device = resolve_backend(plan.device)
+    stream(model, Checkpoint(path), plan, device)
+    return model, plan
+
+
+class _Slots:
+    """Every meta tensor of a skeleton and the (module, name) slots holding it: a tied
+    tensor sits in several, and its real value must go into each."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.names: dict[int, list[str]] = {}
+        self.places: dict[int, list[tuple[nn.Module, str]]] = {}
+        self._alive: list[torch.Tensor] = []  # the meta tensors, kept so that their ids stay theirs
+        for owner_name, module in model.named_modules(remove_duplicate=False):
+            for table in (module._parameters, module._buffers):
+                for name, tensor in table.items():
+                    if tensor is None or not tensor.is_meta:
+                        continue
+                    key = id(tensor)
+                    if key not in self.places:
+                        self._alive.append(tensor)
+                    qualified = f"{owner_name}.{name}" if owner_name else name
+                    if qualified not in self.names.setdefault(key, []):
+                        self.names[key].append(qualified)
+                    if (module, name) not in self.places.setdefault(key, []):
+                        self.places[key].append((module, name))
+
+    def fill(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
+        """Put ``value`` in every slot that holds the meta ``tensor`` (a parameter stays one);
+        the slots are forgotten, so a module that quantizing replaces is freed with its weight."""
+        if isinstance(tensor, nn.Parameter):
+            value = nn.Parameter(value, requires_grad=tensor.requires_grad)
+        for module, name in self.places.pop(id(tensor)):
+            table = module._parameters if name in module._parameters else module._buffers
+            table[name] = value
+
+
+def _find(checkpoint: Checkpoint, names: list[str], prefix: str) -> str | None:
+    """The checkpoint's name for a tensor known by ``names``: as is, or with the base
+    model's prefix added or dropped (a base model's checkpoint in a model with a head,
+    and the other way round)."""
+    for name in names:
+        candidates = [name, f"{prefix}.{name}"] if prefix else [name]
+        if prefix and name.startswith(f"{prefix}."):
+            candidates.append(name[len(prefix) + 1 :])
+        found = next((c for c in candidates if c in checkpoint.entries), None)
+        if found is not None:
+            return found
+    return None
+
+
+def _sources(model: nn.Module, slots: _Slots, checkpoint: Checkpoint) -> dict[int, str]:
+    """The checkpoint name of every meta tensor, each checked against its entry's shape
+    and dtype kind before a byte is read; a ValueError names what is missing or wrong."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    sources, missing = {}, []
+    for key, names in slots.names.items():
+        found = _find(checkpoint, names, prefix)
+        if found is None:
+            missing.append(names[0])
+            continue
+        sources[key] = found
+        entry = checkpoint.entries[found]
+        expected = _tensor(model, names[0])
+        if tuple(expected.shape) != entry.shape:
+            raise ValueError(
+                f"checkpoint tensor {found!r} has shape {entry.shape}; the model's {names[0]} takes {tuple(expected.shape)}"
+            )
+        if expected.is_floating_point() != entry.dtype.is_floating_point:
+            raise ValueError(
+                f"checkpoint tensor {found!r} has dtype {entry.dtype}; the model's {names[0]} is {expected.dtype}"
+            )
+    if missing:
+        raise ValueError(
+            f"the checkpoint in {checkpoint.folder} lacks {len(missing)} of the model's tensors: "
+            f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+        )
+    return sources
+
+
+def _tensor(model: nn.Module, name: str) -> torch.Tensor:
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner)
+    return module._parameters.get(leaf) if leaf in module._parameters else module._buffers[leaf]
+
+
+def _read_unit(module: nn.Module, checkpoint: Checkpoint, slots: _Slots, sources: dict[int, str], advance: Any) -> None:
+    """Read every meta tensor under ``module`` into place, in its skeleton's dtype."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if not tensor.is_meta:
+            continue  # read already: a tied tensor, or a unit's that holds it too
+        value = checkpoint.read(sources[id(tensor)])
+        advance(value.nbytes)
+        slots.fill(tensor, value if value.dtype == tensor.dtype else value.to(tensor.dtype))
+
+
+def stream(model: nn.Module, checkpoint: Checkpoint, plan: FitPlan, device: torch.device) -> None:
+    """Read ``checkpoint`` into ``model`` (a skeleton on meta) unit by unit as ``plan`` says."""
+    slots = _Slots(model)
+    sources = _sources(model, slots, checkpoint)
+    total = sum(checkpoint.entries[name].nbytes for name in set(sources.values()))
+    with task(f"reading and converting {len(plan.entries)} units", total) as advance, muted():
+        for entry in plan.entries:
+            unit = model if entry.kind == "rest" else model.get_submodule(entry.module)
+            _read_unit(unit, checkpoint, slots, sources, advance)
+            storage = storage_format(entry.storage)
+            if storage.decodes and entry.leaves:
+                storage.apply(model, frozenset(entry.leaves))
+            if entry.kind == "rest":  # everything outside the offloaded units, on the device
+                move_kept(model, {e.module for e in plan.entries if e.placement != "device"}, device)
+            elif entry.placement == "device":
+                move_kept(model.get_submodule(entry.module), set(), device)  # quantizing replaced its leaves
+            else:
+                apply_offloading(
+                    model.get_submodule(entry.module), device, offload_to=entry.placement, granularity="model"
+                )
+    model.eval()
