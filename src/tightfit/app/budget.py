@@ -10,13 +10,19 @@ taken off the budget the planner sees, so that the whole generation stays within
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from tightfit import backends
 from tightfit._format import human_bytes
+from tightfit.backends.cpu import read_process_memory, reset_process_peak
 from tightfit.fitting import Allow, FitError, FitPlan, fit
+from tightfit.loading.stream import on_meta
+from tightfit.memory import LiveTensorBytes
 
 __all__: list[str] = []
 
@@ -56,11 +62,13 @@ def plan_run(
     allow: Allow | None,
     kv_cache_bytes: int,
     covers: str,
+    loading: bool = False,
 ) -> Budgeted:
     """Fit ``model`` for ``example_inputs`` (the forward the run makes, a causal LM's
     prefill) into ``budget_bytes`` less ``kv_cache_bytes`` (the cache's growth while
     decoding); ``fit`` raises FitError when nothing fits. The run is eager, where region
-    hints save nothing, so the planner may not add them."""
+    hints save nothing, so the planner may not add them. ``loading``: ``model`` is a
+    skeleton on meta whose checkpoint will stream into the plan; the inputs go to meta too."""
     planned_budget = budget_bytes - kv_cache_bytes
     if planned_budget <= 0:
         raise ValueError(
@@ -68,7 +76,14 @@ def plan_run(
             f"while decoding alone needs {human_bytes(kv_cache_bytes)} ({kv_cache_bytes} B); generate fewer tokens"
         )
     try:
-        plan = fit(model, example_inputs, planned_budget, backend=device, allow=replace(allow or Allow(), hints=False))
+        plan = fit(
+            model,
+            on_meta(example_inputs) if loading else example_inputs,
+            planned_budget,
+            backend=device,
+            allow=replace(allow or Allow(), hints=False),
+            loading=loading,
+        )
     except FitError as error:
         if not kv_cache_bytes:
             raise
@@ -80,3 +95,33 @@ def plan_run(
             parts=error.parts,
         ) from None
     return Budgeted(plan, kv_cache_bytes, covers)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A model streamed into its plan, and what loading it took: ``peak_bytes`` on the
+    device (live tensors on the CPU, the allocator's peak on an accelerator) and the
+    process's peak RSS while loading (None where it cannot be reset)."""
+
+    model: Any
+    seconds: float
+    peak_bytes: int
+    peak_rss_bytes: int | None
+
+
+def measure_load(load: Callable[[], Any], device: torch.device) -> Loaded:
+    """Run ``load()`` once, timed, with its peak memory on ``device``."""
+    backend = backends.get(device)
+    rss_reset = reset_process_peak()
+    start = time.perf_counter()
+    if device.type == "cpu":
+        with LiveTensorBytes("cpu") as tracker:
+            model = load()
+        peak = tracker.peak
+    else:
+        backend.reset_peak_memory(device)
+        model = load()
+        backend.synchronize(device)
+        peak = backend.memory(device).peak
+    seconds = time.perf_counter() - start
+    return Loaded(model, seconds, peak, read_process_memory()[1] if rss_reset else None)

@@ -37,6 +37,7 @@ __all__ = [
     "folder_kind",
     "load_causal_lm",
     "load_encoder",
+    "load_tokenizer",
     "model_kind",
     "model_skeleton",
     "save_causal_lm",
@@ -102,16 +103,24 @@ def model_skeleton(path: str | Path) -> tuple[Any, Any]:
     return skeleton(path, ENCODER)
 
 
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer of a local Hugging Face folder."""
+    folder = model_folder(path)
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, TypeError) as error:
+        raise ValueError(f"model={str(folder)!r}: its tokenizer does not load: {error}") from error
+
+
 def _load(path: str | Path, device: torch.device, auto_class: str) -> tuple[Any, Any]:
     folder = model_folder(path)
     import transformers
 
     _check_weights(folder)
     with transformers_bars():
-        try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        except (OSError, ValueError, TypeError) as error:
-            raise ValueError(f"model={str(folder)!r}: its tokenizer does not load: {error}") from error
+        tokenizer = load_tokenizer(folder)
         try:
             model = getattr(transformers, auto_class).from_pretrained(folder, local_files_only=True)
         except pickle.UnpicklingError as error:

@@ -20,6 +20,7 @@ __all__: list[str] = []
 
 #: what ``Measurement.allocated_peak_bytes`` counts, for labels
 _ALLOCATED = "allocated: weights + the run's tensors + scratch inside ops"
+_LOADING = "live tensors: weights held + the unit being read and converted"
 
 
 def _milliseconds(seconds: float | None) -> float | None:
@@ -28,7 +29,7 @@ def _milliseconds(seconds: float | None) -> float | None:
 
 def _budget_data(report: RunReport) -> dict[str, Any]:
     """The budget's figures for ``--json``; None everywhere without a budget."""
-    budgeted, measured = report.budgeted, report.measurement.allocated_peak_bytes
+    budgeted, measured = report.budgeted, report.measured_peak_bytes
     if budgeted is None:
         keys = (
             "budget_bytes",
@@ -40,6 +41,9 @@ def _budget_data(report: RunReport) -> dict[str, Any]:
             "kv_cache_growth_bytes",
             "applies_nothing",
             "plan",
+            "load_seconds",
+            "load_peak_bytes",
+            "load_peak_rss_bytes",
         )
         return dict.fromkeys(keys)
     return {
@@ -52,6 +56,9 @@ def _budget_data(report: RunReport) -> dict[str, Any]:
         "kv_cache_growth_bytes": budgeted.kv_cache_bytes,
         "applies_nothing": budgeted.plan.applies_nothing,
         "plan": budgeted.plan.to_dict(),
+        "load_seconds": report.load_seconds,
+        "load_peak_bytes": report.load_peak_bytes,
+        "load_peak_rss_bytes": report.load_peak_rss_bytes,
     }
 
 
@@ -133,15 +140,15 @@ def _print_plan(report: RunReport, console: Console) -> None:
 
 
 def _budget(report: RunReport) -> Table:
-    budgeted, measured = report.budgeted, report.measurement.allocated_peak_bytes
-    table = Table(title="budget: predicted against measured")
+    budgeted, measured = report.budgeted, report.measured_peak_bytes
+    table = Table(title="budget: predicted against measured (loading and the run)")
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_row("budget", f"{human_bytes(report.budget_bytes)} ({report.budget_bytes:,} B)")
     table.add_row(
         "predicted peak", f"{human_bytes(budgeted.predicted_peak_bytes)} ({budgeted.predicted_peak_bytes:,} B)"
     )
-    table.add_row(f"measured peak, {_ALLOCATED}", f"{human_bytes(measured)} ({measured:,} B)")
+    table.add_row("measured peak, loading or running (the larger)", f"{human_bytes(measured)} ({measured:,} B)")
     ratio = budgeted.predicted_peak_bytes / measured
     table.add_row("predicted / measured", f"{ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
     table.add_row("measured within budget", "yes" if measured <= report.budget_bytes else "[red]NO[/red]")
@@ -187,6 +194,11 @@ def print_report(report: RunReport, console: Console) -> None:
             f"{measured.median_seconds * 1e3:.1f} ms",
         )
     figures.add_row(f"peak memory, {measured.source}", human_bytes(measured.peak_bytes))
+    if report.load_seconds is not None:
+        figures.add_row("load: checkpoint streamed into the plan", f"{report.load_seconds:.2f} s")
+        figures.add_row(f"peak memory while loading, {_LOADING}", human_bytes(report.load_peak_bytes))
+        if report.load_peak_rss_bytes is not None:
+            figures.add_row("peak RSS while loading, whole process", human_bytes(report.load_peak_rss_bytes))
     if measured.peak_rss_bytes is not None:  # the CPU: the allocator's view beside the per-op count
         figures.add_row(f"peak memory, {_ALLOCATED}", human_bytes(measured.allocated_peak_bytes))
         figures.add_row("peak RSS, whole process (code and libraries too)", human_bytes(measured.peak_rss_bytes))

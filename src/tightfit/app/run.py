@@ -20,11 +20,20 @@ from tightfit import backends
 from tightfit._deprecation import renamed
 from tightfit._format import human_bytes
 from tightfit._validate import check_type
-from tightfit.app.budget import Budgeted, kv_cache_bytes_per_token, plan_run
+from tightfit.app.budget import Budgeted, kv_cache_bytes_per_token, measure_load, plan_run
 from tightfit.app.generation import Generation, generate_greedy, token_agreement
-from tightfit.app.models import ENCODER, default_model_dir, embed, folder_kind, load_causal_lm, load_encoder
+from tightfit.app.models import (
+    ENCODER,
+    default_model_dir,
+    embed,
+    folder_kind,
+    load_causal_lm,
+    load_encoder,
+    load_tokenizer,
+)
 from tightfit.fitting import Allow, held_bytes, parse_size
 from tightfit.hooks import OFFLOAD_TARGETS, apply_layerwise_casting, apply_offloading, resident_bytes
+from tightfit.loading import checkpoint_dtype, load, skeleton
 from tightfit.memory import Measurement, measure, tensor_bytes
 from tightfit.memory.plot import check_png_path
 from tightfit.quant import (
@@ -202,6 +211,14 @@ class RunReport:
     timeline_path: str | None = None
     budget_bytes: int | None = None  # with a budget, from here on
     budgeted: Budgeted | None = None  # the plan and what its prediction covers
+    load_seconds: float | None = None  # with a budget: streaming the checkpoint into the plan
+    load_peak_bytes: int | None = None  # on the device while loading
+    load_peak_rss_bytes: int | None = None  # the process's, while loading
+
+    @property
+    def measured_peak_bytes(self) -> int:
+        """The most on the device over the whole run: loading (with a budget) and the measured calls."""
+        return max(self.measurement.allocated_peak_bytes, self.load_peak_bytes or 0)
 
     @property
     def predicted_peak_bytes(self) -> int | None:
@@ -248,9 +265,9 @@ def run(options: RunOptions | None = None) -> RunReport:
         raise ValueError(
             f"prompt and max_new_tokens apply to causal LMs; model={str(folder)!r} is an encoder, which embeds sentences"
         )
-    job = _Encoder(folder, device, options) if kind == ENCODER else _CausalLM(folder, device, options, backend)
-    budgeted = None
-    if options.budget is not None:
+    budgeted, loaded = None, None
+    if options.budget is not None:  # plan from the config, then stream the checkpoint into the plan
+        job = _job(kind, folder, device, options, backend, skeleton(folder, kind)[0])
         budgeted = plan_run(
             job.model,
             job.example_inputs(),
@@ -259,16 +276,19 @@ def run(options: RunOptions | None = None) -> RunReport:
             allow=options.allow,
             kv_cache_bytes=job.kv_cache_bytes(),
             covers=job.covers(),
+            loading=True,
         )
-        changes = not budgeted.plan.applies_nothing
-    else:
-        changes = bool(options.quant or options.storage_dtype or options.offload)
-    full_weights = weights_bytes([job.model]) if changes else None
-    reference = job.result() if changes else None  # before any change; on the CPU, outside the measured run
-    if budgeted is not None:
-        budgeted.plan.apply(job.model)
+        loaded = measure_load(lambda: load(folder, plan=budgeted.plan, kind=kind)[0], device)
+        job.model = loaded.model
         kept: tuple[str, ...] = ()
+        changes = not budgeted.plan.applies_nothing
+        full_weights = _full_weights_bytes(budgeted.plan) if changes else None
+        reference = None  # computed after the measured run, from the full-precision model, where it fits
     else:
+        job = _job(kind, folder, device, options, backend)
+        changes = bool(options.quant or options.storage_dtype or options.offload)
+        full_weights = weights_bytes([job.model]) if changes else None
+        reference = job.result() if changes else None  # before any change; on the CPU, outside the measured run
         kept = _convert(job.model, options, device)
     kept_linears = [
         module for name in kept for module in job.model.get_submodule(name).modules() if isinstance(module, Linear8bit)
@@ -306,6 +326,11 @@ def run(options: RunOptions | None = None) -> RunReport:
         budget_bytes=options.budget,
         budgeted=budgeted,
     )
+    if loaded is not None:
+        report.load_seconds, report.load_peak_bytes = loaded.seconds, loaded.peak_bytes
+        report.load_peak_rss_bytes = loaded.peak_rss_bytes
+        if changes:
+            reference = _reference(job, kind, folder, device, full_weights)
     job.fill(report, list(measurement.results), reference)  # what the timed calls returned
     if options.timeline is not None:
         title = f"{Path(report.model).name if options.model else 'all-MiniLM-L6-v2'}, {report.changes or 'as loaded'}, on {device}"
@@ -318,6 +343,33 @@ def run(options: RunOptions | None = None) -> RunReport:
             )
         )
     return report
+
+
+def _job(
+    kind: str, folder: Path, device: torch.device, options: RunOptions, backend: backends.Backend, skeleton: Any = None
+) -> _Encoder | _CausalLM:
+    if kind == ENCODER:
+        return _Encoder(folder, device, options, skeleton)
+    return _CausalLM(folder, device, options, backend, skeleton)
+
+
+def _full_weights_bytes(plan: Any) -> int:
+    """The weights as the checkpoint holds them: every unit's bytes before the plan."""
+    return sum(entry.bytes_before for entry in plan.entries)
+
+
+def _reference(job: _Encoder | _CausalLM, kind: str, folder: Path, device: torch.device, full_bytes: int) -> Any:
+    """What the full-precision model produces, for quality: loaded after the measured run,
+    only where it takes at most half the memory the machine has free (else None)."""
+    free = backends.get("cpu").memory(torch.device("cpu")).free
+    if free is None or full_bytes > free // 2:
+        return None
+    fitted = job.model
+    job.model = (load_encoder if kind == ENCODER else load_causal_lm)(folder, device)[0]
+    try:
+        return job.result()
+    finally:
+        job.model = fitted
 
 
 def _convert(model: torch.nn.Module, options: RunOptions, device: torch.device) -> tuple[str, ...]:
@@ -341,8 +393,11 @@ def _convert(model: torch.nn.Module, options: RunOptions, device: torch.device) 
 class _Encoder:
     """Embeds the sentences; quality is the lowest cosine of an embedding against full precision."""
 
-    def __init__(self, folder: Path, device: torch.device, options: RunOptions) -> None:
-        self.model, self.tokenizer = load_encoder(folder, device)
+    def __init__(self, folder: Path, device: torch.device, options: RunOptions, skeleton: Any = None) -> None:
+        if skeleton is None:
+            self.model, self.tokenizer = load_encoder(folder, device)
+        else:  # planned first, streamed in later
+            self.model, self.tokenizer = skeleton, load_tokenizer(folder)
         self.device = device
         self.sentences = options.sentences
         self.top_pairs = options.top_pairs
@@ -379,8 +434,14 @@ class _Encoder:
 class _CausalLM:
     """Generates ``max_new_tokens`` greedily; quality is the token agreement with full precision."""
 
-    def __init__(self, folder: Path, device: torch.device, options: RunOptions, backend: backends.Backend) -> None:
-        self.model, self.tokenizer = load_causal_lm(folder, device)
+    def __init__(
+        self, folder: Path, device: torch.device, options: RunOptions, backend: backends.Backend, skeleton: Any = None
+    ) -> None:
+        if skeleton is None:
+            self.model, self.tokenizer = load_causal_lm(folder, device)
+        else:  # planned first, streamed in later
+            self.model, self.tokenizer = skeleton, load_tokenizer(folder)
+        self.dtype = checkpoint_dtype(self.model.config)
         self.prompt = DEFAULT_PROMPT if options.prompt is None else options.prompt
         self.max_new_tokens = DEFAULT_MAX_NEW_TOKENS if options.max_new_tokens is None else options.max_new_tokens
         self.input_ids = self.tokenizer(self.prompt, return_tensors="pt").input_ids.to(device)
@@ -402,8 +463,7 @@ class _CausalLM:
 
     def kv_cache_bytes(self) -> int:
         """The KV cache's growth over the one-token forwards after the prefill."""
-        dtype = next(self.model.parameters()).dtype
-        return (self.max_new_tokens - 1) * kv_cache_bytes_per_token(self.model.config, dtype)
+        return (self.max_new_tokens - 1) * kv_cache_bytes_per_token(self.model.config, self.dtype)
 
     def covers(self) -> str:
         return (

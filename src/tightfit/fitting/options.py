@@ -259,10 +259,19 @@ def options_for(
                     onload,
                     seconds,
                     _cost(seconds, storage.rank, placement, options) + _TIE * noise,
-                    max(0, unit.bytes + converting - held) if loading and on_host else 0,
+                    _load_bytes(unit, storage, placement, converting, held) if loading and on_host else 0,
                 )
             )
     return options
+
+
+def _load_bytes(unit: Unit, storage: StorageFormat, placement: str, converting: int, held: int) -> int:
+    """Bytes above ``held`` while the unit streams in: its tensors as read, plus the
+    largest leaf's converted copy and scratch. A unit kept as it is on disk is mapped from
+    the checkpoint in place, and reads nothing into memory."""
+    if placement == "disk" and not storage.decodes:
+        return 0
+    return max(0, unit.bytes + converting - held)
 
 
 def _cost(seconds: float, rank: int, placement: str, earlier: list[Option]) -> float:

@@ -28,7 +28,7 @@ from tightfit.loading.folder import CAUSAL_LM, model_folder, skeleton
 from tightfit.loading.safetensors import Checkpoint
 from tightfit.quant import storage_format
 
-__all__ = ["default_inputs", "load", "plan_folder"]
+__all__ = ["default_inputs", "load", "on_meta", "plan_folder", "stream"]
 
 #: Tokens per sequence of the inputs a folder is planned for when none are given.
 DEFAULT_TOKENS = 128
@@ -50,13 +50,14 @@ def default_inputs(config: Any, kind: str) -> dict[str, torch.Tensor]:
     return inputs
 
 
-def _on_meta(inputs: Any) -> Any:
+def on_meta(inputs: Any) -> Any:
+    """``inputs`` (a tensor, or tensors in a dict, tuple or list) on the meta device: what a skeleton is planned for."""
     if isinstance(inputs, torch.Tensor):
         return inputs.to("meta")
     if isinstance(inputs, Mapping):
-        return {key: _on_meta(value) for key, value in inputs.items()}
+        return {key: on_meta(value) for key, value in inputs.items()}
     if isinstance(inputs, (tuple, list)):
-        return type(inputs)(_on_meta(value) for value in inputs)
+        return type(inputs)(on_meta(value) for value in inputs)
     return inputs
 
 
@@ -76,7 +77,7 @@ def plan_folder(
     :func:`tightfit.fit`'s. Raises :class:`tightfit.FitError` when nothing fits: before
     loading, naming the smallest peak reachable and what dominates it."""
     model, config = skeleton(folder, kind)
-    inputs = default_inputs(config, kind or _kind_of(model)) if example_inputs is None else _on_meta(example_inputs)
+    inputs = default_inputs(config, kind or _kind_of(model)) if example_inputs is None else on_meta(example_inputs)
     plan = fit(model, inputs, budget, backend=backend, allow=allow, calibration=calibration, loading=True)
     return model, plan
 
