@@ -174,10 +174,11 @@ def print_report(report: RunReport, console: Console) -> None:
             kept = f"{', '.join(report.kept_8bit)}: {report.kept_8bit_linears} Linear, {human_bytes(report.kept_8bit_bytes)}"
             figures.add_row("kept in 8 bits (later half of the layers)", kept)
         figures.add_row(f"weights in {report.device} memory between forwards", human_bytes(report.device_weights_bytes))
+        quality = "not measured (no full-precision reference)" if report.quality is None else f"{report.quality:.4f}"
         if report.kind == ENCODER:
-            figures.add_row(f"embedding cosine, {report.changes} vs full (lowest)", f"{report.quality:.4f}")
+            figures.add_row(f"embedding cosine, {report.changes} vs full (lowest)", quality)
         else:
-            figures.add_row(f"token agreement, {report.changes} vs full", f"{report.quality:.4f}")
+            figures.add_row(f"token agreement, {report.changes} vs full", quality)
     else:
         figures.add_row("weights", human_bytes(report.weights_bytes))
     if report.kind == ENCODER:

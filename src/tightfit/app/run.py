@@ -108,6 +108,9 @@ class RunOptions:
     ``storage_dtype`` and ``offload`` are refused with it. ``allow``: what the planner may
     use, a ``--allow`` string (``"keep,float8,disk"``: only the kinds named are restricted),
     an :class:`~tightfit.fitting.Allow` or a dict; stored as an Allow; needs ``budget``.
+
+    ``reference``: where weights change, also run the full-precision model for the quality
+    figures (False: no quality figures; a model the machine cannot hold twice).
     """
 
     model: str | None = None
@@ -124,6 +127,7 @@ class RunOptions:
     timeline: str | Path | None = None
     budget: int | str | None = None
     allow: Allow | Mapping[str, Any] | str | None = None
+    reference: bool = True
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, Path)):
@@ -176,6 +180,8 @@ class RunOptions:
             )
         if self.allow is not None:
             object.__setattr__(self, "allow", Allow.coerce(self.allow))
+        if not isinstance(self.reference, bool):
+            raise TypeError(f"reference must be a bool, got {type(self.reference).__name__}: {self.reference!r}")
 
 
 @dataclass
@@ -288,7 +294,9 @@ def run(options: RunOptions | None = None) -> RunReport:
         job = _job(kind, folder, device, options, backend)
         changes = bool(options.quant or options.storage_dtype or options.offload)
         full_weights = weights_bytes([job.model]) if changes else None
-        reference = job.result() if changes else None  # before any change; on the CPU, outside the measured run
+        reference = (
+            job.result() if changes and options.reference else None
+        )  # before any change, outside the measured run
         kept = _convert(job.model, options, device)
     kept_linears = [
         module for name in kept for module in job.model.get_submodule(name).modules() if isinstance(module, Linear8bit)
@@ -329,7 +337,7 @@ def run(options: RunOptions | None = None) -> RunReport:
     if loaded is not None:
         report.load_seconds, report.load_peak_bytes = loaded.seconds, loaded.peak_bytes
         report.load_peak_rss_bytes = loaded.peak_rss_bytes
-        if changes:
+        if changes and options.reference:
             reference = _reference(job, kind, folder, device, full_weights)
     job.fill(report, list(measurement.results), reference)  # what the timed calls returned
     if options.timeline is not None:

@@ -33,6 +33,7 @@ def handle(args: argparse.Namespace, console: Console) -> int:
         timeline=args.timeline,
         budget=args.budget,
         allow=args.allow,
+        reference=not args.no_reference,
     )
     bars = Console(stderr=True)
     with show_progress(bars) if bars.is_terminal and not args.json else nullcontext():  # stderr only, never in --json
@@ -93,5 +94,11 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     run.add_argument("--prompt", help="causal LMs: the text to continue (default: a fixed story opening)")
     run.add_argument("--max-new-tokens", type=int, help="causal LMs: tokens to generate greedily (default: 16)")
     run.add_argument("--timeline", help="also write a PNG of memory over one run to this path (needs tightfit[plot])")
+    run.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="skip the full-precision reference run that quality is measured against (a model the machine "
+        "cannot hold twice; a budgeted run skips it by itself where the model takes over half the free memory)",
+    )
     run.add_argument("--json", action="store_true", help="print JSON instead of tables")
     run.set_defaults(handler=handle)
