@@ -284,7 +284,7 @@ def run(options: RunOptions | None = None) -> RunReport:
             covers=job.covers(),
             loading=True,
         )
-        loaded = measure_load(lambda: load(folder, plan=budgeted.plan, kind=kind)[0], device)
+        loaded = measure_load(lambda: load(folder, plan=budgeted.plan, kind=kind, model=job.model)[0], device)
         job.model = loaded.model
         kept: tuple[str, ...] = ()
         changes = not budgeted.plan.applies_nothing

@@ -136,3 +136,89 @@ class MappedFile:
             self._map.close()
         except BufferError:  # a tensor still exported from the map: it is unmapped when that tensor dies
             pass
+
+
+class MappedRegions:
+    """Byte ranges of an existing file (a checkpoint's tensors), memory-mapped in place:
+    a unit computes straight from the file's pages, with no copy in memory and none on
+    disk. The same checks as :class:`MappedFile`, except that there is no CRC to verify
+    (the file is not tightfit's): its size and times are taken when it is opened, and a
+    change shows in one ``fstat`` before every touch (:meth:`check`).
+
+    ``regions``: key -> (offset, bytes, dtype, shape). The map is copy-on-write, so a
+    change made in place to a tensor never reaches the file.
+    """
+
+    def __init__(
+        self, path: Path, unit: str, regions: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]]
+    ) -> None:
+        self.folder = path.parent
+        self.unit = unit
+        self.path = path
+        self._file = open(path, "rb")  # noqa: SIM115 (held open for the map's life; closed by close())
+        try:
+            stat = os.fstat(self._file.fileno())
+            self._stamp = (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+            for key, (offset, nbytes, _, _) in regions.items():
+                if offset < 0 or offset + nbytes > stat.st_size:
+                    raise ValueError(f"{path}: tensor {key!r} at bytes {offset}..{offset + nbytes} lies past its end")
+            start = min((offset for offset, *_ in regions.values()), default=0)
+            self._base = start - start % mmap.ALLOCATIONGRANULARITY
+            end = max((offset + nbytes for offset, nbytes, *_ in regions.values()), default=start)
+            self._map = mmap.mmap(
+                self._file.fileno(), max(end - self._base, 1), access=mmap.ACCESS_COPY, offset=self._base
+            )
+        except BaseException:
+            self._file.close()
+            raise
+        self._regions = regions
+        self.tensors = {key: self._view(key) for key in regions}
+
+    def _view(self, key: str) -> torch.Tensor:
+        offset, nbytes, dtype, shape = self._regions[key]
+        raw = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset - self._base)
+        return raw.view(dtype).reshape(shape)
+
+    def _error(self, what: str) -> OffloadFileError:
+        return OffloadFileError(
+            f"{self.path}, which unit {self.unit!r} computes from in place, {what} after tightfit opened it: "
+            f"the weights it holds can no longer be trusted, and nothing is read from it; load the model again"
+        )
+
+    def check(self) -> None:
+        """Raise :class:`OffloadFileError` when the file was written to or resized since it was opened."""
+        now = os.fstat(self._file.fileno())
+        size, mtime, ctime = self._stamp
+        if now.st_size != size:
+            raise self._error(f"was resized from {size} to {now.st_size} bytes")
+        if (now.st_mtime_ns, now.st_ctime_ns) != (mtime, ctime):
+            raise self._error("was written to")
+
+    def read(self, key: str) -> torch.Tensor:
+        """A fresh CPU copy of one tensor, read with ordinary file reads (a short file is an error)."""
+        self.check()
+        offset, nbytes, dtype, shape = self._regions[key]
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        buffer = memoryview(out.numpy())
+        self._file.seek(offset)
+        done = 0
+        while done < nbytes:
+            count = self._file.readinto(buffer[done:])
+            if not count:
+                raise self._error(f"ends {nbytes - done} bytes short of tensor {key!r}")
+            done += count
+        return out.view(dtype).reshape(shape)
+
+    def will_need(self) -> None:
+        """Ask the OS to start reading the unit's pages in now (a hint; returns at once)."""
+        if hasattr(mmap, "MADV_WILLNEED") and not self._map.closed:
+            self._map.madvise(mmap.MADV_WILLNEED)
+
+    def close(self) -> None:
+        """Drop the views, unmap and close (the unmapping waits for the last view to die)."""
+        self.tensors = {}
+        self._file.close()
+        try:
+            self._map.close()
+        except BufferError:  # a tensor still exported from the map: it is unmapped when that tensor dies
+            pass

@@ -26,7 +26,7 @@ from torch import nn
 from tightfit import backends
 from tightfit._progress import task
 from tightfit._validate import check_choice, check_device, check_type
-from tightfit.hooks._disk import DISK_DTYPES, MappedFile, OffloadFileError
+from tightfit.hooks._disk import DISK_DTYPES, MappedFile, MappedRegions, OffloadFileError
 from tightfit.hooks._exclusive import OneForwardAtATime
 from tightfit.hooks._units import Granularity, Slot, Unit, check_granularity, select_units
 from tightfit.hooks.registry import HookRegistry, ModuleHook
@@ -58,7 +58,7 @@ class _Record:
 
     tensor: torch.Tensor  # its ``.data`` is the stored copy while offloaded
     device: torch.device  # where it lived before
-    file: MappedFile | None = None  # offloaded to disk: the file it is a view of, under ``key``
+    file: MappedFile | MappedRegions | None = None  # offloaded to disk: the file it is a view of, under ``key``
     key: str = ""
     version: int = 0  # ``tensor._version`` when it became a view: a change made in place shows
 
@@ -71,7 +71,7 @@ class _Offload:
         self.offload_to = offload_to
         self.folder = folder
         self.records: dict[int, _Record] = {}
-        self.files: list[MappedFile] = []
+        self.files: list[MappedFile | MappedRegions] = []
         self.pending: list[tuple[_Record, MappedFile, str]] = []  # written to disk, not yet swapped in
         self.streams = streams  # torch.cuda-like module when the backend copies asynchronously
         self.side_stream = streams.Stream(device) if streams is not None else None
@@ -326,11 +326,7 @@ def apply_offloading(
                         f"{unit.name or type(module).__name__}.{slot.name} has dtype {slot.get().dtype}, "
                         f"which an offload file does not hold; use offload_to='cpu'"
                     )
-    streams = (
-        torch.get_device_module(device.type)
-        if async_copy and hasattr(torch.get_device_module(device.type), "Stream")
-        else None
-    )
+    streams = _streams(device, async_copy)
     folder = Path(path if path is not None else tempfile.gettempdir()) if offload_to == "disk" else None
     state = _Offload(device, offload_to, folder, streams if prefetch else None)
     pin = async_copy if pin_memory is None else pin_memory
@@ -345,11 +341,44 @@ def apply_offloading(
             if isinstance(error, OSError):
                 raise _nothing_offloaded(error, folder) from error
             raise
+    _hook(module, units, state, prefetch)
+    return [unit.name for unit in units]
+
+
+def _streams(device: torch.device, async_copy: bool) -> ModuleType | None:
+    """The device module whose streams copy asynchronously (``torch.cuda`` and alike), or None."""
+    module = torch.get_device_module(device.type)
+    return module if async_copy and hasattr(module, "Stream") else None
+
+
+def _hook(module: nn.Module, units: list[Unit], state: _Offload, prefetch: bool) -> None:
     for unit in units:
         HookRegistry.of(unit.module).register(OFFLOADING, OffloadHook(state, _unique(unit.slots)))
-    if prefetch and (streams is not None or offload_to == "disk"):
+    if prefetch and (state.streams is not None or state.offload_to == "disk"):
         HookRegistry.of(module).register(OFFLOADING_SCHEDULE, _ScheduleHook(state))
-    return [unit.name for unit in units]
+
+
+def offload_in_place(module: nn.Module, device: str | torch.device, files: list[MappedRegions]) -> None:
+    """Hook ``module`` as one unit offloaded to disk whose tensors are views of ``files``
+    already (a checkpoint mapped in place by ``tightfit.load``): it computes on ``device``
+    from the files' pages, as a unit ``apply_offloading(offload_to="disk")`` wrote does.
+    Its tensors that are no view of a file (converted on reading) stay in CPU memory and
+    are copied like those offloaded to the CPU. Private to tightfit."""
+    backend, device = _check_device(device)
+    if _hooked(module, OFFLOADING):
+        raise ValueError("offloading is already applied to this module; call remove_offloading(module) first")
+    async_copy = device.type != "cpu" and backend.capabilities().async_copy
+    streams = _streams(device, async_copy)
+    state = _Offload(device, "disk", files[0].folder if files else None, streams)
+    views = {file.tensors[key].data_ptr(): (file, key) for file in files for key in file.tensors}
+    units = select_units(module, "model", ())
+    for slot in (slot for unit in units for slot in unit.slots):
+        tensor = slot.get()
+        found = views.get(tensor.data_ptr()) if tensor.numel() else None
+        if found is not None and id(tensor) not in state.records:
+            state.records[id(tensor)] = _Record(tensor, torch.device("cpu"), found[0], found[1], tensor._version)
+    state.files.extend(files)
+    _hook(module, units, state, True)
 
 
 def _nothing_offloaded(error: OSError, folder: Path | None) -> OSError:

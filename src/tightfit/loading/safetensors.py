@@ -151,8 +151,8 @@ class Checkpoint:
             )
         return [folder / name for name in sorted(set(weight_map.values()))]
 
-    def read(self, name: str) -> torch.Tensor:
-        """A fresh CPU tensor holding the tensor ``name``, read with ordinary reads."""
+    def check(self, name: str) -> TensorEntry:
+        """The entry of tensor ``name``, once its shard is known unchanged since its header was checked."""
         entry = self.entries.get(name)
         if entry is None:
             raise KeyError(f"the checkpoint in {self.folder} has no tensor {name!r}")
@@ -162,6 +162,11 @@ class Checkpoint:
                 f"{entry.file} changed on disk after its header was checked (size or modification time); "
                 f"nothing more is read from it: load the model again"
             )
+        return entry
+
+    def read(self, name: str) -> torch.Tensor:
+        """A fresh CPU tensor holding the tensor ``name``, read with ordinary reads."""
+        entry = self.check(name)
         out = torch.empty(entry.nbytes, dtype=torch.uint8)
         view = memoryview(out.numpy())
         with open(entry.file, "rb", buffering=0) as handle:

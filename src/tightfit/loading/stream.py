@@ -24,6 +24,8 @@ from tightfit.backends.resolve import resolve_backend
 from tightfit.fitting import Allow, Calibration, FitPlan, fit, parse_size
 from tightfit.fitting.plan import move_kept
 from tightfit.hooks import apply_offloading
+from tightfit.hooks._disk import MappedRegions
+from tightfit.hooks.offload import offload_in_place
 from tightfit.loading.folder import CAUSAL_LM, model_folder, skeleton
 from tightfit.loading.safetensors import Checkpoint
 from tightfit.quant import storage_format
@@ -98,6 +100,7 @@ def load(
     allow: Allow | Mapping[str, Any] | None = None,
     calibration: Calibration | None = None,
     kind: str | None = None,
+    model: nn.Module | None = None,
 ) -> tuple[nn.Module, FitPlan]:
     """(model, plan): a local Hugging Face folder's model, streamed into a plan for ``budget``.
 
@@ -106,8 +109,11 @@ def load(
     ``example_inputs``, ``allow`` and ``calibration`` are refused). The safetensors
     checkpoint is then read unit by unit, each unit converted and placed as planned, in
     the dtype the checkpoint's config names (``torch_dtype``). ``kind``: ``"causal-lm"``
-    (with its LM head) or ``"encoder"`` (the base model); default: the config's. Returns
-    the model in eval mode, on the plan's device.
+    (with its LM head) or ``"encoder"`` (the base model); default: the config's. ``model``:
+    with ``plan``, the skeleton it was made on (:func:`plan_folder`), filled in place;
+    default: a new one from the config. Building a skeleton allocates each parameter's
+    empty tensor for a moment (address space, never written) before moving it to meta.
+    Returns the model in eval mode, on the plan's device.
     """
     path = model_folder(folder)
     if plan is not None:
@@ -124,7 +130,9 @@ def load(
         ]
         if given:
             raise ValueError(f"plan is given, so {', '.join(given)} would be ignored; pass either a plan or a budget")
-        model, _ = skeleton(path, kind)
+        if model is None:
+            model, _ = skeleton(path, kind)
+        check_type("model", model, nn.Module)
         if plan.model != type(model).__name__:
             raise ValueError(f"plan was made for {plan.model}, but {path} holds a {type(model).__name__}")
         if not plan.covers_load:
@@ -134,6 +142,8 @@ def load(
     else:
         if budget is None:
             raise ValueError("budget is needed to plan the load (bytes or a size such as '6GB'), or pass plan")
+        if model is not None:
+            raise ValueError("model (a skeleton) is taken only with the plan made on it; pass plan too")
         model, plan = plan_folder(
             path,
             parse_size(budget, "budget"),
@@ -232,11 +242,40 @@ def _tensor(model: nn.Module, name: str) -> torch.Tensor:
 def _read_unit(module: nn.Module, checkpoint: Checkpoint, slots: _Slots, sources: dict[int, str], advance: Any) -> None:
     """Read every meta tensor under ``module`` into place, in its skeleton's dtype."""
     for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.is_meta:  # not read already (a tied tensor, or a unit's that holds it too)
+            _read_into(tensor, sources[id(tensor)], checkpoint, slots, advance)
+
+
+def _read_into(tensor: torch.Tensor, source: str, checkpoint: Checkpoint, slots: _Slots, advance: Any) -> None:
+    value = checkpoint.read(source)
+    advance(value.nbytes)
+    slots.fill(tensor, value if value.dtype == tensor.dtype else value.to(tensor.dtype))
+
+
+def _map_unit(
+    module: nn.Module, name: str, checkpoint: Checkpoint, slots: _Slots, sources: dict[int, str], advance: Any
+) -> list[MappedRegions]:
+    """Fill the unit's meta tensors with views of the checkpoint's files, mapped in place
+    (one map per shard the unit spans); a tensor stored in another dtype than the
+    skeleton's is read and converted instead."""
+    regions: dict[Path, dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]]] = {}
+    pending = []
+    for tensor in [*module.parameters(), *module.buffers()]:
         if not tensor.is_meta:
-            continue  # read already: a tied tensor, or a unit's that holds it too
-        value = checkpoint.read(sources[id(tensor)])
-        advance(value.nbytes)
-        slots.fill(tensor, value if value.dtype == tensor.dtype else value.to(tensor.dtype))
+            continue
+        source = sources[id(tensor)]
+        entry = checkpoint.entries[source]
+        if entry.dtype != tensor.dtype:
+            _read_into(tensor, source, checkpoint, slots, advance)
+            continue
+        checkpoint.check(source)
+        regions.setdefault(entry.file, {})[source] = (entry.start, entry.nbytes, entry.dtype, entry.shape)
+        pending.append((tensor, entry.file, source))
+    files = {path: MappedRegions(path, name, found) for path, found in regions.items()}
+    for tensor, path, source in pending:
+        slots.fill(tensor, files[path].tensors[source])
+        advance(checkpoint.entries[source].nbytes)
+    return list(files.values())
 
 
 def stream(model: nn.Module, checkpoint: Checkpoint, plan: FitPlan, device: torch.device) -> None:
@@ -247,8 +286,11 @@ def stream(model: nn.Module, checkpoint: Checkpoint, plan: FitPlan, device: torc
     with task(f"reading and converting {len(plan.entries)} units", total) as advance, muted():
         for entry in plan.entries:
             unit = model if entry.kind == "rest" else model.get_submodule(entry.module)
-            _read_unit(unit, checkpoint, slots, sources, advance)
             storage = storage_format(entry.storage)
+            if entry.placement == "disk" and not storage.decodes:  # as stored: computed from the checkpoint's pages
+                offload_in_place(unit, device, _map_unit(unit, entry.module, checkpoint, slots, sources, advance))
+                continue
+            _read_unit(unit, checkpoint, slots, sources, advance)
             if storage.decodes and entry.leaves:
                 storage.apply(model, frozenset(entry.leaves))
             if entry.kind == "rest":  # everything outside the offloaded units, on the device
