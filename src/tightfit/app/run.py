@@ -53,6 +53,7 @@ __all__ = [
     "STORAGE_DTYPE_CHOICES",
     "RunOptions",
     "RunReport",
+    "plan_only",
     "quant_configs",
     "run",
     "weights_bytes",
@@ -258,8 +259,8 @@ def _most_similar(embeddings: torch.Tensor, sentences: tuple[str, ...], count: i
     return [(sentences[int(rows[i])], sentences[int(cols[i])], float(values[i])) for i in order]
 
 
-def run(options: RunOptions | None = None) -> RunReport:
-    """Run the main job and return its report."""
+def _setup(options: RunOptions | None) -> tuple[RunOptions, backends.Backend, torch.device, Path, str]:
+    """The options checked, the backend and device, the model folder and its kind."""
     options = options or RunOptions()
     if not isinstance(options, RunOptions):
         raise TypeError(f"options must be RunOptions, got {type(options).__name__}")
@@ -271,19 +272,43 @@ def run(options: RunOptions | None = None) -> RunReport:
         raise ValueError(
             f"prompt and max_new_tokens apply to causal LMs; model={str(folder)!r} is an encoder, which embeds sentences"
         )
+    return options, backend, device, folder, kind
+
+
+def _planned(
+    options: RunOptions, backend: backends.Backend, device: torch.device, folder: Path, kind: str
+) -> tuple[_Encoder | _CausalLM, Budgeted]:
+    """The run's job on the skeleton (no weight read) and its plan for the budget, loading covered."""
+    job = _job(kind, folder, device, options, backend, skeleton(folder, kind)[0])
+    budgeted = plan_run(
+        job.model,
+        job.example_inputs(),
+        options.budget,
+        device=device,
+        allow=options.allow,
+        kv_cache_bytes=job.kv_cache_bytes(),
+        covers=job.covers(),
+        loading=True,
+    )
+    return job, budgeted
+
+
+def plan_only(options: RunOptions) -> Budgeted:
+    """The plan ``run(options)`` would carry out, made from the folder's config alone: no
+    weight file is opened (``tightfit fit``, the dry run). ``options.budget`` is needed;
+    raises :class:`tightfit.FitError` when nothing fits."""
+    options, backend, device, folder, kind = _setup(options)
+    if options.budget is None:
+        raise ValueError("budget is needed to plan (bytes or a size such as '6GB')")
+    return _planned(options, backend, device, folder, kind)[1]
+
+
+def run(options: RunOptions | None = None) -> RunReport:
+    """Run the main job and return its report."""
+    options, backend, device, folder, kind = _setup(options)
     budgeted, loaded = None, None
     if options.budget is not None:  # plan from the config, then stream the checkpoint into the plan
-        job = _job(kind, folder, device, options, backend, skeleton(folder, kind)[0])
-        budgeted = plan_run(
-            job.model,
-            job.example_inputs(),
-            options.budget,
-            device=device,
-            allow=options.allow,
-            kv_cache_bytes=job.kv_cache_bytes(),
-            covers=job.covers(),
-            loading=True,
-        )
+        job, budgeted = _planned(options, backend, device, folder, kind)
         loaded = measure_load(lambda: load(folder, plan=budgeted.plan, kind=kind, model=job.model)[0], device)
         job.model = loaded.model
         kept: tuple[str, ...] = ()

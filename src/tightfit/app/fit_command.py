@@ -1,0 +1,84 @@
+"""``tightfit fit``: the dry run. The plan ``tightfit run --budget`` would carry out for a
+model folder (or the built-in model), made from its config alone: no weight file is
+opened, so a model bigger than this machine plans in seconds, and a budget nothing meets
+is refused here, before anything is loaded (exit status 2, naming the smallest peak
+reachable and what dominates it). ``--json`` prints the plan as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+from rich.markup import escape
+
+from tightfit._format import human_bytes
+from tightfit.app.run import RunOptions, plan_only
+from tightfit.fitting import PLACEMENTS, storage_names
+
+__all__: list[str] = []
+
+
+def handle(args: argparse.Namespace, console: Console) -> int:
+    """Plan, print the plan, exit."""
+    budgeted = plan_only(
+        RunOptions(
+            model=args.model,
+            backend=args.backend,
+            prompt=args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            budget=args.budget,
+            allow=args.allow,
+        )
+    )
+    plan = budgeted.plan
+    if args.json:
+        data = {
+            "predicted_peak_bytes": budgeted.predicted_peak_bytes,
+            "kv_cache_growth_bytes": budgeted.kv_cache_bytes,
+            "prediction_covers": budgeted.covers,
+            "plan": plan.to_dict(),
+        }
+        print(json.dumps(data, indent=2))
+        return 0
+    if budgeted.kv_cache_bytes:
+        console.print(
+            f"planned for {human_bytes(plan.budget_bytes)}: the budget less {human_bytes(budgeted.kv_cache_bytes)} "
+            f"of KV cache growth while decoding",
+            highlight=False,
+        )
+    console.print(escape(str(plan)), highlight=False, soft_wrap=True)
+    console.print(
+        f"predicted peak of the whole run {human_bytes(budgeted.predicted_peak_bytes)}: {budgeted.covers}, and loading; "
+        f"nothing was loaded (tightfit run --budget carries this plan out)",
+        highlight=False,
+        markup=False,
+    )
+    return 0
+
+
+def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
+    """Register ``fit``, its options and :func:`handle` on the CLI's subcommands."""
+    fit = commands.add_parser(
+        "fit",
+        parents=parents,
+        help="plan a model for a memory budget from its config alone, before loading anything (a dry run)",
+    )
+    fit.add_argument("model", nargs="?", help="a local Hugging Face model folder (default: the built-in model)")
+    fit.add_argument(
+        "--budget",
+        required=True,
+        metavar="SIZE",
+        help="memory the whole run may use on the device, loading included, e.g. 6GB, 1.5GiB, 123456 (bytes)",
+    )
+    fit.add_argument(
+        "--allow",
+        metavar="NAMES",
+        help=f"what the planner may use: storages ({', '.join(storage_names())}) and/or placements "
+        f"({', '.join(PLACEMENTS)}), comma-separated",
+    )
+    fit.add_argument("--backend", help="backend name or device, e.g. cpu, cuda, cuda:1 (default: best available)")
+    fit.add_argument("--prompt", help="causal LMs: the text the run continues (default: tightfit run's)")
+    fit.add_argument("--max-new-tokens", type=int, help="causal LMs: tokens the run generates (default: 16)")
+    fit.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    fit.set_defaults(handler=handle)

@@ -1,0 +1,161 @@
+"""tightfit.load: the plan is made on the meta skeleton before a byte is read, and the
+streamed model equals from_pretrained + FitPlan.apply bit for bit, within its predicted
+load peak."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import tightfit
+from tightfit.app.cli import main
+from tightfit.app.models import save_causal_lm
+from tightfit.fitting import FitError
+from tightfit.loading import Checkpoint, plan_folder, skeleton
+from tightfit.loading import stream as streaming
+from tightfit.memory import LiveTensorBytes
+from zoo.lm import figures
+
+transformers = pytest.importorskip("transformers")
+
+#: Layers big enough beside the vocabulary (30,522 x 128) that quantizing them matters.
+SMALL_LM = dict(
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+IDS = torch.arange(3, 15).unsqueeze(0)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_causal_lm(tmp_path_factory.mktemp("small-lm"), **SMALL_LM)
+
+
+def _reference(folder, plan):
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    return plan.apply(model)
+
+
+def test_the_plan_on_meta_equals_the_plan_on_the_loaded_model(folder):
+    for loading in (False, True):
+        meta, _ = skeleton(folder)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        on_meta = tightfit.fit(meta, {"input_ids": IDS.to("meta")}, 20_000_000, calibration=figures(), loading=loading)
+        on_real = tightfit.fit(loaded, {"input_ids": IDS}, 20_000_000, calibration=figures(), loading=loading)
+        assert on_meta.to_dict() == on_real.to_dict()
+        assert on_meta.covers_load is loading and not on_meta.applies_nothing
+
+
+@pytest.mark.parametrize(
+    "budget, allow",
+    [
+        (40_000_000, None),  # the unchanged model
+        (17_000_000, None),  # vocabulary on disk, mapped from the checkpoint in place
+        (20_000_000, {"storage": ["keep", "nf4"]}),
+        (20_000_000, {"storage": ["keep", "8bit"]}),
+        (20_000_000, {"storage": ["keep", "int8"]}),
+        (20_000_000, {"storage": ["keep", "float8"]}),
+        (34_000_000, {"storage": ["keep", "nf4"], "placement": ["device"]}),
+    ],
+)
+def test_streamed_equals_from_pretrained_and_apply_within_the_predicted_load_peak(folder, budget, allow):
+    model, plan = plan_folder(folder, budget, example_inputs={"input_ids": IDS}, calibration=figures(), allow=allow)
+    with LiveTensorBytes("cpu") as tracker:
+        streaming.stream(model, Checkpoint(folder), plan, torch.device("cpu"))
+    assert tracker.peak <= plan.predicted_load_peak_bytes <= budget
+    assert plan.predicted_load_peak_bytes <= 1.1 * tracker.peak  # measured within 0.1-7% below
+    reference = _reference(folder, plan)
+    with torch.inference_mode():
+        assert torch.equal(model(IDS).logits, reference(IDS).logits)
+    assert tightfit.fitting.held_bytes(model, "cpu") == plan.predicted_weights_bytes
+
+
+def test_a_quantized_plan_changes_the_weights_it_names(folder):
+    model, plan = tightfit.load(
+        folder, 20_000_000, example_inputs={"input_ids": IDS}, calibration=figures(), allow={"storage": ["keep", "nf4"]}
+    )
+    quantized = [e for e in plan.entries if e.storage == "nf4"]
+    assert quantized
+    for entry in quantized:
+        for leaf in entry.leaves:
+            assert type(model.get_submodule(leaf)).__name__ == "Linear4bit"
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def test_a_sharded_checkpoint_with_its_index_streams_in(folder, tmp_path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    model.save_pretrained(tmp_path, max_shard_size="5MB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(folder / name, tmp_path / name)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(Checkpoint(tmp_path).entries) == len(Checkpoint(folder).entries)
+    streamed, plan = tightfit.load(tmp_path, 17_000_000, example_inputs={"input_ids": IDS}, calibration=figures())
+    with torch.inference_mode():
+        assert torch.equal(streamed(IDS).logits, _reference(folder, plan)(IDS).logits)
+
+
+def test_a_refusal_comes_before_any_weight_is_read(folder, monkeypatch):
+    def no_reading(*args, **kwargs):
+        raise AssertionError("the checkpoint was opened")
+
+    monkeypatch.setattr(streaming, "Checkpoint", no_reading)
+    with pytest.raises(FitError, match="cannot be met") as refused:
+        tightfit.load(folder, 1_000_000, example_inputs={"input_ids": IDS}, calibration=figures())
+    assert refused.value.smallest_peak_bytes > 1_000_000
+
+
+def test_the_dry_run_reads_no_weight_file(folder, tmp_path, capsys):
+    bare = tmp_path / "config-only"
+    bare.mkdir()
+    for file in folder.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, bare / file.name)
+    assert main(["fit", str(bare), "--budget", "20MB", "--json"]) == 0
+    dry = json.loads(capsys.readouterr().out)
+    assert main(["fit", str(folder), "--budget", "20MB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["entries"] == dry["plan"]["entries"]
+    assert dry["plan"]["covers_load"] is True and dry["predicted_peak_bytes"] <= 20_000_000
+    assert main(["fit", str(bare), "--budget", "2MB"]) == 2
+    assert "cannot be met" in capsys.readouterr().err
+
+
+def test_a_mapped_unit_refuses_a_checkpoint_changed_after_loading(folder, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    model, plan = tightfit.load(copy, 17_000_000, example_inputs={"input_ids": IDS}, calibration=figures())
+    assert any(e.placement == "disk" and e.storage == "keep" for e in plan.entries)
+    with open(copy / "model.safetensors", "r+b") as file:
+        file.seek(-4, 2)
+        file.write(b"\0\0\0\0")
+    with pytest.raises(tightfit.hooks.OffloadFileError, match="was written to"), torch.inference_mode():
+        model(IDS)
+
+
+def test_load_refuses_a_checkpoint_that_does_not_match_the_config(folder, tmp_path):
+    other = save_causal_lm(tmp_path / "wider", **{**SMALL_LM, "intermediate_size": 256})
+    shutil.copy(other / "model.safetensors", tmp_path / "model.safetensors")
+    mixed = tmp_path / "mixed"
+    shutil.copytree(folder, mixed)
+    shutil.copy(other / "model.safetensors", mixed / "model.safetensors")
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'model.layers.0.mlp.*' has shape"):
+        tightfit.load(mixed, 40_000_000, example_inputs={"input_ids": IDS}, calibration=figures())
+
+
+def test_load_checks_its_arguments(folder):
+    with pytest.raises(ValueError, match="budget is needed"):
+        tightfit.load(folder)
+    _, plan = plan_folder(folder, 40_000_000, example_inputs={"input_ids": IDS}, calibration=figures())
+    with pytest.raises(ValueError, match="plan is given, so budget would be ignored"):
+        tightfit.load(folder, 40_000_000, plan=plan)
+    with pytest.raises(TypeError, match="plan must be"):
+        tightfit.load(folder, plan="plan.json")
+    unloaded = tightfit.fit(skeleton(folder)[0], {"input_ids": IDS.to("meta")}, 40_000_000, calibration=figures())
+    with pytest.raises(ValueError, match="does not cover loading"):
+        tightfit.load(folder, plan=unloaded)
