@@ -69,8 +69,9 @@ def test_streamed_equals_from_pretrained_and_apply_within_the_predicted_load_pea
     model, plan = plan_folder(folder, budget, example_inputs={"input_ids": IDS}, calibration=figures(), allow=allow)
     with LiveTensorBytes("cpu") as tracker:
         streaming.stream(model, Checkpoint(folder), plan, torch.device("cpu"))
-    assert tracker.peak <= plan.predicted_load_peak_bytes <= budget
-    assert plan.predicted_load_peak_bytes <= 1.1 * tracker.peak  # measured within 0.1-7% below
+    assert tracker.peak <= budget and plan.predicted_load_peak_bytes <= budget
+    # within 1% (measured: within 1 KiB; 8bit's code table, cached by its first use, is not a unit's)
+    assert plan.predicted_load_peak_bytes == pytest.approx(tracker.peak, rel=0.01)
     reference = _reference(folder, plan)
     with torch.inference_mode():
         assert torch.equal(model(IDS).logits, reference(IDS).logits)

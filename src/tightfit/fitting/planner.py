@@ -320,9 +320,10 @@ def fit(
         )
         for unit, unit_options, pick, k in zip(units, options, choice.picks, keep)
     )
-    transient = choice.peak_bytes - choice.held_bytes - activations
     chosen = [unit_options[pick] for unit_options, pick in zip(options, choice.picks)]
-    load_peak = choice.held_bytes + max(o.load_bytes for o in chosen) if loading else 0
+    load_peak = _load_peak(chosen) if loading else 0
+    computing = max([activations] + [o.compute_peak_bytes for o in chosen])
+    transient = max(choice.held_bytes + computing + choice.onload_bytes, load_peak) - choice.held_bytes - activations
     if sliced is not None:  # the compiled plan of the hinted model replaces the eager activations
         activations, peak_node = sliced.activation_bytes, sliced.peak_node
     return FitPlan(
@@ -348,6 +349,17 @@ def fit(
         covers_load=loading,
         predicted_load_peak_bytes=load_peak,
     )
+
+
+def _load_peak(chosen: list[Option]) -> int:
+    """The most held while the checkpoint streams in, unit by unit in the plan's order
+    (the rest last): the units loaded before, plus this one as read and converting. The
+    search bounds it by all units' held bytes instead, so a plan it finds is within budget."""
+    held = peak = 0
+    for option in chosen:
+        peak = max(peak, held + option.held_bytes + option.load_bytes)
+        held += option.held_bytes
+    return peak
 
 
 def _check_calibration(figures: Calibration, backend: str, device: torch.device) -> None:
