@@ -18,6 +18,7 @@ PAGES = [
     "docs/compile.md",
     "docs/memory.md",
     "docs/fit.md",
+    "docs/load.md",
     "docs/architecture.md",
 ]
 

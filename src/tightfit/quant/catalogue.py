@@ -256,7 +256,7 @@ def _packing_scratch(shape: Shape, dtype: torch.dtype) -> int:
 
 
 def _int8_convert_bytes(shape: Shape, dtype: torch.dtype) -> int:
-    return math.prod(shape) * 7  # a float32 copy, the rounded codes before the int8 cast, the outlier mask
+    return math.prod(shape) * 7 + shape[0] * 4  # a float32 copy, the rounded codes, the outlier mask; the row scales
 
 
 def _rows_bytes(shape: Shape, dtype: torch.dtype) -> int:
