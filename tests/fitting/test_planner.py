@@ -105,18 +105,6 @@ def test_keyword_and_positional_inputs_plan_alike():
     assert by_keyword.predicted_peak_bytes == by_position.predicted_peak_bytes
 
 
-def test_tied_weights_stay():
-    model = tiny_lm(vocab=64)
-    model.head.weight = model.embed.weight  # (64, 128) both
-    full = tightfit.fit(model, (token_ids(vocab=64),), "1GiB", calibration=figures()).full_peak_bytes
-    plan = tightfit.fit(model, (token_ids(vocab=64),), full // 2, calibration=figures())
-    fixed = {e.module: e for e in plan.entries if "tied" in e.why}
-    assert set(fixed) == {"embed", "head"}
-    assert all(e.storage == "keep" and e.placement == "device" for e in fixed.values())
-    distinct = {id(t): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
-    assert plan.full_peak_bytes - plan.predicted_activation_bytes == sum(distinct.values())  # the shared weight once
-
-
 class MatmulBlock(nn.Module):
     """A layer without nn.Linear (as GPT-2's Conv1D layers): it can move, not be quantized."""
 

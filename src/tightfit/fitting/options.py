@@ -26,7 +26,16 @@ from tightfit.quant.layers import largest_repeated_list
 if TYPE_CHECKING:
     from tightfit.fitting.calibration import Calibration
 
-__all__ = ["PLACEMENTS", "TIME_TOLERANCE", "Option", "Unit", "find_units", "options_for", "storage_names"]
+__all__ = [
+    "PLACEMENTS",
+    "TIED_DECODE",
+    "TIME_TOLERANCE",
+    "Option",
+    "Unit",
+    "find_units",
+    "options_for",
+    "storage_names",
+]
 
 #: Where a unit's weights live between forwards, in the order the planner prefers them.
 PLACEMENTS = ("device", "cpu", "disk")
@@ -34,6 +43,12 @@ PLACEMENTS = ("device", "cpu", "disk")
 #: storage and then the earlier placement win: the time model's figures are measured on a
 #: machine doing other work, and a plan must not change with their noise.
 TIME_TOLERANCE = 0.25
+
+#: Why a unit of tied weights is kept in its dtype (placed anywhere, stored as it is): a
+#: quantized format replaces one leaf's module and leaves the other leaf the full-precision
+#: tensor, a second copy; float8 storage is applied leaf by leaf (the storage catalogue), and
+#: the second leaf would meet a weight that is float8 already, without its scale.
+TIED_DECODE = "its leaves share one weight (tied), which only storage kept as it is serves to both"
 
 _PAGE = 4096  # bytes the OS reads per touched page of a memory-mapped file
 _TIE = 1e-12  # seconds per unit of noise: breaks ties between options of equal cost only
@@ -53,7 +68,9 @@ class Unit:
     (shape, dtype); ``bytes``: all its tensors as they are; ``rows``: rows each leaf
     computed in the traced forward (tokens for an embedding); ``fixed``: the reason it
     must stay as it is, or ""; ``no_cast``: the reason storages that cast a weight in place
-    (float8) are ruled out, or "".
+    (float8) are ruled out, or ""; ``tied``: the leaves whose weight an earlier leaf of the
+    unit holds (tied weights: stored once, used by each); ``no_decode``: the reason storages
+    that decode are ruled out (:data:`TIED_DECODE`), or "".
     """
 
     name: str
@@ -63,10 +80,15 @@ class Unit:
     other_bytes: int  # tensors in the unit that are not leaf weights (biases, norms)
     fixed: str = ""  # why it must stay as it is, where it is ("" when free)
     no_cast: str = ""  # why storages that cast in place are ruled out ("" when they are not)
+    tied: tuple[str, ...] = ()  # leaves whose weight an earlier leaf holds (counted there)
+    no_decode: str = ""  # why storages that decode are ruled out ("" when they are not)
 
     def takes(self, storage: StorageFormat) -> bool:
         """Whether ``storage`` applies to a leaf of this unit: one of its leaf types, in a
-        floating-point dtype; a storage that casts in place not where ``no_cast`` says."""
+        floating-point dtype; a storage that casts in place not where ``no_cast`` says; none
+        that decodes where ``no_decode`` says."""
+        if storage.decodes and self.no_decode:
+            return False
         kinds = {leaf_type.__name__ for leaf_type in storage.leaf_types}
         floats = any(
             kind in kinds and dtype in (torch.float32, torch.float16, torch.bfloat16)
@@ -144,18 +166,54 @@ def _groups(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
     return groups
 
 
-def find_units(model: nn.Module) -> list[Unit]:
-    """The model's units in module order, the rest last.
+def _tied_groups(groups: list[tuple[str, str, nn.Module]]) -> list[list[tuple[str, str, nn.Module]]]:
+    """``groups`` joined where Linear / Embedding groups share a tensor (tied weights), the
+    joined ones first; each list in module order."""
+    parent = list(range(len(groups)))
 
-    A unit holding a tensor that a module outside it holds too (tied weights) stays as
-    it is; the tensor counts in the first unit that holds it.
+    def root(index: int) -> int:
+        while parent[index] != index:
+            index = parent[index]
+        return index
+
+    first: dict[int, int] = {}  # tensor id -> the first group holding it
+    for index, (_, kind, module) in enumerate(groups):
+        for key in _tensors(module) if kind != "layer" else ():
+            if key in first:
+                low, high = sorted((root(index), root(first[key])))
+                parent[high] = low
+            else:
+                first[key] = index
+    joined: dict[int, list[tuple[str, str, nn.Module]]] = {}
+    for index, group in enumerate(groups):
+        joined.setdefault(root(index), []).append(group)
+    return sorted(joined.values(), key=lambda members: len(members) == 1)  # stable
+
+
+def find_units(model: nn.Module) -> list[Unit]:
+    """The model's units: units of tied weights first, then the others in module order, the rest last.
+
+    Linear and Embedding modules outside the layer stack that share a weight (tied weights:
+    GPT-2's ``transformer.wte`` and ``lm_head``) are one unit, named after the first of
+    them in module order, whose leaves are all of them: a plan entry's leaves outside its
+    module are the unit's other modules (:attr:`~tightfit.fitting.PlanEntry.modules`). The
+    shared weight is stored once and each leaf's use counts in the unit's time; it may move
+    off the device but keeps its dtype (:data:`TIED_DECODE`). Tied units come first because
+    offloading one hooks their common parent, which must not hold offloaded units yet.
+    A unit that holds a tensor some module outside it holds too stays as it is (a layer
+    tied to something else, a tensor a norm shares); the tensor counts in the first unit
+    that holds it.
     """
     owners = _owners(model)
     deciders = dtype_deciders(model)  # model.dtype reads them: layerwise casting leaves them as they are
     units, covered = [], {}
-    for name, kind, module in _groups(model):
-        tensors = _tensors(module)
-        inner = _owners(module)
+    for members in _tied_groups(_groups(model)):
+        name, kind, _ = members[0]
+        tensors = {key: t for _, _, module in members for key, t in _tensors(module).items()}
+        inner: dict[int, int] = {}
+        for _, _, module in members:
+            for key, count in _owners(module).items():
+                inner[key] = inner.get(key, 0) + count
         if any(inner[key] < owners[key] for key in tensors):
             own = {k: v for k, v in tensors.items() if k not in covered}
             size = tensor_bytes(own.values())
@@ -163,17 +221,20 @@ def find_units(model: nn.Module) -> list[Unit]:
             covered.update(tensors)
             continue
         leaves = [
-            (f"{name}.{leaf_name}" if leaf_name else name, leaf)
+            (f"{group}.{leaf_name}" if leaf_name else group, leaf)
+            for group, _, module in members
             for leaf_name, leaf in module.named_modules()
             if type(leaf) in (nn.Linear, nn.Embedding)
         ]
         weights = tuple(
             (leaf_name, type(leaf).__name__, tuple(leaf.weight.shape), leaf.weight.dtype) for leaf_name, leaf in leaves
         )
-        weight_ids = {id(leaf.weight) for _, leaf in leaves}
-        no_cast = "model.dtype reads its weight, which must keep its dtype" if weight_ids & deciders else ""
-        other = tensor_bytes(v for k, v in tensors.items() if k not in weight_ids)
-        units.append(Unit(name, kind, weights, tensor_bytes(tensors.values()), other, "", no_cast))
+        firsts = {id(leaf.weight): leaf_name for leaf_name, leaf in reversed(leaves)}
+        tied = tuple(leaf_name for leaf_name, leaf in leaves if firsts[id(leaf.weight)] != leaf_name)
+        no_cast = "model.dtype reads its weight, which must keep its dtype" if firsts.keys() & deciders else ""
+        no_decode = TIED_DECODE if any(inner[key] > 1 for key in firsts) else ""  # another module of it holds one
+        other = tensor_bytes(v for k, v in tensors.items() if k not in firsts)
+        units.append(Unit(name, kind, weights, tensor_bytes(tensors.values()), other, "", no_cast, tied, no_decode))
         covered.update(tensors)
     rest = {k: v for k, v in _tensors(model).items() if k not in covered}
     if rest:
@@ -204,6 +265,9 @@ def options_for(
     included); ``figures``: the time model's figures; ``outliers``: input columns each
     Linear's outlier path takes (:func:`~tightfit.fitting.outliers.observe_outliers`),
     or None where not observed (then :func:`~tightfit.fitting.outliers.assumed_outliers`).
+    A unit of tied weights stores the shared weight once and counts each leaf's use of it:
+    the LM head reads every row per forward, the embedding the rows it looks up; offloaded
+    on an accelerator, each leaf's forward copies it onto the device.
     ``loading``: the plan covers streaming the unit in from a checkpoint on this (host)
     device: its tensors as read, plus the largest leaf's converted copy and its
     conversion scratch, minus what it holds once loaded.
@@ -218,11 +282,15 @@ def options_for(
         kinds = {leaf_type.__name__ for leaf_type in storage.leaf_types}
         stored, held_offloaded, decoded, decode_seconds, compute_seconds = unit.other_bytes, 0, 0, 0.0, 0.0
         touched, noise, converting = unit.other_bytes, 0.0, 0
+        again = 0  # tied leaves' weights: stored with the first leaf, copied onto the device again for each use
         for name, kind, shape, dtype in unit.weights:
             leaf = storage if kind in kinds else storage_format("keep")  # a leaf the storage does not apply to stays
             size = leaf.stored_bytes(shape, dtype)
-            stored += size
-            held_offloaded += leaf.held_offloaded(shape, dtype)
+            if name in unit.tied:
+                again += size - leaf.held_offloaded(shape, dtype)
+            else:
+                stored += size
+                held_offloaded += leaf.held_offloaded(shape, dtype)
             numel, count = math.prod(shape), rows.get(name, 0)
             if kind == "Linear":
                 compute_seconds += 2 * numel * count / figures.matmul_flops
@@ -246,9 +314,9 @@ def options_for(
             onload = 0
             if placement != "device" and not on_host:
                 onload = stored - held
-                seconds += onload / figures.host_to_device_bandwidth
+                seconds += (onload + again) / figures.host_to_device_bandwidth
             if placement == "disk":
-                seconds += (touched if on_host else stored) / figures.disk_bandwidth
+                seconds += (touched if on_host else stored + again) / figures.disk_bandwidth
             options.append(
                 Option(
                     storage.name,

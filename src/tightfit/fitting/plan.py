@@ -16,11 +16,11 @@ from torch import nn
 import tightfit.graph
 from tightfit._deprecation import renamed
 from tightfit._validate import check_type
-from tightfit.fitting.options import PLACEMENTS, storage_names
+from tightfit.fitting.options import PLACEMENTS, TIED_DECODE, storage_names
 from tightfit.fitting.regions import add_hints, check_module_hints
 from tightfit.fitting.table import render
-from tightfit.hooks import apply_offloading
-from tightfit.quant import move_unregistered, storage_formats
+from tightfit.hooks import OFFLOADING, HookRegistry, apply_offloading
+from tightfit.quant import move_unregistered, storage_format, storage_formats
 
 __all__ = ["FitPlan", "PlanEntry"]
 
@@ -54,6 +54,11 @@ class PlanEntry:
     ``bytes_before`` / ``bytes_after``: the unit's tensors as they are and as planned;
     ``held_bytes``: what stays in the device's memory between forwards; ``seconds``: its
     predicted share of one forward; ``why``: the reason, in words.
+
+    Tied weights (modules outside the layer stack sharing a weight, such as GPT-2's
+    ``transformer.wte`` and ``lm_head``) are one unit: ``module`` is the first of them and
+    ``leaves`` lists all of them, so a leaf outside ``module`` is another module of the
+    unit (:attr:`modules`). Such a unit is stored as it is (``keep``), wherever it is placed.
     """
 
     module: str
@@ -86,6 +91,20 @@ class PlanEntry:
         if not isinstance(self.leaves, (tuple, list)) or not all(isinstance(leaf, str) for leaf in self.leaves):
             raise TypeError(f"PlanEntry.leaves must be a tuple of str (module names), got {self.leaves!r}")
         object.__setattr__(self, "leaves", tuple(self.leaves))
+        if len(self.modules) > 1 and storage_format(self.storage).decodes:
+            raise ValueError(
+                f"PlanEntry.storage={self.storage!r} for tied weights ({', '.join(self.modules)}): {TIED_DECODE}; "
+                f"accepted: 'keep'"
+            )
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The modules this unit covers: ``module``, and the leaves outside it (tied
+        weights); none for the rest."""
+        if self.kind == "rest":
+            return ()
+        others = [leaf for leaf in self.leaves if leaf != self.module and not leaf.startswith(f"{self.module}.")]
+        return (self.module, *others)
 
     @property
     def changed(self) -> bool:
@@ -200,13 +219,17 @@ class FitPlan:
             if chosen:
                 storage.apply(model, chosen)
         device = torch.device(self.device)
-        for position, placement in enumerate(p for p in ("disk", "cpu") if any(e.placement == p for e in self.entries)):
-            units = {e.module for e in self.entries if e.placement == placement}
-            if position == 0:  # one call over the model: its units prefetch one another
+        placements = [p for p in ("disk", "cpu") if any(e.placement == p for e in self.entries)]
+        # the placement of tied units takes the call over the model: one over their common parent would find it hooked
+        placements.sort(key=lambda p: not any(len(e.modules) > 1 for e in self.entries if e.placement == p))
+        for position, placement in enumerate(placements):
+            entries = [e for e in self.entries if e.placement == placement]
+            if position == 0:  # one call over the model: its units prefetch one another, tied modules share a copy
+                units = {name for e in entries for name in e.modules}
                 apply_offloading(model, device, offload_to=placement, granularity=lambda name, _: name in units)  # noqa: B023 (called within this iteration)
-            else:  # offloading refuses a second call over a hooked tree: one call per unit
-                for name in sorted(units):
-                    apply_offloading(model.get_submodule(name), device, offload_to=placement, granularity="model")
+            else:  # offloading refuses a second call over a hooked tree: one call per unit (tied ones went first)
+                for entry in sorted(entries, key=lambda e: e.module):
+                    offload_unit(model, entry, device)
         move_kept(model, {e.module for e in self.entries if e.placement != "device"}, device)
         if self.hints:
             add_hints(model, self.hints)
@@ -302,11 +325,31 @@ class FitPlan:
             raise ValueError(f"plan JSON does not describe a plan: {error}") from None
 
 
+def offload_unit(model: nn.Module, entry: PlanEntry, device: torch.device) -> None:
+    """Offload ``entry``'s unit of ``model`` to its placement, in a call of its own. A unit
+    of tied weights is one call over its modules' common parent whose granularity picks
+    them: they share one stored copy, which each one's forward brings onto the device."""
+    names = entry.modules
+    if len(names) == 1:
+        apply_offloading(model.get_submodule(entry.module), device, offload_to=entry.placement, granularity="model")
+        return
+    parts = [name.split(".") for name in names]
+    common = next((i for i, level in enumerate(zip(*parts)) if len(set(level)) > 1), min(map(len, parts)))
+    parent = ".".join(parts[0][:common])
+    picked = {name.removeprefix(f"{parent}.") if parent else name for name in names}
+    apply_offloading(
+        model.get_submodule(parent), device, offload_to=entry.placement, granularity=lambda name, _: name in picked
+    )
+
+
 def move_kept(model: nn.Module, offloaded: set[str], device: torch.device) -> None:
     """Move every tensor outside the offloaded units onto ``device`` (a no-op where they
-    are). Offloaded units stay in their storage; the tensors their layers hold outside
-    parameters and buffers (quantization scales and maps, which offloading does not move)
-    go to the device, where their forward decodes."""
+    are). Offloaded units (and every module an offloading hook handles: a tied unit's other
+    modules) stay in their storage; the tensors their layers hold outside parameters and
+    buffers (quantization scales and maps, which offloading does not move) go to the
+    device, where their forward decodes."""
+    hooked = {name for name, module in model.named_modules() if (r := HookRegistry.get(module)) and OFFLOADING in r}
+    offloaded = set(offloaded) | hooked
     for name, module in model.named_modules():
         if any(name == unit or name.startswith(f"{unit}.") for unit in offloaded):
             move_unregistered(module, device)

@@ -22,7 +22,7 @@ from tightfit._progress import muted, task
 from tightfit._validate import check_type
 from tightfit.backends.resolve import resolve_backend
 from tightfit.fitting import Allow, Calibration, FitPlan, fit, parse_size
-from tightfit.fitting.plan import move_kept
+from tightfit.fitting.plan import PlanEntry, move_kept, offload_unit
 from tightfit.hooks import apply_offloading
 from tightfit.hooks._disk import MappedRegions
 from tightfit.hooks.offload import offload_in_place
@@ -278,6 +278,39 @@ def _map_unit(
     return list(files.values())
 
 
+def _stream_tied(
+    model: nn.Module,
+    entry: PlanEntry,
+    checkpoint: Checkpoint,
+    slots: _Slots,
+    sources: dict[int, str],
+    advance: Any,
+    device: torch.device,
+) -> bool:
+    """Stream a unit of tied weights (modules sharing a weight, :attr:`PlanEntry.modules`;
+    stored as it is) and say so; False for any other unit. On disk, each of its modules
+    computes from the checkpoint mapped in place, hooked to bring the shared view onto the
+    device for its own forward; otherwise the unit is read, then kept on the device or
+    offloaded as one (:func:`~tightfit.fitting.plan.offload_unit`)."""
+    names = entry.modules
+    if len(names) < 2:
+        return False
+    modules = [model.get_submodule(name) for name in names]
+    if entry.placement == "disk":
+        mapped = [_map_unit(module, name, checkpoint, slots, sources, advance) for name, module in zip(names, modules)]
+        for module in modules:
+            offload_in_place(module, device, [file for files in mapped for file in files])
+        return True
+    for module in modules:
+        _read_unit(module, checkpoint, slots, sources, advance)
+    if entry.placement == "device":
+        for module in modules:
+            move_kept(module, set(), device)
+    else:
+        offload_unit(model, entry, device)
+    return True
+
+
 def stream(model: nn.Module, checkpoint: Checkpoint, plan: FitPlan, device: torch.device) -> None:
     """Read ``checkpoint`` into ``model`` (a skeleton on meta) unit by unit as ``plan`` says."""
     slots = _Slots(model)
@@ -285,6 +318,8 @@ def stream(model: nn.Module, checkpoint: Checkpoint, plan: FitPlan, device: torc
     total = sum(checkpoint.entries[name].nbytes for name in set(sources.values()))
     with task(f"reading and converting {len(plan.entries)} units", total) as advance, muted():
         for entry in plan.entries:
+            if _stream_tied(model, entry, checkpoint, slots, sources, advance, device):
+                continue
             unit = model if entry.kind == "rest" else model.get_submodule(entry.module)
             storage = storage_format(entry.storage)
             if entry.placement == "disk" and not storage.decodes:  # as stored: computed from the checkpoint's pages
