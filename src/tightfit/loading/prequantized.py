@@ -1,0 +1,682 @@
+"""Folders whose checkpoint holds quantized weights already: one that transformers saved
+with a bitsandbytes ``quantization_config`` (4-bit nf4 or fp4, with or without double
+quantization; 8-bit LLM.int8()), or one that :func:`tightfit.save` wrote beside its plan
+(:data:`PLAN_FILE`).
+
+The stored tensors go into tightfit's quantized modules as they are: nothing is
+dequantized or quantized again. Which leaves are quantized, and how, is read from the
+checkpoint's entries (a leaf's ``weight.quant_state.bitsandbytes__nf4``, ``SCB``, ...)
+and must agree with what the config's ``quantization_config`` or the plan says; each
+quantized leaf's entries are then checked together by its module's own
+``load_state_dict`` (D9). A leaf stored plainly (one transformers skipped: ``lm_head``,
+``llm_int8_skip_modules``) stays as it is. Private to ``tightfit.loading``: the way in
+is :func:`tightfit.load`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tightfit._format import human_bytes
+from tightfit._progress import muted, task
+from tightfit._validate import check_choice, check_non_negative_number, check_type
+from tightfit.backends.resolve import resolve_backend
+from tightfit.fitting import Allow, Calibration, FitError, FitPlan, fit, parse_size
+from tightfit.fitting.outliers import assumed_outliers
+from tightfit.fitting.plan import PlanEntry, move_kept, offload_unit
+from tightfit.hooks import ModuleHook
+from tightfit.hooks.offload import offload_in_place
+from tightfit.hooks.registry import HookRegistry
+from tightfit.loading.folder import _CONFIG_DTYPES, checkpoint_dtype, model_kind, read_json, skeleton
+from tightfit.loading.safetensors import Checkpoint
+from tightfit.loading.stream import (
+    _find,
+    _map_unit,
+    _read_unit,
+    _Slots,
+    _sources,
+    _stream_tied,
+    default_inputs,
+    on_meta,
+)
+from tightfit.quant import FLOAT8_DTYPE, Linear4bit, Linear8bit, LinearInt8, QuantState, StorageFormat, storage_format
+from tightfit.quant.state import PACKED_KEY_8BIT, PACKED_KEY_PREFIX
+
+__all__ = ["PLAN_FILE", "holds_quantized", "load_quantized", "stored_storages"]
+
+#: The plan :func:`tightfit.save` writes beside the checkpoint, and :func:`tightfit.load` follows.
+PLAN_FILE = "tightfit-plan.json"
+#: The entry (after a leaf's checkpoint name) that says how the leaf is stored, and the storage that reads it.
+_MARKERS = {
+    f"weight.{PACKED_KEY_PREFIX}nf4": "nf4",
+    f"weight.{PACKED_KEY_PREFIX}fp4": "fp4",
+    f"weight.{PACKED_KEY_8BIT}": "8bit",
+    "SCB": "int8",
+    "weight_scale": "float8",
+}
+#: Entries of a quantized leaf other than its markers: the quant state's tensors and what the modules write.
+_STATE_KEYS = ("weight.absmax", "weight.quant_map", "weight.nested_absmax", "weight.nested_quant_map")
+_OTHER_KEYS = ("weight", "bias", "weight_format")
+#: The module each quantized storage's entries load into.
+_MODULES = {"nf4": Linear4bit, "fp4": Linear4bit, "8bit": Linear8bit, "int8": LinearInt8}
+#: Names bitsandbytes' ``bnb_4bit_quant_storage`` takes, and the dtypes of the packed weights they mean.
+_QUANT_STORAGE = {"uint8": torch.uint8, "int8": torch.int8, **_CONFIG_DTYPES}
+#: Name of the hook that runs a 4-bit layer in bitsandbytes' ``bnb_4bit_compute_dtype``.
+COMPUTE_DTYPE = "tightfit.compute_dtype"
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """A Linear or Embedding of the model as the checkpoint stores it: ``base`` is its name
+    there, ``storage`` the catalogue's name for how (``keep``: plainly), ``marker`` the
+    entry that says so, ``keys`` all its entries."""
+
+    name: str
+    base: str
+    storage: str
+    marker: str
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Bitsandbytes:
+    """What a bitsandbytes ``quantization_config`` says about the checkpoint."""
+
+    storage: str  # "nf4", "fp4" or "int8"
+    nested: bool
+    quant_storage: torch.dtype
+    compute_dtype: torch.dtype
+    threshold: float
+
+
+def stored_storages() -> tuple[str, ...]:
+    """The storages a leaf's checkpoint entries can say it is in: those loading reads back as stored."""
+    return ("keep", *dict.fromkeys(_MARKERS.values()))
+
+
+def holds_quantized(folder: Path) -> bool:
+    """Whether the folder's weights are stored quantized: a plan saved beside them, or a
+    ``quantization_config`` in its config.json."""
+    return (folder / PLAN_FILE).is_file() or "quantization_config" in read_json(folder / "config.json")
+
+
+def _bitsandbytes(config: object, where: str) -> _Bitsandbytes:
+    """The checked settings of a ``quantization_config`` (the defaults are transformers' ``BitsAndBytesConfig``'s)."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{where} must be a JSON object, got {type(config).__name__}")
+    method = config.get("quant_method")
+    if method != "bitsandbytes":
+        raise ValueError(f"{where}.quant_method={method!r} is not accepted; accepted: 'bitsandbytes'")
+    four, eight = config.get("load_in_4bit", False), config.get("load_in_8bit", False)
+    if not isinstance(four, bool) or not isinstance(eight, bool) or four == eight:
+        raise ValueError(
+            f"{where} has load_in_4bit={four!r} and load_in_8bit={eight!r}; accepted: exactly one of them true"
+        )
+    threshold = check_non_negative_number(f"{where}.llm_int8_threshold", config.get("llm_int8_threshold", 6.0))
+    if eight:
+        return _Bitsandbytes("int8", False, torch.uint8, torch.float32, threshold)
+    quant_type = config.get("bnb_4bit_quant_type", "fp4")
+    check_choice(f"{where}.bnb_4bit_quant_type", quant_type, ("nf4", "fp4"))
+    nested = config.get("bnb_4bit_use_double_quant", False)
+    check_type(f"{where}.bnb_4bit_use_double_quant", nested, bool)
+    quant_storage = config.get("bnb_4bit_quant_storage", "uint8")
+    check_choice(f"{where}.bnb_4bit_quant_storage", quant_storage, tuple(_QUANT_STORAGE))
+    compute = config.get("bnb_4bit_compute_dtype") or "float32"
+    check_choice(f"{where}.bnb_4bit_compute_dtype", compute, tuple(_CONFIG_DTYPES))
+    return _Bitsandbytes(quant_type, nested, _QUANT_STORAGE[quant_storage], _CONFIG_DTYPES[compute], threshold)
+
+
+def stored_layout(model: nn.Module, checkpoint: Checkpoint) -> dict[str, _Leaf]:
+    """Every Linear and Embedding of ``model`` as ``checkpoint`` stores it. A leaf marked
+    twice, a marker on a leaf its storage does not take (a GPT-2 ``Conv1D``), or a
+    quantization entry of no leaf is a ValueError naming the entry."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    layout, claimed = {}, set()
+    for name, module in model.named_modules():
+        if type(module) not in (nn.Linear, nn.Embedding):
+            continue
+        weight = _find(checkpoint, [f"{name}.weight"], prefix)
+        if weight is None:
+            continue  # reported missing, with the others, when the checkpoint is matched to the model
+        base = weight.removesuffix(".weight")
+        suffixes = (*_MARKERS, *_STATE_KEYS, *_OTHER_KEYS)
+        keys = tuple(f"{base}.{suffix}" for suffix in suffixes if f"{base}.{suffix}" in checkpoint.entries)
+        markers = [f"{base}.{suffix}" for suffix in _MARKERS if f"{base}.{suffix}" in checkpoint.entries]
+        if len(markers) > 1:
+            raise ValueError(f"checkpoint entries {markers[0]!r} and {markers[1]!r} store {name} in two ways")
+        storage = _MARKERS[markers[0].removeprefix(f"{base}.")] if markers else "keep"
+        if storage == "keep" and not checkpoint.entries[weight].dtype.is_floating_point:
+            raise ValueError(
+                f"checkpoint entry {weight!r} is {checkpoint.entries[weight].dtype}, but no entry says how it is "
+                f"quantized; accepted: one of {', '.join(f'{base}.{suffix}' for suffix in _MARKERS)}"
+            )
+        if type(module) not in storage_format(storage).leaf_types:
+            raise ValueError(
+                f"checkpoint entry {markers[0]!r} stores {name}, a {type(module).__name__}, as {storage}; "
+                f"{storage} is read for {', '.join(t.__name__ for t in storage_format(storage).leaf_types)} only"
+            )
+        layout[name] = _Leaf(name, base, storage, markers[0] if markers else weight, keys)
+        claimed.update(keys)
+    quantizing = tuple(f".{suffix}" for suffix in (*_MARKERS, *_STATE_KEYS, "weight_format"))
+    stray = [key for key in checkpoint.entries if key not in claimed and key.endswith(quantizing)]
+    if stray:
+        raise ValueError(
+            f"checkpoint entry {stray[0]!r} quantizes a tensor of no Linear or Embedding of {type(model).__name__}; "
+            f"quantized weights are read for those only"
+        )
+    return layout
+
+
+def _check_bitsandbytes(layout: dict[str, _Leaf], settings: _Bitsandbytes, checkpoint: Checkpoint) -> None:
+    """Every quantized leaf is stored as the config says; at least one is."""
+    quantized = [leaf for leaf in layout.values() if leaf.storage != "keep"]
+    if not quantized:
+        raise ValueError(
+            f"{checkpoint.folder}/config.json's quantization_config says bitsandbytes {settings.storage}, but its "
+            f"checkpoint holds no quantized weight (no weight.quant_state.* or SCB entries)"
+        )
+    for leaf in quantized:
+        if leaf.storage != settings.storage:
+            raise ValueError(
+                f"checkpoint entry {leaf.marker!r} stores {leaf.name} as {leaf.storage}; config.json's "
+                f"quantization_config says {settings.storage}"
+            )
+        if settings.storage == "int8":
+            continue
+        nested = f"{leaf.base}.weight.nested_absmax" in checkpoint.entries
+        if nested != settings.nested:
+            raise ValueError(
+                f"checkpoint entry {leaf.base}.weight.nested_absmax is {'present' if nested else 'absent'}, but "
+                f"quantization_config has bnb_4bit_use_double_quant={settings.nested}"
+            )
+        packed = checkpoint.entries[f"{leaf.base}.weight"].dtype
+        if packed != settings.quant_storage:
+            raise ValueError(
+                f"checkpoint entry {leaf.base}.weight has dtype {packed}; quantization_config has "
+                f"bnb_4bit_quant_storage {settings.quant_storage}"
+            )
+
+
+def _check_planned(layout: dict[str, _Leaf], plan: FitPlan, model: nn.Module, source: str) -> None:
+    """Every leaf is stored as ``plan`` says: its storage where the plan names the leaf and
+    the storage takes it, plainly elsewhere."""
+    modules = dict(model.named_modules())
+    planned = {}
+    for entry in plan.entries:
+        storage = storage_format(entry.storage)
+        for leaf in entry.leaves if storage.decodes else ():
+            if leaf not in modules:
+                raise ValueError(f"{source} names leaf {leaf!r} in unit {entry.module!r}; {plan.model} has none")
+            if type(modules[leaf]) in storage.leaf_types:
+                planned[leaf] = storage.name
+    for leaf in layout.values():
+        expected = planned.get(leaf.name, "keep")
+        if leaf.storage != expected:
+            raise ValueError(
+                f"checkpoint entry {leaf.marker!r} stores {leaf.name} as {leaf.storage}; {source} says {expected}"
+            )
+
+
+def _swap(model: nn.Module, modules: Mapping[str, nn.Module]) -> dict[str, nn.Module]:
+    """Put each of ``modules`` in place of the model's module of that name; returns those it replaced."""
+    replaced = {}
+    for name, module in modules.items():
+        owner, _, child = name.rpartition(".")
+        parent = model.get_submodule(owner)
+        replaced[name] = parent._modules[child]
+        parent._modules[child] = module
+    return replaced
+
+
+# -- planning ------------------------------------------------------------------------------
+
+
+def _stored_tensors(leaf: _Leaf, checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+    """The tensors ``leaf``'s module registers (weight, bias, SCB, weight_scale), on meta
+    in their stored shapes and dtypes; its quant state's tensors are not registered."""
+    names = [key.removeprefix(f"{leaf.base}.") for key in leaf.keys]
+    registered = [name for name in names if not name.startswith("weight.") and name != "weight_format"]
+    return {
+        name: torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+        for name in registered
+        for entry in [checkpoint.entries[f"{leaf.base}.{name}"]]
+    }
+
+
+def _state_bytes(leaf: _Leaf, checkpoint: Checkpoint) -> int:
+    """Bytes of ``leaf``'s quant state (scales, code tables, the double quantization's
+    offset): held on the device wherever the leaf's unit is placed."""
+    found = [f"{leaf.base}.{key}" for key in _STATE_KEYS if f"{leaf.base}.{key}" in checkpoint.entries]
+    nested_offset = 4 if f"{leaf.base}.weight.nested_absmax" in checkpoint.entries else 0
+    return sum(checkpoint.entries[key].nbytes for key in found) + nested_offset
+
+
+def _checking_bytes(leaf: _Leaf, checkpoint: Checkpoint) -> int:
+    """Bytes alive above what ``leaf`` holds while its module checks its entries: those it
+    does not keep (the packed JSON, ``weight_format``), and the scratch of the finiteness
+    check of its largest float32 entry (``torch.isfinite`` allocates 1.75 times it)."""
+    entries = {key.removeprefix(f"{leaf.base}."): checkpoint.entries[key] for key in leaf.keys}
+    kept = ("weight", "bias", "SCB", "weight_scale", *_STATE_KEYS)
+    dropped = sum(entry.nbytes for name, entry in entries.items() if name not in kept)
+    checked = [entry.nbytes for name, entry in entries.items() if entry.dtype == torch.float32 and name != "bias"]
+    return dropped + 2 * max(checked, default=0)
+
+
+class _StoredLinear(nn.Linear):
+    """A quantized leaf while its folder is planned: the tensors its module registers, on
+    meta in their stored shapes (the planner counts them as its unit's bytes), and a
+    forward that allocates what the module's forward allocates above its output
+    (:attr:`StorageFormat.transient_bytes`), which the fake-tensor trace counts. A
+    subclass of ``nn.Linear``, so that outside the layer stack it is a unit of its own,
+    and never a leaf the planner would convert (those are ``nn.Linear`` exactly)."""
+
+    def __init__(
+        self, linear: nn.Linear, tensors: dict[str, torch.Tensor], storage: StorageFormat, compute: torch.dtype | None
+    ) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        for name, tensor in {"bias": None, **tensors}.items():
+            self.register_buffer(name, tensor)
+        self.storage, self.compute, self.compute_dtype = storage, compute, compute or linear.weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        given = x.dtype
+        x = x.to(self.compute) if self.compute is not None else x  # as the hook that runs it in bnb_4bit_compute_dtype
+        shape, rows = (self.out_features, self.in_features), x.numel() // self.in_features
+        outliers = assumed_outliers(self.in_features) if self.storage.outlier_threshold is not None else 0
+        scratch = x.new_empty(
+            self.storage.transient_bytes(shape, rows, outliers, self.compute_dtype), dtype=torch.uint8
+        )
+        out = x.new_empty((*x.shape[:-1], self.out_features))
+        del scratch
+        return out.to(given)
+
+
+def _plan(
+    model: nn.Module,
+    layout: dict[str, _Leaf],
+    checkpoint: Checkpoint,
+    inputs: Any,
+    budget: int,
+    backend: Any,
+    allow: Allow | Mapping[str, Any] | None,
+    calibration: Calibration | None,
+    compute: torch.dtype | None,
+) -> FitPlan:
+    """Placements for the stored model within ``budget``: :func:`tightfit.fit` on the
+    skeleton with a stand-in for each quantized leaf and only ``keep`` allowed (storages
+    are the checkpoint's; ``allow`` picks placements and hints), for the budget less the
+    quant states, which stay on the device wherever their units go; the plan then names
+    each unit's stored storage and counts its quant states."""
+    allowed = Allow.coerce(allow)
+    quantized = [leaf for leaf in layout.values() if leaf.storage != "keep"]
+    states = {leaf.name: _state_bytes(leaf, checkpoint) for leaf in quantized}
+    reserve = sum(states.values())
+    checking = max((_checking_bytes(leaf, checkpoint) for leaf in quantized), default=0)
+    modules = dict(model.named_modules())
+    stand_ins = {
+        leaf.name: _StoredLinear(
+            modules[leaf.name],
+            _stored_tensors(leaf, checkpoint),
+            storage_format(leaf.storage),
+            compute if leaf.storage in ("nf4", "fp4") else None,
+        )
+        for leaf in quantized
+    }
+    parts = [
+        ("quantization scales, held on the device whatever the placement", reserve),
+        ("checking one layer's quantized entries while loading", checking),
+    ]
+    if reserve + checking >= budget:
+        raise FitError(
+            f"budget={human_bytes(budget)} ({budget} B) cannot be met: the checkpoint's quantization scales and "
+            f"their checks take {human_bytes(reserve + checking)} ({reserve + checking} B)",
+            budget_bytes=budget,
+            smallest_peak_bytes=reserve + checking,
+            parts=parts,
+        )
+    originals = _swap(model, stand_ins)
+    try:
+        plan = fit(
+            model,
+            inputs,
+            budget - reserve - checking,
+            backend=backend,
+            allow=Allow(storage=frozenset({"keep"}), placement=allowed.placement, hints=allowed.hints),
+            calibration=calibration,
+            loading=True,
+        )
+    except FitError as error:
+        raise FitError(
+            f"{error} (that budget is what remains of budget={budget} B after {human_bytes(reserve)} of the "
+            f"checkpoint's quantization scales, held on the device whatever the placement, and "
+            f"{human_bytes(checking)} for checking one layer's quantized entries while loading)",
+            budget_bytes=budget,
+            smallest_peak_bytes=error.smallest_peak_bytes + reserve + checking,
+            parts=sorted([*parts, *error.parts], key=lambda part: -part[1]),
+        ) from None
+    finally:
+        _swap(model, originals)
+    units = [entry.module for entry in plan.entries if entry.kind != "rest"]
+    load_peak = plan.predicted_load_peak_bytes + reserve + checking
+    peak = max(plan.predicted_peak_bytes + reserve, load_peak)
+    weights = plan.predicted_weights_bytes + reserve
+    return replace(
+        plan,
+        budget_bytes=budget,
+        predicted_peak_bytes=peak,
+        predicted_weights_bytes=weights,
+        predicted_transient_bytes=peak - weights - plan.predicted_activation_bytes,
+        full_peak_bytes=plan.full_peak_bytes + reserve,
+        predicted_load_peak_bytes=load_peak,
+        entries=tuple(_described(entry, quantized, units, states) for entry in plan.entries),
+    )
+
+
+def _described(entry: PlanEntry, quantized: list[_Leaf], units: list[str], states: dict[str, int]) -> PlanEntry:
+    """``entry`` naming the storage its leaves are stored in, their quant states counted."""
+
+    def unit_of(name: str) -> str:
+        return next((unit for unit in units if name == unit or name.startswith(f"{unit}.")), "")
+
+    inside = [leaf for leaf in quantized if unit_of(leaf.name) == ("" if entry.kind == "rest" else entry.module)]
+    if not inside:
+        return entry
+    storages = sorted({leaf.storage for leaf in inside})
+    if len(storages) > 1:
+        raise ValueError(
+            f"unit {entry.module!r} holds leaves stored as {', '.join(storages)} ({inside[0].marker!r}, ...); "
+            f"a plan names one storage per unit"
+        )
+    extra = sum(states[leaf.name] for leaf in inside)
+    return replace(
+        entry,
+        storage=storages[0],
+        leaves=tuple(leaf.name for leaf in inside),
+        bytes_before=entry.bytes_before + extra,
+        bytes_after=entry.bytes_after + extra,
+        held_bytes=entry.held_bytes + extra,
+        why=f"{storages[0]} in the checkpoint, read as stored; {entry.why}",
+    )
+
+
+# -- loading -------------------------------------------------------------------------------
+
+
+class _ComputeIn(ModuleHook):
+    """Runs a 4-bit layer in ``dtype``, as bitsandbytes' ``Linear4bit`` does with
+    ``bnb_4bit_compute_dtype``: the input cast to it, the weight decoded straight into it
+    (not rounded to its stored dtype first), the output cast back to the input's dtype."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def around(self, module: nn.Module, call: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        x, *rest = args
+        stored = module.quant_state
+        module.quant_state = replace(stored, dtype=self.dtype)
+        try:
+            return call(x.to(self.dtype), *rest, **kwargs).to(x.dtype)
+        finally:
+            module.quant_state = stored
+
+
+def _shell(module: nn.Linear, leaf: _Leaf, checkpoint: Checkpoint, threshold: float) -> nn.Module:
+    """The quantized module that ``leaf``'s entries load into: its registered tensors on
+    meta in their stored shapes (read like any other), a placeholder quant state (the
+    entries bring the real one)."""
+    tensors = _stored_tensors(leaf, checkpoint)
+    features = (module.in_features, module.out_features)
+    if leaf.storage == "int8":
+        return LinearInt8(*features, tensors["weight"], tensors["SCB"], module.bias, threshold)
+    quant_type = None if leaf.storage == "8bit" else leaf.storage
+    placeholder = QuantState(
+        absmax=torch.empty(0, device="meta"),
+        code=torch.empty(0, device="meta"),
+        blocksize=64 if quant_type else 4096,
+        dtype=module.weight.dtype,
+        shape=(module.out_features, module.in_features),
+        quant_type=quant_type,
+    )
+    return _MODULES[leaf.storage](*features, tensors["weight"], placeholder, module.bias)
+
+
+def _load_shell(module: nn.Module, leaf: _Leaf, checkpoint: Checkpoint, advance: Callable[[int], None]) -> None:
+    """Load ``leaf``'s entries into its module, all checked together by the module: the
+    tensors it registers as filled already (read, or mapped from the file), the rest read."""
+    entries = {}
+    for key in leaf.keys:
+        name = key.removeprefix(f"{leaf.base}.")
+        held = module._buffers.get(name, module._parameters.get(name))
+        if held is None or held.is_meta:
+            held = checkpoint.read(key)
+            advance(held.nbytes)
+        entries[name] = held
+    try:
+        result = module.load_state_dict(entries, strict=False, assign=True)
+    except (ValueError, TypeError) as error:
+        raise type(error)(f"checkpoint entries of {leaf.base!r}: {error}") from None
+    wrong = [*result.missing_keys, *result.unexpected_keys]
+    if wrong:
+        raise ValueError(
+            f"checkpoint entries of {leaf.base!r} do not make a {type(module).__name__}: "
+            f"{'missing' if result.missing_keys else 'unexpected'} {leaf.base}.{wrong[0]}"
+        )
+
+
+def _fill_float8(module: nn.Module, leaf: _Leaf, checkpoint: Checkpoint, slots: _Slots, advance: Any) -> None:
+    """Fill a float8 leaf's weight with its stored values upcast (float8 times its
+    power-of-two row scale, exact in the weight's dtype); casting it again restores the
+    same float8 values and scales."""
+    weight, scale = (checkpoint.read(f"{leaf.base}.{name}") for name in ("weight", "weight_scale"))
+    advance(weight.nbytes + scale.nbytes)
+    meta = module.weight
+    if weight.dtype != FLOAT8_DTYPE or weight.shape != meta.shape:
+        raise ValueError(
+            f"checkpoint entry {leaf.base}.weight is {weight.dtype} of shape {tuple(weight.shape)}; a float8 "
+            f"{leaf.name}.weight is {FLOAT8_DTYPE} of shape {tuple(meta.shape)}"
+        )
+    rows = (meta.shape[0],) + (1,) * (meta.dim() - 1)
+    if (
+        scale.dtype != torch.float32
+        or tuple(scale.shape) != rows
+        or not bool((torch.isfinite(scale) & (scale > 0)).all())
+    ):
+        raise ValueError(
+            f"checkpoint entry {leaf.marker!r} is {scale.dtype} of shape {tuple(scale.shape)}; accepted: float32 "
+            f"of shape {rows}, finite and > 0 (one scale per row)"
+        )
+    slots.fill(meta, weight.to(meta.dtype) * scale.to(meta.dtype))
+
+
+def _place(model: nn.Module, unit: nn.Module, entry: PlanEntry, plan: FitPlan, device: torch.device) -> None:
+    """Put a loaded unit where ``plan`` says, as :func:`tightfit.loading.stream` does."""
+    if entry.kind == "rest":
+        move_kept(model, {e.module for e in plan.entries if e.placement != "device"}, device)
+    elif entry.placement == "device":
+        move_kept(unit, set(), device)
+    else:
+        offload_unit(model, entry, device)
+
+
+def _stream(model: nn.Module, checkpoint: Checkpoint, plan: FitPlan, layout: dict[str, _Leaf], device: Any) -> None:
+    """Read ``checkpoint`` into ``model`` (a skeleton on meta whose quantized leaves are
+    shells) unit by unit, placing each as ``plan`` says. A unit on disk whose tensors are
+    all stored as they are used is mapped from the file in place."""
+    slots = _Slots(model)
+    sources = _sources(model, slots, checkpoint)
+    pending = {leaf.name: leaf for leaf in layout.values() if leaf.storage != "keep"}
+    names = set(sources.values()) | {key for leaf in pending.values() for key in leaf.keys}
+    with task(f"reading {len(plan.entries)} units", sum(checkpoint.entries[n].nbytes for n in names)) as advance:
+        with muted():
+            for entry in plan.entries:
+                if _stream_tied(model, entry, checkpoint, slots, sources, advance, device):
+                    continue  # tied weights: stored as they are (bitsandbytes leaves them so)
+                unit = model if entry.kind == "rest" else model.get_submodule(entry.module)
+                inside = [
+                    (name, module)
+                    for name, module in unit.named_modules(prefix="" if entry.kind == "rest" else entry.module)
+                    if name in pending
+                ]
+                cast = frozenset(name for name, _ in inside if pending[name].storage == "float8")
+                for name in sorted(cast):
+                    _fill_float8(dict(inside)[name], pending[name], checkpoint, slots, advance)
+                mapped = entry.placement == "disk" and not cast
+                files = _map_unit(unit, entry.module, checkpoint, slots, sources, advance) if mapped else []
+                _read_unit(unit, checkpoint, slots, sources, advance)
+                for name, module in inside:
+                    if name not in cast:
+                        _load_shell(module, pending[name], checkpoint, advance)
+                    del pending[name]
+                if cast:
+                    storage_format("float8").apply(model, cast)
+                if mapped:
+                    offload_in_place(unit, device, files)
+                else:
+                    _place(model, unit, entry, plan, device)
+    left = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+    if left is not None:
+        raise ValueError(f"plan covers no unit holding {left!r}; it was made for another model than {plan.model}")
+    model.eval()
+
+
+def _plan_device(plan: FitPlan, backend: Any) -> torch.device:
+    """The device a plan used as it is loads onto: its own; a ValueError where this
+    machine lacks it or ``backend`` names another (a budget plans placements for that)."""
+    try:
+        _, device = resolve_backend(plan.device)
+    except (ValueError, RuntimeError) as error:
+        raise ValueError(
+            f"the plan is for {plan.device}, which this machine cannot use ({error}); pass budget to plan "
+            f"placements for this machine (the stored storages stay)"
+        ) from None
+    if backend is not None:
+        _, wanted = resolve_backend(backend)
+        if wanted != device:
+            raise ValueError(
+                f"backend={backend!r} is {wanted}, but the plan is for {plan.device}; pass budget too, to plan "
+                f"placements for {wanted} (the stored storages stay), or leave backend out"
+            )
+    return device
+
+
+def _saved_plan(folder: Path) -> FitPlan | None:
+    file = folder / PLAN_FILE
+    if not file.is_file():
+        return None
+    try:
+        return FitPlan.from_json(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{file}: {error}") from None
+
+
+def load_quantized(
+    folder: Path,
+    budget: int | str | None,
+    *,
+    plan: FitPlan | None,
+    example_inputs: Any,
+    backend: Any,
+    allow: Allow | Mapping[str, Any] | None,
+    calibration: Calibration | None,
+    kind: str | None,
+    model: nn.Module | None = None,
+) -> tuple[nn.Module, FitPlan]:
+    """:func:`tightfit.load` for a folder that :func:`holds_quantized`: (model, plan).
+
+    The plan is ``plan`` when given; else, with ``budget``, a new one whose placements fit
+    it on ``backend`` (the storages are the checkpoint's: ``allow`` restricts placements
+    and hints only; ``FitError`` before any weight is read when even the disk is not
+    enough); else the plan saved in the folder, used as it is, on its own device (a
+    ``backend`` naming another device is refused: pass a budget to plan for it). A
+    bitsandbytes folder has no saved plan: it needs a budget or a plan. The stored
+    tensors load as they are; the model's dtype is the config's, and a 4-bit layer
+    computes in ``bnb_4bit_compute_dtype``. ``model``: the folder's skeleton, made already.
+    """
+    if plan is not None:
+        check_type("plan", plan, FitPlan)
+        given = [
+            name
+            for name, value in (
+                ("budget", budget),
+                ("example_inputs", example_inputs),
+                ("allow", allow),
+                ("calibration", calibration),
+            )
+            if value is not None
+        ]
+        if given:
+            raise ValueError(f"plan is given, so {', '.join(given)} would be ignored; pass either a plan or a budget")
+    saved = _saved_plan(folder)
+    fixed = plan if plan is not None else saved
+    if budget is None and plan is None:
+        if saved is None:
+            raise ValueError(
+                f"budget is needed to plan the load of {folder} (bytes or a size such as '6GB'), or pass plan; "
+                f"a folder that tightfit.save wrote needs neither"
+            )
+        given = [name for name, value in (("example_inputs", example_inputs), ("allow", allow)) if value is not None]
+        given += ["calibration"] if calibration is not None else []
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} apply only to a new plan; pass budget too, or leave them out to load "
+                f"{folder} with its saved plan"
+            )
+    if model is None:
+        model, config = skeleton(folder, kind)
+    else:
+        check_type("model", model, nn.Module)
+        config = getattr(model, "config", None)
+        if config is None:
+            raise TypeError(f"model must be the folder's skeleton (a transformers model), got {type(model).__name__}")
+    checkpoint = Checkpoint(folder)
+    raw = read_json(folder / "config.json")
+    where = f"{folder}/config.json: quantization_config"
+    settings = _bitsandbytes(raw["quantization_config"], where) if "quantization_config" in raw else None
+    layout = stored_layout(model, checkpoint)
+    same = settings is None or settings.compute_dtype == checkpoint_dtype(config)
+    compute = None if same else settings.compute_dtype  # 4-bit layers then run in bnb_4bit_compute_dtype
+    if fixed is not None:
+        source = "the plan given" if plan is not None else f"{folder / PLAN_FILE}"
+        if fixed.model != type(model).__name__:
+            raise ValueError(f"{source} was made for {fixed.model}, but {folder} holds a {type(model).__name__}")
+        if not fixed.covers_load:
+            raise ValueError(f"{source} does not cover loading: make it with tightfit.load or fit(..., loading=True)")
+        _check_planned(layout, fixed, model, source)
+    elif settings is not None:
+        _check_bitsandbytes(layout, settings, checkpoint)
+    if plan is None and budget is not None:
+        cast = next((leaf for leaf in layout.values() if leaf.storage == "float8"), None)
+        if cast is not None:
+            raise ValueError(
+                f"{folder} holds float8 weights ({cast.marker!r}, ...), which are cast again on loading, a "
+                f"conversion a new plan does not count: leave budget out to load it with its saved plan"
+            )
+        inputs = (
+            default_inputs(config, kind or model_kind(config)) if example_inputs is None else on_meta(example_inputs)
+        )
+        size = parse_size(budget, "budget")
+        plan = _plan(model, layout, checkpoint, inputs, size, backend, allow, calibration, compute)
+        _, device = resolve_backend(plan.device)
+    else:
+        plan = fixed
+        device = _plan_device(plan, backend)
+    threshold = settings.threshold if settings is not None else storage_format("int8").config.threshold
+    modules = dict(model.named_modules())
+    shells = {
+        leaf.name: _shell(modules[leaf.name], leaf, checkpoint, threshold)
+        for leaf in layout.values()
+        if leaf.storage in _MODULES
+    }
+    _swap(model, shells)
+    for shell in shells.values() if compute is not None else ():
+        if isinstance(shell, Linear4bit):
+            HookRegistry.of(shell).register(COMPUTE_DTYPE, _ComputeIn(compute))
+    _stream(model, checkpoint, plan, layout, device)
+    return model, plan
