@@ -19,6 +19,7 @@ PAGES = [
     "docs/memory.md",
     "docs/fit.md",
     "docs/load.md",
+    "docs/checkpoints.md",
     "docs/architecture.md",
 ]
 

@@ -11,7 +11,7 @@ from tightfit._strict import is_strict, strict
 from tightfit.fitting import FitError, FitPlan, fit, parse_size
 from tightfit.graph._register import register as _register_compile_backend
 from tightfit.hints import hint, hints_of
-from tightfit.loading import load
+from tightfit.loading import load, save
 from tightfit.memory import MemoryPlan, plan_memory
 
 __version__ = "0.1.0"
@@ -37,6 +37,7 @@ __all__ = [
     "ops",
     "parse_size",
     "plan_memory",
+    "save",
     "strict",
 ]
 

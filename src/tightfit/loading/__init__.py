@@ -4,6 +4,7 @@ converted and placed as planned, so the budget holds from the first byte. See do
 
 from tightfit.loading.folder import CAUSAL_LM, ENCODER, checkpoint_dtype, folder_kind, model_kind, skeleton
 from tightfit.loading.safetensors import Checkpoint
+from tightfit.loading.save import save
 from tightfit.loading.stream import default_inputs, load, plan_folder
 
 __all__ = [
@@ -16,5 +17,6 @@ __all__ = [
     "load",
     "model_kind",
     "plan_folder",
+    "save",
     "skeleton",
 ]

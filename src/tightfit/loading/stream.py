@@ -116,6 +116,20 @@ def load(
     Returns the model in eval mode, on the plan's device.
     """
     path = model_folder(folder)
+    from tightfit.loading import prequantized  # a cycle: it reads with this module's helpers
+
+    if prequantized.holds_quantized(path):  # bitsandbytes, or tightfit.save: the stored tensors go in as they are
+        return prequantized.load_quantized(
+            path,
+            budget,
+            plan=plan,
+            example_inputs=example_inputs,
+            backend=backend,
+            allow=allow,
+            calibration=calibration,
+            kind=kind,
+            model=model,
+        )
     if plan is not None:
         check_type("plan", plan, FitPlan)
         given = [
