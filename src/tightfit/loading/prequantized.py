@@ -16,7 +16,7 @@ is :func:`tightfit.load`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from torch import nn
 
 from tightfit._format import human_bytes
 from tightfit._progress import muted, task
-from tightfit._validate import check_choice, check_non_negative_number, check_type
+from tightfit._validate import check_type
 from tightfit.backends.resolve import resolve_backend
 from tightfit.fitting import Allow, Calibration, FitError, FitPlan, fit, parse_size
 from tightfit.fitting.outliers import assumed_outliers
@@ -33,10 +33,21 @@ from tightfit.fitting.plan import PlanEntry, move_kept, offload_unit
 from tightfit.hooks import ModuleHook
 from tightfit.hooks.offload import offload_in_place
 from tightfit.hooks.registry import HookRegistry
-from tightfit.loading.folder import _CONFIG_DTYPES, checkpoint_dtype, model_kind, read_json, skeleton
+from tightfit.loading.folder import checkpoint_dtype, model_kind, read_json, skeleton
 from tightfit.loading.safetensors import Checkpoint
+from tightfit.loading.stored import (
+    COMPUTE_DTYPE,
+    MODULES,
+    PLAN_FILE,
+    STATE_KEYS,
+    StoredLeaf,
+    bitsandbytes_settings,
+    check_bitsandbytes,
+    check_planned,
+    stored_layout,
+    swap_modules,
+)
 from tightfit.loading.stream import (
-    _find,
     _map_unit,
     _read_unit,
     _Slots,
@@ -45,199 +56,15 @@ from tightfit.loading.stream import (
     default_inputs,
     on_meta,
 )
-from tightfit.quant import FLOAT8_DTYPE, Linear4bit, Linear8bit, LinearInt8, QuantState, StorageFormat, storage_format
-from tightfit.quant.state import PACKED_KEY_8BIT, PACKED_KEY_PREFIX
+from tightfit.quant import FLOAT8_DTYPE, Linear4bit, LinearInt8, QuantState, StorageFormat, storage_format
 
-__all__ = ["PLAN_FILE", "holds_quantized", "load_quantized", "stored_storages"]
-
-#: The plan :func:`tightfit.save` writes beside the checkpoint, and :func:`tightfit.load` follows.
-PLAN_FILE = "tightfit-plan.json"
-#: The entry (after a leaf's checkpoint name) that says how the leaf is stored, and the storage that reads it.
-_MARKERS = {
-    f"weight.{PACKED_KEY_PREFIX}nf4": "nf4",
-    f"weight.{PACKED_KEY_PREFIX}fp4": "fp4",
-    f"weight.{PACKED_KEY_8BIT}": "8bit",
-    "SCB": "int8",
-    "weight_scale": "float8",
-}
-#: Entries of a quantized leaf other than its markers: the quant state's tensors and what the modules write.
-_STATE_KEYS = ("weight.absmax", "weight.quant_map", "weight.nested_absmax", "weight.nested_quant_map")
-_OTHER_KEYS = ("weight", "bias", "weight_format")
-#: The module each quantized storage's entries load into.
-_MODULES = {"nf4": Linear4bit, "fp4": Linear4bit, "8bit": Linear8bit, "int8": LinearInt8}
-#: Names bitsandbytes' ``bnb_4bit_quant_storage`` takes, and the dtypes of the packed weights they mean.
-_QUANT_STORAGE = {"uint8": torch.uint8, "int8": torch.int8, **_CONFIG_DTYPES}
-#: Name of the hook that runs a 4-bit layer in bitsandbytes' ``bnb_4bit_compute_dtype``.
-COMPUTE_DTYPE = "tightfit.compute_dtype"
-
-
-@dataclass(frozen=True)
-class _Leaf:
-    """A Linear or Embedding of the model as the checkpoint stores it: ``base`` is its name
-    there, ``storage`` the catalogue's name for how (``keep``: plainly), ``marker`` the
-    entry that says so, ``keys`` all its entries."""
-
-    name: str
-    base: str
-    storage: str
-    marker: str
-    keys: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class _Bitsandbytes:
-    """What a bitsandbytes ``quantization_config`` says about the checkpoint."""
-
-    storage: str  # "nf4", "fp4" or "int8"
-    nested: bool
-    quant_storage: torch.dtype
-    compute_dtype: torch.dtype
-    threshold: float
-
-
-def stored_storages() -> tuple[str, ...]:
-    """The storages a leaf's checkpoint entries can say it is in: those loading reads back as stored."""
-    return ("keep", *dict.fromkeys(_MARKERS.values()))
-
-
-def holds_quantized(folder: Path) -> bool:
-    """Whether the folder's weights are stored quantized: a plan saved beside them, or a
-    ``quantization_config`` in its config.json."""
-    return (folder / PLAN_FILE).is_file() or "quantization_config" in read_json(folder / "config.json")
-
-
-def _bitsandbytes(config: object, where: str) -> _Bitsandbytes:
-    """The checked settings of a ``quantization_config`` (the defaults are transformers' ``BitsAndBytesConfig``'s)."""
-    if not isinstance(config, dict):
-        raise ValueError(f"{where} must be a JSON object, got {type(config).__name__}")
-    method = config.get("quant_method")
-    if method != "bitsandbytes":
-        raise ValueError(f"{where}.quant_method={method!r} is not accepted; accepted: 'bitsandbytes'")
-    four, eight = config.get("load_in_4bit", False), config.get("load_in_8bit", False)
-    if not isinstance(four, bool) or not isinstance(eight, bool) or four == eight:
-        raise ValueError(
-            f"{where} has load_in_4bit={four!r} and load_in_8bit={eight!r}; accepted: exactly one of them true"
-        )
-    threshold = check_non_negative_number(f"{where}.llm_int8_threshold", config.get("llm_int8_threshold", 6.0))
-    if eight:
-        return _Bitsandbytes("int8", False, torch.uint8, torch.float32, threshold)
-    quant_type = config.get("bnb_4bit_quant_type", "fp4")
-    check_choice(f"{where}.bnb_4bit_quant_type", quant_type, ("nf4", "fp4"))
-    nested = config.get("bnb_4bit_use_double_quant", False)
-    check_type(f"{where}.bnb_4bit_use_double_quant", nested, bool)
-    quant_storage = config.get("bnb_4bit_quant_storage", "uint8")
-    check_choice(f"{where}.bnb_4bit_quant_storage", quant_storage, tuple(_QUANT_STORAGE))
-    compute = config.get("bnb_4bit_compute_dtype") or "float32"
-    check_choice(f"{where}.bnb_4bit_compute_dtype", compute, tuple(_CONFIG_DTYPES))
-    return _Bitsandbytes(quant_type, nested, _QUANT_STORAGE[quant_storage], _CONFIG_DTYPES[compute], threshold)
-
-
-def stored_layout(model: nn.Module, checkpoint: Checkpoint) -> dict[str, _Leaf]:
-    """Every Linear and Embedding of ``model`` as ``checkpoint`` stores it. A leaf marked
-    twice, a marker on a leaf its storage does not take (a GPT-2 ``Conv1D``), or a
-    quantization entry of no leaf is a ValueError naming the entry."""
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    layout, claimed = {}, set()
-    for name, module in model.named_modules():
-        if type(module) not in (nn.Linear, nn.Embedding):
-            continue
-        weight = _find(checkpoint, [f"{name}.weight"], prefix)
-        if weight is None:
-            continue  # reported missing, with the others, when the checkpoint is matched to the model
-        base = weight.removesuffix(".weight")
-        suffixes = (*_MARKERS, *_STATE_KEYS, *_OTHER_KEYS)
-        keys = tuple(f"{base}.{suffix}" for suffix in suffixes if f"{base}.{suffix}" in checkpoint.entries)
-        markers = [f"{base}.{suffix}" for suffix in _MARKERS if f"{base}.{suffix}" in checkpoint.entries]
-        if len(markers) > 1:
-            raise ValueError(f"checkpoint entries {markers[0]!r} and {markers[1]!r} store {name} in two ways")
-        storage = _MARKERS[markers[0].removeprefix(f"{base}.")] if markers else "keep"
-        if storage == "keep" and not checkpoint.entries[weight].dtype.is_floating_point:
-            raise ValueError(
-                f"checkpoint entry {weight!r} is {checkpoint.entries[weight].dtype}, but no entry says how it is "
-                f"quantized; accepted: one of {', '.join(f'{base}.{suffix}' for suffix in _MARKERS)}"
-            )
-        if type(module) not in storage_format(storage).leaf_types:
-            raise ValueError(
-                f"checkpoint entry {markers[0]!r} stores {name}, a {type(module).__name__}, as {storage}; "
-                f"{storage} is read for {', '.join(t.__name__ for t in storage_format(storage).leaf_types)} only"
-            )
-        layout[name] = _Leaf(name, base, storage, markers[0] if markers else weight, keys)
-        claimed.update(keys)
-    quantizing = tuple(f".{suffix}" for suffix in (*_MARKERS, *_STATE_KEYS, "weight_format"))
-    stray = [key for key in checkpoint.entries if key not in claimed and key.endswith(quantizing)]
-    if stray:
-        raise ValueError(
-            f"checkpoint entry {stray[0]!r} quantizes a tensor of no Linear or Embedding of {type(model).__name__}; "
-            f"quantized weights are read for those only"
-        )
-    return layout
-
-
-def _check_bitsandbytes(layout: dict[str, _Leaf], settings: _Bitsandbytes, checkpoint: Checkpoint) -> None:
-    """Every quantized leaf is stored as the config says; at least one is."""
-    quantized = [leaf for leaf in layout.values() if leaf.storage != "keep"]
-    if not quantized:
-        raise ValueError(
-            f"{checkpoint.folder}/config.json's quantization_config says bitsandbytes {settings.storage}, but its "
-            f"checkpoint holds no quantized weight (no weight.quant_state.* or SCB entries)"
-        )
-    for leaf in quantized:
-        if leaf.storage != settings.storage:
-            raise ValueError(
-                f"checkpoint entry {leaf.marker!r} stores {leaf.name} as {leaf.storage}; config.json's "
-                f"quantization_config says {settings.storage}"
-            )
-        if settings.storage == "int8":
-            continue
-        nested = f"{leaf.base}.weight.nested_absmax" in checkpoint.entries
-        if nested != settings.nested:
-            raise ValueError(
-                f"checkpoint entry {leaf.base}.weight.nested_absmax is {'present' if nested else 'absent'}, but "
-                f"quantization_config has bnb_4bit_use_double_quant={settings.nested}"
-            )
-        packed = checkpoint.entries[f"{leaf.base}.weight"].dtype
-        if packed != settings.quant_storage:
-            raise ValueError(
-                f"checkpoint entry {leaf.base}.weight has dtype {packed}; quantization_config has "
-                f"bnb_4bit_quant_storage {settings.quant_storage}"
-            )
-
-
-def _check_planned(layout: dict[str, _Leaf], plan: FitPlan, model: nn.Module, source: str) -> None:
-    """Every leaf is stored as ``plan`` says: its storage where the plan names the leaf and
-    the storage takes it, plainly elsewhere."""
-    modules = dict(model.named_modules())
-    planned = {}
-    for entry in plan.entries:
-        storage = storage_format(entry.storage)
-        for leaf in entry.leaves if storage.decodes else ():
-            if leaf not in modules:
-                raise ValueError(f"{source} names leaf {leaf!r} in unit {entry.module!r}; {plan.model} has none")
-            if type(modules[leaf]) in storage.leaf_types:
-                planned[leaf] = storage.name
-    for leaf in layout.values():
-        expected = planned.get(leaf.name, "keep")
-        if leaf.storage != expected:
-            raise ValueError(
-                f"checkpoint entry {leaf.marker!r} stores {leaf.name} as {leaf.storage}; {source} says {expected}"
-            )
-
-
-def _swap(model: nn.Module, modules: Mapping[str, nn.Module]) -> dict[str, nn.Module]:
-    """Put each of ``modules`` in place of the model's module of that name; returns those it replaced."""
-    replaced = {}
-    for name, module in modules.items():
-        owner, _, child = name.rpartition(".")
-        parent = model.get_submodule(owner)
-        replaced[name] = parent._modules[child]
-        parent._modules[child] = module
-    return replaced
+__all__ = ["load_quantized"]
 
 
 # -- planning ------------------------------------------------------------------------------
 
 
-def _stored_tensors(leaf: _Leaf, checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+def _stored_tensors(leaf: StoredLeaf, checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
     """The tensors ``leaf``'s module registers (weight, bias, SCB, weight_scale), on meta
     in their stored shapes and dtypes; its quant state's tensors are not registered."""
     names = [key.removeprefix(f"{leaf.base}.") for key in leaf.keys]
@@ -249,20 +76,20 @@ def _stored_tensors(leaf: _Leaf, checkpoint: Checkpoint) -> dict[str, torch.Tens
     }
 
 
-def _state_bytes(leaf: _Leaf, checkpoint: Checkpoint) -> int:
+def _state_bytes(leaf: StoredLeaf, checkpoint: Checkpoint) -> int:
     """Bytes of ``leaf``'s quant state (scales, code tables, the double quantization's
     offset): held on the device wherever the leaf's unit is placed."""
-    found = [f"{leaf.base}.{key}" for key in _STATE_KEYS if f"{leaf.base}.{key}" in checkpoint.entries]
+    found = [f"{leaf.base}.{key}" for key in STATE_KEYS if f"{leaf.base}.{key}" in checkpoint.entries]
     nested_offset = 4 if f"{leaf.base}.weight.nested_absmax" in checkpoint.entries else 0
     return sum(checkpoint.entries[key].nbytes for key in found) + nested_offset
 
 
-def _checking_bytes(leaf: _Leaf, checkpoint: Checkpoint) -> int:
+def _checking_bytes(leaf: StoredLeaf, checkpoint: Checkpoint) -> int:
     """Bytes alive above what ``leaf`` holds while its module checks its entries: those it
     does not keep (the packed JSON, ``weight_format``), and the scratch of the finiteness
     check of its largest float32 entry (``torch.isfinite`` allocates 1.75 times it)."""
     entries = {key.removeprefix(f"{leaf.base}."): checkpoint.entries[key] for key in leaf.keys}
-    kept = ("weight", "bias", "SCB", "weight_scale", *_STATE_KEYS)
+    kept = ("weight", "bias", "SCB", "weight_scale", *STATE_KEYS)
     dropped = sum(entry.nbytes for name, entry in entries.items() if name not in kept)
     checked = [entry.nbytes for name, entry in entries.items() if entry.dtype == torch.float32 and name != "bias"]
     return dropped + 2 * max(checked, default=0)
@@ -300,7 +127,7 @@ class _StoredLinear(nn.Linear):
 
 def _plan(
     model: nn.Module,
-    layout: dict[str, _Leaf],
+    layout: dict[str, StoredLeaf],
     checkpoint: Checkpoint,
     inputs: Any,
     budget: int,
@@ -341,7 +168,7 @@ def _plan(
             smallest_peak_bytes=reserve + checking,
             parts=parts,
         )
-    originals = _swap(model, stand_ins)
+    originals = swap_modules(model, stand_ins)
     try:
         plan = fit(
             model,
@@ -362,7 +189,7 @@ def _plan(
             parts=sorted([*parts, *error.parts], key=lambda part: -part[1]),
         ) from None
     finally:
-        _swap(model, originals)
+        swap_modules(model, originals)
     units = [entry.module for entry in plan.entries if entry.kind != "rest"]
     load_peak = plan.predicted_load_peak_bytes + reserve + checking
     peak = max(plan.predicted_peak_bytes + reserve, load_peak)
@@ -379,7 +206,7 @@ def _plan(
     )
 
 
-def _described(entry: PlanEntry, quantized: list[_Leaf], units: list[str], states: dict[str, int]) -> PlanEntry:
+def _described(entry: PlanEntry, quantized: list[StoredLeaf], units: list[str], states: dict[str, int]) -> PlanEntry:
     """``entry`` naming the storage its leaves are stored in, their quant states counted."""
 
     def unit_of(name: str) -> str:
@@ -427,7 +254,7 @@ class _ComputeIn(ModuleHook):
             module.quant_state = stored
 
 
-def _shell(module: nn.Linear, leaf: _Leaf, checkpoint: Checkpoint, threshold: float) -> nn.Module:
+def _shell(module: nn.Linear, leaf: StoredLeaf, checkpoint: Checkpoint, threshold: float) -> nn.Module:
     """The quantized module that ``leaf``'s entries load into: its registered tensors on
     meta in their stored shapes (read like any other), a placeholder quant state (the
     entries bring the real one)."""
@@ -444,10 +271,10 @@ def _shell(module: nn.Linear, leaf: _Leaf, checkpoint: Checkpoint, threshold: fl
         shape=(module.out_features, module.in_features),
         quant_type=quant_type,
     )
-    return _MODULES[leaf.storage](*features, tensors["weight"], placeholder, module.bias)
+    return MODULES[leaf.storage](*features, tensors["weight"], placeholder, module.bias)
 
 
-def _load_shell(module: nn.Module, leaf: _Leaf, checkpoint: Checkpoint, advance: Callable[[int], None]) -> None:
+def _load_shell(module: nn.Module, leaf: StoredLeaf, checkpoint: Checkpoint, advance: Callable[[int], None]) -> None:
     """Load ``leaf``'s entries into its module, all checked together by the module: the
     tensors it registers as filled already (read, or mapped from the file), the rest read."""
     entries = {}
@@ -470,7 +297,7 @@ def _load_shell(module: nn.Module, leaf: _Leaf, checkpoint: Checkpoint, advance:
         )
 
 
-def _fill_float8(module: nn.Module, leaf: _Leaf, checkpoint: Checkpoint, slots: _Slots, advance: Any) -> None:
+def _fill_float8(module: nn.Module, leaf: StoredLeaf, checkpoint: Checkpoint, slots: _Slots, advance: Any) -> None:
     """Fill a float8 leaf's weight with its stored values upcast (float8 times its
     power-of-two row scale, exact in the weight's dtype); casting it again restores the
     same float8 values and scales."""
@@ -505,7 +332,9 @@ def _place(model: nn.Module, unit: nn.Module, entry: PlanEntry, plan: FitPlan, d
         offload_unit(model, entry, device)
 
 
-def _stream(model: nn.Module, checkpoint: Checkpoint, plan: FitPlan, layout: dict[str, _Leaf], device: Any) -> None:
+def _stream(
+    model: nn.Module, checkpoint: Checkpoint, plan: FitPlan, layout: dict[str, StoredLeaf], device: Any
+) -> None:
     """Read ``checkpoint`` into ``model`` (a skeleton on meta whose quantized leaves are
     shells) unit by unit, placing each as ``plan`` says. A unit on disk whose tensors are
     all stored as they are used is mapped from the file in place."""
@@ -638,7 +467,7 @@ def load_quantized(
     checkpoint = Checkpoint(folder)
     raw = read_json(folder / "config.json")
     where = f"{folder}/config.json: quantization_config"
-    settings = _bitsandbytes(raw["quantization_config"], where) if "quantization_config" in raw else None
+    settings = bitsandbytes_settings(raw["quantization_config"], where) if "quantization_config" in raw else None
     layout = stored_layout(model, checkpoint)
     same = settings is None or settings.compute_dtype == checkpoint_dtype(config)
     compute = None if same else settings.compute_dtype  # 4-bit layers then run in bnb_4bit_compute_dtype
@@ -648,9 +477,9 @@ def load_quantized(
             raise ValueError(f"{source} was made for {fixed.model}, but {folder} holds a {type(model).__name__}")
         if not fixed.covers_load:
             raise ValueError(f"{source} does not cover loading: make it with tightfit.load or fit(..., loading=True)")
-        _check_planned(layout, fixed, model, source)
+        check_planned(layout, fixed, model, source)
     elif settings is not None:
-        _check_bitsandbytes(layout, settings, checkpoint)
+        check_bitsandbytes(layout, settings, checkpoint)
     if plan is None and budget is not None:
         cast = next((leaf for leaf in layout.values() if leaf.storage == "float8"), None)
         if cast is not None:
@@ -672,9 +501,9 @@ def load_quantized(
     shells = {
         leaf.name: _shell(modules[leaf.name], leaf, checkpoint, threshold)
         for leaf in layout.values()
-        if leaf.storage in _MODULES
+        if leaf.storage in MODULES
     }
-    _swap(model, shells)
+    swap_modules(model, shells)
     for shell in shells.values() if compute is not None else ():
         if isinstance(shell, Linear4bit):
             HookRegistry.of(shell).register(COMPUTE_DTYPE, _ComputeIn(compute))

@@ -151,6 +151,19 @@ class Checkpoint:
             )
         return [folder / name for name in sorted(set(weight_map.values()))]
 
+    def find(self, names: list[str], prefix: str) -> str | None:
+        """The name this checkpoint holds a tensor under, the tensor known by ``names``: as
+        is, or with the base model's ``prefix`` added or dropped (a base model's checkpoint
+        in a model with a head, and the other way round); None where it holds none."""
+        for name in names:
+            candidates = [name, f"{prefix}.{name}"] if prefix else [name]
+            if prefix and name.startswith(f"{prefix}."):
+                candidates.append(name[len(prefix) + 1 :])
+            found = next((c for c in candidates if c in self.entries), None)
+            if found is not None:
+                return found
+        return None
+
     def check(self, name: str) -> TensorEntry:
         """The entry of tensor ``name``, once its shard is known unchanged since its header was checked."""
         entry = self.entries.get(name)

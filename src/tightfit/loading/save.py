@@ -22,8 +22,8 @@ from torch import nn
 from tightfit._validate import check_type
 from tightfit.fitting import FitPlan, parse_size
 from tightfit.loading.folder import require
-from tightfit.loading.prequantized import PLAN_FILE, stored_storages
 from tightfit.loading.safetensors import DTYPES, INDEX_FILE, SINGLE_FILE
+from tightfit.loading.stored import PLAN_FILE, stored_storages
 from tightfit.quant import FLOAT8_DTYPE, storage_format
 
 __all__ = ["save"]

@@ -28,6 +28,7 @@ from tightfit.hooks._disk import MappedRegions
 from tightfit.hooks.offload import offload_in_place
 from tightfit.loading.folder import CAUSAL_LM, model_folder, skeleton
 from tightfit.loading.safetensors import Checkpoint
+from tightfit.loading.stored import holds_quantized
 from tightfit.quant import storage_format
 
 __all__ = ["default_inputs", "load", "on_meta", "plan_folder", "stream"]
@@ -118,7 +119,7 @@ def load(
     path = model_folder(folder)
     from tightfit.loading import prequantized  # a cycle: it reads with this module's helpers
 
-    if prequantized.holds_quantized(path):  # bitsandbytes, or tightfit.save: the stored tensors go in as they are
+    if holds_quantized(path):  # bitsandbytes, or tightfit.save: the stored tensors go in as they are
         return prequantized.load_quantized(
             path,
             budget,
@@ -204,27 +205,13 @@ class _Slots:
             table[name] = value
 
 
-def _find(checkpoint: Checkpoint, names: list[str], prefix: str) -> str | None:
-    """The checkpoint's name for a tensor known by ``names``: as is, or with the base
-    model's prefix added or dropped (a base model's checkpoint in a model with a head,
-    and the other way round)."""
-    for name in names:
-        candidates = [name, f"{prefix}.{name}"] if prefix else [name]
-        if prefix and name.startswith(f"{prefix}."):
-            candidates.append(name[len(prefix) + 1 :])
-        found = next((c for c in candidates if c in checkpoint.entries), None)
-        if found is not None:
-            return found
-    return None
-
-
 def _sources(model: nn.Module, slots: _Slots, checkpoint: Checkpoint) -> dict[int, str]:
     """The checkpoint name of every meta tensor, each checked against its entry's shape
     and dtype kind before a byte is read; a ValueError names what is missing or wrong."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     sources, missing = {}, []
     for key, names in slots.names.items():
-        found = _find(checkpoint, names, prefix)
+        found = checkpoint.find(names, prefix)
         if found is None:
             missing.append(names[0])
             continue
