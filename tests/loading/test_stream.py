@@ -160,3 +160,14 @@ def test_load_checks_its_arguments(folder):
     unloaded = tightfit.fit(skeleton(folder)[0], {"input_ids": IDS.to("meta")}, 40_000_000, calibration=figures())
     with pytest.raises(ValueError, match="does not cover loading"):
         tightfit.load(folder, plan=unloaded)
+
+
+def test_the_cli_refuses_a_folder_of_quantized_weights_naming_the_way_in(folder, tmp_path, capsys):
+    quantized = tmp_path / "quantized"
+    shutil.copytree(folder, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (quantized / "config.json").write_text(json.dumps(config))
+    assert main(["fit", str(quantized), "--budget", "20MB"]) == 2
+    err = capsys.readouterr().err
+    assert "holds quantized weights" in err and "tightfit.load(folder, budget)" in err

@@ -34,6 +34,7 @@ from tightfit.app.models import (
 from tightfit.fitting import Allow, held_bytes, parse_size
 from tightfit.hooks import OFFLOAD_TARGETS, apply_layerwise_casting, apply_offloading, resident_bytes
 from tightfit.loading import checkpoint_dtype, load, skeleton
+from tightfit.loading.stored import holds_quantized
 from tightfit.memory import Measurement, measure, tensor_bytes
 from tightfit.memory.plot import check_png_path
 from tightfit.quant import (
@@ -279,6 +280,12 @@ def _planned(
     options: RunOptions, backend: backends.Backend, device: torch.device, folder: Path, kind: str
 ) -> tuple[_Encoder | _CausalLM, Budgeted]:
     """The run's job on the skeleton (no weight read) and its plan for the budget, loading covered."""
+    if holds_quantized(folder):
+        raise ValueError(
+            f"model={str(folder)!r} holds quantized weights (a bitsandbytes quantization_config, or a folder "
+            f"tightfit.save wrote): tightfit run and fit plan full-precision checkpoints for now; load it with "
+            f"tightfit.load(folder, budget) from Python"
+        )
     job = _job(kind, folder, device, options, backend, skeleton(folder, kind)[0])
     budgeted = plan_run(
         job.model,
