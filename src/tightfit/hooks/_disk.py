@@ -15,12 +15,14 @@ when writing, is verified wherever the bytes are copied out for good
 
 from __future__ import annotations
 
+import abc
 import mmap
 import os
 import tempfile
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,53 +54,29 @@ class OffloadFileError(RuntimeError):
     """An offload file changed after tightfit wrote it: the weights it holds can no longer be trusted."""
 
 
-class MappedFile:
-    """One unit's tensors in an unnamed file, memory-mapped; ``tensors`` are views of the map."""
+class _Mapped(abc.ABC):
+    """What both kinds of mapped file share: the stamp check, ordinary reads, read-ahead,
+    closing. A subclass opens ``_file``, maps ``_map`` (from byte ``_base`` of the file),
+    takes ``_stamp`` (size, mtime, ctime), fills ``_regions`` (key -> offset, bytes,
+    dtype, shape) and says in ``_error`` what the file is."""
 
-    def __init__(self, folder: Path, unit: str, tensors: dict[str, torch.Tensor]) -> None:
-        self.folder = folder
-        self.unit = unit
-        self._file = tempfile.TemporaryFile(prefix="tightfit-offload-", dir=folder)
-        try:
-            self._layout = self._write(tensors)
-            self._file.flush()
-            target = self._file.fileno() if os.utime in os.supports_fd else self._file.name  # Windows: by name
-            os.utime(target, ns=(time.time_ns(), 0))  # mtime 0: any later write sets it to the present
-            written = os.fstat(self._file.fileno())
-            self._stamp = (written.st_size, written.st_mtime_ns, written.st_ctime_ns)
-            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
-        except BaseException:
-            self._file.close()
-            raise
-        self.tensors = {key: self._view(key) for key in self._layout}
+    _file: Any
+    _map: mmap.mmap
+    _base: int = 0
+    _stamp: tuple[int, int, int]
+    _regions: dict[str, tuple[int, int, torch.dtype, torch.Size | tuple[int, ...]]]
 
-    def _write(self, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, int, torch.dtype, torch.Size, int]]:
-        """Write each tensor's bytes; returns key -> (offset, bytes, dtype, shape, CRC-32)."""
-        layout, offset = {}, 0
-        for key, tensor in tensors.items():
-            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-            padding = -offset % _ALIGN
-            self._file.write(bytes(padding))
-            offset += padding
-            self._file.write(data)
-            layout[key] = (offset, data.nbytes, tensor.dtype, tensor.shape, zlib.crc32(data))
-            offset += data.nbytes
-        return layout
+    @abc.abstractmethod
+    def _error(self, what: str) -> OffloadFileError:
+        """The error to raise: what happened to the file (``what``), and whose file it is."""
 
     def _view(self, key: str) -> torch.Tensor:
-        offset, nbytes, dtype, shape, _ = self._layout[key]
-        raw = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset)
+        offset, nbytes, dtype, shape = self._regions[key]
+        raw = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset - self._base)
         return raw.view(dtype).reshape(shape)
 
-    def _error(self, what: str) -> OffloadFileError:
-        return OffloadFileError(
-            f"the offload file of unit {self.unit!r} (unnamed, in {self.folder}) {what} after tightfit wrote it: "
-            f"the weights it holds can no longer be trusted, and nothing is read from it. Another process wrote to it "
-            f"(through /proc/{os.getpid()}/fd) or the disk failed; load the model's weights again"
-        )
-
     def check(self) -> None:
-        """Raise :class:`OffloadFileError` when the file was written to or resized since tightfit wrote it."""
+        """Raise :class:`OffloadFileError` when the file was written to or resized since it was stamped."""
         now = os.fstat(self._file.fileno())
         size, mtime, ctime = self._stamp
         if now.st_size != size:
@@ -106,10 +84,10 @@ class MappedFile:
         if (now.st_mtime_ns, now.st_ctime_ns) != (mtime, ctime):
             raise self._error("was written to")
 
-    def read(self, key: str) -> torch.Tensor:
-        """A fresh CPU copy of one tensor, read with ordinary file reads and checked against its CRC-32."""
+    def _read_bytes(self, key: str) -> torch.Tensor:
+        """The tensor's bytes, a fresh CPU copy read with ordinary file reads (a short file is an error)."""
         self.check()
-        offset, nbytes, dtype, shape, crc = self._layout[key]
+        offset, nbytes, _, _ = self._regions[key]
         out = torch.empty(nbytes, dtype=torch.uint8)
         buffer = memoryview(out.numpy())
         self._file.seek(offset)
@@ -119,17 +97,20 @@ class MappedFile:
             if not count:
                 raise self._error(f"ends {nbytes - done} bytes short of tensor {key!r}")
             done += count
-        if zlib.crc32(buffer) != crc:
-            raise self._error(f"holds other bytes than written for tensor {key!r} (CRC-32 mismatch)")
-        return out.view(dtype).reshape(shape)
+        return out
+
+    def read(self, key: str) -> torch.Tensor:
+        """A fresh CPU copy of one tensor, read with ordinary file reads."""
+        _, _, dtype, shape = self._regions[key]
+        return self._read_bytes(key).view(dtype).reshape(shape)
 
     def will_need(self) -> None:
-        """Ask the OS to start reading the file's pages in now (a hint; returns at once)."""
+        """Ask the OS to start reading the pages in now (a hint; returns at once)."""
         if hasattr(mmap, "MADV_WILLNEED") and not self._map.closed:
             self._map.madvise(mmap.MADV_WILLNEED)
 
     def close(self) -> None:
-        """Drop the views, unmap and close; the OS frees the space once no view holds the map."""
+        """Drop the views, unmap and close; the OS frees the pages once no view holds the map."""
         self.tensors = {}
         self._file.close()
         try:
@@ -138,7 +119,57 @@ class MappedFile:
             pass
 
 
-class MappedRegions:
+class MappedFile(_Mapped):
+    """One unit's tensors in an unnamed file, memory-mapped; ``tensors`` are views of the map."""
+
+    def __init__(self, folder: Path, unit: str, tensors: dict[str, torch.Tensor]) -> None:
+        self.folder = folder
+        self.unit = unit
+        self._file = tempfile.TemporaryFile(prefix="tightfit-offload-", dir=folder)
+        try:
+            self._regions, self._crcs = self._write(tensors)
+            self._file.flush()
+            target = self._file.fileno() if os.utime in os.supports_fd else self._file.name  # Windows: by name
+            os.utime(target, ns=(time.time_ns(), 0))  # mtime 0: any later write sets it to the present
+            written = os.fstat(self._file.fileno())
+            self._stamp = (written.st_size, written.st_mtime_ns, written.st_ctime_ns)
+            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
+        except BaseException:
+            self._file.close()
+            raise
+        self.tensors = {key: self._view(key) for key in self._regions}
+
+    def _write(self, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, int]]:
+        """Write each tensor's bytes; returns key -> (offset, bytes, dtype, shape), and key -> CRC-32."""
+        regions, crcs, offset = {}, {}, 0
+        for key, tensor in tensors.items():
+            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+            padding = -offset % _ALIGN
+            self._file.write(bytes(padding))
+            offset += padding
+            self._file.write(data)
+            regions[key] = (offset, data.nbytes, tensor.dtype, tensor.shape)
+            crcs[key] = zlib.crc32(data)
+            offset += data.nbytes
+        return regions, crcs
+
+    def _error(self, what: str) -> OffloadFileError:
+        return OffloadFileError(
+            f"the offload file of unit {self.unit!r} (unnamed, in {self.folder}) {what} after tightfit wrote it: "
+            f"the weights it holds can no longer be trusted, and nothing is read from it. Another process wrote to it "
+            f"(through /proc/{os.getpid()}/fd) or the disk failed; load the model's weights again"
+        )
+
+    def read(self, key: str) -> torch.Tensor:
+        """A fresh CPU copy of one tensor, read with ordinary file reads and checked against its CRC-32."""
+        raw = self._read_bytes(key)
+        if zlib.crc32(memoryview(raw.numpy())) != self._crcs[key]:
+            raise self._error(f"holds other bytes than written for tensor {key!r} (CRC-32 mismatch)")
+        _, _, dtype, shape = self._regions[key]
+        return raw.view(dtype).reshape(shape)
+
+
+class MappedRegions(_Mapped):
     """Byte ranges of an existing file (a checkpoint's tensors), memory-mapped in place:
     a unit computes straight from the file's pages, with no copy in memory and none on
     disk. The same checks as :class:`MappedFile`, except that there is no CRC to verify
@@ -174,51 +205,8 @@ class MappedRegions:
         self._regions = regions
         self.tensors = {key: self._view(key) for key in regions}
 
-    def _view(self, key: str) -> torch.Tensor:
-        offset, nbytes, dtype, shape = self._regions[key]
-        raw = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset - self._base)
-        return raw.view(dtype).reshape(shape)
-
     def _error(self, what: str) -> OffloadFileError:
         return OffloadFileError(
             f"{self.path}, which unit {self.unit!r} computes from in place, {what} after tightfit opened it: "
             f"the weights it holds can no longer be trusted, and nothing is read from it; load the model again"
         )
-
-    def check(self) -> None:
-        """Raise :class:`OffloadFileError` when the file was written to or resized since it was opened."""
-        now = os.fstat(self._file.fileno())
-        size, mtime, ctime = self._stamp
-        if now.st_size != size:
-            raise self._error(f"was resized from {size} to {now.st_size} bytes")
-        if (now.st_mtime_ns, now.st_ctime_ns) != (mtime, ctime):
-            raise self._error("was written to")
-
-    def read(self, key: str) -> torch.Tensor:
-        """A fresh CPU copy of one tensor, read with ordinary file reads (a short file is an error)."""
-        self.check()
-        offset, nbytes, dtype, shape = self._regions[key]
-        out = torch.empty(nbytes, dtype=torch.uint8)
-        buffer = memoryview(out.numpy())
-        self._file.seek(offset)
-        done = 0
-        while done < nbytes:
-            count = self._file.readinto(buffer[done:])
-            if not count:
-                raise self._error(f"ends {nbytes - done} bytes short of tensor {key!r}")
-            done += count
-        return out.view(dtype).reshape(shape)
-
-    def will_need(self) -> None:
-        """Ask the OS to start reading the unit's pages in now (a hint; returns at once)."""
-        if hasattr(mmap, "MADV_WILLNEED") and not self._map.closed:
-            self._map.madvise(mmap.MADV_WILLNEED)
-
-    def close(self) -> None:
-        """Drop the views, unmap and close (the unmapping waits for the last view to die)."""
-        self.tensors = {}
-        self._file.close()
-        try:
-            self._map.close()
-        except BufferError:  # a tensor still exported from the map: it is unmapped when that tensor dies
-            pass

@@ -427,21 +427,8 @@ def load_quantized(
     bitsandbytes folder has no saved plan: it needs a budget or a plan. The stored
     tensors load as they are; the model's dtype is the config's, and a 4-bit layer
     computes in ``bnb_4bit_compute_dtype``. ``model``: the folder's skeleton, made already.
+    :func:`tightfit.load` has checked that a given ``plan`` comes alone.
     """
-    if plan is not None:
-        check_type("plan", plan, FitPlan)
-        given = [
-            name
-            for name, value in (
-                ("budget", budget),
-                ("example_inputs", example_inputs),
-                ("allow", allow),
-                ("calibration", calibration),
-            )
-            if value is not None
-        ]
-        if given:
-            raise ValueError(f"plan is given, so {', '.join(given)} would be ignored; pass either a plan or a budget")
     saved = _saved_plan(folder)
     fixed = plan if plan is not None else saved
     if budget is None and plan is None:

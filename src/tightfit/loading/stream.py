@@ -117,6 +117,20 @@ def load(
     Returns the model in eval mode, on the plan's device.
     """
     path = model_folder(folder)
+    if plan is not None:
+        check_type("plan", plan, FitPlan)
+        given = [
+            name
+            for name, value in (
+                ("budget", budget),
+                ("example_inputs", example_inputs),
+                ("allow", allow),
+                ("calibration", calibration),
+            )
+            if value is not None
+        ]
+        if given:
+            raise ValueError(f"plan is given, so {', '.join(given)} would be ignored; pass either a plan or a budget")
     from tightfit.loading import prequantized  # a cycle: it reads with this module's helpers
 
     if holds_quantized(path):  # bitsandbytes, or tightfit.save: the stored tensors go in as they are
@@ -132,19 +146,6 @@ def load(
             model=model,
         )
     if plan is not None:
-        check_type("plan", plan, FitPlan)
-        given = [
-            name
-            for name, value in (
-                ("budget", budget),
-                ("example_inputs", example_inputs),
-                ("allow", allow),
-                ("calibration", calibration),
-            )
-            if value is not None
-        ]
-        if given:
-            raise ValueError(f"plan is given, so {', '.join(given)} would be ignored; pass either a plan or a budget")
         if model is None:
             model, _ = skeleton(path, kind)
         check_type("model", model, nn.Module)
