@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from tightfit._validate import check_type
 from tightfit.loading.folder import read_json
 
 __all__ = ["Checkpoint", "TensorEntry"]
@@ -112,6 +113,7 @@ class Checkpoint:
     ``model.safetensors.index.json`` names. ``entries``: every tensor by name."""
 
     def __init__(self, folder: str | Path) -> None:
+        check_type("folder", folder, (str, Path))
         folder = Path(folder)
         index = folder / INDEX_FILE
         if (folder / SINGLE_FILE).is_file():
