@@ -109,7 +109,8 @@ def folder_kind(path: str | Path) -> str:
 def checkpoint_dtype(config: Any) -> torch.dtype:
     """The dtype the checkpoint's weights are in, as its config says (``dtype``, or
     ``torch_dtype`` before transformers 5); float32 where it says nothing."""
-    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # transformers 5 names it dtype and warns on every read of torch_dtype; before 4.56 only torch_dtype exists
+    named = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
     if named is None:
         return torch.float32
     if isinstance(named, torch.dtype) and named in _CONFIG_DTYPES.values():
