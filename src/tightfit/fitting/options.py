@@ -281,7 +281,7 @@ def options_for(
             continue
         kinds = {leaf_type.__name__ for leaf_type in storage.leaf_types}
         stored, held_offloaded, decoded, decode_seconds, compute_seconds = unit.other_bytes, 0, 0, 0.0, 0.0
-        touched, noise, converting = unit.other_bytes, 0.0, 0
+        touched, noise, converting, shrunk = unit.other_bytes, 0.0, 0, 0
         again = 0  # tied leaves' weights: stored with the first leaf, copied onto the device again for each use
         for name, kind, shape, dtype in unit.weights:
             leaf = storage if kind in kinds else storage_format("keep")  # a leaf the storage does not apply to stays
@@ -297,8 +297,9 @@ def options_for(
                 touched += size
             else:  # an embedding kept as it is reads only the rows it looks up (whole pages from a file)
                 touched += min(size, count * max(size // shape[0], _PAGE)) if not leaf.decodes else size
-            if leaf.decodes:
-                converting = max(converting, size + leaf.convert_bytes(shape, dtype))
+            if leaf.decodes:  # leaves convert in module order: those before this one hold their stored bytes
+                converting = max(converting, size + leaf.convert_bytes(shape, dtype) - shrunk)
+                shrunk += numel * dtype.itemsize - size
                 noise += numel * leaf.noise
                 decode_seconds += numel * figures.decode_seconds[leaf.name]
                 columns = 0
@@ -334,9 +335,10 @@ def options_for(
 
 
 def _load_bytes(unit: Unit, storage: StorageFormat, placement: str, converting: int, held: int) -> int:
-    """Bytes above ``held`` while the unit streams in: its tensors as read, plus the
-    largest leaf's converted copy and scratch. A unit kept as it is on disk is mapped from
-    the checkpoint in place, and reads nothing into memory."""
+    """Bytes above ``held`` while the unit streams in: its tensors as read, plus, at the
+    worst leaf, that leaf's converted copy and scratch less what the leaves converted
+    before it gave back (``converting``). A unit kept as it is on disk is mapped from the
+    checkpoint in place, and reads nothing into memory."""
     if placement == "disk" and not storage.decodes:
         return 0
     return max(0, unit.bytes + converting - held)
