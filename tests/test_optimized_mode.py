@@ -31,6 +31,11 @@ def list_config():
     with open(os.path.join(folder, "config.json"), "w") as file:
         file.write("[1, 2]")
     return tightfit.app.models.folder_kind(folder)
+def bad_shard():
+    folder = tempfile.mkdtemp()
+    with open(os.path.join(folder, "model.safetensors"), "wb") as file:
+        file.write((2).to_bytes(8, "little") + b"[]")
+    return tightfit.loading.Checkpoint(folder)
 def strict_from(value):
     os.environ["TIGHTFIT_STRICT"] = value
     try:
@@ -126,6 +131,12 @@ checks = [
     (lambda: tightfit.memory.allocated_peak(lambda: tightfit.memory.allocated_peak(lambda: None)), RuntimeError),
     (lambda: tightfit.plan_memory(Branches(), torch.ones(2)), ValueError),
     (list_config, ValueError),
+    (bad_shard, ValueError),
+    (lambda: tightfit.loading.Checkpoint(3), TypeError),
+    (lambda: tightfit.load(3, "1MB"), TypeError),
+    (lambda: tightfit.load(tempfile.mkdtemp(), "1MB"), ValueError),
+    (lambda: tightfit.loading.skeleton(tightfit.app.models.default_model_dir(), "seq2seq"), ValueError),
+    (lambda: RunOptions(reference="no"), TypeError),
     (lambda: strict_from("ture"), ValueError),
 ]
 for index, (call, expected) in enumerate(checks):
@@ -143,4 +154,4 @@ print(f"{len(checks)} checks raised as documented")
 def test_bad_inputs_raise_under_python_O():
     done = subprocess.run([sys.executable, "-O", "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "88 checks raised as documented" in done.stdout
+    assert "94 checks raised as documented" in done.stdout
