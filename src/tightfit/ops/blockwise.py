@@ -369,6 +369,24 @@ _DEQUANTIZE_4BIT = define_op(
 _GEMV_4BIT = define_op(
     "gemv_4bit", _gemv_4bit_reference, fake=_gemv_4bit_fake, cases=_gemv_4bit_cases, metric=1e-4, check=checks.gemv_4bit
 )
+
+
+def _gemv_4bit_setup_context(ctx, inputs, output):
+    A, B, shape, absmax, blocksize, quant_type = inputs
+    ctx.save_for_backward(B, absmax)
+    ctx.decode = (blocksize, quant_type, shape)
+
+
+def _gemv_4bit_backward(ctx, grad):
+    """Gradient for ``A`` only (QLoRA): ``grad @ W``, W decoded in the gradient's dtype; the
+    packed weight and its scales are frozen data, never trained."""
+    B, absmax = ctx.saved_tensors
+    blocksize, quant_type, shape = ctx.decode
+    weight = _DEQUANTIZE_4BIT.custom_op(B, absmax, blocksize, quant_type, shape, grad.dtype)
+    return grad @ weight, None, None, None, None, None
+
+
+_GEMV_4BIT.custom_op.register_autograd(_gemv_4bit_backward, setup_context=_gemv_4bit_setup_context)
 register_kernel("gemv_4bit", "cpu", _gemv_4bit_cpu, label="fused decode + dot (numba)")
 register_kernel("quantize_blockwise", "cpu", _quantize_blockwise_cpu, label="block scan (numba)")
 register_kernel("dequantize_blockwise", "cpu", _dequantize_blockwise_cpu, label="block scan (numba)")

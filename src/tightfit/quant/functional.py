@@ -246,8 +246,8 @@ def matmul_4bit(
     single_token = A.dim() > 0 and A.numel() == A.shape[-1]
     if single_token:
         result = ops.gemv_4bit(A, B, list(state.shape), _absmax_of(state).float(), state.blocksize, state.quant_type)
-        if bias is not None:
-            result = result + bias.to(result.dtype)
+        if bias is not None:  # rounded once, as torch.compile computes it (it fuses a cast of the bias into the add)
+            result = (result + bias).to(A.dtype)
     else:
         weight = dequantize_4bit(B, state).to(A.dtype)
         result = torch.nn.functional.linear(A, weight, None if bias is None else bias.to(A.dtype))

@@ -340,15 +340,7 @@ class LinearInt8(_CheckedLoading):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.in_features)
-        rows = x.reshape(-1, self.in_features)
-        q, row_scales, outlier_cols = ops.int8_vectorwise_quant(rows, self.threshold)
-        product = ops.int8_linear_matmul(q, self.weight)
-        bias = self.bias.to(x.dtype) if self.bias is not None else None
-        out = ops.int8_mm_dequant(product, row_scales, self.SCB, x.dtype, bias)
-        if outlier_cols is not None and outlier_cols.numel():
-            weight_cols = ops.int8_vectorwise_dequant(self.weight[:, outlier_cols].contiguous(), self.SCB).to(x.dtype)
-            out = out.addmm(rows[:, outlier_cols], weight_cols.t())
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return ops.int8_linear(x, self.weight, self.SCB, self.bias, self.threshold)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8, threshold={self.threshold}, bias={self.bias is not None}"
