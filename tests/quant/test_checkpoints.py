@@ -45,7 +45,7 @@ def test_a_checkpoint_without_its_scales_fails_strict_loading_and_changes_nothin
     before = snapshot(target)
     with pytest.raises(RuntimeError, match="Missing key") as error:
         target.load_state_dict(kept)
-    absent = sorted(set(state_dict) - set(kept))
+    absent = sorted(set(state_dict) - set(kept) - {"weight_format"})  # optional: bitsandbytes' readers default it
     assert all(f'"{key}"' in str(error.value) for key in absent)
     result = target.load_state_dict(kept, strict=False)
     assert sorted(result.missing_keys) == absent

@@ -60,6 +60,21 @@ class _CheckedLoading(nn.Module, abc.ABC):
     def _read_entries(self, entries: dict[str, Any], prefix: str, device: torch.device) -> dict[str, Any]:
         """The checked attributes to set, on ``device``, from the entries other than the bias."""
 
+    #: Buffers whose dtype is part of the stored format (packed codes, int8 values, scales).
+    _format_buffers: tuple[str, ...] = ("weight",)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> _CheckedLoading:
+        """``.half()``, ``.to(dtype)``, ... cast the bias only: the format's buffers move
+        with the module but keep their dtype (a float16 scale or a packed weight reinterpreted
+        as a float cast would no longer decode)."""
+        kept = {name: getattr(self, name) for name in self._format_buffers}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after is not None and after.dtype != before.dtype:
+                self._buffers[name] = before.to(after.device)
+        return self
+
     def _load_from_state_dict(
         self,
         state_dict: dict,
@@ -147,7 +162,7 @@ class QuantizedLinear(_CheckedLoading):
 
     def _apply(self, fn: Any, recurse: bool = True) -> QuantizedLinear:
         super()._apply(fn, recurse)
-        self.move_unregistered(self.weight.device)
+        self.move_unregistered(self.weight.device)  # the QuantState keeps its dtypes too
         return self
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
@@ -260,9 +275,12 @@ class LinearInt8(_CheckedLoading):
     per row at run time and multiplied in int8, except columns holding an activation of
     magnitude >= ``threshold``, which are multiplied in the activation's dtype.
 
-    The state dict holds ``weight`` (int8) and ``SCB`` (the row scales), as bitsandbytes'
-    ``Linear8bitLt`` does.
+    The state dict holds ``weight`` (int8), ``SCB`` (the float32 row scales) and
+    ``weight_format`` (0: row-major), the entries bitsandbytes' ``Linear8bitLt`` writes, so
+    checkpoints load both ways with ``strict=True``.
     """
+
+    _format_buffers = ("weight", "SCB")
 
     def __init__(
         self,
@@ -291,6 +309,10 @@ class LinearInt8(_CheckedLoading):
     def dequantize(self) -> torch.Tensor:
         """The weight in float32."""
         return ops.int8_vectorwise_dequant(self.weight, self.SCB)
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight_format"] = torch.tensor(0, dtype=torch.uint8)
 
     def _owns(self, name: str) -> bool:
         return name in ("weight", "SCB", "weight_format") or (name == "bias" and self.bias is not None)
