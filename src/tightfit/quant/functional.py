@@ -21,6 +21,10 @@ __all__ = [
     "dequantize_fp4",
     "dequantize_nf4",
     "gemv_4bit",
+    "int8_linear_matmul",
+    "int8_mm_dequant",
+    "int8_vectorwise_dequant",
+    "int8_vectorwise_quant",
     "matmul_4bit",
     "quantize_4bit",
     "quantize_blockwise",
@@ -205,6 +209,44 @@ def dequantize_fp4(
     blocksize: int | None = None,
 ) -> torch.Tensor:
     return dequantize_4bit(A, quant_state, absmax, out, blocksize, "fp4")
+
+
+def int8_vectorwise_quant(
+    A: torch.Tensor, threshold: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """LLM.int8() row-wise quantization: (int8 values, float32 row absmax, outlier columns).
+    The columns are None when ``threshold`` is 0 and empty when no value reaches it."""
+    return ops.int8_vectorwise_quant(A, threshold)
+
+
+def int8_vectorwise_dequant(A: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    """float32 ``A * stats / 127`` per row, the inverse of :func:`int8_vectorwise_quant`."""
+    return ops.int8_vectorwise_dequant(A, stats)
+
+
+def int8_linear_matmul(
+    A: torch.Tensor, B: torch.Tensor, out: torch.Tensor | None = None, dtype: torch.dtype = torch.int32
+) -> torch.Tensor:
+    """Exact ``A @ B.T`` of int8 matrices, as int32 (the only ``dtype`` bitsandbytes accepts)."""
+    if dtype != torch.int32:
+        raise ValueError(f"dtype={dtype} is not accepted; int8_linear_matmul returns torch.int32")
+    return _copy_into("out", out, ops.int8_linear_matmul(A, B))
+
+
+def int8_mm_dequant(
+    A: torch.Tensor,
+    row_stats: torch.Tensor,
+    col_stats: torch.Tensor,
+    out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Scale an int32 product back to floats (+ ``bias``). ``dtype`` defaults to ``out``'s,
+    else float16 as in bitsandbytes, whose signature this keeps (``dtype`` is an addition)."""
+    if dtype is None:
+        dtype = out.dtype if isinstance(out, torch.Tensor) else torch.float16
+    return _copy_into("out", out, ops.int8_mm_dequant(A, row_stats, col_stats, dtype, bias))
 
 
 def _check_4bit_weight_state(state: object) -> QuantState:
