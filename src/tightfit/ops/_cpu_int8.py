@@ -88,3 +88,102 @@ def linear_matmul_cpu(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     with kernel_lock:
         _few_rows_kernel()(A.contiguous().numpy(), B.contiguous().numpy(), out.numpy())
     return out
+
+
+# -- row-wise quantization and dequantization of the product: one pass each, no temporaries --
+
+
+@functools.lru_cache(maxsize=1)
+def _row_kernels():
+    numba, _ = load_numba()
+
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def vectorwise_quant(bits, threshold, q, row_stats, outlier, bad):
+        """Per row of float32 (or bf16, widened) ``bits``: the largest |x| below ``threshold``,
+        then round(x * (127 / it)) half to even, outliers coded 0 and their columns flagged
+        (every flag written is 1, so rows racing on one are harmless). A row holding NaN or
+        inf is only flagged in ``bad``."""
+        widen = np.uint32(1 << (32 - 8 * bits.itemsize))  # a multiply, not a shift, so it stays 32-bit
+        for r in numba.prange(bits.shape[0]):
+            largest = np.float32(0.0)
+            for k in range(bits.shape[1]):
+                value = abs(np.uint32(np.uint32(bits[r, k]) * widen).view(np.float32))
+                if not np.isfinite(value):
+                    bad[r] = 1
+                elif value < threshold and value > largest:
+                    largest = value
+            if bad[r]:
+                continue
+            row_stats[r] = largest
+            scale = np.float32(127.0) / largest if largest > 0 else np.float32(0.0)
+            for k in range(bits.shape[1]):
+                value = np.uint32(np.uint32(bits[r, k]) * widen).view(np.float32)
+                if abs(value) < threshold:  # adding and taking 1.5 * 2**23 rounds |x| <= 128 half to even
+                    q[r, k] = np.int8((value * scale + np.float32(12582912.0)) - np.float32(12582912.0))
+                else:
+                    q[r, k] = 0
+                    outlier[k] = 1
+
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def mm_dequant(product, row_stats, col_stats, scale, bias, out):
+        """out = float32(product) * (row_stats * col_stats) * scale (+ bias), in that order, in float32."""
+        for r in numba.prange(product.shape[0]):
+            if bias.shape[0] == 0:
+                for c in range(product.shape[1]):
+                    out[r, c] = np.float32(product[r, c]) * (row_stats[r] * col_stats[c]) * scale
+            else:
+                for c in range(product.shape[1]):
+                    out[r, c] = np.float32(product[r, c]) * (row_stats[r] * col_stats[c]) * scale + bias[c]
+
+    return vectorwise_quant, mm_dequant
+
+
+def vectorwise_quant_cpu(rows: torch.Tensor, threshold: float, reference):
+    """``reference()``'s (q, row_stats, outlier_cols) for float32 or bf16 (rows, K) ``rows``;
+    float16, and input with NaN or inf, go to the reference."""
+    if rows.dtype == torch.float16 or usable_numba("int8_vectorwise_quant", "running the reference kernel") is None:
+        return reference()
+    rows = rows.contiguous()
+    bits = rows.view(torch.int32 if rows.dtype == torch.float32 else torch.int16).numpy()
+    # torch compares with the threshold in A's dtype; past float32's range there are no outliers
+    limit = float(torch.tensor(threshold, dtype=rows.dtype).float()) if threshold > 0.0 else float("inf")
+    q = torch.empty(rows.shape, dtype=torch.int8)
+    row_stats = torch.empty(rows.shape[0], dtype=torch.float32)
+    outlier = torch.zeros(rows.shape[1], dtype=torch.uint8)
+    bad = torch.zeros(rows.shape[0], dtype=torch.uint8)
+    with kernel_lock:
+        _row_kernels()[0](
+            bits.view(np.uint32 if bits.itemsize == 4 else np.uint16),
+            np.float32(limit),
+            q.numpy(),
+            row_stats.numpy(),
+            outlier.numpy(),
+            bad.numpy(),
+        )
+    if bool(bad.any()):
+        return reference()
+    outlier_cols = torch.argwhere(outlier).view(-1)
+    if rows.shape[0] > 1 and outlier_cols.numel():
+        q[:, outlier_cols] = 0
+    return q, row_stats, outlier_cols
+
+
+def mm_dequant_cpu(rows: torch.Tensor, row_stats, col_stats, scale: float, dtype, bias, reference):
+    """``reference()``'s result for an int32 (rows, N) ``rows``, computed in float32 as it
+    does (a float64 bias promotes the sum to float64: the reference's)."""
+    if (bias is not None and bias.dtype == torch.float64) or usable_numba(
+        "int8_mm_dequant", "running the reference kernel"
+    ) is None:
+        return reference()
+    out = torch.empty(rows.shape, dtype=torch.float32)
+    bias32 = torch.empty(0) if bias is None else bias.float().contiguous()
+    with kernel_lock:
+        _row_kernels()[1](
+            rows.contiguous().numpy(),
+            row_stats.contiguous().view(-1).numpy(),
+            col_stats.contiguous().view(-1).numpy(),
+            np.float32(scale),
+            bias32.numpy(),
+            out.numpy(),
+        )
+    return out.to(dtype)
