@@ -47,13 +47,6 @@ def test_float32_bound() -> None:
     assert torch.equal(ops.int8_linear_matmul(A, B), _exact(A, B))
     A, B = _float32_breaker()
     assert not _cpu_int8._fits_float32(A.float(), B.float())
-    wide = torch.full((2, 2000), 50.0)  # L1 * 128 = 12.8e6 passes; 4000 wide only by L2 norms
-    assert _cpu_int8._fits_float32(wide, wide)
-    wide = torch.full((2, 4000), 50.0)
-    assert _cpu_int8._fits_float32(wide, torch.full((3, 4000), 60.0))  # 50 * 60 * 4000 = 12e6
-    assert not _cpu_int8._fits_float32(wide, torch.full((3, 4000), 90.0))  # 18e6
-    A, B = _ints(20, 4000).clamp(-60, 60), _ints(3, 4000, seed=1).clamp(-60, 60)
-    assert torch.equal(ops.int8_linear_matmul(A, B), _exact(A, B))
 
 
 @pytest.mark.parametrize("precision", ["high", "medium"])

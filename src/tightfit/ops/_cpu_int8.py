@@ -6,7 +6,7 @@ float32 GEMM. Two exact ways around it:
 - many rows: a float32 GEMM of the int8 values, as bitsandbytes does, but only where it
   is exact: while no row's sum of |products| passes 2**24, every partial sum in whatever
   order the GEMM adds is an integer float32 holds: always for K <= 1024, else checked per
-  call (row norms of A and B bound the sums); past it, or where the user let float32 GEMMs round
+  call (each row's L1 norm * max|B|); past it, or where the user let float32 GEMMs round
   (TF32/bf16 modes), float64 (exact to 2**53, wrapped to int32 as int32 accumulation wraps).
 - few rows (decoding): converting B to float would dominate, so a numba kernel reads B's
   int8 bytes once, all rows of A at a time, with int32 accumulation (``_int_mm`` where
@@ -38,17 +38,12 @@ def _float32_is_ieee() -> bool:
 
 def _fits_float32(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether no row of ``a`` can sum past 2**24 with any row of ``b`` (int8 values held
-    as float32), given that sum_k |a_k b_k| caps every partial sum in any order: always
-    for K <= 1024 (1024 * 128 * 128 = 2**24); else while the largest row L1 norm of ``a``
-    times 128 stays there (no pass over ``b``); else while the largest row L2 norms'
-    product does (Cauchy-Schwarz; sums of squares are exact in float64, the margin covers
-    the square roots' rounding)."""
+    as float32): always for K <= 1024 (1024 * 128 * 128 = 2**24), else while each row's L1
+    norm times b's largest value, a cap on every partial sum in any order, stays there."""
     if a.shape[1] <= EXACT_FLOAT32 // (128 * 128):
         return True
-    if float(torch.linalg.vector_norm(a, 1, dim=1).amax()) * 128 <= EXACT_FLOAT32:
-        return True
-    norms = [float(torch.linalg.vector_norm(x, 2, dim=1, dtype=torch.float64).amax()) for x in (a, b)]
-    return norms[0] * norms[1] * (1 + 1e-9) <= EXACT_FLOAT32
+    largest_b = float(torch.linalg.vector_norm(b, float("inf")))
+    return float(torch.linalg.vector_norm(a, 1, dim=1).amax()) * largest_b <= EXACT_FLOAT32
 
 
 def _float_matmul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
