@@ -5,8 +5,8 @@ float32 GEMM. Two exact ways around it:
 
 - many rows: a float32 GEMM of the int8 values, as bitsandbytes does, but only where it
   is exact: while no row's sum of |products| passes 2**24, every partial sum in whatever
-  order the GEMM adds is an integer float32 holds: always for K <= 1024, else checked per
-  call (each row's L1 norm * max|B|); past it, or where the user let float32 GEMMs round
+  order the GEMM adds is an integer float32 holds. Checked per call (K * max|A| * max|B|,
+  then each row's L1 norm * max|B|); past it, or where the user let float32 GEMMs round
   (TF32/bf16 modes), float64 (exact to 2**53, wrapped to int32 as int32 accumulation wraps).
 - few rows (decoding): converting B to float would dominate, so a numba kernel reads B's
   int8 bytes once, all rows of A at a time, with int32 accumulation (``_int_mm`` where
@@ -36,21 +36,26 @@ def _float32_is_ieee() -> bool:
     return torch.get_float32_matmul_precision() == "highest" and precision in ("none", "ieee")
 
 
-def _fits_float32(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether no row of ``a`` can sum past 2**24 with any row of ``b`` (int8 values held
-    as float32): always for K <= 1024 (1024 * 128 * 128 = 2**24), else while each row's L1
-    norm times b's largest value, a cap on every partial sum in any order, stays there."""
-    if a.shape[1] <= EXACT_FLOAT32 // (128 * 128):
-        return True
-    largest_b = float(torch.linalg.vector_norm(b, float("inf")))
-    return float(torch.linalg.vector_norm(a, 1, dim=1).amax()) * largest_b <= EXACT_FLOAT32
+def _largest(tensor: torch.Tensor) -> int:
+    low, high = torch.aminmax(tensor)
+    return max(-int(low), int(high))
+
+
+def _fits_float32(A: torch.Tensor, B: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether no row of ``A`` (``a`` in float32) can sum past 2**24 with any row of ``B``:
+    its L1 norm times B's largest value caps every partial sum, in any order."""
+    largest_b = _largest(B)
+    bound = A.shape[1] * _largest(A) * largest_b
+    if bound > EXACT_FLOAT32:
+        bound = int(torch.linalg.vector_norm(a, 1, dim=1).amax()) * largest_b
+    return bound <= EXACT_FLOAT32
 
 
 def _float_matmul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """In float32 where that is exact, else in float64."""
-    a, b = A.float(), B.float()
-    if _float32_is_ieee() and _fits_float32(a, b):
-        return (a @ b.t()).to(torch.int32)
+    a = A.float()
+    if _float32_is_ieee() and _fits_float32(A, B, a):
+        return (a @ B.float().t()).to(torch.int32)
     return (A.double() @ B.double().t()).to(torch.int64).to(torch.int32)
 
 
