@@ -7,7 +7,6 @@ import torch
 
 import tightfit.ops as ops
 from tightfit.ops import _cpu_int8
-from tightfit.ops import int8 as int8_ops
 
 
 def _ints(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -112,39 +111,3 @@ def test_outlier_columns_and_dequant_dtype_as_bitsandbytes() -> None:
     theirs = bnb.int8_mm_dequant(product, row_stats, col_stats)
     assert ours.dtype == theirs.dtype == torch.float16
     assert torch.equal(ours, theirs)
-
-
-# -- the numba row kernels against the reference kernels -----------------------------------
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("threshold", [0.0, 1.01, 6.01, 1e300])
-def test_vectorwise_quant_kernel_is_the_reference(dtype: torch.dtype, threshold: float) -> None:
-    A = (torch.randn(2, 37, 65, generator=torch.Generator().manual_seed(6)) * 3).to(dtype)
-    A[0, 0] = 0.0  # a zero row
-    A[1, 3, 7] = 6.0  # on the threshold once rounded to bf16
-    expected = int8_ops._vectorwise_reference(A, threshold)
-    result = int8_ops._vectorwise_cpu(A, threshold)
-    for ours, theirs in zip(result, expected, strict=True):
-        assert torch.equal(ours, theirs)
-
-
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_vectorwise_quant_kernel_leaves_non_finite_rows_to_the_reference(bad: float) -> None:
-    A = torch.randn(4, 16, generator=torch.Generator().manual_seed(7))
-    A[2, 5] = bad
-    expected = int8_ops._vectorwise_reference(A, 0.0)
-    result = int8_ops._vectorwise_cpu(A, 0.0)
-    assert torch.equal(result[0], expected[0])
-    assert torch.allclose(result[1], expected[1], equal_nan=True)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.float16, torch.float64])
-def test_mm_dequant_kernel_is_the_reference(dtype: torch.dtype, bias_dtype: torch.dtype | None) -> None:
-    generator = torch.Generator().manual_seed(8)
-    product = torch.randint(-(1 << 30), 1 << 30, (3, 5, 24), generator=generator, dtype=torch.int32)  # past 2**24
-    row_stats, col_stats = torch.rand(15, generator=generator) * 9, torch.rand(24, generator=generator) * 9
-    bias = None if bias_dtype is None else torch.randn(24, generator=generator).to(bias_dtype)
-    expected = int8_ops._mm_dequant_reference(product, row_stats, col_stats, dtype, bias)
-    assert torch.equal(int8_ops._mm_dequant_cpu(product, row_stats, col_stats, dtype, bias), expected)

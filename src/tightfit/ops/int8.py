@@ -14,7 +14,7 @@ import torch
 
 from tightfit._validate import check_non_negative_number, check_same_device, check_type
 from tightfit.ops._arg_checks import FLOAT_DTYPES, check_dtype
-from tightfit.ops._cpu_int8 import linear_matmul_cpu, mm_dequant_cpu, vectorwise_quant_cpu
+from tightfit.ops._cpu_int8 import linear_matmul_cpu
 from tightfit.ops._registry import Case, define_op, register_kernel
 
 __all__ = ["int8_linear_matmul", "int8_mm_dequant", "int8_vectorwise_dequant", "int8_vectorwise_quant"]
@@ -45,14 +45,6 @@ def _vectorwise_reference(A: torch.Tensor, threshold: float) -> tuple[torch.Tens
     if rows.shape[0] > 1 and outlier_cols.numel():
         q[:, outlier_cols] = 0
     return q.reshape(A.shape), row_stats, outlier_cols
-
-
-def _vectorwise_cpu(A: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One numba pass per row of float32 or bf16 ``A`` (see _cpu_int8); the reference's bits."""
-    if A.numel() == 0:
-        return _vectorwise_reference(A, threshold)
-    q, row_stats, cols = vectorwise_quant_cpu(_rows(A), threshold, lambda: _vectorwise_reference(_rows(A), threshold))
-    return q.reshape(A.shape), row_stats, cols
 
 
 def _vectorwise_fake(A, threshold):
@@ -89,24 +81,6 @@ def _mm_dequant_reference(
     if bias is not None:
         out = out + bias
     return out.to(dtype).reshape(A.shape)
-
-
-def _mm_dequant_cpu(
-    A: torch.Tensor, row_stats: torch.Tensor, col_stats: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """One numba pass over the product (see _cpu_int8); the reference's bits."""
-    if A.numel() == 0:
-        return _mm_dequant_reference(A, row_stats, col_stats, dtype, bias)
-    out = mm_dequant_cpu(
-        _rows(A),
-        row_stats,
-        col_stats,
-        INV_127_SQUARED,
-        dtype,
-        bias,
-        lambda: _mm_dequant_reference(A, row_stats, col_stats, dtype, bias),
-    )
-    return out.reshape(A.shape)
 
 
 def _mm_dequant_fake(A, row_stats, col_stats, dtype, bias):
@@ -228,8 +202,8 @@ _DEQUANT = define_op(
     "int8_mm_dequant", _mm_dequant_reference, fake=_mm_dequant_fake, cases=_cases_dequant, check=_check_dequant
 )
 register_kernel("int8_linear_matmul", "cpu", _linear_matmul_cpu, label="exact float GEMM / numba")
-register_kernel("int8_vectorwise_quant", "cpu", _vectorwise_cpu, label="numba")
-register_kernel("int8_mm_dequant", "cpu", _mm_dequant_cpu, label="numba")
+register_kernel("int8_vectorwise_quant", "cpu", _vectorwise_reference, label="vectorized torch")
+register_kernel("int8_mm_dequant", "cpu", _mm_dequant_reference, label="vectorized torch")
 
 
 def int8_vectorwise_quant(
@@ -240,11 +214,7 @@ def int8_vectorwise_quant(
     (``outlier_cols`` lists them; None when ``threshold`` is 0). ``A`` is not modified."""
     threshold = check_non_negative_number("threshold", threshold)
     _check_vectorwise(A, threshold)
-    if (
-        not torch.compiler.is_compiling()
-        and A.numel()
-        and not bool(torch.isfinite(torch.stack(torch.aminmax(A))).all())
-    ):
+    if not torch.compiler.is_compiling() and A.numel() and not bool(torch.isfinite(A).all()):
         raise ValueError("A has NaN or inf values; int8 quantization needs finite values")
     q, row_stats, cols = _VECTORWISE(A, float(threshold))
     return q, row_stats, (cols if threshold > 0.0 else None)
