@@ -5,9 +5,7 @@ measured side by side in one run.
 Each figure is in milliseconds: on the CPU the best of ``--repeat`` runs; on an
 accelerator the median over ``--repeat`` device-timed rounds of 10 calls each. "x bnb" is
 bitsandbytes' time over tightfit's; "of copy" is the copy's time over tightfit's
-(100% = memory speed). The int8 rows (LLM.int8() ops) are timed differently on the CPU,
-where they are compute-bound and this machine's load drifts: tightfit, bitsandbytes and
-the copy run in turn, round after round, and each figure is the median of its rounds.
+(100% = memory speed).
 
 Run: python benchmarks/quant.py [--device cuda] [--numel N] [--repeat R]
 """
@@ -56,19 +54,6 @@ def device_ms(fn, repeat: int, device: torch.device, calls: int = 10) -> float:
         end.synchronize()
         rounds.append(start.elapsed_time(end) / calls)
     return statistics.median(rounds)
-
-
-def alternating_ms(fns, repeat: int) -> list[float]:
-    """Median ms of each of ``fns``, run in turn each round so that load drifts hit all alike."""
-    for fn in fns:
-        fn()
-    rounds = [[] for _ in fns]
-    for _ in range(repeat):
-        for fn, times in zip(fns, rounds, strict=True):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-    return [statistics.median(times) * 1e3 for times in rounds]
 
 
 def copy_ms(nbytes: int, timer) -> float:
@@ -182,63 +167,9 @@ def main() -> None:
             ours_ms = timer(ours)
             theirs_ms = timer(theirs) if theirs else float("nan")
             roof_ms = copy_ms(nbytes, timer)
-            print_row(name, ours_ms, theirs_ms, roof_ms)
-    int8_rows(timer, args.repeat)
-
-
-def print_row(name: str, ours_ms: float, theirs_ms: float, roof_ms: float) -> None:
-    print(
-        f"{name:<40}{ours_ms:>12.2f}{theirs_ms:>10.2f}{roof_ms:>10.2f}{theirs_ms / ours_ms:>7.1f}x{roof_ms / ours_ms:>9.0%}"
-    )
-
-
-def int8_rows(timer, repeat: int) -> None:
-    """LLM.int8()'s ops on row-wise quantized normal data: the matmul at the shapes of
-    issue 15, one decoding token, and a batch at width 4096; quantize and dequantize."""
-    generator = torch.Generator().manual_seed(2)
-
-    def quantized(rows: int, cols: int) -> torch.Tensor:
-        return ops.int8_vectorwise_quant(torch.randn(rows, cols, generator=generator).to(DEVICE))[0]
-
-    rows = []
-    for M, K, N in ((1024, 512, 512), (4096, 499, 512), (1, 4096, 4096), (64, 4096, 4096)):
-        A, B = quantized(M, K), quantized(N, K)
-        rows.append(
-            (
-                f"int8_linear_matmul {M}x{K} @ {N}x{K}",
-                M * K + N * K + 4 * M * N,
-                functools.partial(ops.int8_linear_matmul, A, B),
-                functools.partial(bnb.int8_linear_matmul, A, B) if bnb else None,
+            print(
+                f"{name:<40}{ours_ms:>12.2f}{theirs_ms:>10.2f}{roof_ms:>10.2f}{theirs_ms / ours_ms:>7.1f}x{roof_ms / ours_ms:>9.0%}"
             )
-        )
-    side = 4096
-    X = torch.randn(side, side, generator=generator).to(DEVICE)
-    product = torch.randint(-(1 << 20), 1 << 20, (side, side), generator=generator, dtype=torch.int32).to(DEVICE)
-    row_stats, col_stats = torch.rand(side).to(DEVICE), torch.rand(side).to(DEVICE)
-    rows += [
-        (
-            f"int8_vectorwise_quant {side}x{side} float32",
-            5 * side * side,
-            functools.partial(ops.int8_vectorwise_quant, X),
-            functools.partial(bnb.int8_vectorwise_quant, X) if bnb else None,
-        ),
-        (
-            f"int8_mm_dequant {side}x{side} -> float16",
-            6 * side * side,
-            functools.partial(ops.int8_mm_dequant, product, row_stats, col_stats),
-            functools.partial(bnb.int8_mm_dequant, product, row_stats, col_stats) if bnb else None,
-        ),
-    ]
-    for name, nbytes, ours, theirs in rows:
-        source = torch.ones(max(nbytes // 2, 1), dtype=torch.uint8, device=DEVICE)
-        target = torch.empty_like(source)
-        fns = [ours, functools.partial(target.copy_, source)] + ([theirs] if theirs else [])
-        if DEVICE.type == "cpu":
-            times = alternating_ms(fns, max(repeat, 9))
-        else:
-            times = [timer(fn) for fn in fns]
-        ours_ms, roof_ms = times[:2]
-        print_row(name, ours_ms, times[2] if theirs else float("nan"), roof_ms)
 
 
 if __name__ == "__main__":
