@@ -171,19 +171,3 @@ def test_the_cli_refuses_a_folder_of_quantized_weights_naming_the_way_in(folder,
     assert main(["fit", str(quantized), "--budget", "20MB"]) == 2
     err = capsys.readouterr().err
     assert "holds quantized weights" in err and "tightfit.load(folder, budget)" in err
-
-
-def test_units_mapped_in_place_read_the_next_one_ahead(folder, monkeypatch):
-    from tightfit.hooks._disk import MappedRegions
-
-    asked = []
-    monkeypatch.setattr(MappedRegions, "will_need", lambda self: asked.append(self.unit))
-    model, plan = tightfit.load(folder, 3_000_000, example_inputs={"input_ids": IDS}, calibration=figures())
-    mapped = [e.module for e in plan.entries if e.placement == "disk" and e.storage == "keep"]
-    assert len(mapped) >= 2
-    with torch.inference_mode():
-        model(IDS)  # the first forward records the order the units run in
-        assert asked == []
-        model(IDS)
-    # entering the pass asks for the first unit's pages, entering each unit for the next one's
-    assert asked == mapped

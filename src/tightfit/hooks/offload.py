@@ -358,23 +358,18 @@ def _hook(module: nn.Module, units: list[Unit], state: _Offload, prefetch: bool)
         HookRegistry.of(module).register(OFFLOADING_SCHEDULE, _ScheduleHook(state))
 
 
-def offload_in_place(
-    module: nn.Module, device: str | torch.device, files: list[MappedRegions], shared: _Offload | None = None
-) -> _Offload:
+def offload_in_place(module: nn.Module, device: str | torch.device, files: list[MappedRegions]) -> None:
     """Hook ``module`` as one unit offloaded to disk whose tensors are views of ``files``
     already (a checkpoint mapped in place by ``tightfit.load``): it computes on ``device``
     from the files' pages, as a unit ``apply_offloading(offload_to="disk")`` wrote does.
     Its tensors that are no view of a file (converted on reading) stay in CPU memory and
-    are copied like those offloaded to the CPU. Returns the units' shared state: pass it
-    as ``shared`` for the model's next unit, then to :func:`prefetch_in_order`, so that
-    each unit reads the next one's pages ahead. Private to tightfit."""
+    are copied like those offloaded to the CPU. Private to tightfit."""
     backend, device = _check_device(device)
     if _hooked(module, OFFLOADING):
         raise ValueError("offloading is already applied to this module; call remove_offloading(module) first")
-    state = shared
-    if state is None:
-        async_copy = device.type != "cpu" and backend.capabilities().async_copy
-        state = _Offload(device, "disk", files[0].folder if files else None, _streams(device, async_copy))
+    async_copy = device.type != "cpu" and backend.capabilities().async_copy
+    streams = _streams(device, async_copy)
+    state = _Offload(device, "disk", files[0].folder if files else None, streams)
     views = {file.tensors[key].data_ptr(): (file, key) for file in files for key in file.tensors}
     units = select_units(module, "model", ())
     for slot in (slot for unit in units for slot in unit.slots):
@@ -383,17 +378,7 @@ def offload_in_place(
         if found is not None and id(tensor) not in state.records:
             state.records[id(tensor)] = _Record(tensor, torch.device("cpu"), found[0], found[1], tensor._version)
     state.files.extend(files)
-    for unit in units:
-        HookRegistry.of(unit.module).register(OFFLOADING, OffloadHook(state, _unique(unit.slots)))
-    return state
-
-
-def prefetch_in_order(root: nn.Module, state: _Offload) -> None:
-    """Mark ``root``'s forward passes for the units that share ``state``
-    (:func:`offload_in_place`): the first pass records the order they run in, and from the
-    second on each unit, as it starts, asks for the next one's pages (or starts its copy).
-    Private to tightfit."""
-    HookRegistry.of(root).register(OFFLOADING_SCHEDULE, _ScheduleHook(state))
+    _hook(module, units, state, True)
 
 
 def _nothing_offloaded(error: OSError, folder: Path | None) -> OSError:

@@ -25,7 +25,7 @@ from tightfit.fitting import Allow, Calibration, FitPlan, fit, parse_size
 from tightfit.fitting.plan import PlanEntry, move_kept, offload_unit
 from tightfit.hooks import apply_offloading
 from tightfit.hooks._disk import MappedRegions
-from tightfit.hooks.offload import offload_in_place, prefetch_in_order
+from tightfit.hooks.offload import offload_in_place
 from tightfit.loading.folder import CAUSAL_LM, model_folder, skeleton
 from tightfit.loading.safetensors import Checkpoint
 from tightfit.loading.stored import holds_quantized
@@ -318,7 +318,6 @@ def stream(model: nn.Module, checkpoint: Checkpoint, plan: FitPlan, device: torc
     slots = _Slots(model)
     sources = _sources(model, slots, checkpoint)
     total = sum(checkpoint.entries[name].nbytes for name in set(sources.values()))
-    mapped = None  # the units mapped in place, one state: each reads the next one's pages ahead
     with task(f"reading and converting {len(plan.entries)} units", total) as advance, muted():
         for entry in plan.entries:
             if _stream_tied(model, entry, checkpoint, slots, sources, advance, device):
@@ -326,9 +325,7 @@ def stream(model: nn.Module, checkpoint: Checkpoint, plan: FitPlan, device: torc
             unit = model if entry.kind == "rest" else model.get_submodule(entry.module)
             storage = storage_format(entry.storage)
             if entry.placement == "disk" and not storage.decodes:  # as stored: computed from the checkpoint's pages
-                mapped = offload_in_place(
-                    unit, device, _map_unit(unit, entry.module, checkpoint, slots, sources, advance), mapped
-                )
+                offload_in_place(unit, device, _map_unit(unit, entry.module, checkpoint, slots, sources, advance))
                 continue
             _read_unit(unit, checkpoint, slots, sources, advance)
             if storage.decodes and entry.leaves:
@@ -341,6 +338,4 @@ def stream(model: nn.Module, checkpoint: Checkpoint, plan: FitPlan, device: torc
                 apply_offloading(
                     model.get_submodule(entry.module), device, offload_to=entry.placement, granularity="model"
                 )
-    if mapped is not None:
-        prefetch_in_order(model, mapped)
     model.eval()
