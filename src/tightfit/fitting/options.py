@@ -269,8 +269,7 @@ def options_for(
     the LM head reads every row per forward, the embedding the rows it looks up; offloaded
     on an accelerator, each leaf's forward copies it onto the device.
     ``loading``: the plan covers streaming the unit in from a checkpoint on this (host)
-    device: its tensors as read, plus the largest leaf's converted copy and its
-    conversion scratch, minus what it holds once loaded.
+    device: each option's ``load_bytes`` (:func:`_load_bytes`).
     """
     if unit.fixed:
         storages, placements = frozenset({"keep"}), frozenset({"device"})

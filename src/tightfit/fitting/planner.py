@@ -137,13 +137,10 @@ def _parts(
         option = unit_options[pick]
         if option.held_bytes:
             parts.append((f"weights of {unit.name} ({option.storage} on the {option.placement})", option.held_bytes))
-    chosen = [unit_options[pick] for unit_options, pick in zip(options, choice.picks)]
-    computing = max([activations] + [o.compute_peak_bytes for o in chosen])
-    loading = max([0] + [o.load_bytes for o in chosen])
-    if loading > computing:
-        parts[0] = ("the largest unit while it streams in and converts (more than the activations)", loading)
-    elif computing > activations:
-        parts.append(("decoded weights while their unit computes", computing - activations))
+    if choice.load_bytes > choice.compute_bytes:
+        parts[0] = ("the largest unit while it streams in and converts (more than the activations)", choice.load_bytes)
+    elif choice.compute_bytes > activations:
+        parts.append(("decoded weights while their unit computes", choice.compute_bytes - activations))
     if choice.onload_bytes:
         parts.append(("copies of offloaded units onloaded for their forward", choice.onload_bytes))
     return sorted(parts, key=lambda part: -part[1])
@@ -320,10 +317,9 @@ def fit(
         )
         for unit, unit_options, pick, k in zip(units, options, choice.picks, keep)
     )
-    chosen = [unit_options[pick] for unit_options, pick in zip(options, choice.picks)]
-    load_peak = _load_peak(chosen) if loading else 0
-    computing = max([activations] + [o.compute_peak_bytes for o in chosen])
-    transient = max(choice.held_bytes + computing + choice.onload_bytes, load_peak) - choice.held_bytes - activations
+    load_peak = choice.load_peak_bytes if loading else 0  # exact: the search holds a bound to the budget
+    running = choice.held_bytes + choice.compute_bytes + choice.onload_bytes
+    transient = max(running, load_peak) - choice.held_bytes - activations
     if sliced is not None:  # the compiled plan of the hinted model replaces the eager activations
         activations, peak_node = sliced.activation_bytes, sliced.peak_node
     return FitPlan(
@@ -349,17 +345,6 @@ def fit(
         covers_load=loading,
         predicted_load_peak_bytes=load_peak,
     )
-
-
-def _load_peak(chosen: list[Option]) -> int:
-    """The most held while the checkpoint streams in, unit by unit in the plan's order
-    (the rest last): the units loaded before, plus this one as read and converting. The
-    search bounds it by all units' held bytes instead, so a plan it finds is within budget."""
-    held = peak = 0
-    for option in chosen:
-        peak = max(peak, held + option.held_bytes + option.load_bytes)
-        held += option.held_bytes
-    return peak
 
 
 def _check_calibration(figures: Calibration, backend: str, device: torch.device) -> None:

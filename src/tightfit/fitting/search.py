@@ -29,7 +29,11 @@ _BUCKETS = 16384
 @dataclass(frozen=True)
 class Choice:
     """The chosen option index per unit and what it predicts: ``active_bytes`` is the
-    activation peak, raised where a unit computes with a decoded weight."""
+    activation peak, raised where a unit computes with a decoded weight (``compute_bytes``)
+    or streams in (by the largest ``Option.load_bytes``, ``load_bytes``: the bound the
+    search holds to the budget); ``load_peak_bytes`` is the exact peak while streaming in,
+    the units in order, each above those loaded before it (a plan that does not cover
+    loading has no use for it)."""
 
     picks: tuple[int, ...]
     held_bytes: int
@@ -37,6 +41,9 @@ class Choice:
     onload_bytes: int
     seconds: float
     cost: float
+    compute_bytes: int = 0
+    load_bytes: int = 0
+    load_peak_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -56,14 +63,22 @@ def peak_of(options: list[list[Option]], picks: tuple[int, ...], activations: in
     largest compute or load peak, the two largest onloads."""
     chosen = [unit_options[pick] for unit_options, pick in zip(options, picks)]
     onloads = sorted((o.onload_bytes for o in chosen), reverse=True)[:2]
-    active = max([activations] + [o.transient_bytes for o in chosen])
+    computing = max([activations] + [o.compute_peak_bytes for o in chosen])
+    loading = max([0] + [o.load_bytes for o in chosen])
+    held = load_peak = 0
+    for option in chosen:  # streamed in order, the rest last
+        load_peak = max(load_peak, held + option.held_bytes + option.load_bytes)
+        held += option.held_bytes
     return Choice(
         picks,
-        sum(o.held_bytes for o in chosen),
-        active,
+        held,
+        max(computing, loading),
         sum(onloads),
         sum(o.seconds for o in chosen),
         sum(o.cost for o in chosen),
+        computing,
+        loading,
+        load_peak,
     )
 
 
