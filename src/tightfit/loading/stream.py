@@ -19,14 +19,14 @@ import torch
 from torch import nn
 
 from tightfit._progress import muted, task
-from tightfit._validate import check_type
+from tightfit._validate import check_choice, check_type
 from tightfit.backends.resolve import resolve_backend
 from tightfit.fitting import Allow, Calibration, FitPlan, fit, parse_size
 from tightfit.fitting.plan import PlanEntry, move_kept, offload_unit
 from tightfit.hooks import apply_offloading
 from tightfit.hooks._disk import MappedRegions
 from tightfit.hooks.offload import offload_in_place
-from tightfit.loading.folder import CAUSAL_LM, model_folder, skeleton
+from tightfit.loading.folder import CAUSAL_LM, ENCODER, model_folder, model_kind, skeleton
 from tightfit.loading.safetensors import Checkpoint
 from tightfit.loading.stored import holds_quantized
 from tightfit.quant import storage_format
@@ -36,17 +36,17 @@ __all__ = ["default_inputs", "load", "on_meta", "plan_folder", "stream"]
 #: Tokens per sequence of the inputs a folder is planned for when none are given.
 DEFAULT_TOKENS = 128
 #: Sequences in that batch, per kind: a causal LM generates for one prompt; an encoder embeds a batch.
-_DEFAULT_BATCH = {CAUSAL_LM: 1}
-_ENCODER_BATCH = 8
+_DEFAULT_BATCH = {CAUSAL_LM: 1, ENCODER: 8}
 
 
 def default_inputs(config: Any, kind: str) -> dict[str, torch.Tensor]:
     """The inputs a folder is planned for when none are given, on the meta device: one
     prompt of 128 tokens for a causal LM, 8 sequences of 128 for an encoder (fewer tokens
     where the model's ``max_position_embeddings`` is smaller)."""
+    check_choice("kind", kind, _DEFAULT_BATCH)
     limit = getattr(config, "max_position_embeddings", None)
     tokens = min(DEFAULT_TOKENS, limit) if isinstance(limit, int) and limit > 0 else DEFAULT_TOKENS
-    shape = (_DEFAULT_BATCH.get(kind, _ENCODER_BATCH), tokens)
+    shape = (_DEFAULT_BATCH[kind], tokens)
     inputs = {"input_ids": torch.zeros(shape, dtype=torch.long, device="meta")}
     if kind != CAUSAL_LM:
         inputs["attention_mask"] = torch.ones(shape, dtype=torch.long, device="meta")
@@ -80,15 +80,9 @@ def plan_folder(
     :func:`tightfit.fit`'s. Raises :class:`tightfit.FitError` when nothing fits: before
     loading, naming the smallest peak reachable and what dominates it."""
     model, config = skeleton(folder, kind)
-    inputs = default_inputs(config, kind or _kind_of(model)) if example_inputs is None else on_meta(example_inputs)
+    inputs = default_inputs(config, kind or model_kind(config)) if example_inputs is None else on_meta(example_inputs)
     plan = fit(model, inputs, budget, backend=backend, allow=allow, calibration=calibration, loading=True)
     return model, plan
-
-
-def _kind_of(model: nn.Module) -> str:
-    from tightfit.loading.folder import model_kind
-
-    return model_kind(model.config)
 
 
 def load(
@@ -179,17 +173,16 @@ class _Slots:
     tensor sits in several, and its real value must go into each."""
 
     def __init__(self, model: nn.Module) -> None:
+        self.tensors: dict[int, torch.Tensor] = {}  # by id; held, so that the ids stay theirs
         self.names: dict[int, list[str]] = {}
         self.places: dict[int, list[tuple[nn.Module, str]]] = {}
-        self._alive: list[torch.Tensor] = []  # the meta tensors, kept so that their ids stay theirs
         for owner_name, module in model.named_modules(remove_duplicate=False):
             for table in (module._parameters, module._buffers):
                 for name, tensor in table.items():
                     if tensor is None or not tensor.is_meta:
                         continue
                     key = id(tensor)
-                    if key not in self.places:
-                        self._alive.append(tensor)
+                    self.tensors[key] = tensor
                     qualified = f"{owner_name}.{name}" if owner_name else name
                     if qualified not in self.names.setdefault(key, []):
                         self.names[key].append(qualified)
@@ -218,7 +211,7 @@ def _sources(model: nn.Module, slots: _Slots, checkpoint: Checkpoint) -> dict[in
             continue
         sources[key] = found
         entry = checkpoint.entries[found]
-        expected = _tensor(model, names[0])
+        expected = slots.tensors[key]
         if tuple(expected.shape) != entry.shape:
             raise ValueError(
                 f"checkpoint tensor {found!r} has shape {entry.shape}; the model's {names[0]} takes {tuple(expected.shape)}"
@@ -233,12 +226,6 @@ def _sources(model: nn.Module, slots: _Slots, checkpoint: Checkpoint) -> dict[in
             f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
         )
     return sources
-
-
-def _tensor(model: nn.Module, name: str) -> torch.Tensor:
-    owner, _, leaf = name.rpartition(".")
-    module = model.get_submodule(owner)
-    return module._parameters.get(leaf) if leaf in module._parameters else module._buffers[leaf]
 
 
 def _read_unit(module: nn.Module, checkpoint: Checkpoint, slots: _Slots, sources: dict[int, str], advance: Any) -> None:
