@@ -21,6 +21,7 @@ import os
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,22 @@ DISK_DTYPES: frozenset[torch.dtype] = frozenset(
 
 #: Byte alignment of each tensor in the file (a view of any dtype needs its element size).
 _ALIGN = 64
+
+
+def read_bytes(file: Any, offset: int, nbytes: int, short: Callable[[int], Exception]) -> torch.Tensor:
+    """``nbytes`` bytes of the open binary ``file`` from ``offset``, into a fresh uint8 CPU
+    tensor, with ordinary reads: a file that ends early raises ``short(missing bytes)``
+    (where a memory map would fault)."""
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    buffer = memoryview(out.numpy())
+    file.seek(offset)
+    done = 0
+    while done < nbytes:
+        count = file.readinto(buffer[done:])
+        if not count:
+            raise short(nbytes - done)
+        done += count
+    return out
 
 
 class OffloadFileError(RuntimeError):
@@ -88,16 +105,9 @@ class _Mapped(abc.ABC):
         """The tensor's bytes, a fresh CPU copy read with ordinary file reads (a short file is an error)."""
         self.check()
         offset, nbytes, _, _ = self._regions[key]
-        out = torch.empty(nbytes, dtype=torch.uint8)
-        buffer = memoryview(out.numpy())
-        self._file.seek(offset)
-        done = 0
-        while done < nbytes:
-            count = self._file.readinto(buffer[done:])
-            if not count:
-                raise self._error(f"ends {nbytes - done} bytes short of tensor {key!r}")
-            done += count
-        return out
+        return read_bytes(
+            self._file, offset, nbytes, lambda missing: self._error(f"ends {missing} bytes short of tensor {key!r}")
+        )
 
     def read(self, key: str) -> torch.Tensor:
         """A fresh CPU copy of one tensor, read with ordinary file reads."""

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from tightfit._validate import check_type
+from tightfit.hooks._disk import read_bytes
 from tightfit.loading.folder import read_json
 
 __all__ = ["Checkpoint", "TensorEntry"]
@@ -182,14 +183,11 @@ class Checkpoint:
     def read(self, name: str) -> torch.Tensor:
         """A fresh CPU tensor holding the tensor ``name``, read with ordinary reads."""
         entry = self.check(name)
-        out = torch.empty(entry.nbytes, dtype=torch.uint8)
-        view = memoryview(out.numpy())
         with open(entry.file, "rb", buffering=0) as handle:
-            handle.seek(entry.start)
-            done = 0
-            while done < entry.nbytes:
-                count = handle.readinto(view[done:])
-                if not count:
-                    raise ValueError(f"{entry.file} ends {entry.nbytes - done} bytes short of tensor {name!r}")
-                done += count
+            out = read_bytes(
+                handle,
+                entry.start,
+                entry.nbytes,
+                lambda missing: ValueError(f"{entry.file} ends {missing} bytes short of tensor {name!r}"),
+            )
         return out.view(entry.dtype).reshape(entry.shape)
