@@ -14,6 +14,7 @@ import itertools
 import torch
 
 from tightfit._validate import check_type
+from tightfit.ops.codes import dynamic_values
 from tightfit.quant.functional import (
     QuantState,
     dequantize_4bit,
@@ -134,26 +135,13 @@ def create_fp8_map(
 
 
 def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> torch.Tensor:
-    """The dynamic map (8-Bit Approximations for Parallelism in Deep Learning): for each
-    exponent i, the midpoints of an even split of [0.1, 1] scaled by 10**(i + 1 - max_exponent_bits),
-    the split getting coarser as the exponent shrinks; plus 0 and 1, sorted. The defaults
-    give the map 8-bit blockwise quantization uses (:func:`tightfit.ops.dynamic_map`)."""
+    """The dynamic map (8-Bit Approximations for Parallelism in Deep Learning), sorted and
+    zero-padded to 256: :func:`tightfit.ops.codes.dynamic_values`, which also builds the
+    map 8-bit blockwise quantization uses (:func:`tightfit.ops.dynamic_map`, the defaults)."""
     check_type("signed", signed, bool)
     total_bits = _check_bits("total_bits", total_bits, 2, 8)
     max_exponent_bits = _check_bits("max_exponent_bits", max_exponent_bits, 1, total_bits - 1)
-    fraction_bits = total_bits - 1 - max_exponent_bits  # bits beyond the largest exponent field
-
-    def midpoints(count: int, scale: float) -> list[float]:
-        bounds = torch.linspace(0.1, 1, count + 1, dtype=torch.float32)
-        means = (bounds[:-1] + bounds[1:]) / 2.0
-        return (scale * means).tolist() + ((-scale * means).tolist() if signed else [])
-
-    values: list[float] = []
-    for exponent in range(max_exponent_bits):
-        values += midpoints(2 ** (exponent + fraction_bits + (not signed)), 10.0 ** (exponent + 1 - max_exponent_bits))
-    if fraction_bits > 0:  # all exponent bits zero, no indicator bit: more values at the top scale
-        values += midpoints(2**fraction_bits - 1, 1.0)
-    values += [0.0, 1.0]
+    values = dynamic_values(signed, max_exponent_bits, total_bits)
     if len(values) != 2**total_bits:
         raise ValueError(
             f"signed={signed}, max_exponent_bits={max_exponent_bits}, total_bits={total_bits} give "

@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-__all__ = ["DYNAMIC_MAP_SHA256", "QUANT_TYPES_4BIT", "code_4bit", "dynamic_map"]
+__all__ = ["DYNAMIC_MAP_SHA256", "QUANT_TYPES_4BIT", "code_4bit", "dynamic_map", "dynamic_values"]
 
 #: SHA-256 of the dynamic map's float32 bytes, as bitsandbytes 0.50 builds it.
 DYNAMIC_MAP_SHA256 = "e732639a65f497b4ad684bb166a4467708255edd5207757de8b8f0c7e1fda89c"
@@ -38,17 +38,30 @@ _NF4 = [
 _FP4_MAGNITUDES = [0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0]
 
 
+def dynamic_values(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> list[float]:
+    """The values of a dynamic map, as bitsandbytes' ``create_dynamic_map`` builds them
+    (unsorted, not padded; arguments unchecked: the caller's): for each exponent i, the
+    midpoints of an even split of [0.1, 1] scaled by 10**(i + 1 - max_exponent_bits), the
+    split coarser as the exponent shrinks; values at the top scale for the fraction bits
+    beyond the largest exponent field; then 0 and 1."""
+    fraction_bits = total_bits - 1 - max_exponent_bits
+
+    def midpoints(count: int, scale: float) -> list[float]:
+        bounds = torch.linspace(0.1, 1, count + 1, dtype=torch.float32)
+        means = (bounds[:-1] + bounds[1:]) / 2.0
+        return (scale * means).tolist() + ((-scale * means).tolist() if signed else [])
+
+    values: list[float] = []
+    for exponent in range(max_exponent_bits):
+        values += midpoints(2 ** (exponent + fraction_bits + (not signed)), 10.0 ** (exponent + 1 - max_exponent_bits))
+    if fraction_bits > 0:  # all exponent bits zero, no indicator bit: more values at the top scale
+        values += midpoints(2**fraction_bits - 1, 1.0)
+    return values + [0.0, 1.0]
+
+
 @functools.lru_cache(maxsize=1)
 def _dynamic_map() -> torch.Tensor:
-    values: list[float] = []
-    for exponent in range(7):
-        bounds = torch.linspace(0.1, 1, 2**exponent + 1, dtype=torch.float32)
-        means = (bounds[:-1] + bounds[1:]) / 2.0
-        scale = 10 ** (exponent - 6)
-        values += (scale * means).tolist()
-        values += (-scale * means).tolist()
-    values += [0.0, 1.0]
-    return torch.tensor(sorted(values), dtype=torch.float32)
+    return torch.tensor(sorted(dynamic_values()), dtype=torch.float32)
 
 
 def dynamic_map() -> torch.Tensor:
