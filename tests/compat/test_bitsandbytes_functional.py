@@ -1,5 +1,5 @@
 """Code written against ``bitsandbytes.functional``, run with bitsandbytes' module and
-with ``tightfit.compat.bitsandbytes_functional`` swapped in: the results agree bit for
+with ``tightfit.compat.bitsandbytes.functional`` swapped in: the results agree bit for
 bit where the format fixes them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import hashlib
 import pytest
 import torch
 
-import tightfit.compat.bitsandbytes_functional as TF
+import tightfit.compat.bitsandbytes.functional as TF
 import tightfit.quant.functional as QF
 from tightfit import ops
 from tightfit.ops.codes import DYNAMIC_MAP_SHA256

@@ -1,4 +1,4 @@
-"""``bitsandbytes.functional`` on tightfit: ``import tightfit.compat.bitsandbytes_functional
+"""``bitsandbytes.functional`` on tightfit: ``import tightfit.compat.bitsandbytes.functional
 as F`` in place of ``import bitsandbytes.functional as F``.
 
 The quantization functions are :mod:`tightfit.quant.functional`'s (same names, argument

@@ -1,0 +1,8 @@
+"""``bitsandbytes`` on tightfit: ``import tightfit.compat.bitsandbytes as bnb`` in place of
+``import bitsandbytes as bnb`` (and ``tightfit.compat.bitsandbytes.functional`` /
+``.nn`` for its submodules). The names, signatures and attributes are bitsandbytes'; every
+kernel, module and hook behind them is tightfit's, dispatched on the tensor's device."""
+
+from tightfit.compat.bitsandbytes import functional
+
+__all__ = ["functional"]
