@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tightfit._fuzz_campaign import run_campaign
-from tightfit.ops.fuzz import make_case
+from tightfit.ops import registered_ops
+from tightfit.ops.fuzz import make_case, run_case
 
 
 def test_generated_cases_end_in_the_reference_or_a_clean_error():
@@ -17,6 +18,17 @@ def test_generated_cases_end_in_the_reference_or_a_clean_error():
     assert sum(result.counts.values()) == 300
     # both kinds are exercised: valid calls that must match, hostile calls that must be refused
     assert result.counts["equal"] > 80 and result.counts["clean"] > 80
+
+
+def test_every_op_is_fuzzed():
+    fuzzed = {make_case(1, index).op for index in range(400)}
+    assert fuzzed == set(registered_ops())
+
+
+def test_int8_linear_cases_end_in_the_reference_or_a_clean_error():
+    cases = [(index, make_case(7, index)) for index in range(600)]
+    outcomes = [run_case(case, index)[0] for index, case in cases if case.op == "int8_linear"][:40]
+    assert len(outcomes) == 40 and set(outcomes) == {"equal", "clean"}
 
 
 def test_cases_are_reproducible_from_seed_and_index():

@@ -395,6 +395,41 @@ def _int8_mm_dequant(b: _Builder) -> list[Any]:
     return args
 
 
+def _int8_linear(b: _Builder) -> list[Any]:
+    rows, inner, out = b.rng.randint(0, 6), b.rng.randint(1, 40), b.rng.randint(1, 9)
+    A = b.floats(b.rng.choice(((inner,), (rows, inner), (2, rows, inner))), b.rng.choice(checks.FLOAT_DTYPES))
+    if not bool(torch.isfinite(A).all()):
+        b.mutate("A not finite", False)  # LLM.int8() quantization refuses NaN and inf
+    bias = torch.randn(out, generator=b.generator).to(b.rng.choice(checks.FLOAT_DTYPES))
+    args = [
+        A,
+        torch.randint(-127, 128, (out, inner), generator=b.generator, dtype=torch.int8),
+        torch.rand(out, generator=b.generator) * 5,
+        bias if b.rng.random() < 0.5 else None,
+        b.rng.choice((0.0, 0.5, 2.0, 6.0)),
+    ]
+    for what in b.which(("A", "weight", "SCB", "bias", "threshold")):
+        if what == "A":
+            b.tensor_mutation(
+                args,
+                0,
+                "A",
+                lambda t: _floats_ok(t) and t.dim() >= 1 and t.shape[-1] == inner and bool(torch.isfinite(t).all()),
+                primary=True,
+            )
+        elif what == "weight":
+            b.tensor_mutation(args, 1, "weight", lambda t: t.dtype == torch.int8 and t.shape == (out, inner))
+        elif what == "SCB":
+            b.tensor_mutation(args, 2, "SCB", lambda t: t.dtype == torch.float32 and t.shape == (out,))
+        elif what == "bias":
+            args[3] = bias
+            b.tensor_mutation(args, 3, "bias", lambda t: _floats_ok(t) and t.shape == (out,), optional=True)
+        else:
+            args[4] = b.rng.choice((-1.0, math.nan, math.inf, 1e300))
+            b.mutate(f"threshold {args[4]}", args[4] >= 0)
+    return args
+
+
 def _cast_dtypes() -> tuple[torch.dtype, ...]:
     from tightfit.ops.cast import CAST_DTYPES
 
@@ -436,6 +471,7 @@ _GENERATORS: dict[str, Callable[[_Builder], list[Any]]] = {
     "int8_vectorwise_quant": _int8_vectorwise_quant,
     "int8_linear_matmul": _int8_linear_matmul,
     "int8_mm_dequant": _int8_mm_dequant,
+    "int8_linear": _int8_linear,
     "cast": _cast,
     "cast_into": _cast_into,
 }
