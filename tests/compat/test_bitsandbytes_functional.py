@@ -166,10 +166,152 @@ def test_blockwise_and_4bit_code_gives_bitsandbytes_codes():
     torch.testing.assert_close(TF.dequantize_4bit(q4, s4), W, atol=0.5, rtol=0)
     x = torch.randn(1, 96)
     torch.testing.assert_close(TF.gemv_4bit(x, q4.t(), state=s4), x @ TF.dequantize_4bit(q4, s4).t())
-    with pytest.raises((TypeError, ValueError), match="quant_state"):
+    with pytest.raises(TypeError, match="state must be QuantState"):
         TF.gemv_4bit(x, q4.t())
 
 
 def test_the_int8_functions_are_in_tightfit_quant_functional():
     for name in ("int8_vectorwise_quant", "int8_vectorwise_dequant", "int8_linear_matmul", "int8_mm_dequant"):
-        assert name in QF.__all__ and getattr(TF, name) is getattr(QF, name)
+        assert name in QF.__all__ and name in TF.__all__
+
+
+def test_every_name_is_bitsandbytes_or_one_of_its_ops():
+    for name in TF.__all__:
+        assert hasattr(BF, name) or hasattr(torch.ops.bitsandbytes, name), name
+
+
+def quantized_weight(F, quant_type: str, nested: bool, dtype: torch.dtype):
+    torch.manual_seed(1)
+    W = torch.randn(48, 130, dtype=dtype)
+    return F.quantize_4bit(W, blocksize=64, compress_statistics=nested, quant_type=quant_type)
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gemm_4bit_gives_bitsandbytes_product(quant_type, nested, dtype):
+    import bitsandbytes
+
+    packed, state = quantized_weight(TF, quant_type, nested, dtype)
+    their_packed, their_state = quantized_weight(BF, quant_type, nested, dtype)
+    assert torch.equal(packed, their_packed)
+    x, bias = torch.randn(2, 5, 130, dtype=dtype), torch.randn(48, dtype=dtype)
+    ours = TF.gemm_4bit(x, packed.t(), state=state, bias=bias)
+    with torch.no_grad():  # bitsandbytes' matmul_4bit runs its gemm_4bit op
+        theirs = bitsandbytes.matmul_4bit(x, their_packed.t(), quant_state=their_state, bias=bias)
+    assert ours.dtype == theirs.dtype == dtype and torch.equal(ours, theirs)
+    # one row takes the decode kernel: another summation order, the same product to rounding
+    exact = x[0, :1].double() @ TF.dequantize_4bit(packed, state).double().t()
+    ulps = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1.3e-1}[dtype]  # results reach ~16
+    torch.testing.assert_close(TF.gemm_4bit(x[0, :1], packed, state=state).double(), exact, rtol=0, atol=ulps)
+    assert torch.equal(TF.gemm_4bit(x, packed, transposed_B=True, state=state, bias=bias), ours)
+
+
+def test_gemm_4bit_refuses_what_it_cannot_honour():
+    packed, state = quantized_weight(TF, "nf4", False, torch.float32)
+    x = torch.randn(3, 130)
+    with pytest.raises(ValueError, match="transposed_A=True is not supported"):
+        TF.gemm_4bit(x, packed, transposed_A=True, state=state)
+    with pytest.raises(TypeError, match="transposed_B must be bool"):
+        TF.gemm_4bit(x, packed, transposed_B=1, state=state)
+    with pytest.raises(TypeError, match="state must be QuantState"):
+        TF.gemm_4bit(x, packed)
+    with pytest.raises(ValueError, match="in_features, 130"):
+        TF.gemm_4bit(torch.randn(3, 129), packed, state=state)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_scaled_mm_gives_bitsandbytes_result(dtype, with_bias):
+    torch.manual_seed(2)
+    CA, SCA, _ = TF.int8_vectorwise_quant(torch.randn(7, 64))
+    CB, SCB, _ = TF.int8_vectorwise_quant(torch.randn(24, 64))
+    bias = torch.randn(24) if with_bias else None
+    ours = TF.int8_scaled_mm(CA, CB, SCA, SCB, bias=bias, dtype=dtype)
+    theirs = torch.ops.bitsandbytes.int8_scaled_mm(CA, CB, SCA, SCB, bias=bias, dtype=dtype)
+    assert ours.dtype == theirs.dtype == (dtype or torch.float16) and torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize(
+    ("rows", "threshold"),
+    [(4, 0.0), (4, 50.0), (4, 1.5), (1, 1.5), (4, 1e-6)],
+    ids=["threshold 0", "no outliers", "outliers", "one row", "all outliers"],
+)
+def test_outlier_columns_are_bitsandbytes(rows, threshold):
+    torch.manual_seed(3)
+    A = torch.randn(rows, 32, dtype=torch.float16)
+    ours, theirs = TF.int8_vectorwise_quant(A, threshold), BF.int8_vectorwise_quant(A.clone(), threshold)
+    if theirs[2] is None:
+        assert ours[2] is None
+    else:
+        assert ours[2].dtype == theirs[2].dtype == torch.int64 and torch.equal(ours[2], theirs[2])
+    if 0 < threshold < 1:  # every value is an outlier: bitsandbytes divides 0 by 0 for the row scales
+        assert torch.equal(ours[0], torch.zeros_like(ours[0])) and torch.equal(ours[1], torch.zeros(rows))
+        return
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
+def test_get_4bit_type_is_bitsandbytes():
+    for name in ("nf4", "fp4"):
+        assert torch.equal(bits(TF.get_4bit_type(name)), bits(BF.get_4bit_type(name, device="cpu")))
+    with pytest.raises(ValueError, match="typename"):
+        TF.get_4bit_type("af4")
+
+
+def test_dequantize_4bit_of_the_transposed_row_is_transposed_as_in_bitsandbytes():
+    packed, state = quantized_weight(TF, "nf4", False, torch.float32)
+    ours, theirs = TF.dequantize_4bit(packed.t(), state), BF.dequantize_4bit(packed.t(), state)
+    assert ours.shape == theirs.shape == (130, 48) and torch.equal(ours, theirs)
+
+
+def out_calls():
+    """(name, call writing into ``out``, the expected result, a right-sized ``out``) per function with ``out=``."""
+    torch.manual_seed(4)
+    W = torch.randn(48, 130)
+    packed, state = TF.quantize_4bit(W, quant_type="nf4")
+    q8, s8 = TF.quantize_blockwise(W, blocksize=256)
+    CA, SCA, _ = TF.int8_vectorwise_quant(torch.randn(5, 130))
+    CB, SCB, _ = TF.int8_vectorwise_quant(W)
+    product = TF.int8_linear_matmul(CA, CB)
+    x = torch.randn(3, 130)
+    return [
+        ("quantize_blockwise", lambda out: TF.quantize_blockwise(W, out=out, blocksize=256)[0], q8),
+        (
+            "quantize_blockwise absmax",
+            lambda out: TF.quantize_blockwise(W, absmax=out, blocksize=256)[1].absmax,
+            s8.absmax,
+        ),
+        ("dequantize_blockwise", lambda out: TF.dequantize_blockwise(q8, s8, out=out), TF.dequantize_blockwise(q8, s8)),
+        ("quantize_4bit", lambda out: TF.quantize_4bit(W, out=out, quant_type="nf4")[0], packed),
+        ("quantize_4bit absmax", lambda out: TF.quantize_4bit(W, absmax=out, quant_type="nf4")[1].absmax, state.absmax),
+        ("dequantize_4bit", lambda out: TF.dequantize_4bit(packed, state, out=out), TF.dequantize_4bit(packed, state)),
+        (
+            "gemv_4bit",
+            lambda out: TF.gemv_4bit(x[:1], packed.t(), out=out, state=state),
+            TF.gemv_4bit(x[:1], packed, state=state),
+        ),
+        ("gemm_4bit", lambda out: TF.gemm_4bit(x, packed, out=out, state=state), TF.gemm_4bit(x, packed, state=state)),
+        ("int8_linear_matmul", lambda out: TF.int8_linear_matmul(CA, CB, out=out), product),
+        (
+            "int8_mm_dequant",
+            lambda out: TF.int8_mm_dequant(product, SCA, SCB, out=out),
+            TF.int8_mm_dequant(product, SCA, SCB),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("index", range(10), ids=[call[0] for call in out_calls()])
+def test_out_is_written_whole_or_refused_untouched(index):
+    name, call, expected = out_calls()[index]
+    out = torch.full_like(expected, 7)
+    assert call(out) is out and torch.equal(out, expected), name
+    wrong_dtype = torch.float64 if expected.dtype != torch.float64 else torch.float32
+    for bad in (
+        torch.full((expected.numel() + 1,), 7, dtype=expected.dtype),
+        torch.full_like(expected, 7, dtype=wrong_dtype),
+        torch.empty_like(expected, device="meta"),
+    ):
+        before = bad.clone() if bad.device.type != "meta" else None
+        with pytest.raises(ValueError, match="out|absmax|dtype"):
+            call(bad)
+        assert before is None or torch.equal(bad, before), name

@@ -2,9 +2,12 @@
 as F`` in place of ``import bitsandbytes.functional as F``.
 
 The quantization functions are :mod:`tightfit.quant.functional`'s (same names, argument
-names and defaults). The code-map constructors build bitsandbytes' maps the way it builds
-them, so they are bit-equal to its own on the CPU; ``create_normal_map`` uses torch's
-inverse normal CDF, where bitsandbytes needs scipy.
+names and defaults); here they also check an ``out=`` / ``absmax=`` tensor (shape, dtype
+and device) before computing, where bitsandbytes would ``copy_`` into anything. The
+code-map constructors build bitsandbytes' maps the way it builds them, so they are
+bit-equal to its own on the CPU; ``create_normal_map`` uses torch's inverse normal CDF,
+where bitsandbytes needs scipy. ``gemm_4bit`` and ``int8_scaled_mm`` are bitsandbytes'
+ops (``torch.ops.bitsandbytes.*``) as functions.
 """
 
 from __future__ import annotations
@@ -13,24 +16,12 @@ import itertools
 
 import torch
 
-from tightfit._validate import check_type
-from tightfit.ops.codes import dynamic_values
-from tightfit.quant.functional import (
-    QuantState,
-    dequantize_4bit,
-    dequantize_blockwise,
-    dequantize_fp4,
-    dequantize_nf4,
-    gemv_4bit,
-    int8_linear_matmul,
-    int8_mm_dequant,
-    int8_vectorwise_dequant,
-    int8_vectorwise_quant,
-    quantize_4bit,
-    quantize_blockwise,
-    quantize_fp4,
-    quantize_nf4,
-)
+from tightfit import ops
+from tightfit._validate import check_choice, check_same_device, check_type
+from tightfit.ops._arg_checks import block_count, packed_bytes
+from tightfit.ops.codes import QUANT_TYPES_4BIT, dynamic_values
+from tightfit.quant import functional as QF
+from tightfit.quant.functional import QuantState, int8_vectorwise_dequant, int8_vectorwise_quant
 
 __all__ = [
     "QuantState",
@@ -42,9 +33,12 @@ __all__ = [
     "dequantize_blockwise",
     "dequantize_fp4",
     "dequantize_nf4",
+    "gemm_4bit",
     "gemv_4bit",
+    "get_4bit_type",
     "int8_linear_matmul",
     "int8_mm_dequant",
+    "int8_scaled_mm",
     "int8_vectorwise_dequant",
     "int8_vectorwise_quant",
     "quantize_4bit",
@@ -52,6 +46,239 @@ __all__ = [
     "quantize_fp4",
     "quantize_nf4",
 ]
+
+
+def _check_out(name: str, out: object, shape: tuple[int, ...], dtype: torch.dtype, A: torch.Tensor) -> None:
+    """A caller's output tensor must take the result as it is: checked before any work, so a
+    refusal leaves it untouched and an accepted one is written whole."""
+    if out is None:
+        return
+    check_type(name, out, torch.Tensor)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+        raise ValueError(
+            f"{name} has shape {tuple(out.shape)} and dtype {out.dtype}; the result needs shape {tuple(shape)}, "
+            f"dtype {dtype}"
+        )
+    check_same_device(name, out, "A", A)
+
+
+def _tensor(name: str, value: object) -> torch.Tensor:
+    check_type(name, value, torch.Tensor)
+    return value
+
+
+def quantize_blockwise(
+    A: torch.Tensor,
+    code: torch.Tensor | None = None,
+    absmax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    blocksize: int = 4096,
+    nested: bool = False,
+) -> tuple[torch.Tensor, QuantState]:
+    """8-bit blockwise quantization: (uint8 codes shaped like ``A``, QuantState)."""
+    A = _tensor("A", A)
+    _check_out("out", out, tuple(A.shape), torch.uint8, A)
+    if isinstance(blocksize, int) and blocksize > 0:
+        _check_out("absmax", absmax, (block_count(A.numel(), blocksize),), torch.float32, A)
+    return QF.quantize_blockwise(A, code, absmax, out, blocksize, nested)
+
+
+def dequantize_blockwise(
+    A: torch.Tensor,
+    quant_state: QuantState | None = None,
+    absmax: torch.Tensor | None = None,
+    code: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    blocksize: int = 4096,
+    nested: bool = False,
+) -> torch.Tensor:
+    """Decode 8-bit codes with ``quant_state`` (or ``absmax``, ``code``, ``blocksize``), in its dtype."""
+    A = _tensor("A", A)
+    dtype = quant_state.dtype if isinstance(quant_state, QuantState) else torch.float32
+    _check_out("out", out, tuple(A.shape), dtype, A)
+    return QF.dequantize_blockwise(A, quant_state, absmax, code, out, blocksize, nested)
+
+
+def _check_4bit_outs(A, absmax, out, blocksize, quant_storage) -> None:
+    if isinstance(quant_storage, torch.dtype) and isinstance(blocksize, int) and blocksize > 0:
+        count = packed_bytes(A.numel()) // quant_storage.itemsize
+        _check_out("out", out, (count, 1), quant_storage, A)
+        _check_out("absmax", absmax, (block_count(A.numel(), blocksize),), torch.float32, A)
+
+
+def quantize_4bit(
+    A: torch.Tensor,
+    absmax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    blocksize: int | None = None,
+    compress_statistics: bool = False,
+    quant_type: str = "fp4",
+    quant_storage: torch.dtype = torch.uint8,
+) -> tuple[torch.Tensor, QuantState]:
+    """4-bit (NF4 / FP4) quantization: (packed codes shaped (bytes / itemsize, 1), QuantState)."""
+    A = _tensor("A", A)
+    _check_4bit_outs(A, absmax, out, 64 if blocksize is None else blocksize, quant_storage)
+    return QF.quantize_4bit(A, absmax, out, blocksize, compress_statistics, quant_type, quant_storage)
+
+
+def quantize_nf4(
+    A: torch.Tensor,
+    absmax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    blocksize: int | None = None,
+    compress_statistics: bool = False,
+    quant_storage: torch.dtype = torch.uint8,
+) -> tuple[torch.Tensor, QuantState]:
+    return quantize_4bit(A, absmax, out, blocksize, compress_statistics, "nf4", quant_storage)
+
+
+def quantize_fp4(
+    A: torch.Tensor,
+    absmax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    blocksize: int | None = None,
+    compress_statistics: bool = False,
+    quant_storage: torch.dtype = torch.uint8,
+) -> tuple[torch.Tensor, QuantState]:
+    return quantize_4bit(A, absmax, out, blocksize, compress_statistics, "fp4", quant_storage)
+
+
+def dequantize_4bit(
+    A: torch.Tensor,
+    quant_state: QuantState | None = None,
+    absmax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    blocksize: int | None = None,
+    quant_type: str = "fp4",
+) -> torch.Tensor:
+    """Decode packed 4-bit codes. As in bitsandbytes, codes passed as a (1, n) row (the
+    transposed view of the packed column) give the weight transposed, (in, out)."""
+    A = _tensor("A", A)
+    if isinstance(quant_state, QuantState) and quant_state.shape is not None:
+        _check_out("out", out, tuple(quant_state.shape), quant_state.dtype, A)
+    elif out is not None:
+        check_same_device("out", _tensor("out", out), "A", A)
+    result = QF.dequantize_4bit(A, quant_state, absmax, out, blocksize, quant_type)
+    return result.t() if A.dim() == 2 and A.shape[0] == 1 and result.dim() == 2 else result
+
+
+def dequantize_nf4(
+    A: torch.Tensor,
+    quant_state: QuantState | None = None,
+    absmax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    blocksize: int | None = None,
+) -> torch.Tensor:
+    return dequantize_4bit(A, quant_state, absmax, out, blocksize, "nf4")
+
+
+def dequantize_fp4(
+    A: torch.Tensor,
+    quant_state: QuantState | None = None,
+    absmax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    blocksize: int | None = None,
+) -> torch.Tensor:
+    return dequantize_4bit(A, quant_state, absmax, out, blocksize, "fp4")
+
+
+def _product_shape(A: torch.Tensor, transposed_A: object, state: object) -> tuple[int, ...]:
+    """The shape of ``A @ W.T`` for a 4-bit weight; refuses what bitsandbytes would silently ignore."""
+    check_type("transposed_A", transposed_A, bool)
+    if transposed_A:
+        raise ValueError("transposed_A=True is not supported; pass A as (..., in_features)")
+    check_type("state", state, QuantState)
+    if state.shape is None or len(state.shape) != 2:
+        raise ValueError("state must describe a 4-bit weight of shape (out_features, in_features)")
+    if A.dim() < 1 or A.shape[-1] != state.shape[1]:
+        raise ValueError(f"A has shape {tuple(A.shape)}; its last dimension must be in_features, {state.shape[1]}")
+    return (*A.shape[:-1], state.shape[0])
+
+
+def gemv_4bit(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    out: torch.Tensor | None = None,
+    transposed_A: bool = False,
+    transposed_B: bool = False,
+    state: QuantState | None = None,
+) -> torch.Tensor:
+    """``A @ dequantize(B).T``, decoding the weight inside the product (the decode kernel).
+    Packed codes are read in memory order whatever view ``B`` is (its column or the
+    transposed row), so ``transposed_B`` changes nothing, as in bitsandbytes."""
+    A = _tensor("A", A)
+    check_type("transposed_B", transposed_B, bool)
+    _check_out("out", out, _product_shape(A, transposed_A, state), A.dtype, A)
+    return QF.gemv_4bit(A, B, out, state=state)
+
+
+def gemm_4bit(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    out: torch.Tensor | None = None,
+    transposed_A: bool = False,
+    transposed_B: bool = False,
+    state: QuantState | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``A @ dequantize(B).T + bias`` in ``A``'s dtype for any number of rows (bitsandbytes'
+    ``gemm_4bit`` op, with :func:`gemv_4bit`'s arguments): one row runs the decode kernel,
+    more decode the weight once and multiply, as bitsandbytes' CPU path does."""
+    A = _tensor("A", A)
+    check_type("transposed_B", transposed_B, bool)
+    _check_out("out", out, _product_shape(A, transposed_A, state), A.dtype, A)
+    return QF.matmul_4bit(A, B, state, out, bias)
+
+
+def get_4bit_type(typename: str, device: torch.device | str | None = None, blocksize: int = 64) -> torch.Tensor:
+    """The 16 values of a 4-bit code in code order, scaled to [-1, 1]. ``device`` None is
+    the CPU (bitsandbytes defaults to CUDA); ``blocksize`` is accepted for compatibility."""
+    check_type("typename", typename, str)
+    check_choice("typename", typename, QUANT_TYPES_4BIT)
+    return ops.code_4bit(typename).to("cpu" if device is None else device, copy=True)
+
+
+def int8_linear_matmul(
+    A: torch.Tensor, B: torch.Tensor, out: torch.Tensor | None = None, dtype: torch.dtype = torch.int32
+) -> torch.Tensor:
+    """Exact ``A @ B.T`` of int8 matrices as int32 (the only ``dtype`` bitsandbytes accepts)."""
+    A, B = _tensor("A", A), _tensor("B", B)
+    if dtype != torch.int32:
+        raise ValueError(f"dtype={dtype} is not accepted; int8_linear_matmul returns torch.int32")
+    _check_out("out", out, (*A.shape[:-1], B.shape[0]), torch.int32, A)
+    return QF.int8_linear_matmul(A, B, out)
+
+
+def int8_mm_dequant(
+    A: torch.Tensor,
+    row_stats: torch.Tensor,
+    col_stats: torch.Tensor,
+    out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Scale an int32 product back to floats (+ ``bias``). ``dtype`` (an addition to
+    bitsandbytes' signature) defaults to ``out``'s, else float16 as in bitsandbytes."""
+    A = _tensor("A", A)
+    if out is not None:
+        _check_out("out", out, tuple(A.shape), _tensor("out", out).dtype if dtype is None else dtype, A)
+    return QF.int8_mm_dequant(A, row_stats, col_stats, out, bias, dtype=dtype)
+
+
+def int8_scaled_mm(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    row_stats: torch.Tensor,
+    col_stats: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """int8 ``A @ B.T`` scaled back by ``row_stats`` and ``col_stats`` (+ ``bias``), as ``dtype``
+    (float16 by default): :func:`int8_linear_matmul` then :func:`int8_mm_dequant`, as
+    bitsandbytes' ``int8_scaled_mm`` op computes it."""
+    return QF.int8_mm_dequant(QF.int8_linear_matmul(A, B), row_stats, col_stats, bias=bias, dtype=dtype)
+
 
 _MAP_SIZE = 256  # maps are indexed by a byte; narrower types are padded with zeros
 
