@@ -3,6 +3,7 @@
 ``.nn`` for its submodules). The names, signatures and attributes are bitsandbytes'; every
 kernel, module and hook behind them is tightfit's, dispatched on the tensor's device."""
 
-from tightfit.compat.bitsandbytes import functional
+from tightfit.compat.bitsandbytes import functional, nn
+from tightfit.compat.bitsandbytes._autograd8bit import MatmulLtState, matmul
 
-__all__ = ["functional"]
+__all__ = ["MatmulLtState", "functional", "matmul", "nn"]
