@@ -4,6 +4,7 @@
 kernel, module and hook behind them is tightfit's, dispatched on the tensor's device."""
 
 from tightfit.compat.bitsandbytes import functional, nn
+from tightfit.compat.bitsandbytes._autograd8bit import MatmulLtState, matmul
 from tightfit.quant.functional import matmul_4bit
 
-__all__ = ["functional", "matmul_4bit", "nn"]
+__all__ = ["MatmulLtState", "functional", "matmul", "matmul_4bit", "nn"]

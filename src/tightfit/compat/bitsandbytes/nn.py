@@ -11,14 +11,18 @@ from tightfit.compat.bitsandbytes._nn4bit import (
     Params4bit,
     fix_4bit_weight_quant_state_from_module,
 )
+from tightfit.compat.bitsandbytes._nn8bit import Embedding8bit, Int8Params, Linear8bitLt
 
 __all__ = [
     "Embedding4bit",
     "EmbeddingFP4",
     "EmbeddingNF4",
+    "Embedding8bit",
+    "Int8Params",
     "Linear4bit",
     "LinearFP4",
     "LinearNF4",
+    "Linear8bitLt",
     "Params4bit",
     "fix_4bit_weight_quant_state_from_module",
 ]
