@@ -142,6 +142,16 @@ def test_bias_trains_and_fp16_weights_get_their_gradient(bnb):
     assert layer.state.CB.dtype == torch.int8
 
 
+@pytest.mark.parametrize("shape", [(2, 3, 64), (0, 64), (2, 0, 64)])
+def test_batched_and_empty_inputs(bnb, shape):
+    layer = quantized(bnb, float_linear(), threshold=6.0)
+    x = torch.randn(shape, requires_grad=True)
+    out = layer(x)
+    assert out.shape == (*shape[:-1], 48)
+    out.sum().backward()
+    assert x.grad.shape == shape
+
+
 def test_threshold_sends_outlier_columns_through_in_float(bnb):
     linear = float_linear()
     layer = quantized(bnb, linear, threshold=6.0).eval()
@@ -181,6 +191,22 @@ def test_embedding8bit_quantizes_on_to(bnb):
     out = layer(index)
     assert out.dtype == torch.float32 and out.shape == (2, 3, 16)
     assert (out - table(index)).abs().max() <= table.weight.abs().max() / 127
+
+
+@pytest.mark.parametrize("name", ["Embedding", "StableEmbedding"])
+def test_float_embeddings_init_xavier_and_pad_with_zeros(bnb, name):
+    torch.manual_seed(9)
+    layer = getattr(bnb.nn, name)(50, 16, padding_idx=3)
+    assert torch.equal(layer.weight[3].detach(), torch.zeros(16))
+    bound = (6 / (50 + 16)) ** 0.5  # Xavier-uniform
+    weight = layer.weight.detach()
+    assert float(weight.abs().max()) <= bound and float(weight.std()) > bound / 3
+    index = torch.tensor([[1, 3, 49]])
+    out = layer(index)
+    assert out.shape == (1, 3, 16)
+    if name == "StableEmbedding":
+        assert set(layer.state_dict()) == {"weight", "norm.weight", "norm.bias"}
+        torch.testing.assert_close(out.mean(-1), torch.zeros(1, 3), atol=1e-5, rtol=0)
 
 
 # -- tightfit against bitsandbytes on the CPU ---------------------------------------------------
@@ -287,7 +313,26 @@ def test_matmul_eval_float16_is_bit_equal(real):
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("name", ["Embedding", "StableEmbedding"])
+def test_float_embeddings_are_bitsandbytes_own(real, name):
+    """Same seed, same initialization and output; state dicts load both ways (strict)."""
+    layers = []
+    for module in (tbnb, real):
+        torch.manual_seed(10)
+        layers.append(getattr(module.nn, name)(30, 12, padding_idx=0))
+    index = torch.randint(0, 30, (4, 5))
+    assert torch.equal(layers[0](index), layers[1](index))
+    layers[0].load_state_dict(layers[1].state_dict(), strict=True)
+    layers[1].load_state_dict(layers[0].state_dict(), strict=True)
+
+
 # -- tightfit only: what it adds, and what it refuses -----------------------------------------
+
+
+def test_int8_codes_convert_to_numbers():
+    weight = quantized(tbnb, float_linear()).weight
+    numbers = weight.to(torch.int32)
+    assert type(numbers) is torch.Tensor and numbers.dtype == torch.int32 and torch.equal(numbers, weight.data.int())
 
 
 def test_embedding8bit_state_dict_round_trip():
@@ -344,6 +389,21 @@ def test_bad_constructor_arguments(kwargs, error, match):
     arguments = {"input_features": 8, "output_features": 4, **kwargs}
     with pytest.raises(error, match=match):
         tbnb.nn.Linear8bitLt(**arguments)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"padding_idx": 7}, ValueError, "padding_idx=7"),
+        ({"padding_idx": 1.0}, TypeError, "padding_idx"),
+        ({"num_embeddings": 2.5}, TypeError, "num_embeddings"),
+        ({"_weight": torch.zeros(3, 3)}, ValueError, "_weight"),
+    ],
+)
+def test_bad_embedding_arguments(kwargs, error, match):
+    arguments = {"num_embeddings": 7, "embedding_dim": 4, **kwargs}
+    with pytest.raises(error, match=match):
+        tbnb.nn.StableEmbedding(**arguments)
 
 
 def test_bad_matmul_arguments():

@@ -109,7 +109,7 @@ def matmul(
         SCB = state.SCB if state.SCB is not None else getattr(B, "SCB", None)
         if SCB is None:
             raise ValueError("B is int8 but neither state.SCB nor B.SCB holds its row scales")
-        CB = B
+        CB = B.detach()  # a plain tensor for the op, not the parameter subclass
     elif B.dtype not in FLOAT_DTYPES:
         raise TypeError(f"B has dtype {B.dtype}; accepted: int8, float32, float16, bfloat16")
     elif state.has_fp16_weights or state.CB is None:

@@ -25,7 +25,7 @@ from tightfit.compat.bitsandbytes._autograd8bit import MatmulLtState, matmul, qu
 from tightfit.quant import _checkpoint as checks
 from tightfit.quant.modules import _check_input
 
-__all__ = ["Embedding8bit", "Int8Params", "Linear8bitLt"]
+__all__ = ["Embedding", "Embedding8bit", "Int8Params", "Linear8bitLt", "StableEmbedding"]
 
 
 def _check_optional_tensor(name: str, value: object) -> None:
@@ -115,15 +115,16 @@ class Int8Params(nn.Parameter):
     def xpu(self, device: int | torch.device | str | None = None, non_blocking: bool = False) -> Int8Params:
         return self.to(device="xpu" if device is None else device, non_blocking=non_blocking)
 
-    def to(self, *args: Any, **kwargs: Any) -> Int8Params:
+    def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Moving float data to a device that holds data quantizes it; an int8 weight
-        keeps its dtype (a dtype cast would turn codes into numbers) and brings ``SCB``."""
+        moves with its ``SCB``. Converting int8 codes to another dtype gives a plain tensor
+        of those numbers (module casts never ask it: they leave integer tensors alone)."""
         device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
         quantized = self.dtype == torch.int8
         if not quantized and device is not None and device.type != "meta" and not self.is_meta:
             return self._quantize(device)
-        if quantized:
-            dtype = None
+        if quantized and dtype not in (None, torch.int8):
+            return super().to(*args, **kwargs)
         moved = Int8Params(
             super().to(device=device, dtype=dtype, non_blocking=non_blocking),
             self.requires_grad,
@@ -375,3 +376,111 @@ class Embedding8bit(_Int8Weight, nn.Embedding):
         rows = F.embedding(input, self.weight.data)
         scales = F.embedding(input, self.weight.SCB.view(self.num_embeddings, 1))
         return ops.int8_vectorwise_dequant(rows, scales).to(self.dtype)
+
+
+class _XavierEmbedding(nn.Embedding):
+    """bitsandbytes' float embeddings: an ``nn.Embedding`` initialized Xavier-uniform
+    (the padding row zero), arguments checked before torch's own asserts. bitsandbytes
+    also registers them for 32-bit state in its own optimizers; tightfit has none, so
+    that part has no counterpart (any torch optimizer treats them as any parameter)."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        _weight: torch.Tensor | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        _check_size("num_embeddings", num_embeddings)
+        _check_size("embedding_dim", embedding_dim)
+        if padding_idx is not None:
+            if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
+                raise TypeError(
+                    f"padding_idx must be int or None, got {type(padding_idx).__name__}: {padding_idx!r:.80}"
+                )
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(
+                    f"padding_idx={padding_idx} is not accepted; accepted: -{num_embeddings} to {num_embeddings - 1}"
+                )
+        _check_optional_tensor("_weight", _weight)
+        if _weight is not None and tuple(_weight.shape) != (num_embeddings, embedding_dim):
+            raise ValueError(f"_weight has shape {tuple(_weight.shape)}; accepted: {(num_embeddings, embedding_dim)}")
+        super().__init__(
+            num_embeddings,
+            embedding_dim,
+            padding_idx,
+            max_norm,
+            norm_type,
+            scale_grad_by_freq,
+            sparse,
+            _weight,
+            device=device,
+            dtype=dtype,
+        )
+
+    def reset_parameters(self) -> None:
+        nn.init.xavier_uniform_(self.weight)
+        self._fill_padding_idx_with_zero()
+
+
+class Embedding(_XavierEmbedding):
+    """bitsandbytes' ``Embedding`` (see ``_XavierEmbedding``); like it, no ``dtype``."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        _weight: torch.Tensor | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(
+            num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse, _weight, device
+        )
+
+
+class StableEmbedding(_XavierEmbedding):
+    """bitsandbytes' ``StableEmbedding``: the looked-up rows go through a LayerNorm
+    (``norm``, in the default dtype) and back to the table's dtype. The norm is part of
+    the model (``norm.weight``, ``norm.bias`` in its state dict), so it is kept."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        _weight: torch.Tensor | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            num_embeddings,
+            embedding_dim,
+            padding_idx,
+            max_norm,
+            norm_type,
+            scale_grad_by_freq,
+            sparse,
+            _weight,
+            device,
+            dtype,
+        )
+        self.norm = nn.LayerNorm(embedding_dim, device=device)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        rows = super().forward(input).to(torch.get_default_dtype())
+        return self.norm(rows).to(self.weight.dtype)

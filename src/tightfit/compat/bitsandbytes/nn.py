@@ -11,9 +11,16 @@ from tightfit.compat.bitsandbytes._nn4bit import (
     Params4bit,
     fix_4bit_weight_quant_state_from_module,
 )
-from tightfit.compat.bitsandbytes._nn8bit import Embedding8bit, Int8Params, Linear8bitLt
+from tightfit.compat.bitsandbytes._nn8bit import (
+    Embedding,
+    Embedding8bit,
+    Int8Params,
+    Linear8bitLt,
+    StableEmbedding,
+)
 
 __all__ = [
+    "Embedding",
     "Embedding4bit",
     "EmbeddingFP4",
     "EmbeddingNF4",
@@ -24,5 +31,6 @@ __all__ = [
     "LinearNF4",
     "Linear8bitLt",
     "Params4bit",
+    "StableEmbedding",
     "fix_4bit_weight_quant_state_from_module",
 ]
