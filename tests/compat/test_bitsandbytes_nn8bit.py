@@ -152,6 +152,28 @@ def test_batched_and_empty_inputs(bnb, shape):
     assert x.grad.shape == shape
 
 
+def test_transformers_loading_and_dequantizing_patterns(bnb):
+    """What transformers' bitsandbytes integration does: rebuild the parameter from the
+    old one's ``__dict__`` plus the checkpoint's SCB, move it (quantized data stays), set
+    it on a layer built on meta, run; dequantize from ``state.SCB`` (or ``weight.SCB``)."""
+    saved = quantized(bnb, float_linear()).state_dict()
+    with torch.device("meta"):
+        layer = bnb.nn.Linear8bitLt(64, 48, has_fp16_weights=False)
+    kwargs = dict(layer.weight.__dict__)
+    kwargs["SCB"] = saved["SCB"]
+    layer.weight = bnb.nn.Int8Params(saved["weight"], requires_grad=False, **kwargs).to("cpu")
+    layer.bias = torch.nn.Parameter(saved["bias"])
+    out = layer.eval()(inputs())
+    assert out.shape == (5, 48) and torch.equal(layer.state.CB, saved["weight"])
+    float_weight = bnb.nn.Int8Params(float_linear().weight.detach(), requires_grad=False, **kwargs).to("cpu")
+    assert float_weight.dtype == torch.int8 and torch.equal(float_weight.data, saved["weight"])
+    state = bnb.MatmulLtState()
+    if state.SCB is None:
+        state.SCB = layer.weight.SCB if layer.weight.SCB is not None else layer.state.SCB
+    dequantized = bnb.functional.int8_vectorwise_dequant(layer.weight.data, state.SCB)
+    assert (dequantized - float_linear().weight).abs().max() <= float_linear().weight.abs().max() / 127
+
+
 def test_threshold_sends_outlier_columns_through_in_float(bnb):
     linear = float_linear()
     layer = quantized(bnb, linear, threshold=6.0).eval()
