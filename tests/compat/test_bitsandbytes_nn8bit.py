@@ -357,6 +357,18 @@ def test_int8_codes_convert_to_numbers():
     assert type(numbers) is torch.Tensor and numbers.dtype == torch.int32 and torch.equal(numbers, weight.data.int())
 
 
+def test_a_plain_parameter_set_by_hand_is_quantized_at_the_first_call():
+    linear = float_linear()
+    layer = tbnb.nn.Linear8bitLt(64, 48, has_fp16_weights=False)
+    layer.weight = torch.nn.Parameter(linear.weight.detach().clone(), requires_grad=False)
+    layer(inputs())
+    assert isinstance(layer.weight, tbnb.nn.Int8Params)
+    assert torch.equal(layer.weight.data, quantized(tbnb, linear).weight.data)
+    layer.weight = torch.nn.Parameter(layer.weight.data.clone(), requires_grad=False)  # int8 without its scales
+    with pytest.raises(ValueError, match="row scales"):
+        layer(inputs())
+
+
 def test_embedding8bit_state_dict_round_trip():
     torch.manual_seed(6)
     layer = tbnb.nn.Embedding8bit(10, 8)

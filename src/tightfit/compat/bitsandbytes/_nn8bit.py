@@ -226,7 +226,7 @@ class Linear8bitLt(_Int8Weight, nn.Linear):
         weight = self.weight
         if weight.dtype == torch.int8:
             weight.CB = weight.data
-            self.state.CB, self.state.SCB = weight.CB, weight.SCB
+            self.state.CB, self.state.SCB = weight.CB, getattr(weight, "SCB", None)
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -301,8 +301,13 @@ class Linear8bitLt(_Int8Weight, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.in_features)
         self.state.is_training = self.training
-        if self.weight.dtype != torch.int8 and not self.state.has_fp16_weights:
-            self.weight._quantize(self.weight.device)  # bitsandbytes also swaps in the int8 weight at the first call
+        weight = self.weight
+        if weight.dtype != torch.int8 and not self.state.has_fp16_weights:
+            # bitsandbytes also swaps in the int8 weight at the first call
+            if isinstance(weight, Int8Params):
+                weight._quantize(weight.device)
+            else:  # a plain parameter set by hand
+                self.weight = _quantized(weight.detach(), weight.device)
         self._sync_state()
         return matmul(x, self.weight, bias=self.bias, state=self.state)
 
