@@ -146,6 +146,24 @@ def test_built_on_meta_and_filled_from_prequantized(writer, reader):
         assert torch.equal(layer(inputs()), source(inputs()))
 
 
+def test_transformers_bitsandbytes_integration_runs_on_tightfit(monkeypatch):
+    """transformers' own loading step and PEFT's dequantize helper, with ``bnb`` pointing at tightfit."""
+    hf_bnb = pytest.importorskip("transformers.integrations.bitsandbytes")
+    monkeypatch.setattr(hf_bnb, "bnb", tnb, raising=False)
+    source = quantized(tnb, float_linear(), quant_type="nf4")
+    with torch.device("meta"):
+        model = nn.Sequential(tnb.nn.Linear4bit(64, 32, quant_type="nf4"))
+    entries = {key: [value] for key, value in source.state_dict().items() if key.startswith("weight")}
+    loaded = hf_bnb.Bnb4bitDeserialize(None).convert(entries, model=model, full_layer_name="0.weight")
+    model[0].weight = loaded["weight"]
+    model[0].bias = nn.Parameter(source.bias.detach().clone())
+    assert model[0].quant_state is model[0].weight.quant_state
+    with torch.no_grad():
+        assert torch.equal(model(inputs()), source(inputs()))
+    decoded = hf_bnb.dequantize_bnb_weight(model[0].weight)
+    assert torch.equal(decoded, QF.dequantize_4bit(source.weight.data, source.weight.quant_state))
+
+
 @pytest.mark.parametrize("writer", MODULES)
 @pytest.mark.parametrize("on_meta", [True, False])
 def test_load_state_dict_strict_takes_bitsandbytes_layout(writer, on_meta):
@@ -285,6 +303,21 @@ def test_casting_a_quantized_layer_keeps_its_codes():
 def test_bad_arguments_are_refused_by_name(build, error, match):
     with pytest.raises(error, match=match):
         build()
+
+
+def test_bad_inputs_are_refused_before_any_kernel():
+    layer = quantized(tnb, float_linear())
+    with pytest.raises(ValueError, match=r"x has shape \(3, 63\); accepted: \(\.\.\., 64\)"):
+        layer(torch.randn(3, 63))
+    with pytest.raises(TypeError, match="x must be Tensor"):
+        layer([1.0] * 64)
+    table = tnb.nn.EmbeddingNF4(10, 64).to("cpu")
+    with pytest.raises(ValueError, match="input holds index 10; accepted: 0 to 9"):
+        table(torch.tensor([3, 10]))
+    with pytest.raises(ValueError, match="input holds index -1"):
+        table(torch.tensor([-1]))
+    with pytest.raises(TypeError, match="input has dtype torch.float32"):
+        table(torch.tensor([1.0]))
 
 
 def test_forward_before_quantizing_says_what_to_do():

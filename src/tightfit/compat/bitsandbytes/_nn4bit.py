@@ -65,6 +65,18 @@ def _check_size(name: str, value: object) -> int:
     return value
 
 
+def _check_indices(input: object, count: int) -> None:
+    """Integer indices below ``count``: an index out of range is an error here, not a
+    device-side assert in the lookup (which leaves a GPU context unusable)."""
+    check_type("input", input, torch.Tensor)
+    if input.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"input has dtype {input.dtype}; accepted: torch.int64, torch.int32 (indices)")
+    if input.numel():
+        low, high = (int(value) for value in torch.aminmax(input))
+        if low < 0 or high >= count:
+            raise ValueError(f"input holds index {low if low < 0 else high}; accepted: 0 to {count - 1}")
+
+
 def _state_field(name: str, read: Any, nested_only: bool = False) -> property:
     """A read-only view of the QuantState's ``name`` (bitsandbytes has them so that FSDP
     finds the state dict's ``weight.absmax``, ... by ``getattr`` on the weight)."""
@@ -426,6 +438,8 @@ class Linear4bit(_Packed4bitWeight, nn.Linear):
             x = x.to(self.compute_dtype)
         if x.dtype not in FLOAT_DTYPES:
             raise TypeError(f"x has dtype {x.dtype}; accepted: float32, float16, bfloat16 (or set compute_dtype)")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"x has shape {tuple(x.shape)}; accepted: (..., {self.in_features}), in_features last")
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.matmul_4bit(x, self.weight.data, self.weight.quant_state, bias=bias).to(input_dtype)
 
@@ -508,6 +522,7 @@ class Embedding4bit(_Packed4bitWeight, nn.Embedding):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         fix_4bit_weight_quant_state_from_module(self)
+        _check_indices(input, self.num_embeddings)
         state = self.weight.quant_state
         if self.embedding_dim % state.blocksize or state.nested:
             table = F.dequantize_4bit(self.weight.data, state)
