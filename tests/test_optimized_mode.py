@@ -57,7 +57,7 @@ checks = [
     (lambda: RunOptions(repeat=0), ValueError),
     (lambda: RunOptions(model=1), TypeError),
     (lambda: measure(lambda: None, "cpu", repeat=0), ValueError),
-    (lambda: tightfit.ops.quantize_blockwise(torch.ones(4), blocksize=100), ValueError),
+    (lambda: tightfit.ops.quantize_blockwise(torch.ones(4), blocksize=0), ValueError),
     (lambda: tightfit.ops.quantize_4bit(torch.tensor([float("nan"), 1.0])), ValueError),
     (lambda: tightfit.ops.dequantize_4bit(torch.zeros(4, dtype=torch.uint8), torch.ones(1), shape=[9]), ValueError),
     (lambda: tightfit.ops.int8_linear_matmul(torch.ones(2, 3), torch.ones(2, 3)), TypeError),

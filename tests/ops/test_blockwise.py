@@ -28,7 +28,7 @@ def sample(shape, dtype, seed):
     return values.to(dtype)
 
 
-@pytest.mark.parametrize("blocksize", [64, 256, 4096])
+@pytest.mark.parametrize("blocksize", [64, 256, 4096, 8192, 1000, 1])  # bitsandbytes takes any blocksize for 8-bit
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_8bit_codes_and_absmax_match_bitsandbytes(shape, dtype, blocksize):
@@ -216,8 +216,13 @@ GOOD = torch.randn(128)
             ValueError,
             "A.dtype=torch.int32 is not accepted",
         ),
-        (lambda: quantize_blockwise(GOOD, blocksize=100), ValueError, "blocksize=100 is not accepted"),
-        (lambda: quantize_blockwise(GOOD, blocksize=32), ValueError, "blocksize=32 is not accepted"),
+        (
+            lambda: quantize_blockwise(GOOD, blocksize=0),
+            ValueError,
+            "blocksize=0 is not accepted; accepted: an int from 1",
+        ),
+        (lambda: quantize_blockwise(GOOD, blocksize=2**31), ValueError, "blocksize=2147483648 is not accepted"),
+        (lambda: quantize_4bit(GOOD, blocksize=8192), ValueError, "blocksize=8192 is not accepted"),
         (lambda: quantize_blockwise(GOOD, blocksize=64.0), TypeError, "blocksize must be int"),
         (
             lambda: quantize_blockwise(GOOD, code=torch.zeros(16)),
@@ -291,6 +296,18 @@ def test_every_8bit_blocksize_roundtrips(blocksize):
     A = torch.randn(3 * blocksize + 5)
     q, absmax = quantize_blockwise(A, blocksize=blocksize)
     assert (dequantize_blockwise(q, absmax, blocksize=blocksize) - A).abs().max() < 0.05 * A.abs().max()
+
+
+@pytest.mark.parametrize("blocksize", [8192, 12289, 1000, 1])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_8bit_blocksizes_past_the_configs_decode_as_bitsandbytes_cpu_does(blocksize, dtype):
+    A = sample((3, 8195), dtype, seed=blocksize)
+    q, absmax = quantize_blockwise(A, blocksize=blocksize)
+    theirs = torch.ops.bitsandbytes.dequantize_blockwise(
+        q, absmax, bnb_functional.create_dynamic_map(), blocksize, dtype
+    )
+    assert absmax.shape == (-(-A.numel() // blocksize),)
+    assert torch.equal(dequantize_blockwise(q, absmax, blocksize=blocksize, dtype=dtype), theirs)
 
 
 @pytest.mark.parametrize("blocksize", BLOCKSIZES_4BIT)

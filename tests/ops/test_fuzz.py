@@ -22,7 +22,7 @@ def test_generated_cases_end_in_the_reference_or_a_clean_error():
 
 def test_every_op_is_fuzzed():
     fuzzed = {make_case(1, index).op for index in range(400)}
-    assert fuzzed == set(registered_ops())
+    assert fuzzed == {name for name in registered_ops() if not name.startswith("test_")}  # tests define test_* ops
 
 
 def test_int8_linear_cases_end_in_the_reference_or_a_clean_error():

@@ -20,8 +20,11 @@ from tightfit.ops.codes import QUANT_TYPES_4BIT
 __all__: list[str] = []
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: The 8-bit blocksizes configs and checkpoints name (and the GPU quantize kernel tiles).
+#: The 8-bit ops themselves take any blocksize up to MAX_BLOCKSIZE_8BIT, as bitsandbytes does.
 BLOCKSIZES_8BIT = (64, 128, 256, 512, 1024, 2048, 4096)
 BLOCKSIZES_4BIT = (32, *BLOCKSIZES_8BIT)
+MAX_BLOCKSIZE_8BIT = 2**31 - 1
 #: dtypes that packed 4-bit codes may be stored as (bitsandbytes' ``quant_storage``).
 PACKED_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, *FLOAT_DTYPES)
 
@@ -42,10 +45,15 @@ def check_float_input(name: str, A: object) -> torch.Tensor:
     return A
 
 
-def check_blocksize(blocksize: object, accepted: tuple[int, ...]) -> int:
+def check_blocksize(blocksize: object, accepted: tuple[int, ...] | None) -> int:
+    """One of ``accepted``, or with None any int from 1 to MAX_BLOCKSIZE_8BIT (8-bit blocks
+    are scanned value by value, so no kernel needs a power of two)."""
     if isinstance(blocksize, bool) or not isinstance(blocksize, int):
         raise TypeError(f"blocksize must be int, got {type(blocksize).__name__}: {blocksize!r}")
-    check_choice("blocksize", blocksize, accepted)
+    if accepted is not None:
+        check_choice("blocksize", blocksize, accepted)
+    elif not 1 <= blocksize <= MAX_BLOCKSIZE_8BIT:
+        raise ValueError(f"blocksize={blocksize} is not accepted; accepted: an int from 1 to {MAX_BLOCKSIZE_8BIT}")
     return blocksize
 
 
@@ -114,7 +122,7 @@ def check_packed(name: str, packed: object, numel: int, shape: list[int]) -> tor
 
 def quantize_blockwise(A: Any, code: Any, blocksize: Any) -> None:
     check_float_input("A", A)
-    check_blocksize(blocksize, BLOCKSIZES_8BIT)
+    check_blocksize(blocksize, None)
     check_code(code, A)
 
 
@@ -122,7 +130,7 @@ def dequantize_blockwise(A: Any, absmax: Any, code: Any, blocksize: Any, dtype: 
     check_type("A", A, torch.Tensor)
     if A.dtype != torch.uint8:
         raise TypeError(f"A must be uint8 codes, got dtype {A.dtype}")
-    check_blocksize(blocksize, BLOCKSIZES_8BIT)
+    check_blocksize(blocksize, None)
     check_absmax(absmax, A.numel(), blocksize, A)
     check_code(code, A)
     check_dtype("dtype", dtype)

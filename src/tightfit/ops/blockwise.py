@@ -237,6 +237,8 @@ def _named_search(name: str, device: torch.device):
 
 def _quantize_blockwise_gpu(A, code, blocksize):
     _check_sorted(code, A.device)
+    if blocksize not in BLOCKSIZES_8BIT:  # the Triton kernel tiles whole blocks: powers of two up to 4096
+        return _quantize_blockwise_reference(A, code, blocksize)
     default = code is _code_on("dynamic", A.device)
     search = _named_search("dynamic", A.device) if default else _triton().search_tables(code, A.device)
     return _triton().quantize(A, blocksize, search, four_bit=False)
@@ -281,12 +283,17 @@ def _inputs(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
+#: 8-bit blocksizes outside the configs' powers of two, which bitsandbytes accepts too:
+#: a full block past 4096 (and larger than the small inputs), not a power of two, one value a block.
+_ODD_BLOCKSIZES = (8192, 1000, 1)
+
+
 def _blockwise_cases() -> list[Case]:
     code = dynamic_map()
     cases = []
     for dtype in FLOAT_DTYPES:
         for name, values in _inputs().items():
-            for blocksize in (64, 4096):
+            for blocksize in (64, 4096, *_ODD_BLOCKSIZES):
                 cases.append(Case(f"{name} {dtype} bs{blocksize}", (values.to(dtype), code, blocksize)))
     return cases
 
@@ -423,7 +430,8 @@ def quantize_blockwise(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """8-bit blockwise quantization: (codes as uint8 shaped like ``A``, float32 absmax per block).
 
-    ``code`` defaults to the dynamic map; ``blocksize`` is 64..4096, a power of two.
+    ``code`` defaults to the dynamic map; ``blocksize`` is any int from 1 to 2**31 - 1
+    (bitsandbytes' 8-bit functions accept any too); configs use the powers of two 64..4096.
     Raises ValueError for NaN or inf in ``A``.
     """
     q, absmax = _QUANTIZE_BLOCKWISE(A, _code_for(code, A), blocksize)

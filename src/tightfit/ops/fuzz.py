@@ -48,7 +48,10 @@ _ANY_DTYPES = (
     torch.bool,
     torch.complex64,
 )
+#: Blocksizes outside the 4-bit set; 1, 63, 100 and 8192 are valid for the 8-bit ops.
 _BAD_BLOCKSIZES = (0, -64, 1, 63, 100, 8192, 1 << 31, 1 << 62)
+#: Valid 8-bit blocksizes: the configs' powers of two and others bitsandbytes accepts too.
+_BLOCKSIZES_8BIT = (*checks.BLOCKSIZES_8BIT, 1, 100, 5000, 8192)
 
 
 @dataclass
@@ -128,14 +131,18 @@ class _Builder:
             f"{name} {kind}: {new.dtype} {tuple(new.shape)} {new.device.type}", new.device.type == "cpu" and valid(new)
         )
 
-    def blocksize(self, args: list[Any], index: int, accepted: tuple[int, ...], numel: int | None = None) -> None:
-        """A new blocksize; with ``numel`` (decoding), it stays valid only if absmax still has one value a block."""
-        old, value = args[index], self.rng.choice(_BAD_BLOCKSIZES + accepted)
+    def blocksize(
+        self, args: list[Any], index: int, accepted: tuple[int, ...] | None, numel: int | None = None
+    ) -> None:
+        """A new blocksize, valid if in ``accepted`` (None: the 8-bit ops' range); with ``numel``
+        (decoding), it stays valid only if absmax still has one value a block."""
+        old, value = args[index], self.rng.choice(_BAD_BLOCKSIZES + (accepted or _BLOCKSIZES_8BIT))
         args[index] = value
         same_blocks = numel is None or (
             value > 0 and checks.block_count(numel, value) == checks.block_count(numel, old)
         )
-        self.mutate(f"blocksize {value}", value in accepted and same_blocks)
+        in_range = value in accepted if accepted is not None else 1 <= value <= checks.MAX_BLOCKSIZE_8BIT
+        self.mutate(f"blocksize {value}", in_range and same_blocks)
 
     def choice_arg(
         self, args: list[Any], index: int, name: str, values: tuple[Any, ...], accepted: tuple[Any, ...]
@@ -191,7 +198,7 @@ def _quantize_blockwise(b: _Builder) -> list[Any]:
     args = [
         b.floats(b.shape(), b.rng.choice(checks.FLOAT_DTYPES)),
         _sorted_code(b),
-        b.rng.choice(checks.BLOCKSIZES_8BIT),
+        b.rng.choice(_BLOCKSIZES_8BIT),
     ]
     for what in b.which(("A", "code", "blocksize")):
         if what == "A":
@@ -202,12 +209,12 @@ def _quantize_blockwise(b: _Builder) -> list[Any]:
         elif what == "code":
             b.tensor_mutation(args, 1, "code", _code_ok)
         else:
-            b.blocksize(args, 2, checks.BLOCKSIZES_8BIT)
+            b.blocksize(args, 2, None)
     return args
 
 
 def _dequantize_blockwise(b: _Builder) -> list[Any]:
-    shape, blocksize = b.shape(), b.rng.choice(checks.BLOCKSIZES_8BIT)
+    shape, blocksize = b.shape(), b.rng.choice(_BLOCKSIZES_8BIT)
     A = b.bytes_(math.prod(shape)).reshape(shape)
     args = [A, _absmax(b, A.numel(), blocksize), _sorted_code(b), blocksize, b.rng.choice(checks.FLOAT_DTYPES)]
     for what in b.which(("A", "absmax", "code", "blocksize", "dtype")):
@@ -224,7 +231,7 @@ def _dequantize_blockwise(b: _Builder) -> list[Any]:
         elif what == "code":
             b.tensor_mutation(args, 2, "code", _code_ok)
         elif what == "blocksize":
-            b.blocksize(args, 3, checks.BLOCKSIZES_8BIT, numel=A.numel())
+            b.blocksize(args, 3, None, numel=A.numel())
         else:
             b.choice_arg(args, 4, "dtype", _ANY_DTYPES, checks.FLOAT_DTYPES)
     return args
