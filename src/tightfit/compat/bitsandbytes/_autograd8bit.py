@@ -82,6 +82,15 @@ def _check_state_weight(state: MatmulLtState, B: torch.Tensor) -> tuple[torch.Te
     return CB, SCB
 
 
+def _check_out(out: object, A: torch.Tensor, B: torch.Tensor) -> None:
+    check_type("out", out, torch.Tensor)
+    shape = (*A.shape[:-1], B.shape[0])
+    if tuple(out.shape) != shape or out.dtype != A.dtype or out.device != A.device:
+        raise ValueError(
+            f"out must be {A.dtype} {shape} on {A.device} (A @ B.T), got {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
+
+
 def matmul(
     A: torch.Tensor,
     B: torch.Tensor,
@@ -104,6 +113,8 @@ def matmul(
         state.threshold = threshold
     if B.dim() != 2:
         raise ValueError(f"B must be a 2-D weight (out x in), got shape {tuple(B.shape)}")
+    if out is not None:  # checked before any work, so a refused call writes nothing
+        _check_out(out, A, B)
     weight_grad = False
     if B.dtype == torch.int8:
         SCB = state.SCB if state.SCB is not None else getattr(B, "SCB", None)
@@ -120,12 +131,4 @@ def matmul(
     result = ops.int8_linear(A, CB, SCB, bias, check_non_negative_number("state.threshold", state.threshold))
     if weight_grad:
         result = _WeightGradient.apply(result, A.detach(), B)
-    if out is None:
-        return result
-    check_type("out", out, torch.Tensor)
-    if out.shape != result.shape or out.dtype != result.dtype or out.device != result.device:
-        raise ValueError(
-            f"out must be {result.dtype} {tuple(result.shape)} on {result.device}, "
-            f"got {out.dtype} {tuple(out.shape)} on {out.device}"
-        )
-    return out.copy_(result)
+    return result if out is None else out.copy_(result)
