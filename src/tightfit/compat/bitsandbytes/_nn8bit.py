@@ -7,7 +7,8 @@ As in bitsandbytes, a layer holds its float weight until ``.to(device)`` (``.cpu
 ``.cuda()``) quantizes it (unless ``has_fp16_weights``). The weight parameter is the
 source of truth: ``layer.state.CB``/``SCB`` mirror it after quantization, loading,
 moving and casting (bitsandbytes fills them at the first forward), and casting
-(``.half()``) changes the bias only.
+(``.half()``) changes the bias only. Also bitsandbytes' float ``Embedding`` and
+``StableEmbedding`` (their initialization and LayerNorm; no optimizer registration).
 """
 
 from __future__ import annotations
