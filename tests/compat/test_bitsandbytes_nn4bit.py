@@ -164,6 +164,21 @@ def test_transformers_bitsandbytes_integration_runs_on_tightfit(monkeypatch):
     assert torch.equal(decoded, QF.dequantize_4bit(source.weight.data, source.weight.quant_state))
 
 
+def test_accelerate_fills_a_meta_model_and_quantizes(bnb):
+    """accelerate's loader rebuilds the parameter from its ``__dict__`` and moves it, which quantizes."""
+    modeling = pytest.importorskip("accelerate.utils.modeling")
+    source = float_linear()
+    with torch.device("meta"):
+        model = nn.Sequential(bnb.nn.Linear4bit(64, 32, quant_type="nf4"))
+    for name, value in source.state_dict().items():
+        modeling.set_module_tensor_to_device(model, f"0.{name}", "cpu", value=value)
+    layer = model[0]
+    assert type(layer.weight) is bnb.nn.Params4bit and layer.weight.bnb_quantized
+    assert layer.quant_state is layer.weight.quant_state
+    with torch.no_grad():
+        assert torch.equal(model(inputs()), quantized(bnb, source, quant_type="nf4")(inputs()))
+
+
 @pytest.mark.parametrize("writer", MODULES)
 @pytest.mark.parametrize("on_meta", [True, False])
 def test_load_state_dict_strict_takes_bitsandbytes_layout(writer, on_meta):
