@@ -298,6 +298,9 @@ def test_casting_a_quantized_layer_keeps_its_codes():
     layer = layer.to(torch.float16)
     assert torch.equal(raw(layer.weight.data), raw(codes)) and layer.bias.dtype == torch.float16
     assert layer(inputs(dtype=torch.float16)).dtype == torch.float16
+    expected = layer(inputs())
+    layer = layer.half().float()
+    assert torch.equal(raw(layer.weight.data), raw(codes)) and torch.equal(layer(inputs()), expected)
 
 
 @pytest.mark.parametrize(

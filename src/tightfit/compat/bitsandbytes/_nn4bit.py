@@ -38,6 +38,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+_FLOAT_CASTS = (torch.Tensor.half, torch.Tensor.float, torch.Tensor.bfloat16, torch.Tensor.double)
 #: What a Params4bit carries besides its data, in bitsandbytes' order (its ``__dict__``).
 _FIELDS = ("blocksize", "compress_statistics", "quant_type", "quant_state", "quant_storage", "bnb_quantized", "module")
 
@@ -271,7 +272,11 @@ class Params4bit(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        """``torch.chunk`` and ``torch.split`` give Params4bit pieces with the same fields (as in bitsandbytes)."""
+        """``torch.chunk`` and ``torch.split`` give Params4bit pieces with the same fields (as in
+        bitsandbytes). ``.half()``, ``.float()``, ``.bfloat16()``, ``.double()`` leave packed codes
+        as they are (codes stored in a float ``quant_storage`` would be garbled by a cast)."""
+        if func in _FLOAT_CASTS and isinstance(args[0], Params4bit) and args[0].bnb_quantized:
+            return args[0]
         result = super().__torch_function__(func, types, args, kwargs or {})
         if func not in (torch.chunk, torch.split):
             return result
