@@ -315,3 +315,11 @@ def test_out_is_written_whole_or_refused_untouched(index):
         with pytest.raises(ValueError, match="out|absmax|dtype"):
             call(bad)
         assert before is None or torch.equal(bad, before), name
+
+
+def test_4bit_blocksizes_past_4096_are_refused_as_in_bitsandbytes():
+    W = torch.randn(64, 256)
+    with pytest.raises(ValueError, match="invalid blocksize 8192"):
+        BF.quantize_4bit(W, blocksize=8192)
+    with pytest.raises(ValueError, match="blocksize=8192 is not accepted"):
+        TF.quantize_4bit(W, blocksize=8192)
