@@ -323,3 +323,15 @@ def test_4bit_blocksizes_past_4096_are_refused_as_in_bitsandbytes():
         BF.quantize_4bit(W, blocksize=8192)
     with pytest.raises(ValueError, match="blocksize=8192 is not accepted"):
         TF.quantize_4bit(W, blocksize=8192)
+
+
+@pytest.mark.parametrize("blocksize", [8192, 1000])
+def test_8bit_blocksizes_past_4096_round_trip_as_in_bitsandbytes(blocksize):
+    A = torch.randn(20_000, generator=torch.Generator().manual_seed(5))
+    q, state = TF.quantize_blockwise(A, blocksize=blocksize)
+    expected_q, expected_state = BF.quantize_blockwise(A, blocksize=blocksize)
+    assert state.blocksize == blocksize
+    assert torch.equal(state.absmax, expected_state.absmax)
+    off = (q.int() - expected_q.int()).abs()  # its CPU kernel's approximate code lookup, as at 4096 and below
+    assert off.max() <= 1 and off.float().mean() < 0.01
+    assert torch.equal(TF.dequantize_blockwise(q, state), BF.dequantize_blockwise(q, expected_state))

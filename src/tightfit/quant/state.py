@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from tightfit._validate import check_device
-from tightfit.ops.blockwise import BLOCKSIZES_4BIT, BLOCKSIZES_8BIT, FLOAT_DTYPES
+from tightfit.ops._arg_checks import MAX_BLOCKSIZE_8BIT
+from tightfit.ops.blockwise import BLOCKSIZES_4BIT, FLOAT_DTYPES
 from tightfit.ops.codes import QUANT_TYPES_4BIT
 from tightfit.quant._checkpoint import DTYPE_NAMES, read_quant_state
 
@@ -53,11 +54,13 @@ class QuantState:
                 raise TypeError(f"QuantState.{name} must be a Tensor, got {type(value).__name__}")
         if self.quant_type is not None and self.quant_type not in QUANT_TYPES_4BIT:
             raise ValueError(f"QuantState.quant_type={self.quant_type!r} is not accepted; accepted: nf4, fp4, None")
-        accepted = BLOCKSIZES_4BIT if self.quant_type else BLOCKSIZES_8BIT
-        if isinstance(self.blocksize, bool) or self.blocksize not in accepted:
-            raise ValueError(
-                f"QuantState.blocksize={self.blocksize!r} is not accepted; accepted: {', '.join(map(str, accepted))}"
-            )
+        if self.quant_type:
+            accepted, valid = ", ".join(map(str, BLOCKSIZES_4BIT)), self.blocksize in BLOCKSIZES_4BIT
+        else:  # the 8-bit ops take any block size, as bitsandbytes does
+            accepted = f"an int from 1 to {MAX_BLOCKSIZE_8BIT}"
+            valid = isinstance(self.blocksize, int) and 1 <= self.blocksize <= MAX_BLOCKSIZE_8BIT
+        if isinstance(self.blocksize, bool) or not valid:
+            raise ValueError(f"QuantState.blocksize={self.blocksize!r} is not accepted; accepted: {accepted}")
         if self.dtype not in FLOAT_DTYPES:
             raise ValueError(f"QuantState.dtype={self.dtype!r} is not accepted; accepted: float32, float16, bfloat16")
         if self.shape is not None:
