@@ -92,9 +92,9 @@ def test_fit_leaves_a_training_model_as_it_was():
     model = nn.Sequential(nn.Linear(256, 512), nn.BatchNorm1d(512), nn.Dropout(0.5), nn.Linear(512, 256)).train()
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     full = tightfit.fit(model, (_inputs(5),), "1GiB", calibration=figures()).full_peak_bytes
-    plan = tightfit.fit(
-        model, (_inputs(5),), int(full * 0.7), calibration=figures(), allow={"storage": {"keep", "int8"}}
-    )
+    # on the device: at this size the CPU int8 matmul's float scratch (up to 1 MiB) makes disk mapping the cheaper cut
+    allow = {"storage": {"keep", "int8"}, "placement": {"device"}}
+    plan = tightfit.fit(model, (_inputs(5),), int(full * 0.8), calibration=figures(), allow=allow)
     assert plan.int8_outliers.startswith("observed")
     assert all(m.training for m in model.modules())
     for name, tensor in model.state_dict().items():

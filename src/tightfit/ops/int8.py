@@ -14,6 +14,7 @@ import torch
 
 from tightfit._validate import check_non_negative_number, check_same_device, check_type
 from tightfit.ops._arg_checks import FLOAT_DTYPES, check_dtype
+from tightfit.ops._cpu_int8 import linear_matmul_cpu
 from tightfit.ops._registry import Case, define_op, register_kernel
 
 __all__ = ["int8_linear_matmul", "int8_mm_dequant", "int8_vectorwise_dequant", "int8_vectorwise_quant"]
@@ -65,11 +66,11 @@ def _linear_matmul_fake(A, B):
 
 
 def _linear_matmul_cpu(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    """oneDNN's int8 GEMM through torch; exact like the reference (int32 accumulation)."""
+    """Exact like the reference (int32 accumulation), at float GEMM speed (see _cpu_int8)."""
     rows = _rows(A)
     if rows.shape[0] == 0 or rows.shape[1] == 0 or B.shape[0] == 0:
         return _linear_matmul_reference(A, B)
-    return torch._int_mm(rows.contiguous(), B.t()).reshape(*A.shape[:-1], B.shape[0])
+    return linear_matmul_cpu(rows, B).reshape(*A.shape[:-1], B.shape[0])
 
 
 def _mm_dequant_reference(
@@ -103,9 +104,19 @@ def _cases_matmul() -> list[Case]:
     def ints(*shape):
         return torch.randint(-127, 128, shape, generator=generator, dtype=torch.int8)
 
+    def extremes(*shape):
+        return torch.where(torch.rand(shape, generator=generator) < 0.5, -128, 127).to(torch.int8)
+
     return [
         Case("17x64 @ 48x64", (ints(17, 64), ints(48, 64))),
         Case("one token", (ints(1, 1, 4096), ints(8, 4096))),
+        Case("32 rows, extremes", (torch.full((32, 300), -128, dtype=torch.int8), ints(40, 300))),
+        # K runs past 1024, N past one block of B; sums past 2**24, which float32 alone would round
+        Case(
+            "extremes, K 2100, N 300",
+            (torch.full((40, 2100), -128, dtype=torch.int8), torch.full((300, 2100), -128, dtype=torch.int8)),
+        ),
+        Case("mixed extremes, K 1100", (extremes(33, 1100), extremes(257, 1100))),
         Case("empty", (ints(0, 64), ints(8, 64))),
         Case("zero width", (ints(3, 0), ints(8, 0))),
     ]
@@ -194,7 +205,7 @@ _MATMUL = define_op(
 _DEQUANT = define_op(
     "int8_mm_dequant", _mm_dequant_reference, fake=_mm_dequant_fake, cases=_cases_dequant, check=_check_dequant
 )
-register_kernel("int8_linear_matmul", "cpu", _linear_matmul_cpu, label="oneDNN int8 GEMM")
+register_kernel("int8_linear_matmul", "cpu", _linear_matmul_cpu, label="exact float GEMMs / numba")
 register_kernel("int8_vectorwise_quant", "cpu", _vectorwise_reference, label="vectorized torch")
 register_kernel("int8_mm_dequant", "cpu", _mm_dequant_reference, label="vectorized torch")
 

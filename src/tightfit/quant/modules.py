@@ -19,6 +19,7 @@ from torch import nn
 
 from tightfit import ops
 from tightfit._validate import check_non_negative_number, check_type
+from tightfit.ops import _cpu_int8
 from tightfit.ops._arg_checks import FLOAT_DTYPES, block_count
 from tightfit.quant import _checkpoint as checks
 from tightfit.quant import functional as F
@@ -333,17 +334,18 @@ class LinearInt8(_CheckedLoading):
     def transient_bytes(cls, shape: tuple[int, ...], rows: int, outliers: int, dtype: torch.dtype) -> int:
         """Bytes :meth:`forward` (with a threshold) allocates for ``rows`` rows of a weight
         of ``shape`` above what it holds at its end (its output, in ``dtype``, which the
-        int8 product replaces), at the largest of its three peaks. The kernels are the
-        reference ones (used on the CPU); their buffers inside one op are counted too,
-        though no per-op count of live tensors sees them.
+        int8 product replaces), at the largest of its peaks. The kernels are the CPU ones;
+        their buffers inside one op are counted too, though no per-op count of live tensors
+        sees them.
 
         1. ``int8_vectorwise_quant``: the input with outliers masked, the outlier mask, the
            outlier indices, the row scales and their reciprocals, and scaling and rounding
            in float32 (the input cast to float32 first where it is not).
-        2. ``int8_mm_dequant``, with the int8 input, row scales, outlier indices and int32
-           product alive: the float32 outer product of the scales, the product cast to
-           float32 and the scaled result.
-        3. Only with ``outliers`` input columns, with the same alive and the output: the
+        2. ``int8_linear_matmul``, with the int8 input, row scales, outlier indices and int32
+           product alive: its float scratch (``_cpu_int8.scratch_bytes``; none for few rows).
+        3. ``int8_mm_dequant``, with the same alive: the float32 outer product of the
+           scales, the product cast to float32 and the scaled result.
+        4. Only with ``outliers`` input columns, with the same alive and the output: the
            larger of dequantizing those columns' weights (the int8 columns, them as float32,
            the scales / 127, the scaled columns) or adding them back (the columns in the
            activation dtype, the input's columns, a second output).
@@ -358,7 +360,8 @@ class LinearInt8(_CheckedLoading):
             weights = 9 * out_features * outliers + 4 * out_features
             add_back = itemsize * (out_features * outliers + rows * outliers) + output
             dequantize = max(dequantize, weights, add_back)
-        return max(quantize, held + dequantize)
+        matmul = _cpu_int8.scratch_bytes(rows, out_features, in_features) - output
+        return max(quantize, held + matmul, held + dequantize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.in_features)

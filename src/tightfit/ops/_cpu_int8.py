@@ -1,0 +1,130 @@
+"""Fast exact int8 matmul on the CPU (``A @ B.T`` into int32), in bounded scratch memory.
+
+Without AVX-512, torch's ``_int_mm`` runs scalar code, 20-40x slower than a float32 GEMM.
+Two exact ways around it:
+
+- many rows: float32 GEMMs of the int8 values, as bitsandbytes does, but exact: the K
+  axis is cut into runs of 1024, where no partial sum, in whatever order a GEMM adds, can
+  pass 2**24 (1024 * 128 * 128), so every one is an integer float32 holds; the runs are
+  added in int32 (wrapping as int32 accumulation wraps). A and B are converted a run (and
+  for B a block of rows, ``BLOCK_BYTES``) at a time into reused buffers, never whole (B
+  whole would be 4x the weight); the first run's GEMMs write into the int32 output's own
+  bytes seen as float32, converted in place.
+- few rows (decoding): converting B would dominate, so a numba kernel reads B's int8
+  bytes once, all rows of A at a time, with int32 accumulation.
+
+With AVX-512 (bitsandbytes' rule), where float32 GEMMs may round their inputs (TF32/bf16
+modes), or without numba for few rows, ``torch._int_mm``. :func:`scratch_bytes` says what
+each path allocates besides the output, for the planner.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from tightfit.ops._numba import kernel_lock, load_numba, usable_numba
+
+__all__: list[str] = []
+
+#: K run whose float32 sums are always exact: 1024 * 128 * 128 = 2**24.
+EXACT_RUN = 1024
+#: Bytes of B converted to float32 at a time (one K run of a block of rows).
+BLOCK_BYTES = 1024 * 1024
+#: At most this many rows of A go through the byte-reading kernel; above, the float GEMMs win.
+FEW_ROWS = 32
+
+
+def _float32_is_ieee() -> bool:
+    """False where the user let float32 GEMMs round their inputs (TF32/bf16 modes)."""
+    for setting in (torch.backends.mkldnn.matmul, torch.backends.mkldnn, torch.backends):  # "none": inherited
+        if setting.fp32_precision != "none":
+            return setting.fp32_precision == "ieee"
+    return True
+
+
+def _path(rows: int) -> str:
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        return "int_mm"  # oneDNN's int8 GEMM is fast there
+    if rows <= FEW_ROWS:
+        return "few_rows"
+    return "float" if _float32_is_ieee() else "int_mm"
+
+
+def _block_rows(out_features: int, in_features: int) -> int:
+    return max(1, min(out_features, BLOCK_BYTES // (4 * min(in_features, EXACT_RUN))))
+
+
+def scratch_bytes(rows: int, out_features: int, in_features: int) -> int:
+    """Bytes :func:`linear_matmul_cpu` allocates besides its int32 output, all alive at
+    its end: one K run of A and of a block of B as float32 and, past one run, the float32
+    product of a run and a block."""
+    if rows == 0 or out_features == 0 or in_features == 0 or _path(rows) != "float":
+        return 0
+    run = min(in_features, EXACT_RUN)
+    block = _block_rows(out_features, in_features)
+    product = 4 * rows * block if in_features > EXACT_RUN else 0
+    return 4 * rows * run + 4 * block * run + product
+
+
+def _float_matmul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """K runs outside, blocks of B inside: A and B are each converted once, a piece at a time."""
+    (rows, cols), out_features = A.shape, B.shape[0]
+    out = torch.empty(rows, out_features, dtype=torch.int32)
+    run = min(cols, EXACT_RUN)
+    block = _block_rows(out_features, cols)
+    a_run = torch.empty(rows * run)
+    b_run = torch.empty(block * run)
+    product = torch.empty(rows * block) if cols > EXACT_RUN else None
+    for k in range(0, cols, EXACT_RUN):
+        width = min(cols - k, EXACT_RUN)
+        a = a_run[: rows * width].view(rows, width)
+        a.copy_(A[:, k : k + width])
+        for start in range(0, out_features, block):
+            stop = min(start + block, out_features)
+            b = b_run[: (stop - start) * width].view(stop - start, width)
+            b.copy_(B[start:stop, k : k + width])
+            target = out[:, start:stop]
+            if k == 0:  # the GEMM writes the output's own bytes, converted in place (read before written)
+                as_float = target.view(torch.float32)
+                torch.mm(a, b.t(), out=as_float)
+                target.copy_(as_float)
+            else:
+                part = product[: rows * (stop - start)].view(rows, stop - start)
+                torch.mm(a, b.t(), out=part)
+                exact = part.view(torch.int32)
+                exact.copy_(part)
+                target.add_(exact)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _few_rows_kernel():
+    numba, _ = load_numba()
+
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def few_rows(a, b, out):
+        """out[m, n] = sum_k a[m, k] * b[n, k] in int32; each row of ``b`` is read once, for all rows of ``a``."""
+        for n in numba.prange(b.shape[0]):
+            for m in range(a.shape[0]):
+                acc = np.int32(0)
+                for k in range(a.shape[1]):
+                    acc += np.int32(np.int16(a[m, k]) * np.int16(b[n, k]))
+                out[m, n] = acc
+
+    return few_rows
+
+
+def linear_matmul_cpu(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """Exact ``A @ B.T`` for non-empty int8 ``A`` (M, K) and ``B`` (N, K), checked by the op."""
+    path = _path(A.shape[0])
+    if path == "float":
+        return _float_matmul(A, B)
+    if path == "few_rows" and usable_numba("int8_linear_matmul", "few-row products use torch._int_mm"):
+        out = torch.empty(A.shape[0], B.shape[0], dtype=torch.int32)
+        with kernel_lock:
+            _few_rows_kernel()(A.contiguous().numpy(), B.contiguous().numpy(), out.numpy())
+        return out
+    return torch._int_mm(A.contiguous(), B.t())
