@@ -20,6 +20,7 @@ PAGES = [
     "docs/fit.md",
     "docs/load.md",
     "docs/checkpoints.md",
+    "docs/migrating.md",
     "docs/architecture.md",
 ]
 
