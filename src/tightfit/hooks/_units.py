@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -53,6 +53,11 @@ class Unit:
     name: str
     module: nn.Module
     slots: list[Slot]
+    members: list[nn.Module] = field(default_factory=list)  # the modules whose forwards use the slots; [module] alone
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            self.members = [self.module]
 
 
 def own_slots(module: nn.Module) -> list[Slot]:
@@ -93,9 +98,40 @@ def check_granularity(granularity: object) -> None:
         )
 
 
-def is_skipped(name: str, module: nn.Module, skip: tuple[re.Pattern, ...]) -> bool:
-    """A pattern found in the module's qualified name or its class name."""
-    return any(p.search(name) or p.search(type(module).__name__) for p in skip)
+class _Walk:
+    """What picks units and slots: patterns that skip modules (names and class names) and
+    tensors (qualified names), with the names of the tensors they kept out."""
+
+    def __init__(self, skip: tuple[re.Pattern, ...], skip_names: tuple[re.Pattern, ...]) -> None:
+        self.skip = skip
+        self.skip_names = skip_names
+        self.kept: list[str] = []
+
+    def skipped(self, name: str, module: nn.Module) -> bool:
+        """A ``skip`` pattern in the module's qualified name or class name, or a ``skip_names`` one in its name."""
+        if not name:
+            return False  # the root
+        return any(p.search(name) or p.search(type(module).__name__) for p in self.skip) or any(
+            p.search(name) for p in self.skip_names
+        )
+
+    def own(self, name: str, module: nn.Module) -> list[Slot]:
+        """The module's own slots but those whose qualified name a pattern finds (a bare parameter)."""
+        slots = []
+        for slot in own_slots(module):
+            qualified = f"{name}.{slot.name}" if name else slot.name
+            if any(p.search(qualified) for p in self.skip + self.skip_names):
+                self.kept.append(qualified)
+            else:
+                slots.append(slot)
+        return slots
+
+    def subtree(self, name: str, module: nn.Module) -> list[Slot]:
+        slots = self.own(name, module)
+        for child_name, child in _children(name, module):
+            if not self.skipped(child_name, child):
+                slots += self.subtree(child_name, child)
+        return slots
 
 
 def _children(name: str, module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -103,47 +139,61 @@ def _children(name: str, module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         yield (f"{name}.{child_name}" if name else child_name), child
 
 
-def _subtree_slots(name: str, module: nn.Module, skip: tuple[re.Pattern, ...]) -> list[Slot]:
-    slots = own_slots(module)
-    for child_name, child in _children(name, module):
-        if not is_skipped(child_name, child, skip):
-            slots += _subtree_slots(child_name, child, skip)
-    return slots
-
-
-def select_units(root: nn.Module, granularity: Granularity, skip: tuple[re.Pattern, ...]) -> list[Unit]:
+def select_units(
+    root: nn.Module,
+    granularity: Granularity,
+    skip: tuple[re.Pattern, ...],
+    *,
+    skip_names: tuple[re.Pattern, ...] = (),
+    blocks_per_unit: int = 1,
+    kept: list[str] | None = None,
+) -> list[Unit]:
     """The units under ``root`` (root included) in module order; skipped subtrees get none.
 
     ``leaf``: every module owning tensors directly. ``block``: every element of the first
-    ``nn.ModuleList`` / ``nn.Sequential`` on each branch covers its subtree; modules
-    outside such lists are leaves. ``model``: ``root`` covers everything. A callable
-    picks modules that each cover their subtree.
+    ``nn.ModuleList`` / ``nn.Sequential`` on each branch covers its subtree (``blocks_per_unit``
+    consecutive elements make one unit, named ``first+...+last``); modules outside such
+    lists are leaves. ``model``: ``root`` covers everything. A callable picks modules that
+    each cover their subtree. ``skip`` patterns are searched in qualified names and class
+    names, ``skip_names`` ones in qualified names only; a tensor whose qualified name
+    either finds (a bare parameter such as ``blocks.0.scale_shift_table``) is left out
+    of its unit, and its name appended to ``kept``.
     """
     units: list[Unit] = []
     seen: set[int] = set()
+    walker = _Walk(skip, skip_names)
 
-    def add(name: str, module: nn.Module, slots: list[Slot]) -> None:
+    def add(name: str, module: nn.Module, slots: list[Slot], members: list[nn.Module] | None = None) -> None:
         if slots and id(module) not in seen:
             seen.add(id(module))
-            units.append(Unit(name, module, slots))
+            units.append(Unit(name, module, slots, members or []))
 
     def walk(name: str, module: nn.Module, in_list: bool) -> None:
-        if name and is_skipped(name, module, skip):
+        if walker.skipped(name, module):
             return
         if callable(granularity):
             if granularity(name, module):
-                add(name, module, _subtree_slots(name, module, skip))
+                add(name, module, walker.subtree(name, module))
                 return
         elif granularity == "model" or (granularity == "block" and in_list) or isinstance(module, _READS_CHILD_WEIGHTS):
-            add(name, module, _subtree_slots(name, module, skip))
+            add(name, module, walker.subtree(name, module))
             return
         elif granularity in ("leaf", "block"):
-            add(name, module, own_slots(module))
+            add(name, module, walker.own(name, module))
         is_list = granularity == "block" and isinstance(module, (nn.ModuleList, nn.Sequential))
+        if is_list and blocks_per_unit > 1:
+            blocks = [(n, c) for n, c in _children(name, module) if not walker.skipped(n, c)]
+            for start in range(0, len(blocks), blocks_per_unit):
+                group = blocks[start : start + blocks_per_unit]
+                slots = [slot for n, c in group for slot in walker.subtree(n, c)]
+                add("+".join(n for n, _ in group), group[0][1], slots, [c for _, c in group])
+            return
         for child_name, child in _children(name, module):
             walk(child_name, child, is_list)
 
     walk("", root, False)
+    if kept is not None:
+        kept.extend(walker.kept)
     return units
 
 

@@ -11,6 +11,7 @@ powers of two make that multiplication exact in every compute dtype.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -20,10 +21,13 @@ from tightfit import backends, ops
 from tightfit._progress import task
 from tightfit._validate import check_choice, check_type
 from tightfit.backends.base import FLOAT8_DTYPES
+from tightfit.hooks import _diffusers
 from tightfit.hooks._exclusive import OneForwardAtATime
 from tightfit.hooks._units import Granularity, Slot, Unit, all_slots, check_granularity, compile_patterns, select_units
 from tightfit.hooks.offload import OFFLOADING
 from tightfit.hooks.registry import HookRegistry, ModuleHook
+
+logger = logging.getLogger("tightfit.hooks")
 
 __all__ = [
     "COMPUTE_DTYPES",
@@ -130,6 +134,7 @@ class LayerwiseCastingHook(ModuleHook):
     """Presents the unit's stored tensors in the compute dtype for each forward, then drops the copies."""
 
     order = 20
+    diffusers_name = "layerwise_casting"
 
     def __init__(self, entries: list[_Entry], storage_dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
         self.entries = entries
@@ -208,9 +213,23 @@ def _check_dtypes(storage_dtype: object, compute_dtype: object) -> None:
             f"compute_dtype={compute_dtype} is not a floating-point dtype; accepted: bfloat16, float16, float32"
         )
     check_choice("compute_dtype", compute_dtype, COMPUTE_DTYPES)
-    check_choice("storage_dtype", storage_dtype, STORAGE_DTYPES)
-    if storage_dtype == compute_dtype:
-        raise ValueError(f"storage_dtype and compute_dtype are both {storage_dtype}; there is nothing to cast")
+    if storage_dtype != compute_dtype:
+        check_choice("storage_dtype", storage_dtype, STORAGE_DTYPES)
+
+
+def model_pins(module: nn.Module) -> tuple[str, ...]:
+    """The names a diffusers model pins to full precision: its ``_keep_in_fp32_modules`` and
+    ``_skip_layerwise_casting_patterns`` (regexes searched in qualified names, as diffusers'
+    ``enable_layerwise_casting`` does). Read by attribute name; any module may declare them."""
+    pins: list[str] = []
+    for attribute in ("_keep_in_fp32_modules", "_skip_layerwise_casting_patterns"):
+        names = getattr(module, attribute, None)
+        if names is None:
+            continue
+        if isinstance(names, str) or not all(isinstance(name, str) for name in names):
+            raise TypeError(f"{type(module).__name__}.{attribute} must be a list of str, got {names!r}")
+        pins += [name for name in names if name not in pins]
+    return tuple(pins)
 
 
 def _check_backends(tensors: list[torch.Tensor], storage_dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
@@ -238,6 +257,7 @@ def apply_layerwise_casting(
     scale: str | None = "channel",
     non_blocking: bool = False,
     keep_originals: bool = False,
+    pins: bool = True,
 ) -> list[str]:
     """Store ``module``'s weights in ``storage_dtype`` and compute each unit in ``compute_dtype``.
 
@@ -248,8 +268,15 @@ def apply_layerwise_casting(
     (``"leaf"``, ``"block"``, ``"model"`` or a callable ``(name, module) -> bool``) picks
     the modules that get a hook; ``skip`` regexes (searched in qualified names and class
     names) leave modules as they are, ``DEFAULT_SKIP`` by default. A tensor shared with a
-    module that is not cast keeps its dtype. ``keep_originals`` keeps a CPU copy of each
-    stored tensor so that :func:`remove_layerwise_casting` restores it bit for bit.
+    module that is not cast keeps its dtype. With ``pins`` (the default), the names ``module``
+    pins to full precision (diffusers' ``_keep_in_fp32_modules`` and
+    ``_skip_layerwise_casting_patterns``) are skipped too, searched in qualified names only.
+    A tensor whose qualified name a skip pattern or a pin finds (a bare parameter such as
+    Wan's ``blocks.0.scale_shift_table``) keeps its dtype and is left out of its module's
+    hook; those names are logged (logger ``tightfit.hooks``, INFO). ``storage_dtype ==
+    compute_dtype`` leaves ``module`` as it is (nothing is hooked; returns ``[]``).
+    ``keep_originals`` keeps a CPU copy of each stored tensor so that
+    :func:`remove_layerwise_casting` restores it bit for bit.
     ``non_blocking`` is accepted for diffusers compatibility; the upcast runs on the
     tensor's device, so there is no copy to make asynchronous.
 
@@ -262,6 +289,7 @@ def apply_layerwise_casting(
     check_choice("scale", scale, SCALES)
     check_type("non_blocking", non_blocking, bool)
     check_type("keep_originals", keep_originals, bool)
+    check_type("pins", pins, bool)
     if _hooked_modules(module, LAYERWISE_CASTING):
         raise ValueError(
             "layerwise casting is already applied to this module; call remove_layerwise_casting(module) first"
@@ -271,8 +299,15 @@ def apply_layerwise_casting(
             "this module is offloaded; apply layerwise casting first, then offloading "
             "(remove_offloading(module), then apply both in that order)"
         )
-    units = select_units(module, granularity, skip_patterns)
-    return _apply_layerwise_casting(module, units, storage_dtype, compute_dtype, scale, keep_originals)
+    if storage_dtype == compute_dtype:
+        return []  # the weights are stored as they compute: there is nothing to hook
+    pinned = compile_patterns("pins", model_pins(module)) if pins else ()
+    kept: list[str] = []
+    units = select_units(module, granularity, skip_patterns, skip_names=pinned, kept=kept)
+    if kept:
+        logger.info("layerwise casting keeps %d tensors named by a skip pattern or pin: %s", len(kept), ", ".join(kept))
+    visible = _diffusers.wanted(module)
+    return _apply_layerwise_casting(module, units, storage_dtype, compute_dtype, scale, keep_originals, visible)
 
 
 def _apply_layerwise_casting(
@@ -282,6 +317,7 @@ def _apply_layerwise_casting(
     compute_dtype: torch.dtype,
     scale_mode: str | None,
     keep_originals: bool,
+    visible: bool,
 ) -> list[str]:
     covered = {(id(slot.owner), slot.name) for unit in units for slot in unit.slots}
     keep = {id(slot.get()) for slot in all_slots(module) if (id(slot.owner), slot.name) not in covered}
@@ -325,9 +361,10 @@ def _apply_layerwise_casting(
             if entry.record.scale is not None:
                 entry.scale_slot = Slot(entry.slot.owner, f"{entry.slot.name}_scale", False)
                 entry.scale_slot.set(entry.record.scale)
-        HookRegistry.of(unit.module).register(
-            LAYERWISE_CASTING, LayerwiseCastingHook(entries, storage_dtype, compute_dtype)
-        )
+        hook = LayerwiseCastingHook(entries, storage_dtype, compute_dtype)
+        if not visible:
+            hook.diffusers_name = None
+        HookRegistry.of(unit.module).register(LAYERWISE_CASTING, hook)
     return [unit.name for unit, _ in plans]
 
 

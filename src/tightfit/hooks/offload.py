@@ -25,10 +25,11 @@ from torch import nn
 
 from tightfit import backends
 from tightfit._progress import task
-from tightfit._validate import check_choice, check_device, check_type
+from tightfit._validate import check_device, check_type
+from tightfit.hooks import _diffusers
 from tightfit.hooks._disk import DISK_DTYPES, MappedFile, MappedRegions, OffloadFileError
 from tightfit.hooks._exclusive import OneForwardAtATime
-from tightfit.hooks._units import Granularity, Slot, Unit, check_granularity, select_units
+from tightfit.hooks._units import Granularity, Slot, Unit, check_granularity, compile_patterns, select_units
 from tightfit.hooks.registry import HookRegistry, ModuleHook
 
 __all__ = [
@@ -66,9 +67,17 @@ class _Record:
 class _Offload:
     """State shared by the hooks of one ``apply_offloading`` call."""
 
-    def __init__(self, device: torch.device, offload_to: str, folder: Path | None, streams: ModuleType | None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        offload_to: str,
+        folder: Path | None,
+        streams: ModuleType | None,
+        target: torch.device | None = None,
+    ) -> None:
         self.device = device
-        self.offload_to = offload_to
+        self.offload_to = offload_to  # "disk", or the device the stored copies live on ("cpu", "cuda:1")
+        self.target = target  # that device; None for the disk
         self.folder = folder
         self.records: dict[int, _Record] = {}
         self.files: list[MappedFile | MappedRegions] = []
@@ -126,7 +135,7 @@ class _Offload:
         for key, record in self.records.items():
             if key in restored:
                 record.tensor.data = restored[key]
-            elif record.file is not None or self.offload_to == "cpu":  # a disk record not swapped in holds its own data
+            elif record.file is not None or self.target is not None:  # a disk record not swapped in holds its own data
                 record.tensor.data = record.tensor.data.to(record.device, copy=True)
         self.records.clear()
         self.pending.clear()
@@ -138,23 +147,42 @@ class _Offload:
 class OffloadHook(ModuleHook):
     """Copies the unit's stored tensors onto the device for its forward and drops them afterwards.
 
-    Offloaded to disk, every forward first checks that the unit's files are as written.
+    A unit of several blocks (``blocks_per_unit``) has this one hook on each of its
+    ``members``: the first to run brings the tensors of all of them in, and they are
+    dropped after the last one's forward. Offloaded to disk, every forward first checks
+    that the unit's files are as written.
     """
 
     order = 10
+    diffusers_name = "group_offloading"
 
-    def __init__(self, state: _Offload, slots: list[Slot]) -> None:
+    def __init__(self, state: _Offload, slots: list[Slot], members: list[nn.Module] | None = None) -> None:
         self.state = state
         self.slots = slots
+        self.members = members or []  # the modules it is registered on, in order (empty: one module)
         files = (state.records[id(slot.get())].file for slot in slots if id(slot.get()) in state.records)
         self.files = list({id(file): file for file in files if file is not None}.values())  # the disk files it reads
         self.moves = any(slot.get().device != state.device for slot in slots)
         self._prefetched: tuple[list[torch.Tensor], Any] | None = None
-        self._saved: list[list[torch.Tensor]] = []
+        self._stored: list[torch.Tensor] | None = None  # what the slots held before the copies went in
+        self._depth = 0  # forwards of its members running now (a module may run inside itself)
         self._claim = OneForwardAtATime(OFFLOADING)
 
     def __repr__(self) -> str:
         return f"OffloadHook({len(self.slots)} tensors, offloaded to {self.state.offload_to}, compute on {self.state.device})"
+
+    def diffusers_config(self) -> object:
+        """What diffusers' guards read from its group offloading hook's ``config``."""
+        state = self.state
+        return _diffusers.offload_config(
+            state.device,
+            state.target if state.target is not None else torch.device("cpu"),
+            offload_type="block_level" if self.members else "leaf_level",
+            num_blocks_per_group=max(len(self.members), 1),
+            non_blocking=state.device.type != "cpu",
+            use_stream=state.side_stream is not None,
+            offload_to_disk_path=str(state.folder) if state.folder is not None else None,
+        )
 
     def prefetch(self) -> None:
         """Start bringing this unit's tensors in: a side-stream copy, or a read-ahead of its file."""
@@ -187,37 +215,46 @@ class OffloadHook(ModuleHook):
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._claim.enter(module)
-        swapped = False
         try:
             for file in self.files:
                 file.check()
-            if self.moves:
-                saved = [slot.get() for slot in self.slots]
-                for slot, copy in zip(self.slots, self._onload()):
-                    slot.set(copy)
-                self._saved.append(saved)
-                swapped = True
-            self.state.entered(self)
+            if self._stored is None:  # not brought in yet (the unit's first member, or a forward that raised)
+                stored = [slot.get() for slot in self.slots]
+                if self.moves:
+                    for slot, copy in zip(self.slots, self._onload()):
+                        slot.set(copy)
+                self._stored = stored
+                self.state.entered(self)
         except BaseException:
-            if swapped:
+            if self._depth == 0:
                 self._restore()
             self._claim.exit()
             raise
+        self._depth += 1
         return args, kwargs
 
     def _restore(self) -> None:
-        if self.moves and self._saved:
-            for slot, stored in zip(self.slots, self._saved.pop()):
+        if self._stored is not None and self.moves:
+            for slot, stored in zip(self.slots, self._stored):
                 slot.set(stored)
+        self._stored = None
 
     def post_forward(self, module: nn.Module, output: object) -> object:
-        self._restore()
+        self._depth -= 1
+        if self._depth == 0 and (not self.members or module is self.members[-1]):
+            self._restore()
         self._claim.exit()
         return output
 
     def abort(self, module: nn.Module) -> None:
-        self._restore()
+        self._depth -= 1
+        if self._depth == 0:
+            self._restore()
         self._claim.exit()
+
+    def detach(self, module: nn.Module) -> None:
+        if self._depth == 0:
+            self._restore()  # a unit whose last member did not run holds its copies until now
 
 
 class _ScheduleHook(ModuleHook):
@@ -270,22 +307,34 @@ def apply_offloading(
     module: nn.Module,
     device: str | torch.device,
     *,
-    offload_to: str = "cpu",
+    offload_to: str | torch.device = "cpu",
     granularity: Granularity = "block",
     prefetch: bool = True,
     pin_memory: bool | None = None,
     path: str | Path | None = None,
     storage: str | None = None,
+    skip: str | tuple[str, ...] = (),
+    blocks_per_unit: int = 1,
+    use_stream: bool | None = None,
 ) -> list[str]:
     """Keep ``module``'s parameters and buffers in ``offload_to`` and compute each unit on ``device``.
 
     ``offload_to="cpu"`` keeps them in CPU memory (pinned by default where the device copies
     asynchronously); ``"disk"`` writes one unnamed file per unit in the folder ``path``
     (default: the system's temporary folder) and maps it back; the OS frees the files
-    when the process ends, however it ends. Units are picked by ``granularity`` as in
-    layerwise casting (``"block"`` by default). Apply layerwise casting first to offload
-    float8 weights. All or nothing: when storing any unit fails (a full disk), what was
-    done is undone and the error (an ``OSError`` for the disk) says nothing was offloaded.
+    when the process ends, however it ends; another device (``"cuda:1"``, a
+    ``torch.device``) keeps them in that device's memory. Units are picked by
+    ``granularity`` as in layerwise casting (``"block"`` by default); with ``"block"``,
+    ``blocks_per_unit`` consecutive blocks of a list make one unit (diffusers'
+    ``num_blocks_per_group``), brought in when the first runs and dropped after the last.
+    ``skip`` regexes (searched in qualified names and class names of modules, and in
+    qualified names of tensors) leave what they find where it is, not offloaded.
+    ``use_stream=True`` asks for prefetch copies on a side stream and is an error where
+    the device's backend copies synchronously; ``False`` copies on the current stream;
+    ``None`` (the default) uses a side stream where there is one. Apply layerwise casting
+    first to offload float8 weights. All or nothing: when storing any unit fails (a full
+    disk), what was done is undone and the error (an ``OSError`` for the disk) says
+    nothing was offloaded.
     Returns the hooked units' names. ``storage`` is the old name of ``offload_to``
     (deprecated: "storage" is a weight format elsewhere in tightfit).
     """
@@ -298,12 +347,30 @@ def apply_offloading(
         )
         offload_to = storage
     backend, device = _check_device(device)
-    check_choice("offload_to", offload_to, OFFLOAD_TARGETS)
+    offload_to, target = _check_target(offload_to)
     check_granularity(granularity)
     check_type("prefetch", prefetch, bool)
     if pin_memory is not None:
         check_type("pin_memory", pin_memory, bool)
+    skip_patterns = compile_patterns("skip", skip)
+    check_type("blocks_per_unit", blocks_per_unit, int)
+    if isinstance(blocks_per_unit, bool) or blocks_per_unit < 1:
+        raise ValueError(f"blocks_per_unit must be an int >= 1, got {blocks_per_unit!r}")
+    if blocks_per_unit > 1 and granularity != "block":
+        raise ValueError(
+            f"blocks_per_unit={blocks_per_unit} groups the blocks of granularity='block'; "
+            f"got granularity={granularity!r}"
+        )
     async_copy = device.type != "cpu" and backend.capabilities().async_copy
+    if use_stream is not None:
+        check_type("use_stream", use_stream, bool)
+        if use_stream and not (async_copy and _streams(device, async_copy) is not None):
+            raise ValueError(
+                f"use_stream=True needs a device whose backend copies asynchronously on streams; device {device} "
+                f"(backend {backend.name}) has none. Pass use_stream=False or leave it None"
+            )
+        if use_stream and not prefetch:
+            raise ValueError("use_stream=True copies the next unit ahead on a side stream; it needs prefetch=True")
     if pin_memory and (offload_to != "cpu" or not async_copy):
         raise ValueError(
             f"pin_memory=True needs offload_to='cpu' and a device with asynchronous copies; got offload_to={offload_to!r}, "
@@ -317,7 +384,14 @@ def apply_offloading(
             raise ValueError(f"path={str(path)!r} is not an existing folder")
     if _hooked(module, OFFLOADING):
         raise ValueError("offloading is already applied to this module; call remove_offloading(module) first")
-    units = select_units(module, granularity, ())
+    units = select_units(module, granularity, skip_patterns, blocks_per_unit=blocks_per_unit)
+    for unit in units:
+        for slot in unit.slots:
+            if slot.get().is_meta:
+                raise ValueError(
+                    f"{unit.name or type(module).__name__}.{slot.name} is on the meta device (no data to offload); "
+                    f"load the weights first (tightfit.load streams a checkpoint into an offloading plan)"
+                )
     if offload_to == "disk":
         for unit in units:
             for slot in unit.slots:
@@ -326,9 +400,9 @@ def apply_offloading(
                         f"{unit.name or type(module).__name__}.{slot.name} has dtype {slot.get().dtype}, "
                         f"which an offload file does not hold; use offload_to='cpu'"
                     )
-    streams = _streams(device, async_copy)
+    streams = _streams(device, async_copy) if prefetch and use_stream is not False else None
     folder = Path(path if path is not None else tempfile.gettempdir()) if offload_to == "disk" else None
-    state = _Offload(device, offload_to, folder, streams if prefetch else None)
+    state = _Offload(device, offload_to, folder, streams, target)
     pin = async_copy if pin_memory is None else pin_memory
     with task(f"offloading to {offload_to}", len(units)) as advance:
         try:
@@ -345,6 +419,28 @@ def apply_offloading(
     return [unit.name for unit in units]
 
 
+def _check_target(offload_to: object) -> tuple[str, torch.device | None]:
+    """(``"disk"`` or the device's name, the device or None): where offloaded tensors live."""
+    if not isinstance(offload_to, (str, torch.device)):
+        raise TypeError(
+            f"offload_to must be a str or torch.device, got {type(offload_to).__name__}: {offload_to!r}; "
+            f"accepted: {', '.join(map(repr, OFFLOAD_TARGETS))} or a device such as 'cuda:1'"
+        )
+    if offload_to == "disk":
+        return "disk", None
+    try:
+        parsed = torch.device(offload_to)
+    except RuntimeError:
+        raise ValueError(
+            f"offload_to={offload_to!r} is not accepted; accepted: {', '.join(map(repr, OFFLOAD_TARGETS))} "
+            f"or a device such as 'cuda:1'"
+        ) from None
+    if parsed.type == "cpu":
+        return "cpu", torch.device("cpu")
+    _, target = _check_device(parsed)  # its backend must be here
+    return str(target), target
+
+
 def _streams(device: torch.device, async_copy: bool) -> ModuleType | None:
     """The device module whose streams copy asynchronously (``torch.cuda`` and alike), or None."""
     module = torch.get_device_module(device.type)
@@ -352,8 +448,14 @@ def _streams(device: torch.device, async_copy: bool) -> ModuleType | None:
 
 
 def _hook(module: nn.Module, units: list[Unit], state: _Offload, prefetch: bool) -> None:
+    visible = _diffusers.wanted(module)
     for unit in units:
-        HookRegistry.of(unit.module).register(OFFLOADING, OffloadHook(state, _unique(unit.slots)))
+        members = unit.members if len(unit.members) > 1 else None
+        hook = OffloadHook(state, _unique(unit.slots), members)
+        if not visible:
+            hook.diffusers_name = None
+        for member in unit.members:
+            HookRegistry.of(member).register(OFFLOADING, hook)
     if prefetch and (state.streams is not None or state.offload_to == "disk"):
         HookRegistry.of(module).register(OFFLOADING_SCHEDULE, _ScheduleHook(state))
 
@@ -400,12 +502,12 @@ def _store_unit(state: _Offload, unit: Unit, pin: bool) -> None:
     fresh = []
     for slot in unit.slots:
         tensor = slot.get()
-        if id(tensor) not in state.records and (state.offload_to == "cpu" or tensor.numel()):
+        if id(tensor) not in state.records and (state.target is not None or tensor.numel()):
             state.records[id(tensor)] = _Record(tensor, tensor.device)
             fresh.append(tensor)
-    if state.offload_to == "cpu":
+    if state.target is not None:
         for tensor in fresh:
-            data = tensor.data.to("cpu")
+            data = tensor.data.to(state.target)
             tensor.data = data.pin_memory() if pin else data
     elif fresh:
         file = MappedFile(state.folder, unit.name, {str(i): t for i, t in enumerate(fresh)})

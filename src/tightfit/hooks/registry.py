@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from tightfit._validate import check_type
+from tightfit.hooks import _diffusers
 
 __all__ = ["HookRegistry", "ModuleHook"]
 
@@ -36,6 +37,9 @@ class ModuleHook:
     """
 
     order: int = 50
+    #: The name diffusers looks this kind of hook up by (``"layerwise_casting"``, ``"group_offloading"``):
+    #: the registry shows the hook to diffusers under it (``hooks/_diffusers.py``); None: not shown.
+    diffusers_name: str | None = None
 
     def attach(self, module: nn.Module) -> None:
         """Called once when the hook is registered on ``module``."""
@@ -137,6 +141,7 @@ class HookRegistry:
         self._refresh()
         if self._wrapper is None:
             self._install()
+        _diffusers.announce(self.module, hook)
         return hook
 
     def remove(self, name: str) -> ModuleHook:
@@ -148,6 +153,7 @@ class HookRegistry:
         hook = self._hooks.pop(name)
         del self._sequence[name]
         self._refresh()
+        _diffusers.withdraw(self.module, hook)
         hook.detach(self.module)
         if not self._hooks:
             self._uninstall()
