@@ -43,6 +43,8 @@ class _StandIn:
         self.leaving = False
 
     def __getattr__(self, attribute: str) -> Any:
+        if attribute == "hook" or attribute.startswith("__"):
+            raise AttributeError(attribute)  # not set yet (a copy being built), or a protocol lookup
         if attribute == "config":
             return self.hook.diffusers_config()
         return getattr(self.hook, attribute)
