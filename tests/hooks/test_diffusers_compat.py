@@ -60,7 +60,24 @@ WAN_FAMILY = [
     "HeliosTransformer3DModel",
     "AnyFlowTransformer3DModel",
     "AnyFlowFARTransformer3DModel",
+    "WanAnimateTransformer3DModel",
 ]
+
+#: Keys a class needs beyond ``TINY_WAN`` (WanAnimate: in_channels = 2 * latent_channels + 4, a tiny motion encoder).
+TINY_EXTRA = {
+    "WanAnimateTransformer3DModel": {
+        "in_channels": 12,
+        "latent_channels": 4,
+        "motion_encoder_channel_sizes": {str(2**i): 16 for i in range(2, 11)},
+        "motion_encoder_size": 16,
+        "motion_style_dim": 16,
+        "motion_dim": 8,
+        "motion_encoder_dim": 16,
+        "face_encoder_hidden_dim": 16,
+        "face_encoder_num_heads": 2,
+        "inject_face_latents_blocks": 1,
+    },
+}
 
 
 MODELS = {name: getattr(diffusers, name) for name in WAN_FAMILY}  # diffusers imports each lazily: once, here
@@ -70,7 +87,8 @@ def tiny(name: str) -> nn.Module:
     cls = MODELS[name]
     accepted = inspect.signature(cls.__init__).parameters
     torch.manual_seed(0)
-    return cls(**{key: value for key, value in TINY_WAN.items() if key in accepted}).eval()
+    config = {key: value for key, value in TINY_WAN.items() if key in accepted} | TINY_EXTRA.get(name, {})
+    return cls(**config).eval()
 
 
 def wan_inputs() -> dict:
@@ -169,6 +187,7 @@ def test_minimax_h3_autoencoder_casts_its_activations_to_the_compute_dtype():
     apply_layerwise_casting(ours, F8, torch.bfloat16)
     block = ours.decoder.transformer_blocks[0]
     assert block.attn.to_q.weight.dtype == F8 and get_parameter_dtype(block.attn.to_q) == torch.bfloat16
+    assert HookRegistry.get(block) is None  # its own tensors are the pinned scale1 and scale2: no hook
     latents = torch.randn(1, 4, 1, 4, 4, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     with torch.no_grad():
         expected, by_diffusers, by_tightfit = (m.decode(latents).sample.float() for m in (reference, theirs, ours))
