@@ -16,6 +16,7 @@ import torch
 
 from tightfit import ops
 from tightfit._validate import check_non_negative_number, check_type
+from tightfit.compat.bitsandbytes._common import check_out
 from tightfit.ops._arg_checks import FLOAT_DTYPES
 
 __all__ = ["MatmulLtState", "matmul"]
@@ -82,15 +83,6 @@ def _check_state_weight(state: MatmulLtState, B: torch.Tensor) -> tuple[torch.Te
     return CB, SCB
 
 
-def _check_out(out: object, A: torch.Tensor, B: torch.Tensor) -> None:
-    check_type("out", out, torch.Tensor)
-    shape = (*A.shape[:-1], B.shape[0])
-    if tuple(out.shape) != shape or out.dtype != A.dtype or out.device != A.device:
-        raise ValueError(
-            f"out must be {A.dtype} {shape} on {A.device} (A @ B.T), got {out.dtype} {tuple(out.shape)} on {out.device}"
-        )
-
-
 def matmul(
     A: torch.Tensor,
     B: torch.Tensor,
@@ -114,7 +106,7 @@ def matmul(
     if B.dim() != 2:
         raise ValueError(f"B must be a 2-D weight (out x in), got shape {tuple(B.shape)}")
     if out is not None:  # checked before any work, so a refused call writes nothing
-        _check_out(out, A, B)
+        check_out("out", out, (*A.shape[:-1], B.shape[0]), A.dtype, A)
     weight_grad = False
     if B.dtype == torch.int8:
         SCB = state.SCB if state.SCB is not None else getattr(B, "SCB", None)

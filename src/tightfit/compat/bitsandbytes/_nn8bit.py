@@ -13,7 +13,6 @@ moving and casting (bitsandbytes fills them at the first forward), and casting
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -23,22 +22,12 @@ from torch import nn
 from tightfit import ops
 from tightfit._validate import check_non_negative_number, check_type
 from tightfit.compat.bitsandbytes._autograd8bit import MatmulLtState, matmul, quantize_weight
+from tightfit.compat.bitsandbytes._common import check_indices, check_optional_tensor, check_size, fixed_argument
+from tightfit.compat.bitsandbytes._params import Int8Params
 from tightfit.quant import _checkpoint as checks
 from tightfit.quant.modules import _check_input
 
-__all__ = ["Embedding", "Embedding8bit", "Int8Params", "Linear8bitLt", "StableEmbedding"]
-
-
-def _check_optional_tensor(name: str, value: object) -> None:
-    if value is not None:
-        check_type(name, value, torch.Tensor)
-
-
-def _check_size(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be int, got {type(value).__name__}: {value!r:.80}")
-    if value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value}")
+__all__ = ["Embedding", "Embedding8bit", "Linear8bitLt", "StableEmbedding"]
 
 
 def _float_entry(name: str, value: object, shape: tuple[int, int]) -> torch.Tensor:
@@ -66,95 +55,6 @@ def _check_weight_format(name: str, value: object) -> None:
 def _quantized(weight: torch.Tensor, device: torch.device) -> Int8Params:
     CB, SCB = quantize_weight(weight.to(device))
     return Int8Params(CB, False, has_fp16_weights=False, CB=CB, SCB=SCB)
-
-
-class Int8Params(nn.Parameter):
-    """A weight that is float until moved to a device, then int8 (``data`` and ``CB``)
-    with float32 row scales ``SCB``; with ``has_fp16_weights`` it stays float. Extra
-    keyword arguments are ignored, as bitsandbytes does (transformers passes a
-    parameter's ``__dict__``); ``requires_grad`` applies to float data only (int8 has no
-    gradient)."""
-
-    def __new__(
-        cls,
-        data: torch.Tensor | None = None,
-        requires_grad: bool = True,
-        has_fp16_weights: bool = False,
-        CB: torch.Tensor | None = None,
-        SCB: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> Int8Params:
-        _check_optional_tensor("data", data)
-        check_type("requires_grad", requires_grad, bool)
-        check_type("has_fp16_weights", has_fp16_weights, bool)
-        _check_optional_tensor("CB", CB)
-        _check_optional_tensor("SCB", SCB)
-        data = torch.empty(0) if data is None else data
-        obj = torch.Tensor._make_subclass(cls, data, requires_grad and data.is_floating_point())
-        obj.CB = CB
-        obj.SCB = SCB
-        obj.has_fp16_weights = has_fp16_weights
-        return obj
-
-    def _quantize(self, device: torch.device | str | None) -> Int8Params:
-        """Quantize in place (on ``device``); with ``has_fp16_weights`` only move."""
-        if self.has_fp16_weights:
-            return Int8Params(super().to(device), self.requires_grad, has_fp16_weights=True)
-        CB, SCB = quantize_weight(self.data.to(device))
-        self.requires_grad_(False)
-        self.data = CB
-        self.CB = CB
-        self.SCB = SCB
-        return self
-
-    def cpu(self) -> Int8Params:
-        return self.to(device="cpu")
-
-    def cuda(self, device: int | torch.device | str | None = None, non_blocking: bool = False) -> Int8Params:
-        return self.to(device="cuda" if device is None else device, non_blocking=non_blocking)
-
-    def xpu(self, device: int | torch.device | str | None = None, non_blocking: bool = False) -> Int8Params:
-        return self.to(device="xpu" if device is None else device, non_blocking=non_blocking)
-
-    def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Moving float data to a device that holds data quantizes it; an int8 weight
-        moves with its ``SCB``. Converting int8 codes to another dtype gives a plain tensor
-        of those numbers (module casts never ask it: they leave integer tensors alone)."""
-        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
-        quantized = self.dtype == torch.int8
-        if not quantized and device is not None and device.type != "meta" and not self.is_meta:
-            return self._quantize(device)
-        if quantized and dtype not in (None, torch.int8):
-            return super().to(*args, **kwargs)
-        moved = Int8Params(
-            super().to(device=device, dtype=dtype, non_blocking=non_blocking),
-            self.requires_grad,
-            has_fp16_weights=self.has_fp16_weights,
-        )
-        if quantized:
-            moved.CB = moved.data
-            if self.SCB is not None:
-                moved.SCB = self.SCB if device is None else self.SCB.to(device)
-        return moved
-
-    def __deepcopy__(self, memo: dict) -> Int8Params:
-        new = type(self)(
-            copy.deepcopy(self.data, memo),
-            self.requires_grad,
-            has_fp16_weights=self.has_fp16_weights,
-            CB=copy.deepcopy(self.CB, memo),
-            SCB=copy.deepcopy(self.SCB, memo),
-        )
-        memo[id(self)] = new
-        return new
-
-    def __reduce_ex__(self, protocol: int) -> tuple:
-        # nn.Parameter's own reduction rebuilds a plain Parameter
-        return (_rebuild_int8_params, (self.data, self.requires_grad, self.has_fp16_weights, self.CB, self.SCB))
-
-
-def _rebuild_int8_params(data, requires_grad, has_fp16_weights, CB, SCB) -> Int8Params:
-    return Int8Params(data, requires_grad, has_fp16_weights=has_fp16_weights, CB=CB, SCB=SCB)
 
 
 class _Int8Weight(nn.Module):
@@ -211,8 +111,8 @@ class Linear8bitLt(_Int8Weight, nn.Linear):
         index: Any = None,
         device: torch.device | str | None = None,
     ) -> None:
-        _check_size("input_features", input_features)
-        _check_size("output_features", output_features)
+        check_size("input_features", input_features, 0)
+        check_size("output_features", output_features, 0)
         check_type("bias", bias, bool)
         check_type("has_fp16_weights", has_fp16_weights, bool)
         threshold = check_non_negative_number("threshold", threshold)
@@ -325,8 +225,8 @@ class Embedding8bit(_Int8Weight, nn.Embedding):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        _check_size("num_embeddings", num_embeddings)
-        _check_size("embedding_dim", embedding_dim)
+        check_size("num_embeddings", num_embeddings, 0)
+        check_size("embedding_dim", embedding_dim, 0)
         super().__init__(num_embeddings, embedding_dim, device=device, dtype=dtype)
         self.dtype = self.weight.data.dtype
         self.weight = Int8Params(self.weight.data, has_fp16_weights=False, requires_grad=False)
@@ -379,6 +279,7 @@ class Embedding8bit(_Int8Weight, nn.Embedding):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype != torch.int8 or self.weight.SCB is None:
             raise RuntimeError("Embedding8bit is not quantized yet: call .to(device) (or .cpu(), .cuda()) first")
+        check_indices(input, self.num_embeddings)
         rows = F.embedding(input, self.weight.data)
         scales = F.embedding(input, self.weight.SCB.view(self.num_embeddings, 1))
         return ops.int8_vectorwise_dequant(rows, scales).to(self.dtype)
@@ -389,6 +290,9 @@ class _XavierEmbedding(nn.Embedding):
     (the padding row zero), arguments checked before torch's own asserts. bitsandbytes
     also registers them for 32-bit state in its own optimizers; tightfit has none, so
     that part has no counterpart (any torch optimizer treats them as any parameter)."""
+
+    #: Whether looked-up rows go through a LayerNorm, ``norm`` (``StableEmbedding``).
+    _normalized = False
 
     def __init__(
         self,
@@ -403,8 +307,8 @@ class _XavierEmbedding(nn.Embedding):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        _check_size("num_embeddings", num_embeddings)
-        _check_size("embedding_dim", embedding_dim)
+        check_size("num_embeddings", num_embeddings, 0)
+        check_size("embedding_dim", embedding_dim, 0)
         if padding_idx is not None:
             if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
                 raise TypeError(
@@ -414,7 +318,7 @@ class _XavierEmbedding(nn.Embedding):
                 raise ValueError(
                     f"padding_idx={padding_idx} is not accepted; accepted: -{num_embeddings} to {num_embeddings - 1}"
                 )
-        _check_optional_tensor("_weight", _weight)
+        check_optional_tensor("_weight", _weight)
         if _weight is not None and tuple(_weight.shape) != (num_embeddings, embedding_dim):
             raise ValueError(f"_weight has shape {tuple(_weight.shape)}; accepted: {(num_embeddings, embedding_dim)}")
         super().__init__(
@@ -429,6 +333,8 @@ class _XavierEmbedding(nn.Embedding):
             device=device,
             dtype=dtype,
         )
+        if self._normalized:
+            self.norm = nn.LayerNorm(embedding_dim, device=device)
 
     def reset_parameters(self) -> None:
         nn.init.xavier_uniform_(self.weight)
@@ -438,21 +344,7 @@ class _XavierEmbedding(nn.Embedding):
 class Embedding(_XavierEmbedding):
     """bitsandbytes' ``Embedding`` (see ``_XavierEmbedding``); like it, no ``dtype``."""
 
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        padding_idx: int | None = None,
-        max_norm: float | None = None,
-        norm_type: float = 2.0,
-        scale_grad_by_freq: bool = False,
-        sparse: bool = False,
-        _weight: torch.Tensor | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        super().__init__(
-            num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse, _weight, device
-        )
+    __init__ = fixed_argument(_XavierEmbedding.__init__, "dtype", None, qualname="Embedding.__init__")
 
 
 class StableEmbedding(_XavierEmbedding):
@@ -460,32 +352,7 @@ class StableEmbedding(_XavierEmbedding):
     (``norm``, in the default dtype) and back to the table's dtype. The norm is part of
     the model (``norm.weight``, ``norm.bias`` in its state dict), so it is kept."""
 
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        padding_idx: int | None = None,
-        max_norm: float | None = None,
-        norm_type: float = 2.0,
-        scale_grad_by_freq: bool = False,
-        sparse: bool = False,
-        _weight: torch.Tensor | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(
-            num_embeddings,
-            embedding_dim,
-            padding_idx,
-            max_norm,
-            norm_type,
-            scale_grad_by_freq,
-            sparse,
-            _weight,
-            device,
-            dtype,
-        )
-        self.norm = nn.LayerNorm(embedding_dim, device=device)
+    _normalized = True
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         rows = super().forward(input).to(torch.get_default_dtype())

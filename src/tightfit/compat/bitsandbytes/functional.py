@@ -18,6 +18,7 @@ import torch
 
 from tightfit import ops
 from tightfit._validate import check_choice, check_same_device, check_type
+from tightfit.compat.bitsandbytes._common import check_out, fixed_argument
 from tightfit.ops._arg_checks import block_count, packed_bytes
 from tightfit.ops.codes import QUANT_TYPES_4BIT, dynamic_values
 from tightfit.quant import functional as QF
@@ -48,20 +49,6 @@ __all__ = [
 ]
 
 
-def _check_out(name: str, out: object, shape: tuple[int, ...], dtype: torch.dtype, A: torch.Tensor) -> None:
-    """A caller's output tensor must take the result as it is: checked before any work, so a
-    refusal leaves it untouched and an accepted one is written whole."""
-    if out is None:
-        return
-    check_type(name, out, torch.Tensor)
-    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
-        raise ValueError(
-            f"{name} has shape {tuple(out.shape)} and dtype {out.dtype}; the result needs shape {tuple(shape)}, "
-            f"dtype {dtype}"
-        )
-    check_same_device(name, out, "A", A)
-
-
 def _tensor(name: str, value: object) -> torch.Tensor:
     check_type(name, value, torch.Tensor)
     return value
@@ -77,9 +64,9 @@ def quantize_blockwise(
 ) -> tuple[torch.Tensor, QuantState]:
     """8-bit blockwise quantization: (uint8 codes shaped like ``A``, QuantState)."""
     A = _tensor("A", A)
-    _check_out("out", out, tuple(A.shape), torch.uint8, A)
+    check_out("out", out, tuple(A.shape), torch.uint8, A)
     if isinstance(blocksize, int) and blocksize > 0:
-        _check_out("absmax", absmax, (block_count(A.numel(), blocksize),), torch.float32, A)
+        check_out("absmax", absmax, (block_count(A.numel(), blocksize),), torch.float32, A)
     return QF.quantize_blockwise(A, code, absmax, out, blocksize, nested)
 
 
@@ -95,15 +82,17 @@ def dequantize_blockwise(
     """Decode 8-bit codes with ``quant_state`` (or ``absmax``, ``code``, ``blocksize``), in its dtype."""
     A = _tensor("A", A)
     dtype = quant_state.dtype if isinstance(quant_state, QuantState) else torch.float32
-    _check_out("out", out, tuple(A.shape), dtype, A)
+    check_out("out", out, tuple(A.shape), dtype, A)
     return QF.dequantize_blockwise(A, quant_state, absmax, code, out, blocksize, nested)
 
 
-def _check_4bit_outs(A, absmax, out, blocksize, quant_storage) -> None:
+def _check_4bit_outs(A: torch.Tensor, absmax: object, out: object, blocksize: object, quant_storage: object) -> None:
+    """``out`` and ``absmax`` of :func:`quantize_4bit`, when the format is valid enough to size
+    them (an invalid one is refused by tightfit's own quantize_4bit, before any work)."""
     if isinstance(quant_storage, torch.dtype) and isinstance(blocksize, int) and blocksize > 0:
         count = packed_bytes(A.numel()) // quant_storage.itemsize
-        _check_out("out", out, (count, 1), quant_storage, A)
-        _check_out("absmax", absmax, (block_count(A.numel(), blocksize),), torch.float32, A)
+        check_out("out", out, (count, 1), quant_storage, A)
+        check_out("absmax", absmax, (block_count(A.numel(), blocksize),), torch.float32, A)
 
 
 def quantize_4bit(
@@ -121,28 +110,6 @@ def quantize_4bit(
     return QF.quantize_4bit(A, absmax, out, blocksize, compress_statistics, quant_type, quant_storage)
 
 
-def quantize_nf4(
-    A: torch.Tensor,
-    absmax: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    blocksize: int | None = None,
-    compress_statistics: bool = False,
-    quant_storage: torch.dtype = torch.uint8,
-) -> tuple[torch.Tensor, QuantState]:
-    return quantize_4bit(A, absmax, out, blocksize, compress_statistics, "nf4", quant_storage)
-
-
-def quantize_fp4(
-    A: torch.Tensor,
-    absmax: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    blocksize: int | None = None,
-    compress_statistics: bool = False,
-    quant_storage: torch.dtype = torch.uint8,
-) -> tuple[torch.Tensor, QuantState]:
-    return quantize_4bit(A, absmax, out, blocksize, compress_statistics, "fp4", quant_storage)
-
-
 def dequantize_4bit(
     A: torch.Tensor,
     quant_state: QuantState | None = None,
@@ -155,31 +122,17 @@ def dequantize_4bit(
     transposed view of the packed column) give the weight transposed, (in, out)."""
     A = _tensor("A", A)
     if isinstance(quant_state, QuantState) and quant_state.shape is not None:
-        _check_out("out", out, tuple(quant_state.shape), quant_state.dtype, A)
+        check_out("out", out, tuple(quant_state.shape), quant_state.dtype, A)
     elif out is not None:
         check_same_device("out", _tensor("out", out), "A", A)
     result = QF.dequantize_4bit(A, quant_state, absmax, out, blocksize, quant_type)
     return result.t() if A.dim() == 2 and A.shape[0] == 1 and result.dim() == 2 else result
 
 
-def dequantize_nf4(
-    A: torch.Tensor,
-    quant_state: QuantState | None = None,
-    absmax: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    blocksize: int | None = None,
-) -> torch.Tensor:
-    return dequantize_4bit(A, quant_state, absmax, out, blocksize, "nf4")
-
-
-def dequantize_fp4(
-    A: torch.Tensor,
-    quant_state: QuantState | None = None,
-    absmax: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    blocksize: int | None = None,
-) -> torch.Tensor:
-    return dequantize_4bit(A, quant_state, absmax, out, blocksize, "fp4")
+quantize_nf4 = fixed_argument(quantize_4bit, "quant_type", "nf4", qualname="quantize_nf4")
+quantize_fp4 = fixed_argument(quantize_4bit, "quant_type", "fp4", qualname="quantize_fp4")
+dequantize_nf4 = fixed_argument(dequantize_4bit, "quant_type", "nf4", qualname="dequantize_nf4")
+dequantize_fp4 = fixed_argument(dequantize_4bit, "quant_type", "fp4", qualname="dequantize_fp4")
 
 
 def _product_shape(A: torch.Tensor, transposed_A: object, state: object) -> tuple[int, ...]:
@@ -208,7 +161,7 @@ def gemv_4bit(
     transposed row), so ``transposed_B`` changes nothing, as in bitsandbytes."""
     A = _tensor("A", A)
     check_type("transposed_B", transposed_B, bool)
-    _check_out("out", out, _product_shape(A, transposed_A, state), A.dtype, A)
+    check_out("out", out, _product_shape(A, transposed_A, state), A.dtype, A)
     return QF.gemv_4bit(A, B, out, state=state)
 
 
@@ -226,7 +179,7 @@ def gemm_4bit(
     more decode the weight once and multiply, as bitsandbytes' CPU path does."""
     A = _tensor("A", A)
     check_type("transposed_B", transposed_B, bool)
-    _check_out("out", out, _product_shape(A, transposed_A, state), A.dtype, A)
+    check_out("out", out, _product_shape(A, transposed_A, state), A.dtype, A)
     return QF.matmul_4bit(A, B, state, out, bias)
 
 
@@ -243,10 +196,8 @@ def int8_linear_matmul(
 ) -> torch.Tensor:
     """Exact ``A @ B.T`` of int8 matrices as int32 (the only ``dtype`` bitsandbytes accepts)."""
     A, B = _tensor("A", A), _tensor("B", B)
-    if dtype != torch.int32:
-        raise ValueError(f"dtype={dtype} is not accepted; int8_linear_matmul returns torch.int32")
-    _check_out("out", out, (*A.shape[:-1], B.shape[0]), torch.int32, A)
-    return QF.int8_linear_matmul(A, B, out)
+    check_out("out", out, (*A.shape[:-1], B.shape[0]), torch.int32, A)
+    return QF.int8_linear_matmul(A, B, out, dtype)
 
 
 def int8_mm_dequant(
@@ -262,7 +213,7 @@ def int8_mm_dequant(
     bitsandbytes' signature) defaults to ``out``'s, else float16 as in bitsandbytes."""
     A = _tensor("A", A)
     if out is not None:
-        _check_out("out", out, tuple(A.shape), _tensor("out", out).dtype if dtype is None else dtype, A)
+        check_out("out", out, tuple(A.shape), _tensor("out", out).dtype if dtype is None else dtype, A)
     return QF.int8_mm_dequant(A, row_stats, col_stats, out, bias, dtype=dtype)
 
 

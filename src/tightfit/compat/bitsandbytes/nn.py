@@ -8,16 +8,15 @@ from tightfit.compat.bitsandbytes._nn4bit import (
     Linear4bit,
     LinearFP4,
     LinearNF4,
-    Params4bit,
     fix_4bit_weight_quant_state_from_module,
 )
 from tightfit.compat.bitsandbytes._nn8bit import (
     Embedding,
     Embedding8bit,
-    Int8Params,
     Linear8bitLt,
     StableEmbedding,
 )
+from tightfit.compat.bitsandbytes._params import Int8Params, Params4bit
 
 __all__ = [
     "Embedding",
