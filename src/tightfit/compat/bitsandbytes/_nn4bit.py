@@ -1,5 +1,6 @@
-"""The 4-bit half of ``bitsandbytes.nn`` on tightfit's kernels: ``Params4bit`` and the
-layers built on it, with bitsandbytes 0.50's constructor arguments, defaults and attributes.
+"""The 4-bit layers of ``bitsandbytes.nn`` on tightfit's kernels (``Linear4bit``,
+``Embedding4bit`` and their NF4 / FP4 shorthands), with bitsandbytes 0.50's constructor
+arguments, defaults and attributes; their weight is a ``Params4bit`` (``_params``).
 
 A layer holds a float weight until ``.to(device)`` / ``.cpu()`` / ``.cuda()`` quantizes it
 (``Params4bit.bnb_quantized``), or it is filled with packed codes read from a checkpoint
@@ -19,7 +20,7 @@ from torch import nn
 
 from tightfit._validate import check_choice, check_type
 from tightfit.compat.bitsandbytes._common import check_indices, check_size, fixed_argument
-from tightfit.compat.bitsandbytes._params import Params4bit, _check_format
+from tightfit.compat.bitsandbytes._params import Params4bit, check_4bit_format
 from tightfit.ops._arg_checks import FLOAT_DTYPES
 from tightfit.quant import _checkpoint as checks
 from tightfit.quant import functional as F
@@ -56,17 +57,10 @@ def fix_4bit_weight_quant_state_from_module(module: nn.Module) -> None:
             "or fill it with Params4bit.from_prequantized or load_state_dict"
         )
     packed = checks.packed_4bit("module.weight", module.weight.data, tuple(state.shape))
-    if not isinstance(module.weight, Params4bit):
-        module.weight = Params4bit(
-            packed,
-            blocksize=state.blocksize,
-            compress_statistics=state.nested,
-            quant_type=state.quant_type,
-            quant_storage=packed.dtype,
-            module=module,
-            bnb_quantized=True,
-        )
-    module.weight.quant_state = state
+    if isinstance(module.weight, Params4bit):
+        module.weight.quant_state = state
+    else:
+        module.weight = Params4bit._from_packed(packed, state, module=module)
 
 
 class _Packed4bitWeight(nn.Module, abc.ABC):
@@ -77,6 +71,19 @@ class _Packed4bitWeight(nn.Module, abc.ABC):
     meta, which loads as with ``assign=True``); so ``strict=True`` loads work both ways
     (bitsandbytes' own layers refuse them). A plain float weight loads as into
     ``nn.Linear``, to be quantized by ``.to(device)``."""
+
+    def _hold_float_weight(self, compress_statistics: bool | None, quant_type: str, quant_storage: torch.dtype) -> None:
+        """Wrap the float weight torch's layer built in a Params4bit, which ``.to(device)``
+        quantizes; until then the layer has no quant state."""
+        self.weight = Params4bit(
+            self.weight.data,
+            requires_grad=False,
+            compress_statistics=compress_statistics,
+            quant_type=quant_type,
+            quant_storage=quant_storage,
+            module=self,
+        )
+        self.quant_state: QuantState | None = None
 
     @abc.abstractmethod
     def _weight_shape(self) -> tuple[int, int]:
@@ -158,19 +165,11 @@ class Linear4bit(_Packed4bitWeight, nn.Linear):
         check_size("output_features", output_features, 1)
         check_type("bias", bias, bool)
         _check_optional_float_dtype("compute_dtype", compute_dtype)
-        _check_format(64, compress_statistics, quant_type, quant_storage)
+        check_4bit_format(64, compress_statistics, quant_type, quant_storage)
         super().__init__(input_features, output_features, bias, device)
-        self.weight = Params4bit(
-            self.weight.data,
-            requires_grad=False,
-            compress_statistics=compress_statistics,
-            quant_type=quant_type,
-            quant_storage=quant_storage,
-            module=self,
-        )
+        self._hold_float_weight(compress_statistics, quant_type, quant_storage)
         self.compute_dtype = compute_dtype
         self.compute_type_is_set = compute_dtype is not None
-        self.quant_state: QuantState | None = None
         self.quant_storage = quant_storage
 
     def _weight_shape(self) -> tuple[int, int]:
@@ -235,18 +234,10 @@ class Embedding4bit(_Packed4bitWeight, nn.Embedding):
         check_size("num_embeddings", num_embeddings, 1)
         check_size("embedding_dim", embedding_dim, 1)
         _check_optional_float_dtype("dtype", dtype)
-        _check_format(64, None, quant_type, quant_storage)
+        check_4bit_format(64, None, quant_type, quant_storage)
         super().__init__(num_embeddings, embedding_dim, device=device, dtype=dtype)
         self.dtype = self.weight.dtype
-        self.weight = Params4bit(
-            self.weight.data,
-            requires_grad=False,
-            compress_statistics=None,
-            quant_type=quant_type,
-            quant_storage=quant_storage,
-            module=self,
-        )
-        self.quant_state: QuantState | None = None
+        self._hold_float_weight(None, quant_type, quant_storage)
         if embedding_dim % self.weight.blocksize:
             logger.warning(
                 "Embedding size %d is not divisible by block size %d; every lookup decodes the whole table.",

@@ -1,7 +1,8 @@
-"""The 8-bit half of ``bitsandbytes.nn`` on tightfit: ``Int8Params``, ``Linear8bitLt``,
-``Embedding8bit``, with bitsandbytes' constructor arguments, attributes and state dict
-layout (``weight`` int8, ``SCB`` float32, ``weight_format`` 0), so code written for it
-works by changing the import and checkpoints load both ways with ``strict=True``.
+"""The 8-bit layers of ``bitsandbytes.nn`` on tightfit: ``Linear8bitLt`` and
+``Embedding8bit``, whose weight is an ``Int8Params`` (``_params``), with bitsandbytes'
+constructor arguments, attributes and state dict layout (``weight`` int8, ``SCB``
+float32, ``weight_format`` 0), so code written for it works by changing the import and
+checkpoints load both ways with ``strict=True``.
 
 As in bitsandbytes, a layer holds its float weight until ``.to(device)`` (``.cpu()``,
 ``.cuda()``) quantizes it (unless ``has_fp16_weights``). The weight parameter is the

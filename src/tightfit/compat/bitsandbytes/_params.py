@@ -25,7 +25,9 @@ __all__ = ["Int8Params", "Params4bit"]
 _FLOAT_CASTS = (torch.Tensor.half, torch.Tensor.float, torch.Tensor.bfloat16, torch.Tensor.double)
 
 
-def _check_format(blocksize: object, compress_statistics: object, quant_type: object, quant_storage: object) -> None:
+def check_4bit_format(
+    blocksize: object, compress_statistics: object, quant_type: object, quant_storage: object
+) -> None:
     check_blocksize(blocksize, BLOCKSIZES_4BIT)
     if compress_statistics is not None:  # bitsandbytes' embeddings pass None for "no"
         check_type("compress_statistics", compress_statistics, bool)
@@ -44,8 +46,8 @@ def _rebuild(cls: type[_QuantizedParameter], state: dict[str, Any]) -> _Quantize
 class _QuantizedParameter(nn.Parameter):
     """What both parameter classes do, as bitsandbytes' do: ``.cpu()``, ``.cuda()`` and
     ``.xpu()`` are moves through ``.to()`` (so the first one quantizes), and copies and
-    pickles keep the class and the fields named in ``_FIELDS`` (``nn.Parameter``'s own
-    reduction would give a plain Parameter)."""
+    ``copy.copy`` and pickles keep the class and the fields named in ``_FIELDS``
+    (``nn.Parameter``'s own reduction would give a plain Parameter)."""
 
     #: What it carries besides its data and ``requires_grad`` (its ``__dict__``).
     _FIELDS: tuple[str, ...] = ()
@@ -106,6 +108,16 @@ class Params4bit(_QuantizedParameter):
     parameter with ``Params4bit(value, **old.__dict__)``.
     """
 
+    _FIELDS = (
+        "blocksize",
+        "compress_statistics",
+        "quant_type",
+        "quant_state",
+        "quant_storage",
+        "bnb_quantized",
+        "module",
+    )
+
     def __new__(
         cls,
         data: torch.Tensor | None = None,
@@ -122,7 +134,7 @@ class Params4bit(_QuantizedParameter):
         data = torch.empty(0) if data is None else data
         check_type("data", data, torch.Tensor)
         blocksize = 64 if blocksize is None else blocksize
-        _check_format(blocksize, compress_statistics, quant_type, quant_storage)
+        check_4bit_format(blocksize, compress_statistics, quant_type, quant_storage)
         check_type("requires_grad", requires_grad, bool)
         check_type("bnb_quantized", bnb_quantized, bool)
         if quant_state is not None:
@@ -140,16 +152,6 @@ class Params4bit(_QuantizedParameter):
         self.bnb_quantized = bnb_quantized
         self.module = module
         return self
-
-    _FIELDS = (
-        "blocksize",
-        "compress_statistics",
-        "quant_type",
-        "quant_state",
-        "quant_storage",
-        "bnb_quantized",
-        "module",
-    )
 
     absmax = _state_field("absmax", lambda state: state.absmax)
     code = _state_field("code", lambda state: state.code)
@@ -197,8 +199,17 @@ class Params4bit(_QuantizedParameter):
         if state.quant_type is None:
             raise ValueError("quantized_stats describe an 8-bit blockwise state; accepted: an nf4 or fp4 state")
         packed = checks.packed_4bit("data", data, tuple(state.shape))
-        self = cls(
-            packed.to(device),
+        self = cls._from_packed(packed.to(device), state, requires_grad, module)
+        self._publish(state)
+        return self
+
+    @classmethod
+    def _from_packed(
+        cls, packed: torch.Tensor, state: QuantState, requires_grad: bool = False, module: nn.Module | None = None
+    ) -> Params4bit:
+        """A quantized weight of packed codes already checked against their 4-bit ``state``."""
+        return cls(
+            packed,
             requires_grad=requires_grad,
             quant_state=state,
             blocksize=state.blocksize,
@@ -208,8 +219,6 @@ class Params4bit(_QuantizedParameter):
             module=module,
             bnb_quantized=True,
         )
-        self._publish(state)
-        return self
 
     def _publish(self, state: QuantState | None) -> None:
         """Set the quant state here and on the owning layer (which keeps it for
@@ -274,6 +283,8 @@ class Int8Params(_QuantizedParameter):
     parameter's ``__dict__``); ``requires_grad`` applies to float data only (int8 has no
     gradient)."""
 
+    _FIELDS = ("CB", "SCB", "has_fp16_weights")
+
     def __new__(
         cls,
         data: torch.Tensor | None = None,
@@ -294,8 +305,6 @@ class Int8Params(_QuantizedParameter):
         obj.SCB = SCB
         obj.has_fp16_weights = has_fp16_weights
         return obj
-
-    _FIELDS = ("CB", "SCB", "has_fp16_weights")
 
     def _quantize(self, device: torch.device | str | None) -> Int8Params:
         """Quantize in place (on ``device``); with ``has_fp16_weights`` only move."""
@@ -330,6 +339,7 @@ class Int8Params(_QuantizedParameter):
         return moved
 
     def __deepcopy__(self, memo: dict) -> Int8Params:
+        """An Int8Params again, with its own copy of the codes and the scales."""
         new = type(self)(
             copy.deepcopy(self.data, memo),
             self.requires_grad,
