@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from tightfit.fitting.outliers import assumed_outliers
-from tightfit.hooks.casting import dtype_deciders
+from tightfit.hooks._units import compile_patterns
+from tightfit.hooks.casting import dtype_deciders, model_pins
 from tightfit.memory import tensor_bytes
 from tightfit.quant import StorageFormat, layer_stack, storage_format, storage_formats
 from tightfit.quant.layers import largest_repeated_list
@@ -202,10 +203,14 @@ def find_units(model: nn.Module) -> list[Unit]:
     offloading one hooks their common parent, which must not hold offloaded units yet.
     A unit that holds a tensor some module outside it holds too stays as it is (a layer
     tied to something else, a tensor a norm shares); the tensor counts in the first unit
-    that holds it.
+    that holds it. A leaf the model pins to full precision (diffusers'
+    ``_keep_in_fp32_modules`` and ``_skip_layerwise_casting_patterns``, searched in
+    qualified names as layerwise casting does) is not one of its unit's leaves: its weight
+    keeps its dtype, wherever the unit is placed.
     """
     owners = _owners(model)
     deciders = dtype_deciders(model)  # model.dtype reads them: layerwise casting leaves them as they are
+    pins = compile_patterns("pins", model_pins(model))
     units, covered = [], {}
     for members in _tied_groups(_groups(model)):
         name, kind, _ = members[0]
@@ -226,6 +231,7 @@ def find_units(model: nn.Module) -> list[Unit]:
             for leaf_name, leaf in module.named_modules()
             if type(leaf) in (nn.Linear, nn.Embedding)
         ]
+        leaves = [(leaf_name, leaf) for leaf_name, leaf in leaves if not any(pin.search(leaf_name) for pin in pins)]
         weights = tuple(
             (leaf_name, type(leaf).__name__, tuple(leaf.weight.shape), leaf.weight.dtype) for leaf_name, leaf in leaves
         )
