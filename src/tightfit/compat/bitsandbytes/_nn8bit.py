@@ -54,6 +54,8 @@ def _check_weight_format(name: str, value: object) -> None:
 
 
 def _quantized(weight: torch.Tensor, device: torch.device) -> Int8Params:
+    """A new quantized weight from a float one that is no ``Int8Params`` to quantize in place
+    (a checkpoint's entry, a plain parameter set on the layer)."""
     CB, SCB = quantize_weight(weight.to(device))
     return Int8Params(CB, False, has_fp16_weights=False, CB=CB, SCB=SCB)
 
@@ -87,7 +89,9 @@ class _Int8Weight(nn.Module):
         device = entry.device if replace and isinstance(entry, torch.Tensor) else self.weight.device
         return share, device
 
-    def _int8_entries(self, prefix: str, entries: dict[str, Any], shape: tuple[int, int], device, share: bool):
+    def _int8_entries(
+        self, prefix: str, entries: dict[str, Any], shape: tuple[int, int], device: torch.device, share: bool
+    ) -> Int8Params:
         """An int8 weight and its row scales from a checkpoint (D9), as an ``Int8Params``."""
         weight = checks.exact_tensor(prefix + "weight", entries["weight"], torch.int8, shape).to(device, copy=not share)
         scales = checks.scales(prefix + "SCB", entries["SCB"], shape[0]).to(device, copy=not share)
