@@ -65,3 +65,24 @@ def test_diffusers_wan_pins_its_condition_embedder():
     embedders = [unit for name, unit in units.items() if name.startswith("condition_embedder.")]
     assert len(embedders) == 5 and all(unit.weights == () for unit in embedders)
     assert len(units["blocks.0"].weights) == 10  # attention and feed-forward stay the planner's to choose
+
+
+def test_a_fitted_diffusers_model_reads_its_compute_dtype_where_float8_is_stored():
+    diffusers = pytest.importorskip("diffusers")
+    from diffusers.models.modeling_utils import get_parameter_dtype
+
+    model = diffusers.WanTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=16,
+        freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32,
+    )  # fmt: skip
+    inputs = {
+        "hidden_states": torch.randn(1, 4, 1, 4, 4),
+        "timestep": torch.tensor([10]),
+        "encoder_hidden_states": torch.randn(1, 3, 16),
+    }
+    full = tightfit.fit(model, inputs, 1 << 40, calibration=figures()).full_peak_bytes
+    plan = tightfit.fit(model, inputs, int(full * 0.8), calibration=figures(), allow="keep,float8,device")
+    plan.apply(model)
+    attention = model.blocks[0].attn1
+    assert attention.to_q.weight.dtype == torch.float8_e4m3fn  # stored so, leaf by leaf
+    assert get_parameter_dtype(attention) == torch.float32  # what the diffusers code casts activations to

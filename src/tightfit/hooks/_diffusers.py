@@ -18,6 +18,9 @@ nothing in the forward; tightfit never imports diffusers, and other models get n
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from types import SimpleNamespace
 from typing import Any
 
@@ -74,8 +77,27 @@ class _StandIn:
         return module
 
 
+#: Set by :func:`within`: whether hooks applied now get stand-ins, decided for the whole model.
+_WITHIN: ContextVar[bool | None] = ContextVar("tightfit_diffusers_within", default=None)
+
+
+@contextmanager
+def within(model: nn.Module) -> Iterator[None]:
+    """Hooks applied to parts of ``model`` meanwhile (the storage catalogue casts leaf by
+    leaf, each leaf its own root) get stand-ins as hooks applied to ``model`` would."""
+    token = _WITHIN.set(wanted(model))
+    try:
+        yield
+    finally:
+        _WITHIN.reset(token)
+
+
 def wanted(root: nn.Module) -> bool:
-    """Whether hooks applied to ``root`` get stand-ins: diffusers is loaded and ``root`` holds a diffusers module."""
+    """Whether hooks applied to ``root`` get stand-ins: diffusers is loaded and ``root``
+    (or the model :func:`within` names) holds a diffusers module."""
+    decided = _WITHIN.get()
+    if decided is not None:
+        return decided
     return "diffusers.hooks.hooks" in sys.modules and any(
         type(module).__module__.startswith("diffusers.") for module in root.modules()
     )

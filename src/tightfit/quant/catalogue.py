@@ -24,6 +24,7 @@ from torch import nn
 
 from tightfit import ops
 from tightfit._validate import check_type
+from tightfit.hooks import _diffusers
 from tightfit.hooks.casting import apply_layerwise_casting, dtype_deciders
 from tightfit.quant.config import (
     Blockwise8Config,
@@ -165,8 +166,9 @@ def _float8_apply(model: nn.Module, leaves: frozenset[str]) -> None:
     for name, module in chosen:
         if id(module.weight) in deciders:
             raise ValueError(f"{name}.weight is what model.dtype reads; float8 storage would change that dtype")
-    for _, module in chosen:
-        apply_layerwise_casting(module, FLOAT8_DTYPE, module.weight.dtype, granularity="model", skip=())
+    with _diffusers.within(model):  # a diffusers model's get_parameter_dtype sees the compute dtype
+        for _, module in chosen:
+            apply_layerwise_casting(module, FLOAT8_DTYPE, module.weight.dtype, granularity="model", skip=())
 
 
 def _float8_convert_bytes(shape: Shape, dtype: torch.dtype) -> int:
