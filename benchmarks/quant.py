@@ -5,9 +5,11 @@ measured side by side in one run.
 Each figure is in milliseconds: on the CPU the best of ``--repeat`` runs; on an
 accelerator the median over ``--repeat`` device-timed rounds of 10 calls each. "x bnb" is
 bitsandbytes' time over tightfit's; "of copy" is the copy's time over tightfit's
-(100% = memory speed).
+(100% = memory speed). The int8 rows (LLM.int8()'s ops) are timed differently on the CPU,
+where they are compute-bound and a shared machine's load drifts: tightfit, bitsandbytes
+and the copy run in turn, round after round, and each figure is the median of its rounds.
 
-Run: python benchmarks/quant.py [--device cuda] [--numel N] [--repeat R]
+Run: python benchmarks/quant.py [--device cuda] [--numel N] [--repeat R] [--only int8|blockwise]
 """
 
 from __future__ import annotations
@@ -56,6 +58,19 @@ def device_ms(fn, repeat: int, device: torch.device, calls: int = 10) -> float:
     return statistics.median(rounds)
 
 
+def alternating_ms(fns, repeat: int) -> list[float]:
+    """Median ms of each of ``fns``, run in turn each round so that load drifts hit all alike."""
+    for fn in fns:
+        fn()
+    rounds = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, times in zip(fns, rounds, strict=True):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return [statistics.median(times) * 1e3 for times in rounds]
+
+
 def copy_ms(nbytes: int, timer) -> float:
     source = torch.ones(max(nbytes // 2, 1), dtype=torch.uint8, device=DEVICE)  # read half, write half
     target = torch.empty_like(source)
@@ -70,6 +85,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, ... (default cpu)")
     parser.add_argument("--numel", type=int, default=16 * 1024 * 1024)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--only", choices=("int8", "blockwise"), help="one group of rows (default both)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     global DEVICE
@@ -87,6 +103,13 @@ def main() -> None:
     header = f"{'op':<40}{'tightfit ms':>12}{'bnb ms':>10}{'copy ms':>10}{'x bnb':>8}{'of copy':>9}"
     print(header)
     print("-" * len(header))
+    if args.only != "int8":
+        blockwise_rows(n, timer)
+    if args.only != "blockwise":
+        int8_rows(timer, args.repeat)
+
+
+def blockwise_rows(n: int, timer) -> None:
     if bnb:  # built once: making them is slower than some of the ops timed
         dynamic, nf4 = bnb.create_dynamic_map().to(DEVICE), bnb.get_4bit_type("nf4", DEVICE)
     for dtype in (torch.float32, torch.bfloat16):
@@ -166,10 +189,62 @@ def main() -> None:
         for name, nbytes, ours, theirs in rows:
             ours_ms = timer(ours)
             theirs_ms = timer(theirs) if theirs else float("nan")
-            roof_ms = copy_ms(nbytes, timer)
-            print(
-                f"{name:<40}{ours_ms:>12.2f}{theirs_ms:>10.2f}{roof_ms:>10.2f}{theirs_ms / ours_ms:>7.1f}x{roof_ms / ours_ms:>9.0%}"
+            print_row(name, ours_ms, theirs_ms, copy_ms(nbytes, timer))
+
+
+def print_row(name: str, ours_ms: float, theirs_ms: float, roof_ms: float) -> None:
+    print(
+        f"{name:<40}{ours_ms:>12.2f}{theirs_ms:>10.2f}{roof_ms:>10.2f}{theirs_ms / ours_ms:>7.2f}x{roof_ms / ours_ms:>9.0%}"
+    )
+
+
+def int8_rows(timer, repeat: int) -> None:
+    """LLM.int8()'s ops on row-wise quantized normal data: the matmul at issue 15's shapes
+    (A rows x K @ B N x K), one decoding token and a batch at width 4096; quantizing the
+    input and dequantizing the product at the first shape."""
+    generator = torch.Generator().manual_seed(2)
+
+    def quantized(rows: int, cols: int) -> torch.Tensor:
+        return ops.int8_vectorwise_quant(torch.randn(rows, cols, generator=generator).to(DEVICE))[0]
+
+    rows = []
+    for M, K, N in ((1024, 512, 512), (4096, 499, 512), (1, 4096, 4096), (64, 4096, 4096)):
+        A, B = quantized(M, K), quantized(N, K)
+        rows.append(
+            (
+                f"int8_linear_matmul {M}x{K} @ {N}x{K}",
+                M * K + N * K + 4 * M * N,
+                functools.partial(ops.int8_linear_matmul, A, B),
+                functools.partial(bnb.int8_linear_matmul, A, B) if bnb else None,
             )
+        )
+    M, N = 1024, 512
+    X = torch.randn(M, N, generator=generator).to(DEVICE)
+    product = torch.randint(-(1 << 20), 1 << 20, (M, N), generator=generator, dtype=torch.int32).to(DEVICE)
+    row_stats, col_stats = torch.rand(M).to(DEVICE), torch.rand(N).to(DEVICE)
+    rows += [
+        (
+            f"int8_vectorwise_quant {M}x{N} float32",
+            5 * M * N,
+            functools.partial(ops.int8_vectorwise_quant, X),
+            functools.partial(bnb.int8_vectorwise_quant, X) if bnb else None,
+        ),
+        (
+            f"int8_mm_dequant {M}x{N} -> float16",
+            6 * M * N,
+            functools.partial(ops.int8_mm_dequant, product, row_stats, col_stats),
+            functools.partial(bnb.int8_mm_dequant, product, row_stats, col_stats) if bnb else None,
+        ),
+    ]
+    for name, nbytes, ours, theirs in rows:
+        source = torch.ones(max(nbytes // 2, 1), dtype=torch.uint8, device=DEVICE)
+        target = torch.empty_like(source)
+        fns = [ours, functools.partial(target.copy_, source)] + ([theirs] if theirs else [])
+        if DEVICE.type == "cpu":
+            times = alternating_ms(fns, max(repeat, 15))
+        else:
+            times = [timer(fn) for fn in fns]
+        print_row(name, times[0], times[2] if theirs else float("nan"), times[1])
 
 
 if __name__ == "__main__":
