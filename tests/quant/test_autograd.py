@@ -4,6 +4,7 @@ dequantized weight would give, eagerly and under torch.compile."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 import tightfit.ops
+from tightfit.memory import LiveTensorBytes, tensor_bytes
 from tightfit.quant.modules import Linear4bit, Linear8bit, LinearInt8
 
 LAYERS = {
@@ -191,3 +193,136 @@ def test_opcheck_with_autograd(op, args):
 def test_int8_linear_refuses_bad_arguments(args, match):
     with pytest.raises(ValueError, match=match):
         tightfit.ops.int8_linear(*args)
+
+
+# -- what autograd keeps between the forward and the backward -------------------------------
+
+SAVING = {
+    "nf4": lambda linear: Linear4bit.from_linear(linear, quant_type="nf4"),
+    "nf4 nested": lambda linear: Linear4bit.from_linear(linear, quant_type="nf4", compress_statistics=True),
+    "fp4": lambda linear: Linear4bit.from_linear(linear, quant_type="fp4"),
+    "8bit": lambda linear: Linear8bit.from_linear(linear, blocksize=256),
+    "8bit nested": lambda linear: Linear8bit.from_linear(linear, blocksize=256, nested=True),
+}
+
+
+def _saved_storages(fn) -> tuple[object, list[torch.Tensor]]:
+    """``fn()``'s result and every tensor autograd saved for its backward."""
+    saved = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = fn()
+    return result, saved
+
+
+def _held(layer: nn.Module, x: torch.Tensor) -> int:
+    """The most a backward may keep: the codes, the scales and maps of their state, and the input."""
+    return tensor_bytes([layer.weight, *layer.quant_state.tensors()]) + tensor_bytes([x])
+
+
+@pytest.mark.parametrize("kind", sorted(SAVING))
+@pytest.mark.parametrize("rows", [2, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_backward_keeps_the_codes_not_the_decoded_weight(kind, rows, dtype):
+    torch.manual_seed(0)
+    layer = SAVING[kind](nn.Linear(256, 128))
+    layer.bias.requires_grad_(True)
+    x = torch.randn(rows, 256, dtype=dtype, requires_grad=True)
+    out, saved = _saved_storages(lambda: layer(x))
+    assert tensor_bytes(saved) <= _held(layer, x)
+    assert tensor_bytes(saved) < 128 * 256 * dtype.itemsize  # the decoded weight
+    assert all(tensor.shape != (128, 256) or tensor.dtype == torch.uint8 for tensor in saved)
+    out.backward(torch.ones_like(out))
+    assert x.grad is not None and layer.bias.grad is not None
+
+
+@pytest.mark.parametrize("kind", sorted(SAVING))
+@pytest.mark.parametrize("shape", [(5, 64), (2, 3, 64), (2, 1, 3, 64), (0, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_are_bit_equal_to_a_linear_on_the_decoded_weight(kind, shape, dtype):
+    """What the forward computed before it kept only the codes: ``F.linear`` on the decoded weight."""
+    torch.manual_seed(0)
+    layer = SAVING[kind](nn.Linear(64, 48))
+    layer.bias.requires_grad_(True)
+    x, grad = torch.randn(shape, dtype=dtype), torch.randn(*shape[:-1], 48, dtype=dtype)
+    results = []
+    for forward in (layer, lambda x: torch.nn.functional.linear(x, layer.dequantize().to(dtype), layer.bias.to(dtype))):
+        inputs = x.clone().requires_grad_(True)
+        layer.bias.grad = None
+        out = forward(inputs)
+        out.backward(grad)
+        results.append((out, inputs.grad, layer.bias.grad))
+    for got, expected in zip(*results, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", sorted(SAVING))
+def test_without_gradients_the_forward_is_the_plain_one(kind):
+    layer = SAVING[kind](nn.Linear(64, 48))
+    x = torch.randn(4, 64)
+    expected = torch.nn.functional.linear(x, layer.dequantize(), layer.bias)
+    for context in (torch.no_grad(), torch.inference_mode(), contextlib.nullcontext()):
+        with context:
+            out, saved = _saved_storages(lambda: layer(x))
+        assert out.grad_fn is None and saved == []
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_a_qlora_forward_leaves_no_decoded_weight_alive():
+    """Four frozen NF4 / 8-bit layers with adapters: what the forward leaves alive for the
+    backward (counted by tightfit.memory's tracker) is activations, less than one decoded weight."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *(LoRA(SAVING[kind](nn.Linear(256, 256)), 256, 256) for kind in ("nf4", "8bit", "nf4 nested", "fp4"))
+    )
+    x = torch.randn(8, 256, requires_grad=True)
+    with LiveTensorBytes() as tracker:
+        out = model(x)
+        held = tracker.current
+        out.sum().backward()
+    assert held < 256 * 256 * 4 // 2
+    assert all(layer.A.grad is not None for layer in model)
+
+
+def test_compiled_backward_keeps_the_codes_not_the_decoded_weight():
+    """Under torch.compile the forward's decode and the backward's stay two (the common-
+    subexpression pass would merge them and keep the decoded weight alive); no graph break."""
+    torch.manual_seed(0)
+    layers = [SAVING[kind](nn.Linear(256, 256)) for kind in ("nf4", "8bit", "nf4 nested")]
+    model = nn.Sequential(*layers)
+    x = torch.randn(16, 256, requires_grad=True)
+    eager_out, eager_saved = _saved_storages(lambda: model(x))
+    compiled = torch.compile(model, fullgraph=True)
+    out, saved = _saved_storages(lambda: compiled(x))
+    decoded = [tensor for tensor in saved if tensor.shape == (256, 256) and tensor.is_floating_point()]
+    assert decoded == []
+    state = [tensor for layer in layers for tensor in layer.quant_state.tensors()]
+    held = tensor_bytes([*eager_saved, *state, x])
+    assert tensor_bytes(saved) <= held + 256 * 256 // 64 * 4  # a nested state's absmax may be kept decoded
+    out.backward(torch.ones_like(out))
+    compiled_grad = x.grad.clone()
+    x.grad = None
+    eager_out.backward(torch.ones_like(eager_out))
+    torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(compiled_grad, x.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_bitsandbytes_compat_layer_keeps_the_codes():
+    """``tightfit.compat.bitsandbytes.nn.Linear4bit`` calls ``matmul_4bit``, so it saves the codes too."""
+    import tightfit.compat.bitsandbytes as tnb
+
+    torch.manual_seed(0)
+    source = nn.Linear(256, 128)
+    layer = tnb.nn.Linear4bit(256, 128, quant_type="nf4")
+    layer.load_state_dict(source.state_dict())
+    layer = layer.to("cpu")
+    x = torch.randn(16, 256, requires_grad=True)
+    out, saved = _saved_storages(lambda: layer(x))
+    state = layer.weight.quant_state
+    assert tensor_bytes(saved) <= tensor_bytes([layer.weight.data, *state.tensors(), x]) < 128 * 256 * 4
+    out.sum().backward()
+    assert x.grad is not None

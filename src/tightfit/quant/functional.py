@@ -8,6 +8,8 @@ subtracted and the rest quantized to 8 bits in blocks of 256 (4-bit) or of
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tightfit import ops
@@ -273,6 +275,58 @@ def gemv_4bit(
     return _copy_into("out", out, result)
 
 
+def _decode(B: torch.Tensor, state: QuantState) -> torch.Tensor:
+    """The weight held by codes ``B`` and ``state``: 4-bit when the state names a quant_type, else 8-bit blockwise."""
+    return dequantize_4bit(B, state) if state.quant_type else dequantize_blockwise(B, state)
+
+
+def _linear(A: torch.Tensor, B: torch.Tensor, state: QuantState, bias: torch.Tensor | None) -> torch.Tensor:
+    """``A @ decode(B).T + bias`` in ``A``'s dtype, the decoded weight dropped at the end."""
+    weight = _decode(B, state).to(A.dtype)
+    return torch.nn.functional.linear(A, weight, None if bias is None else bias.to(A.dtype))
+
+
+class _LinearDecodedTwice(torch.autograd.Function):
+    """``A @ decode(B).T + bias`` that saves the codes, not the decoded weight, for the
+    backward and decodes them again there, as bitsandbytes' ``MatMul4Bit`` does: in a
+    QLoRA fine-tune every layer's full-precision weight would otherwise stay alive from
+    its forward to its backward. Gradients for ``A`` and ``bias``; the weight is frozen."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, A: torch.Tensor, B: torch.Tensor, bias: torch.Tensor | None, state: QuantState
+    ) -> torch.Tensor:
+        ctx.save_for_backward(B)
+        ctx.state = state
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.in_features = A.shape[-1]
+        return _linear(A, B, state, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None, None]:
+        (B,) = ctx.saved_tensors
+        grad_A = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            # Decoded from a flat view of the codes: torch.compile's common-subexpression pass
+            # would otherwise merge this decode with the forward's and keep that weight alive.
+            weight = _decode(B.reshape(-1), ctx.state).view(grad.shape[-1], ctx.in_features)
+            grad_A = grad.matmul(weight.to(grad.dtype))
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
+        return grad_A, None, grad_bias, None
+
+
+def _decoded_linear(
+    A: torch.Tensor, B: torch.Tensor, state: QuantState, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``A @ decode(B).T + bias`` in ``A``'s dtype for 4-bit or 8-bit blockwise codes ``B``
+    (the quantized layers' forward). Without gradients the decoded weight is
+    dropped after the matmul; with them only the codes wait for the backward."""
+    if torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad)):
+        return _LinearDecodedTwice.apply(A, B, bias, state)
+    return _linear(A, B, state, bias)
+
+
 def matmul_4bit(
     A: torch.Tensor,
     B: torch.Tensor,
@@ -282,7 +336,7 @@ def matmul_4bit(
 ) -> torch.Tensor:
     """``A @ dequantize(B).T + bias`` in ``A``'s dtype. One token at a time (decode) runs
     the fused kernel and never holds the decoded weight; larger batches decode the weight
-    once and use torch's matmul."""
+    per call and use torch's matmul; for the backward they keep the codes, not the weight."""
     state = _check_4bit_weight_state(quant_state)
     check_type("A", A, torch.Tensor)
     single_token = A.dim() > 0 and A.numel() == A.shape[-1]
@@ -291,6 +345,5 @@ def matmul_4bit(
         if bias is not None:  # rounded once, as torch.compile computes it (it fuses a cast of the bias into the add)
             result = (result + bias).to(A.dtype)
     else:
-        weight = dequantize_4bit(B, state).to(A.dtype)
-        result = torch.nn.functional.linear(A, weight, None if bias is None else bias.to(A.dtype))
+        result = _decoded_linear(A, B, state, bias)
     return _copy_into("out", out, result)

@@ -140,9 +140,7 @@ class QuantizedLinear(_CheckedLoading):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.in_features)
-        weight = self.dequantize().to(x.dtype)
-        bias = self.bias.to(x.dtype) if self.bias is not None else None
-        return torch.nn.functional.linear(x, weight, bias)
+        return F._decoded_linear(x, self.weight, self.quant_state, self.bias)
 
     @classmethod
     def transient_bytes(cls, shape: tuple[int, ...], rows: int, outliers: int, dtype: torch.dtype) -> int:
