@@ -240,6 +240,17 @@ def test_the_backward_keeps_the_codes_not_the_decoded_weight(kind, rows, dtype):
     assert x.grad is not None and layer.bias.grad is not None
 
 
+@pytest.mark.parametrize("rows", [2, 64])
+def test_int8_backward_keeps_the_int8_weight_and_its_scales(rows):
+    torch.manual_seed(0)
+    layer = LinearInt8.from_linear(nn.Linear(256, 128), threshold=6.0)
+    x = torch.randn(rows, 256, requires_grad=True)
+    out, saved = _saved_storages(lambda: layer(x))
+    assert tensor_bytes(saved) <= tensor_bytes([layer.weight, layer.SCB])
+    out.sum().backward()
+    assert x.grad is not None
+
+
 @pytest.mark.parametrize("kind", sorted(SAVING))
 @pytest.mark.parametrize("shape", [(5, 64), (2, 3, 64), (2, 1, 3, 64), (0, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
