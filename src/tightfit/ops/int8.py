@@ -210,6 +210,13 @@ register_kernel("int8_vectorwise_quant", "cpu", _vectorwise_reference, label="ve
 register_kernel("int8_mm_dequant", "cpu", _mm_dequant_reference, label="vectorized torch")
 
 
+def _all_finite(A: torch.Tensor) -> bool:
+    """Whether ``A`` holds no NaN or inf: its min and max in one pass (NaN propagates into
+    both), without the full-size boolean mask ``isfinite`` builds, which cost more than the op."""
+    low, high = torch.aminmax(A)
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
 def int8_vectorwise_quant(
     A: torch.Tensor, threshold: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -218,7 +225,7 @@ def int8_vectorwise_quant(
     (``outlier_cols`` lists them; None when ``threshold`` is 0). ``A`` is not modified."""
     threshold = check_non_negative_number("threshold", threshold)
     _check_vectorwise(A, threshold)
-    if not torch.compiler.is_compiling() and A.numel() and not bool(torch.isfinite(A).all()):
+    if not torch.compiler.is_compiling() and A.numel() and not _all_finite(A):
         raise ValueError("A has NaN or inf values; int8 quantization needs finite values")
     q, row_stats, cols = _VECTORWISE(A, float(threshold))
     return q, row_stats, (cols if threshold > 0.0 else None)
