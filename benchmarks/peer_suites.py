@@ -344,6 +344,7 @@ def main() -> None:
         shutil.copytree(args.bnb_tests, root / "tests", ignore=shutil.ignore_patterns("__pycache__"))
         (root / "conftest.py").write_text(CONFTEST)
         (root / "pytest.ini").write_text(PYTEST_INI)
+        kept = "" if args.keep is None else f"; records in {args.keep.resolve()}"
         args.keep = (args.keep or root / "out").resolve()
         env = dict(os.environ, BNB_TEST_DEVICE="cpu", PYTHONDONTWRITEBYTECODE="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
@@ -370,7 +371,7 @@ def main() -> None:
                     failures[categorize(record)].append((i, (record or {}).get("message", "")))
             rows.append((name, run["collected"], len(ids), len(passed), len(both), len(extra), real_s, shim_s))
 
-    print(f"\nbitsandbytes tests on the CPU, per-test limit {args.timeout} s; records in {args.keep}")
+    print(f"\nbitsandbytes tests on the CPU, per-test limit {args.timeout} s{kept}")
     head = ("file", "collected", "run", "real passes", "tightfit too", "tightfit only", "real s", "tightfit s")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for name, collected, run, passed, both, extra, real_s, shim_s in rows:
