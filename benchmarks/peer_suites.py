@@ -9,6 +9,7 @@ library passes and how many of those tightfit passes too, and groups the rest by
 The shim only renames; no bitsandbytes code runs under it. Its adapters:
   bitsandbytes, .nn, .functional   -> tightfit.compat.bitsandbytes, .nn, .functional
   bitsandbytes.nn.modules          -> tightfit.compat.bitsandbytes.nn (where bnb's classes live)
+  bitsandbytes.nn.parametrize      -> tightfit.compat.bitsandbytes.nn.parametrize
   bitsandbytes.cextension          -> a module holding HIP_ENVIRONMENT = False (tests/helpers.py
                                       imports it; the real value on a CPU machine)
   torch.ops.bitsandbytes           -> torch.ops.tightfit (the op namespace)
@@ -77,6 +78,7 @@ if _SHIM:
     import torch
 
     import tightfit.compat.bitsandbytes as _tf
+    import tightfit.compat.bitsandbytes.nn.parametrize as _tf_parametrize
 
     class _Renamed(types.ModuleType):
         """A tightfit module under bitsandbytes' name, with the submodules bnb's tests reach."""
@@ -91,12 +93,13 @@ if _SHIM:
 
     _cext = types.ModuleType("bitsandbytes.cextension")
     _cext.HIP_ENVIRONMENT = False
-    _nn = _Renamed("bitsandbytes.nn", _tf.nn, modules=_tf.nn)
+    _nn = _Renamed("bitsandbytes.nn", _tf.nn, modules=_tf.nn, parametrize=_tf_parametrize)
     _root = _Renamed("bitsandbytes", _tf, nn=_nn, functional=_tf.functional, cextension=_cext)
     _ALIASES = {
         "bitsandbytes": _root,
         "bitsandbytes.nn": _nn,
         "bitsandbytes.nn.modules": _tf.nn,
+        "bitsandbytes.nn.parametrize": _tf_parametrize,
         "bitsandbytes.functional": _tf.functional,
         "bitsandbytes.cextension": _cext,
     }

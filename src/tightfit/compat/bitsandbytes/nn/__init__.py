@@ -1,5 +1,6 @@
 """``bitsandbytes.nn`` on tightfit: ``import tightfit.compat.bitsandbytes.nn as nn`` (or
-``from tightfit.compat.bitsandbytes.nn import Linear4bit``) in place of bitsandbytes'."""
+``from tightfit.compat.bitsandbytes.nn import Linear4bit``) in place of bitsandbytes'. As there,
+the submodule :mod:`.parametrize` (4-bit storage for any parameter) is imported by name."""
 
 from tightfit.compat.bitsandbytes._nn4bit import (
     Embedding4bit,
