@@ -29,14 +29,28 @@ PACKED_KEY_PREFIX = "quant_state.bitsandbytes__"
 PACKED_KEY_8BIT = "quant_state.tightfit__blockwise8"
 
 
-@dataclass(frozen=True)
+def _same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Equal shape, dtype, device and values; a meta tensor has no values, so only itself."""
+    if a is None or b is None or a.device.type == "meta" or b.device.type == "meta":
+        return a is b
+    return (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device) and torch.equal(a, b)
+
+
+@dataclass(frozen=True, eq=False)
 class QuantState:
     """Scales and metadata of a blockwise-quantized tensor.
 
     ``absmax`` holds one scale per block; with double quantization (``state2`` set) it
     holds the 8-bit codes of ``absmax - offset`` and ``state2`` decodes them.
     ``quant_type`` is "nf4" / "fp4" for 4-bit, None for 8-bit.
+
+    ``==`` compares by value, as bitsandbytes' QuantState does (code written against it
+    compares a state with its reloaded copy): the fields equal and the tensors equal in
+    shape, dtype, device and every value, exactly (bitsandbytes allows 1e-6), so equal states
+    decode bit-equal. Therefore unhashable: equal states may hold different tensor objects.
     """
+
+    __hash__ = None  # type: ignore[assignment]
 
     absmax: torch.Tensor
     code: torch.Tensor
@@ -69,6 +83,18 @@ class QuantState:
             raise ValueError("QuantState.offset and QuantState.state2 go together (double quantization) or not at all")
         if self.state2 is not None and not isinstance(self.state2, QuantState):
             raise TypeError(f"QuantState.state2 must be a QuantState, got {type(self.state2).__name__}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, QuantState):
+            return NotImplemented
+        return (
+            (self.blocksize, self.dtype, self.shape, self.quant_type)
+            == (other.blocksize, other.dtype, other.shape, other.quant_type)
+            and _same_tensor(self.absmax, other.absmax)
+            and _same_tensor(self.code, other.code)
+            and _same_tensor(self.offset, other.offset)
+            and self.state2 == other.state2
+        )
 
     @property
     def nested(self) -> bool:
