@@ -5,6 +5,6 @@ kernel, module and hook behind them is tightfit's, dispatched on the tensor's de
 
 from tightfit.compat.bitsandbytes import functional, nn
 from tightfit.compat.bitsandbytes._autograd8bit import MatmulLtState, matmul
-from tightfit.quant.functional import matmul_4bit
+from tightfit.compat.bitsandbytes._matmul4bit import matmul_4bit
 
 __all__ = ["MatmulLtState", "functional", "matmul", "matmul_4bit", "nn"]

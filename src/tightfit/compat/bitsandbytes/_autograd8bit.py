@@ -83,6 +83,21 @@ def _check_state_weight(state: MatmulLtState, B: torch.Tensor) -> tuple[torch.Te
     return CB, SCB
 
 
+def _transposed_view_of(B: torch.Tensor, CB: object) -> bool:
+    """Whether ``B`` is ``CB.t()``: the same bytes read transposed, how bitsandbytes' callers
+    may pass the weight whose codes ``state.CB`` holds. A transposed copy is not accepted:
+    its layout could not be told from an (out x in) weight's when the weight is square."""
+    return (
+        isinstance(CB, torch.Tensor)
+        and CB.dim() == 2
+        and tuple(B.shape) == tuple(CB.shape)[::-1]
+        and B.stride() == CB.stride()[::-1]
+        and B.device == CB.device
+        and B.dtype == CB.dtype
+        and B.data_ptr() == CB.data_ptr()
+    )
+
+
 def matmul(
     A: torch.Tensor,
     B: torch.Tensor,
@@ -92,7 +107,8 @@ def matmul(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """LLM.int8() ``A @ B.T + bias`` for a weight ``B`` (out x in): int8 (its scales in
-    ``state.SCB`` or ``B.SCB``), or float, quantized into ``state.CB``/``state.SCB`` (once,
+    ``state.SCB`` or ``B.SCB``; ``B = state.CB.t()``, a view, means ``state.CB`` as in
+    bitsandbytes), or float, quantized into ``state.CB``/``state.SCB`` (once,
     or every call with ``state.has_fp16_weights``; then ``B`` gets a gradient). Input
     columns holding a value of magnitude >= ``threshold`` (> 0; it is stored in
     ``state``) are multiplied in ``A``'s dtype. Differentiable in ``A`` and ``bias``."""
@@ -105,14 +121,20 @@ def matmul(
         state.threshold = threshold
     if B.dim() != 2:
         raise ValueError(f"B must be a 2-D weight (out x in), got shape {tuple(B.shape)}")
+    transposed = B.dtype == torch.int8 and _transposed_view_of(B, state.CB)
     if out is not None:  # checked before any work, so a refused call writes nothing
-        check_out("out", out, (*A.shape[:-1], B.shape[0]), A.dtype, A)
+        check_out("out", out, (*A.shape[:-1], B.shape[1 if transposed else 0]), A.dtype, A)
     weight_grad = False
     if B.dtype == torch.int8:
         SCB = state.SCB if state.SCB is not None else getattr(B, "SCB", None)
         if SCB is None:
             raise ValueError("B is int8 but neither state.SCB nor B.SCB holds its row scales")
-        CB = B.detach()  # a plain tensor for the op, not the parameter subclass
+        CB = (state.CB if transposed else B).detach()  # a plain tensor for the op, not the parameter subclass
+        if A.dim() >= 1 and CB.shape[1] != A.shape[-1]:
+            raise ValueError(
+                f"B must be the int8 weight (out x {A.shape[-1]}) for A {tuple(A.shape)}, or state.CB.t() "
+                f"(a view of it), got {tuple(B.shape)}"
+            )
     elif B.dtype not in FLOAT_DTYPES:
         raise TypeError(f"B has dtype {B.dtype}; accepted: int8, float32, float16, bfloat16")
     elif state.has_fp16_weights or state.CB is None:

@@ -136,7 +136,7 @@ class Linear8bitLt(_Int8Weight, nn.Linear):
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        scales = self.weight.SCB
+        scales = getattr(self.weight, "SCB", None)  # None for a plain parameter set by hand (tied weights)
         if not self.state.has_fp16_weights and self.weight.dtype == torch.int8 and scales is not None:
             destination[prefix + "SCB"] = scales if keep_vars else scales.detach()
             destination[prefix + "weight_format"] = torch.tensor(0, dtype=torch.uint8)

@@ -37,6 +37,7 @@ __all__ = [
     "gemm_4bit",
     "gemv_4bit",
     "get_4bit_type",
+    "has_avx512bf16",
     "int8_linear_matmul",
     "int8_mm_dequant",
     "int8_scaled_mm",
@@ -181,6 +182,15 @@ def gemm_4bit(
     check_type("transposed_B", transposed_B, bool)
     check_out("out", out, _product_shape(A, transposed_A, state), A.dtype, A)
     return QF.matmul_4bit(A, B, state, out, bias)
+
+
+def has_avx512bf16() -> bool:
+    """Always False, whatever the CPU. bitsandbytes answers True where its native CPU library
+    repacks 4-bit weights into an AVX512-bf16 layout (``_convert_weight_packed_for_cpu``) and
+    computes fp16/fp32 inputs in bf16; its callers then take that path. tightfit does neither:
+    4-bit weights keep the portable packed layout on every device and no fp16/fp32 input is
+    cast to bf16, so the callers' portable path is the right one."""
+    return False
 
 
 def get_4bit_type(typename: str, device: torch.device | str | None = None, blocksize: int = 64) -> torch.Tensor:
