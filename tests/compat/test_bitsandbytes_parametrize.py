@@ -141,3 +141,13 @@ def test_refused_before_anything_changes():
     assert not P.is_parametrized(module)
     with pytest.raises(TypeError, match="quant_state"):
         tparametrize.Bnb4bitParametrization(state.as_dict())
+
+
+def test_a_two_element_weight_keeps_its_shape():
+    """bitsandbytes decodes it as (2, 1): its decode reads (1, n) codes as a transposed weight."""
+    layer = nn.Linear(2, 1)
+    expected = layer.weight.detach().clone()
+    tparametrize.replace_parameter_4bit(layer, "weight")
+    assert layer.weight.shape == (1, 2)
+    assert layer(torch.ones(3, 2)).shape == (3, 1)
+    assert (layer.weight - expected).abs().max() <= expected.abs().max() * 0.3

@@ -22,12 +22,16 @@ from torch import nn
 from tightfit._validate import check_type
 from tightfit.compat.bitsandbytes import functional as F
 from tightfit.ops._arg_checks import packed_bytes
+from tightfit.quant import functional as QF
 
 __all__ = ["Bnb4bitParametrization", "replace_parameter_4bit", "replace_parameter_4bit_prequantized"]
 
 
 class Bnb4bitParametrization(nn.Module):
-    """Decodes a parameter's packed 4-bit codes with ``quant_state`` (shape and dtype are the state's)."""
+    """Decodes a parameter's packed 4-bit codes with ``quant_state``, in the state's shape and
+    dtype. tightfit's decode, not the compat one: that (as bitsandbytes') reads codes shaped
+    (1, n) as a transposed weight, which turned a 2-element parameter such as
+    ``nn.Linear(2, 1).weight`` (codes (1, 1)) into shape (2, 1) in bitsandbytes."""
 
     def __init__(self, quant_state: F.QuantState) -> None:
         super().__init__()
@@ -36,7 +40,7 @@ class Bnb4bitParametrization(nn.Module):
 
     @torch.no_grad()
     def forward(self, quantized_param: torch.Tensor) -> torch.Tensor:
-        return F.dequantize_4bit(quantized_param, self.quant_state)
+        return QF.dequantize_4bit(quantized_param, self.quant_state)
 
 
 def _original_parameter(module: object, param_name: object) -> nn.Parameter:
