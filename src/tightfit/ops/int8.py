@@ -15,6 +15,7 @@ import torch
 from tightfit._validate import check_non_negative_number, check_same_device, check_type
 from tightfit.ops._arg_checks import FLOAT_DTYPES, check_dtype
 from tightfit.ops._cpu_int8 import linear_matmul_cpu
+from tightfit.ops._cpu_int8_rows import mm_dequant_cpu, vectorwise_quant_cpu
 from tightfit.ops._registry import Case, define_op, register_kernel
 
 __all__ = ["int8_linear_matmul", "int8_mm_dequant", "int8_vectorwise_dequant", "int8_vectorwise_quant"]
@@ -45,6 +46,14 @@ def _vectorwise_reference(A: torch.Tensor, threshold: float) -> tuple[torch.Tens
     if rows.shape[0] > 1 and outlier_cols.numel():
         q[:, outlier_cols] = 0
     return q.reshape(A.shape), row_stats, outlier_cols
+
+
+def _vectorwise_cpu(A: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One numba pass per row (see _cpu_int8_rows); the reference's bits."""
+    if A.numel() == 0:
+        return _vectorwise_reference(A, threshold)
+    q, row_stats, cols = vectorwise_quant_cpu(_rows(A), threshold, lambda: _vectorwise_reference(A, threshold))
+    return q.reshape(A.shape), row_stats, cols
 
 
 def _vectorwise_fake(A, threshold):
@@ -83,6 +92,19 @@ def _mm_dequant_reference(
     return out.to(dtype).reshape(A.shape)
 
 
+def _mm_dequant_cpu(
+    A: torch.Tensor, row_stats: torch.Tensor, col_stats: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """One numba pass over the product (see _cpu_int8_rows); the reference's bits."""
+    if A.numel() == 0:
+        return _mm_dequant_reference(A, row_stats, col_stats, dtype, bias)
+
+    def reference() -> torch.Tensor:
+        return _mm_dequant_reference(A, row_stats, col_stats, dtype, bias)
+
+    return mm_dequant_cpu(_rows(A), row_stats, col_stats, INV_127_SQUARED, dtype, bias, reference).reshape(A.shape)
+
+
 def _mm_dequant_fake(A, row_stats, col_stats, dtype, bias):
     return torch.empty(A.shape, dtype=dtype, device=A.device)
 
@@ -95,7 +117,13 @@ def _cases_vectorwise() -> list[Case]:
         Case(f"{dtype} t={t}", (A.to(dtype), t))
         for dtype in (torch.float32, torch.float16, torch.bfloat16)
         for t in (0.0, 6.0)
-    ] + [Case("zero row", (torch.cat([A[:2], torch.zeros(1, 64)]), 0.0))]
+    ] + [
+        Case("zero row", (torch.cat([A[:2], torch.zeros(1, 64)]), 0.0)),
+        # 6.01 is 6.0 in bfloat16: the threshold is compared in A's dtype
+        Case("bfloat16 on the threshold", (torch.full((3, 8), 6.0, dtype=torch.bfloat16), 6.01)),
+        Case("float16 subnormals", (torch.tensor([[1e-7, -3e-6, 6e-5, 0.0]], dtype=torch.float16), 0.0)),
+        Case("parallel rows", (torch.randn(512, 512, generator=generator) * 4, 6.0)),  # past PARALLEL_MIN
+    ]
 
 
 def _cases_matmul() -> list[Case]:
@@ -138,6 +166,27 @@ def _cases_dequant() -> list[Case]:
         )
         for dtype in (torch.float32, torch.float16, torch.bfloat16)
         for b in (False, True)
+    ] + [
+        # float16's subnormals and overflow to inf, a bias in the output's dtype
+        Case(
+            "float16 range",
+            (
+                A,
+                torch.tensor([1e-9, 1e-6, 1e-3, 1.0, 10.0, 1e3, 1e4, 1e5, 1e6]),
+                torch.rand(12, generator=generator) * 5,
+            )
+            + (torch.float16, torch.randn(12, generator=generator).half()),
+        ),
+        Case(
+            "parallel rows",  # past PARALLEL_MIN
+            (
+                torch.randint(-(1 << 24), 1 << 24, (512, 512), generator=generator, dtype=torch.int32),
+                torch.rand(512, generator=generator),
+                torch.rand(512, generator=generator),
+                torch.bfloat16,
+                torch.randn(512, generator=generator).bfloat16(),
+            ),
+        ),
     ]
 
 
@@ -206,8 +255,8 @@ _DEQUANT = define_op(
     "int8_mm_dequant", _mm_dequant_reference, fake=_mm_dequant_fake, cases=_cases_dequant, check=_check_dequant
 )
 register_kernel("int8_linear_matmul", "cpu", _linear_matmul_cpu, label="exact float GEMMs / numba")
-register_kernel("int8_vectorwise_quant", "cpu", _vectorwise_reference, label="vectorized torch")
-register_kernel("int8_mm_dequant", "cpu", _mm_dequant_reference, label="vectorized torch")
+register_kernel("int8_vectorwise_quant", "cpu", _vectorwise_cpu, label="numba, a pass per row")
+register_kernel("int8_mm_dequant", "cpu", _mm_dequant_cpu, label="numba, a pass per row")
 
 
 def _all_finite(A: torch.Tensor) -> bool:

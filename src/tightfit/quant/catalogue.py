@@ -26,6 +26,7 @@ from tightfit import ops
 from tightfit._validate import check_type
 from tightfit.hooks import _diffusers
 from tightfit.hooks.casting import apply_layerwise_casting, dtype_deciders
+from tightfit.ops import _cpu_int8_rows
 from tightfit.quant.config import (
     Blockwise8Config,
     FP4Config,
@@ -258,7 +259,10 @@ def _packing_scratch(shape: Shape, dtype: torch.dtype) -> int:
 
 
 def _int8_convert_bytes(shape: Shape, dtype: torch.dtype) -> int:
-    return math.prod(shape) * 7 + shape[0] * 4  # a float32 copy, the rounded codes, the outlier mask; the row scales
+    peak = _cpu_int8_rows.vectorwise_peak_bytes(shape[0], shape[1], 0)  # the numba kernel: its flags
+    if peak is None:  # the reference: a float32 copy, the rounded codes, the outlier mask; the row scales
+        return math.prod(shape) * 7 + shape[0] * 4
+    return peak - _rows_bytes(shape, dtype)
 
 
 def _rows_bytes(shape: Shape, dtype: torch.dtype) -> int:

@@ -19,7 +19,7 @@ from torch import nn
 
 from tightfit import ops
 from tightfit._validate import check_non_negative_number, check_type
-from tightfit.ops import _cpu_int8
+from tightfit.ops import _cpu_int8, _cpu_int8_rows
 from tightfit.ops._arg_checks import FLOAT_DTYPES, block_count
 from tightfit.quant import _checkpoint as checks
 from tightfit.quant import functional as F
@@ -336,13 +336,16 @@ class LinearInt8(_CheckedLoading):
         their buffers inside one op are counted too, though no per-op count of live tensors
         sees them.
 
-        1. ``int8_vectorwise_quant``: the input with outliers masked, the outlier mask, the
-           outlier indices, the row scales and their reciprocals, and scaling and rounding
-           in float32 (the input cast to float32 first where it is not).
+        1. ``int8_vectorwise_quant``: with numba, the codes, row scales, outlier indices and
+           the kernel's flags (``_cpu_int8_rows.vectorwise_peak_bytes``); without, the
+           reference's: the input with outliers masked, the outlier mask, the outlier
+           indices, the row scales and their reciprocals, and scaling and rounding in
+           float32 (the input cast to float32 first where it is not).
         2. ``int8_linear_matmul``, with the int8 input, row scales, outlier indices and int32
            product alive: its float scratch (``_cpu_int8.scratch_bytes``; none for few rows).
-        3. ``int8_mm_dequant``, with the same alive: the float32 outer product of the
-           scales, the product cast to float32 and the scaled result.
+        3. ``int8_mm_dequant``, with the same alive: with numba nothing but the output;
+           without, the float32 outer product of the scales, the product cast to float32
+           and the scaled result.
         4. Only with ``outliers`` input columns, with the same alive and the output: the
            larger of dequantizing those columns' weights (the int8 columns, them as float32,
            the scales / 127, the scaled columns) or adding them back (the columns in the
@@ -351,15 +354,19 @@ class LinearInt8(_CheckedLoading):
         out_features, in_features = shape
         itemsize = dtype.itemsize
         output = itemsize * rows * out_features
-        quantize = (itemsize + 9) * rows * in_features + 8 * rows + 8 * outliers - output
         held = rows * in_features + 4 * rows + 4 * rows * out_features + 8 * outliers
-        dequantize = 12 * rows * out_features - output
+        quantize = _cpu_int8_rows.vectorwise_peak_bytes(rows, in_features, outliers)
+        if quantize is None:  # the reference kernels
+            quantize = (itemsize + 9) * rows * in_features + 8 * rows + 8 * outliers
+            dequantize = 12 * rows * out_features - output
+        else:
+            dequantize = 0
         if outliers:
             weights = 9 * out_features * outliers + 4 * out_features
             add_back = itemsize * (out_features * outliers + rows * outliers) + output
             dequantize = max(dequantize, weights, add_back)
         matmul = _cpu_int8.scratch_bytes(rows, out_features, in_features) - output
-        return max(quantize, held + matmul, held + dequantize)
+        return max(quantize - output, held + matmul, held + dequantize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.in_features)
