@@ -55,12 +55,17 @@ def test_a_tight_plan_leaves_pinned_leaves_in_full_precision(allow, share):
     assert all(type(modules[leaf]) is not nn.Linear or modules[leaf].weight.dtype != torch.float32 for leaf in changed)
 
 
-def test_diffusers_wan_pins_its_condition_embedder():
+def tiny_wan() -> nn.Module:
+    """diffusers' Wan transformer from a tiny config: its condition embedder is pinned."""
     diffusers = pytest.importorskip("diffusers")
-    model = diffusers.WanTransformer3DModel(
+    return diffusers.WanTransformer3DModel(
         num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=16,
         freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32,
     )  # fmt: skip
+
+
+def test_diffusers_wan_pins_its_condition_embedder():
+    model = tiny_wan()
     units = {unit.name: unit for unit in find_units(model)}
     embedders = [unit for name, unit in units.items() if name.startswith("condition_embedder.")]
     assert len(embedders) == 5 and all(unit.weights == () for unit in embedders)
@@ -68,13 +73,9 @@ def test_diffusers_wan_pins_its_condition_embedder():
 
 
 def test_a_fitted_diffusers_model_reads_its_compute_dtype_where_float8_is_stored():
-    diffusers = pytest.importorskip("diffusers")
+    model = tiny_wan()
     from diffusers.models.modeling_utils import get_parameter_dtype
 
-    model = diffusers.WanTransformer3DModel(
-        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=16,
-        freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32,
-    )  # fmt: skip
     inputs = {
         "hidden_states": torch.randn(1, 4, 1, 4, 4),
         "timestep": torch.tensor([10]),
