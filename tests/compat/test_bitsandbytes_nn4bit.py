@@ -481,3 +481,14 @@ def test_packed_data_of_the_wrong_size_is_refused():
         tnb.nn.Params4bit.from_prequantized(data[:-1], stats, device="cpu")
     with pytest.raises(TypeError, match="quantized_stats must be dict"):
         tnb.nn.Params4bit.from_prequantized(data, list(stats.values()), device="cpu")
+
+
+def test_compiled_equals_eager_in_bfloat16_with_bias_at_batch_one():
+    """bitsandbytes' own test_linear4bit_torch_compile (one token, bf16, a float32 bias), bit
+    for bit: bitsandbytes itself rounds the bias to bf16 first and only meets its tolerance."""
+    torch.manual_seed(0)
+    layer = tnb.nn.Linear4bit(256, 256, bias=True, compute_dtype=torch.bfloat16, quant_type="nf4").to("cpu")
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    torch.compiler.reset()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(layer, fullgraph=True)(x), layer(x))

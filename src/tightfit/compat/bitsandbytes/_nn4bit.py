@@ -200,8 +200,8 @@ class Linear4bit(_Packed4bitWeight, nn.Linear):
             raise TypeError(f"x has dtype {x.dtype}; accepted: float32, float16, bfloat16 (or set compute_dtype)")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"x has shape {tuple(x.shape)}; accepted: (..., {self.in_features}), in_features last")
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.matmul_4bit(x, self.weight.data, self.weight.quant_state, bias=bias).to(input_dtype)
+        # the bias is cast in the add, rounded once, so eager and torch.compile (which fuses the cast) agree
+        return F.matmul_4bit(x, self.weight.data, self.weight.quant_state, bias=self.bias).to(input_dtype)
 
 
 class LinearFP4(Linear4bit):
