@@ -136,8 +136,11 @@ dequantize_nf4 = fixed_argument(dequantize_4bit, "quant_type", "nf4", qualname="
 dequantize_fp4 = fixed_argument(dequantize_4bit, "quant_type", "fp4", qualname="dequantize_fp4")
 
 
-def _product_shape(A: torch.Tensor, transposed_A: object, state: object) -> tuple[int, ...]:
-    """The shape of ``A @ W.T`` for a 4-bit weight; refuses what bitsandbytes would silently ignore."""
+def _check_product(A: object, out: object, transposed_A: object, transposed_B: object, state: object) -> torch.Tensor:
+    """``A``, checked with the other arguments of ``A @ W.T`` for a 4-bit weight (``out``
+    against the product's shape) before any work; refuses what bitsandbytes would silently ignore."""
+    A = _tensor("A", A)
+    check_type("transposed_B", transposed_B, bool)
     check_type("transposed_A", transposed_A, bool)
     if transposed_A:
         raise ValueError("transposed_A=True is not supported; pass A as (..., in_features)")
@@ -146,7 +149,8 @@ def _product_shape(A: torch.Tensor, transposed_A: object, state: object) -> tupl
         raise ValueError("state must describe a 4-bit weight of shape (out_features, in_features)")
     if A.dim() < 1 or A.shape[-1] != state.shape[1]:
         raise ValueError(f"A has shape {tuple(A.shape)}; its last dimension must be in_features, {state.shape[1]}")
-    return (*A.shape[:-1], state.shape[0])
+    check_out("out", out, (*A.shape[:-1], state.shape[0]), A.dtype, A)
+    return A
 
 
 def gemv_4bit(
@@ -160,9 +164,7 @@ def gemv_4bit(
     """``A @ dequantize(B).T``, decoding the weight inside the product (the decode kernel).
     Packed codes are read in memory order whatever view ``B`` is (its column or the
     transposed row), so ``transposed_B`` changes nothing, as in bitsandbytes."""
-    A = _tensor("A", A)
-    check_type("transposed_B", transposed_B, bool)
-    check_out("out", out, _product_shape(A, transposed_A, state), A.dtype, A)
+    A = _check_product(A, out, transposed_A, transposed_B, state)
     return QF.gemv_4bit(A, B, out, state=state)
 
 
@@ -178,9 +180,7 @@ def gemm_4bit(
     """``A @ dequantize(B).T + bias`` in ``A``'s dtype for any number of rows (bitsandbytes'
     ``gemm_4bit`` op, with :func:`gemv_4bit`'s arguments): one row runs the decode kernel,
     more decode the weight once and multiply, as bitsandbytes' CPU path does."""
-    A = _tensor("A", A)
-    check_type("transposed_B", transposed_B, bool)
-    check_out("out", out, _product_shape(A, transposed_A, state), A.dtype, A)
+    A = _check_product(A, out, transposed_A, transposed_B, state)
     return QF.matmul_4bit(A, B, state, out, bias)
 
 
