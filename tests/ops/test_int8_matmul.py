@@ -1,21 +1,33 @@
-"""int8_linear_matmul's CPU paths: each bit-equal to the int32 reference (extremes and sums
-past 2**24 included), its scratch as declared, and against bitsandbytes' CPU result."""
+"""int8_linear_matmul's CPU paths: each pinned in turn, whatever this CPU has, and each
+bit-equal to the int32 reference on every shape (K = 1, extremes and sums past 2**24
+included), its scratch as declared, and against bitsandbytes' CPU result."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tightfit.ops as ops
 from tightfit.memory import allocated_peak
 from tightfit.ops import _cpu_int8
 
-pytestmark = pytest.mark.skipif(
-    torch.backends.cpu.get_cpu_capability() == "AVX512", reason="AVX-512 takes torch._int_mm, as bitsandbytes"
-)
-
 # rows x K x N: one K run and several; one block of B and several (BLOCK_BYTES / (4 * run) rows each)
 SHAPES = [(33, 7, 5), (40, 1024, 300), (48, 2100, 300), (70, 1025, 1100)]
+#: Shapes torch._int_mm got wrong on an AVX-512 CPU (K = 1, N > 1), and other edges.
+EDGE_SHAPES = [(3, 1, 8), (1, 1, 2), (40, 1, 300), (1, 1, 1), (1, 2100, 1), (2, 3, 1), (1, 64, 37)]
+
+
+@pytest.fixture(params=_cpu_int8.PATHS)
+def path(request, monkeypatch):
+    """Each CPU path pinned in turn (TIGHTFIT_CPU_INT8_PATH), so one machine tests them all."""
+    monkeypatch.setenv(_cpu_int8.PATH_VARIABLE, request.param)
+    return request.param
 
 
 def _ints(kind: str, *shape: int) -> torch.Tensor:
@@ -31,51 +43,109 @@ def _reference(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     return A.to(torch.int32) @ B.to(torch.int32).t()
 
 
-@pytest.mark.parametrize("rows, K, N", SHAPES)
+@pytest.mark.parametrize("rows, K, N", SHAPES + EDGE_SHAPES)
 @pytest.mark.parametrize("kind", ["random", "-128", "mixed"])
-def test_float_gemm_path_is_exact(rows, K, N, kind):
-    assert _cpu_int8._path(rows) == "float"
+def test_every_path_is_exact(path, rows, K, N, kind):
+    assert _cpu_int8._path(rows) == path
     A, B = _ints(kind, rows, K), _ints(kind, N, K)
     expected = _reference(A, B)
     assert torch.equal(ops.int8_linear_matmul(A, B), expected)
     assert torch.equal(ops.int8_linear_matmul(A.t().contiguous().t(), B.t().contiguous().t()), expected)
+    assert torch.equal(torch.ops.tightfit.int8_linear_matmul(A.unsqueeze(0), B), expected.unsqueeze(0))
 
 
-def test_float_gemm_path_sums_past_float32():
+@settings(max_examples=40, deadline=None)
+@given(
+    path=st.sampled_from(_cpu_int8.PATHS),
+    rows=st.integers(1, 40),
+    K=st.one_of(st.just(1), st.integers(1, 1100)),
+    N=st.integers(1, 40),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_every_path_is_exact_on_generated_shapes(path, rows, K, N, seed):
+    generator = torch.Generator().manual_seed(seed)
+    A = torch.randint(-128, 128, (rows, K), generator=generator, dtype=torch.int8)
+    B = torch.randint(-128, 128, (N, K), generator=generator, dtype=torch.int8)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(_cpu_int8.PATH_VARIABLE, path)
+        assert torch.equal(ops.int8_linear_matmul(A, B), _reference(A, B))
+
+
+def test_sums_past_float32_on_every_path(path):
     A, B = _ints("-128", 40, 2100), _ints("-128", 3, 2100)
     assert torch.equal(ops.int8_linear_matmul(A, B), torch.full((40, 3), 2100 * 128 * 128, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("rows", [1, 5, _cpu_int8.FEW_ROWS])
 @pytest.mark.parametrize("kind", ["random", "-128", "mixed"])
-def test_few_rows_path_is_exact(rows, kind):
-    assert _cpu_int8._path(rows) == "few_rows"
+def test_few_rows_on_every_path(path, rows, kind):
     A, B = _ints(kind, 1, rows, 2100), _ints(kind, 37, 2100)
     assert torch.equal(ops.int8_linear_matmul(A, B), _reference(A[0], B).unsqueeze(0))
 
 
-def test_int32_accumulation_wraps_as_the_reference():
+def test_int32_accumulation_wraps_as_the_reference(path):
     A, B = _ints("-128", 33, 140_000), _ints("-128", 2, 140_000)  # 140000 * 2**14 passes 2**31
     expected = _reference(A, B)
     assert torch.equal(ops.int8_linear_matmul(A, B), expected)
     assert torch.equal(ops.int8_linear_matmul(A[:1], B), expected[:1])
 
 
+def test_unpinned_choice_follows_the_cpu(monkeypatch):
+    monkeypatch.delenv(_cpu_int8.PATH_VARIABLE, raising=False)
+    for capability, few, many in [("AVX512", "int_mm", "int_mm"), ("AVX2", "few_rows", "float")]:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability)
+        assert (_cpu_int8._path(_cpu_int8.FEW_ROWS), _cpu_int8._path(_cpu_int8.FEW_ROWS + 1)) == (few, many)
+
+
+def test_an_inexact_int_mm_is_never_taken(monkeypatch):
+    """Where the probe finds torch._int_mm wrong (oneDNN without VNNI, for one), even a pin
+    to it takes an exact path."""
+    monkeypatch.setattr(_cpu_int8, "int_mm_is_exact", lambda: False)
+    monkeypatch.setattr(torch, "_int_mm", lambda *args: pytest.fail("took the inexact torch._int_mm"))
+    for pin in ("auto", *_cpu_int8.PATHS):
+        monkeypatch.setenv(_cpu_int8.PATH_VARIABLE, pin)
+        assert "int_mm" not in (_cpu_int8._path(1), _cpu_int8._path(64))
+        if pin in ("auto", "int_mm"):
+            assert (_cpu_int8._path(1), _cpu_int8._path(64)) == ("few_rows", "float")
+        A, B = _ints("mixed", 64, 300), _ints("random", 9, 300)
+        assert torch.equal(ops.int8_linear_matmul(A, B), _reference(A, B))
+
+
+def test_the_probe_sees_a_saturating_gemm():
+    """oneDNN capped below VNNI saturates 16-bit pair sums: the probe says so, in a fresh process."""
+    code = "from tightfit.ops import _cpu_int8; print(_cpu_int8.int_mm_is_exact())"
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    if out.stdout.strip() == "True":  # this torch (or CPU) keeps exact sums whatever the cap
+        pytest.skip("torch._int_mm stays exact under ONEDNN_MAX_CPU_ISA=AVX2 here")
+    assert out.stdout.strip() == "False"
+
+
+def test_an_unknown_pin_is_refused(monkeypatch):
+    monkeypatch.setenv(_cpu_int8.PATH_VARIABLE, "avx9000")
+    with pytest.raises(ValueError, match="TIGHTFIT_CPU_INT8_PATH='avx9000' is not a path; expected auto, int_mm"):
+        ops.int8_linear_matmul(_ints("random", 2, 3), _ints("random", 4, 3))
+
+
 def test_rounding_float32_gemms_take_int_mm(monkeypatch):
+    monkeypatch.setenv(_cpu_int8.PATH_VARIABLE, "float")
     monkeypatch.setattr(torch.backends.mkldnn.matmul, "fp32_precision", "bf16")
     assert _cpu_int8._path(64) == "int_mm" and _cpu_int8.scratch_bytes(64, 300, 2100) == 0
     A, B = _ints("mixed", 64, 2100), _ints("mixed", 300, 2100)
     assert torch.equal(ops.int8_linear_matmul(A, B), _reference(A, B))
 
 
-def test_few_rows_without_numba_take_int_mm(monkeypatch):
+@pytest.mark.parametrize("int_mm_exact", [True, False])
+def test_few_rows_without_numba_stay_exact(monkeypatch, int_mm_exact):
+    monkeypatch.setenv(_cpu_int8.PATH_VARIABLE, "few_rows")
     monkeypatch.setattr(_cpu_int8, "usable_numba", lambda op, instead: None)
+    monkeypatch.setattr(_cpu_int8, "int_mm_is_exact", lambda: int_mm_exact)
     A, B = _ints("mixed", 3, 2100), _ints("mixed", 37, 2100)
     assert torch.equal(ops.int8_linear_matmul(A, B), _reference(A, B))
 
 
 @pytest.mark.parametrize("rows, K, N", [*SHAPES, (8, 2100, 300)])
-def test_scratch_is_what_the_kernel_allocates(rows, K, N):
+def test_scratch_is_what_the_kernel_allocates(path, rows, K, N):
     A, B = _ints("random", rows, K), _ints("random", N, K)
     with torch.inference_mode():
         peak = allocated_peak(lambda: ops.int8_linear_matmul(A, B))
@@ -100,4 +170,24 @@ def test_exact_where_bitsandbytes_rounds():
     A[:, 0] = B[:, 0] = 1  # the sum 2099 * 2**14 + 1 is past 2**24 and odd: float32 cannot hold it
     expected = _reference(A, B)
     assert torch.equal(ops.int8_linear_matmul(A, B), expected)
-    assert not torch.equal(_bitsandbytes_matmul()(A, B), expected)
+    theirs = _bitsandbytes_matmul()(A, B)
+    if not _bitsandbytes_takes_int_mm():  # its float32 GEMM path rounds the sum
+        assert not torch.equal(theirs, expected)
+
+
+def test_exact_where_bitsandbytes_int_mm_misreads_k_1():
+    """bitsandbytes passes B.t() of shape (1, N) to torch._int_mm, which reads it with the
+    wrong strides on AVX-512 CPUs; tightfit's K = 1 is an outer product."""
+    A, B = _ints("random", 3, 1), _ints("random", 8, 1)
+    expected = _reference(A, B)
+    assert torch.equal(ops.int8_linear_matmul(A, B), expected)
+    if _bitsandbytes_takes_int_mm() and _cpu_int8.int_mm_is_exact():
+        differing = int((_bitsandbytes_matmul()(A, B) != expected).sum())
+        if differing:
+            pytest.xfail(f"bitsandbytes' CPU int8_linear_matmul: {differing} of 24 values wrong at K = 1 here")
+
+
+def _bitsandbytes_takes_int_mm() -> bool:
+    from bitsandbytes.backends.cpu import ops as their_cpu_ops
+
+    return bool(getattr(their_cpu_ops, "_has_avx512", False))

@@ -14,13 +14,21 @@ Two exact ways around it:
   bytes once, all rows of A at a time, with int32 accumulation.
 
 With AVX-512 (bitsandbytes' rule), where float32 GEMMs may round their inputs (TF32/bf16
-modes), or without numba for few rows, ``torch._int_mm``. :func:`scratch_bytes` says what
-each path allocates besides the output, for the planner.
+modes), or without numba for few rows, ``torch._int_mm`` (oneDNN). It is not exact
+everywhere: with K = 1 it reads B's transpose with the wrong strides (garbage on AVX-512
+CPUs), so K = 1 is an int32 outer product; and oneDNN's int8 GEMM without VNNI saturates
+16-bit pair sums, so the path is taken only after a probe of such sums came back exact.
+
+``TIGHTFIT_CPU_INT8_PATH`` (``int_mm``, ``float``, ``few_rows``) pins the path whatever the
+CPU has, so every path is tested on any machine; exactness still wins (rounding float32
+GEMMs or a failed probe take the exact alternative). :func:`scratch_bytes` says what each
+path allocates besides the output, for the planner.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import torch
@@ -45,12 +53,49 @@ def _float32_is_ieee() -> bool:
     return True
 
 
+#: The environment variable that pins a path, and the paths it accepts ("auto": by the CPU).
+PATH_VARIABLE = "TIGHTFIT_CPU_INT8_PATH"
+PATHS = ("int_mm", "float", "few_rows")
+
+
+def pinned_path() -> str | None:
+    """The path ``TIGHTFIT_CPU_INT8_PATH`` pins, or None to choose by the CPU's features."""
+    value = os.environ.get(PATH_VARIABLE, "auto").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in PATHS:
+        raise ValueError(f"{PATH_VARIABLE}={value!r} is not a path; expected auto, {', '.join(PATHS)}")
+    return value
+
+
+@functools.lru_cache(maxsize=1)
+def int_mm_is_exact() -> bool:
+    """Whether ``torch._int_mm`` is exact on this CPU, checked once against the int32 product
+    on random and extreme values (oneDNN's int8 GEMM without VNNI, for one, is not)."""
+    generator = torch.Generator().manual_seed(0)
+    A = torch.randint(-128, 128, (8, 64), generator=generator, dtype=torch.int8)
+    B = torch.randint(-128, 128, (16, 64), generator=generator, dtype=torch.int8)
+    A[0], B[0], B[1] = 127, 127, -128  # 16-bit pair sums past 2**15 where A is shifted to unsigned
+    return torch.equal(torch._int_mm(A, B.t()), A.to(torch.int32) @ B.to(torch.int32).t())
+
+
 def _path(rows: int) -> str:
-    if torch.backends.cpu.get_cpu_capability() == "AVX512":
-        return "int_mm"  # oneDNN's int8 GEMM is fast there
-    if rows <= FEW_ROWS:
-        return "few_rows"
-    return "float" if _float32_is_ieee() else "int_mm"
+    """The pinned path, else the one the CPU's features favour; then the first exact one."""
+    chosen = pinned_path()
+    if chosen is None and torch.backends.cpu.get_cpu_capability() == "AVX512":
+        chosen = "int_mm"  # oneDNN's int8 GEMM is fast there
+    elif chosen is None:
+        chosen = "few_rows" if rows <= FEW_ROWS else "float"
+    preference = (chosen, "few_rows" if rows <= FEW_ROWS else "float", "int_mm", "few_rows")
+    return next(path for path in preference if _is_exact(path))
+
+
+def _is_exact(path: str) -> bool:
+    if path == "float":
+        return _float32_is_ieee()
+    if path == "int_mm":
+        return int_mm_is_exact()
+    return True  # few_rows: numba's int32 loop (or, without numba, the int32 reference)
 
 
 def _block_rows(out_features: int, in_features: int) -> int:
@@ -122,9 +167,19 @@ def linear_matmul_cpu(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     path = _path(A.shape[0])
     if path == "float":
         return _float_matmul(A, B)
-    if path == "few_rows" and usable_numba("int8_linear_matmul", "few-row products use torch._int_mm"):
+    if path == "int_mm":
+        return _int_mm(A, B)
+    if usable_numba("int8_linear_matmul", "few-row products use torch._int_mm where exact, else int32 torch.mm"):
         out = torch.empty(A.shape[0], B.shape[0], dtype=torch.int32)
         with kernel_lock:
             _few_rows_kernel()(A.contiguous().numpy(), B.contiguous().numpy(), out.numpy())
         return out
+    if int_mm_is_exact():
+        return _int_mm(A, B)
+    return A.to(torch.int32) @ B.to(torch.int32).t()
+
+
+def _int_mm(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    if A.shape[1] == 1:  # torch._int_mm misreads B.t() of shape (1, N): exact outer product instead
+        return A.to(torch.int32) * B.to(torch.int32).t()
     return torch._int_mm(A.contiguous(), B.t())

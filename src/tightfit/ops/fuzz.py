@@ -17,10 +17,12 @@ the reference, or an input was modified), ``hang``, ``crash``. Run it with
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,7 @@ import torch
 
 from tightfit._fuzz_campaign import main
 from tightfit.ops import _arg_checks as checks
+from tightfit.ops import _cpu_int8
 from tightfit.ops._registry import get_op
 from tightfit.ops.codes import QUANT_TYPES_4BIT, dynamic_map
 
@@ -62,6 +65,8 @@ class FuzzCase:
     args: list[Any]
     valid: bool
     label: str
+    #: The CPU int8 matmul path pinned for the call ("auto": the CPU's choice); see _cpu_int8.
+    int8_path: str = "auto"
 
 
 class _Builder:
@@ -343,7 +348,7 @@ def _int8_vectorwise_quant(b: _Builder) -> list[Any]:
 
 
 def _int8_linear_matmul(b: _Builder) -> list[Any]:
-    rows, inner, out = b.rng.randint(0, 9), b.rng.randint(0, 40), b.rng.randint(0, 9)
+    rows, inner, out = b.rng.randint(0, 9), b.rng.choice((1, b.rng.randint(0, 40))), b.rng.randint(0, 9)
 
     def ints(*shape: int) -> torch.Tensor:
         return torch.randint(-127, 128, shape, generator=b.generator, dtype=torch.int8)
@@ -403,7 +408,7 @@ def _int8_mm_dequant(b: _Builder) -> list[Any]:
 
 
 def _int8_linear(b: _Builder) -> list[Any]:
-    rows, inner, out = b.rng.randint(0, 6), b.rng.randint(1, 40), b.rng.randint(1, 9)
+    rows, inner, out = b.rng.randint(0, 6), b.rng.choice((1, b.rng.randint(1, 40))), b.rng.randint(1, 9)
     A = b.floats(b.rng.choice(((inner,), (rows, inner), (2, rows, inner))), b.rng.choice(checks.FLOAT_DTYPES))
     if not bool(torch.isfinite(A).all()):
         b.mutate("A not finite", False)  # LLM.int8() quantization refuses NaN and inf
@@ -484,13 +489,19 @@ _GENERATORS: dict[str, Callable[[_Builder], list[Any]]] = {
 }
 
 
+#: Ops that run the CPU int8 matmul, whose every path (pinned per case) must be exact.
+_INT8_MATMUL_OPS = ("int8_linear_matmul", "int8_linear")
+
+
 def make_case(seed: int, index: int) -> FuzzCase:
     """Case ``index`` of campaign ``seed``: the same arguments every time, in any process."""
     rng = random.Random(f"{seed}:{index}")
     op = rng.choice(sorted(_GENERATORS))
     builder = _Builder(rng)
     args = _GENERATORS[op](builder)
-    return FuzzCase(op, args, builder.valid, ", ".join(builder.labels) or "valid")
+    int8_path = rng.choice(("auto", *_cpu_int8.PATHS)) if op in _INT8_MATMUL_OPS else "auto"
+    label = ", ".join(builder.labels) or "valid"
+    return FuzzCase(op, args, builder.valid, label if int8_path == "auto" else f"{label} (path {int8_path})", int8_path)
 
 
 def _snapshot(args: list[Any]) -> list[Any]:
@@ -506,6 +517,19 @@ def _unchanged(before: list[Any], after: list[Any], skip: tuple[int, ...]) -> bo
     )
 
 
+@contextlib.contextmanager
+def _int8_path_pinned(path: str) -> Iterator[None]:
+    before = os.environ.get(_cpu_int8.PATH_VARIABLE)
+    os.environ[_cpu_int8.PATH_VARIABLE] = path
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[_cpu_int8.PATH_VARIABLE]
+        else:
+            os.environ[_cpu_int8.PATH_VARIABLE] = before
+
+
 def run_case(case: FuzzCase, index: int) -> tuple[str, str]:
     """(outcome, detail) of one case, run in this process; even indices take the direct path."""
     from tightfit.ops.conformance import _compare
@@ -514,7 +538,8 @@ def run_case(case: FuzzCase, index: int) -> tuple[str, str]:
     before = _snapshot(case.args)
     call = opdef if index % 2 == 0 else getattr(torch.ops.tightfit, case.op)
     try:
-        result = call(*case.args)
+        with _int8_path_pinned(case.int8_path):
+            result = call(*case.args)
     except CLEAN_ERRORS as error:
         return ("clean" if not case.valid else "refused"), f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
     except Exception as error:
