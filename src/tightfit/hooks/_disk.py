@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from tightfit._files import file_stamp
+
 __all__: list[str] = []
 
 #: dtypes a disk store holds.
@@ -74,13 +76,13 @@ class OffloadFileError(RuntimeError):
 class _Mapped(abc.ABC):
     """What both kinds of mapped file share: the stamp check, ordinary reads, read-ahead,
     closing. A subclass opens ``_file``, maps ``_map`` (from byte ``_base`` of the file),
-    takes ``_stamp`` (size, mtime, ctime), fills ``_regions`` (key -> offset, bytes,
+    takes ``_stamp`` (:func:`~tightfit._files.file_stamp`), fills ``_regions`` (key -> offset, bytes,
     dtype, shape) and says in ``_error`` what the file is."""
 
     _file: Any
     _map: mmap.mmap
     _base: int = 0
-    _stamp: tuple[int, int, int]
+    _stamp: tuple[int, int, int, int, int]
     _regions: dict[str, tuple[int, int, torch.dtype, torch.Size | tuple[int, ...]]]
 
     @abc.abstractmethod
@@ -94,11 +96,10 @@ class _Mapped(abc.ABC):
 
     def check(self) -> None:
         """Raise :class:`OffloadFileError` when the file was written to or resized since it was stamped."""
-        now = os.fstat(self._file.fileno())
-        size, mtime, ctime = self._stamp
-        if now.st_size != size:
-            raise self._error(f"was resized from {size} to {now.st_size} bytes")
-        if (now.st_mtime_ns, now.st_ctime_ns) != (mtime, ctime):
+        now = file_stamp(os.fstat(self._file.fileno()))
+        if now[2] != self._stamp[2]:
+            raise self._error(f"was resized from {self._stamp[2]} to {now[2]} bytes")
+        if now != self._stamp:
             raise self._error("was written to")
 
     def _read_bytes(self, key: str) -> torch.Tensor:
@@ -142,7 +143,7 @@ class MappedFile(_Mapped):
             target = self._file.fileno() if os.utime in os.supports_fd else self._file.name  # Windows: by name
             os.utime(target, ns=(time.time_ns(), 0))  # mtime 0: any later write sets it to the present
             written = os.fstat(self._file.fileno())
-            self._stamp = (written.st_size, written.st_mtime_ns, written.st_ctime_ns)
+            self._stamp = file_stamp(written)
             self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
         except BaseException:
             self._file.close()
@@ -183,15 +184,21 @@ class MappedRegions(_Mapped):
     """Byte ranges of an existing file (a checkpoint's tensors), memory-mapped in place:
     a unit computes straight from the file's pages, with no copy in memory and none on
     disk. The same checks as :class:`MappedFile`, except that there is no CRC to verify
-    (the file is not tightfit's): its size and times are taken when it is opened, and a
-    change shows in one ``fstat`` before every touch (:meth:`check`).
+    (the file is not tightfit's): its stamp is taken when it is opened, and a change shows
+    in one ``fstat`` before every touch (:meth:`check`).
 
-    ``regions``: key -> (offset, bytes, dtype, shape). The map is copy-on-write, so a
-    change made in place to a tensor never reaches the file.
+    ``regions``: key -> (offset, bytes, dtype, shape). ``expected``: the stamp the file had
+    when the regions were read from it (a checkpoint's header); the file opened must still
+    have it, or :class:`OffloadFileError` is raised. The map is copy-on-write, so a change
+    made in place to a tensor never reaches the file.
     """
 
     def __init__(
-        self, path: Path, unit: str, regions: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]]
+        self,
+        path: Path,
+        unit: str,
+        regions: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]],
+        expected: tuple[int, ...] | None = None,
     ) -> None:
         self.folder = path.parent
         self.unit = unit
@@ -199,7 +206,9 @@ class MappedRegions(_Mapped):
         self._file = open(path, "rb")  # noqa: SIM115 (held open for the map's life; closed by close())
         try:
             stat = os.fstat(self._file.fileno())
-            self._stamp = (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+            self._stamp = file_stamp(stat)
+            if expected is not None and self._stamp != expected:
+                raise self._error("had been replaced or written to since its header was read")
             for key, (offset, nbytes, _, _) in regions.items():
                 if offset < 0 or offset + nbytes > stat.st_size:
                     raise ValueError(f"{path}: tensor {key!r} at bytes {offset}..{offset + nbytes} lies past its end")

@@ -260,7 +260,7 @@ def _map_unit(
         checkpoint.check(source)
         regions.setdefault(entry.file, {})[source] = (entry.start, entry.nbytes, entry.dtype, entry.shape)
         pending.append((tensor, entry.file, source))
-    files = {path: MappedRegions(path, name, found) for path, found in regions.items()}
+    files = {path: MappedRegions(path, name, found, checkpoint.stamp(path)) for path, found in regions.items()}
     for tensor, path, source in pending:
         slots.fill(tensor, files[path].tensors[source])
         advance(checkpoint.entries[source].nbytes)
