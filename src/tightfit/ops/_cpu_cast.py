@@ -18,7 +18,7 @@ import torch
 
 from tightfit.backends.base import FLOAT8_DTYPES
 from tightfit.ops._hugepages import empty_with_huge_pages
-from tightfit.ops._numba import kernel_lock, load_numba, usable_numba
+from tightfit.ops._numba import kernel_lock, usable_numba
 
 __all__ = ["cast_cpu", "cast_into_cpu"]
 
@@ -29,14 +29,9 @@ _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 _TORCH_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
-@functools.lru_cache(maxsize=1)
 def _kernels():
-    numba, _ = load_numba()
-
-    @numba.njit(parallel=True, nogil=True, cache=True)
-    def gather(src, table, dst):
-        for i in numba.prange(src.shape[0]):
-            dst[i] = table[src[i]]
+    """The lookup kernel (``_kernels_cast.gather``), imported at first use: it imports numba."""
+    from tightfit.ops._kernels_cast import gather
 
     return gather
 
