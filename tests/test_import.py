@@ -1,4 +1,5 @@
-"""``import tightfit`` does no device work, loads no plugin and stays fast."""
+"""``import tightfit`` does no device work, loads no plugin and imports nothing heavy. How
+long it takes is measured by benchmarks/import_time.py, never asserted here."""
 
 from __future__ import annotations
 
@@ -6,30 +7,23 @@ import json
 import subprocess
 import sys
 
-PROBE = """
-import json, sys, time
+#: Modules that only the first use of a feature may import, never ``import tightfit``.
+HEAVY = ("numba", "transformers", "safetensors", "matplotlib", "rich", "tightfit.backends.cuda", "torch._dynamo")
+
+PROBE = f"""
+import json, sys
 import torch
-start = time.perf_counter()
 import tightfit
-elapsed = time.perf_counter() - start
 from tightfit.backends import registry
-print(json.dumps({
-    "seconds": elapsed,
+print(json.dumps({{
     "backends_loaded": registry._entries is not None,
     "cuda_initialized": torch.cuda.is_initialized(),
-    "heavy_modules": sorted(m for m in ("numba", "transformers", "rich", "tightfit.backends.cuda", "torch._dynamo") if m in sys.modules),
-}))
+    "heavy_modules": sorted(m for m in {HEAVY!r} if m in sys.modules),
+}}))
 """
 
 
-def test_import_touches_no_device_and_is_fast():
-    timings = []
-    for _ in range(2):  # the first run may pay for cold caches
-        done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        facts = json.loads(done.stdout)
-        assert facts["backends_loaded"] is False
-        assert facts["cuda_initialized"] is False
-        assert facts["heavy_modules"] == []
-        timings.append(facts["seconds"])
-    assert min(timings) < 0.5, timings
+def test_import_touches_no_device_and_nothing_heavy():
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"backends_loaded": False, "cuda_initialized": False, "heavy_modules": []}
