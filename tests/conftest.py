@@ -1,5 +1,7 @@
 """Shared fixtures: every test starts with fresh backend discovery and fresh fallback warnings;
-the fit planner's calibration cache lives in a folder of the session, not the user's."""
+the fit planner's calibration cache lives in a folder of the session, not the user's. The
+report's header names the CPU and the paths its features select, so a run says what it
+covered (tests that need another path pin it themselves)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,31 @@ import pytest
 
 from tightfit._strict import _forget_warnings
 from tightfit.backends import registry
+
+
+def pytest_report_header(config):
+    import platform
+
+    import torch
+
+    from tightfit.ops import _cpu_int8
+
+    model = next(
+        (line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")),
+        platform.processor() or "unknown",
+    )
+    return (
+        f"cpu: {model}; torch capability {torch.backends.cpu.get_cpu_capability()}; "
+        f"int8 matmul path: {_cpu_int8._path(1)} (1 row), {_cpu_int8._path(64)} (64 rows)"
+    )
+
+
+def _cpuinfo() -> str:
+    try:
+        with open("/proc/cpuinfo") as file:
+            return file.read()
+    except OSError:
+        return ""
 
 
 @pytest.fixture(autouse=True)
