@@ -2,6 +2,14 @@
 
 numba is imported at the first kernel call, never at ``import tightfit``; where it is
 missing or broken the CPU kernels fall back to the reference, with the D1 warning.
+
+The kernels are compiled once per machine: they are module-level functions of the
+``_kernels_*`` modules (imported at first use) with ``cache=True``, so later processes
+load them from numba's disk cache (``__pycache__`` beside the source, numba's user cache
+directory where that is read-only, or ``NUMBA_CACHE_DIR``). Never define a cached kernel
+in a closure that captures another jitted function: numba's cache key hashes a pickle of
+the closure's cells, a dispatcher pickles with a per-process uuid, and the kernel would
+compile again, adding a cache file, in every process (tests/ops/test_kernel_cache.py).
 """
 
 from __future__ import annotations
