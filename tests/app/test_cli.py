@@ -100,7 +100,7 @@ def test_plan_bad_arguments_are_reported(capsys):
     from tightfit.app import cli
 
     assert cli.main(["plan", "--batch", "0"]) == 2
-    assert capsys.readouterr() == ("", "tightfit plan: error: batch must be an int >= 1, got 0\n")
+    assert capsys.readouterr() == ("", "tightfit plan: error: --batch must be an int >= 1, got 0\n")
     assert cli.main(["plan", "--seq", "100000"]) == 2
     assert "max_position_embeddings" in capsys.readouterr().err
     assert cli.main(["plan", "--model", "/nonexistent"]) == 2

@@ -168,5 +168,5 @@ def test_cli_reports_errors_without_a_traceback(tmp_path):
         timeout=300,
     )
     assert done.returncode == 2
-    assert done.stderr.startswith("tightfit run: error: model=") and "has no config.json" in done.stderr
+    assert done.stderr.startswith("tightfit run: error: --model=") and "has no config.json" in done.stderr
     assert done.stderr.count("\n") == 1 and done.stdout == ""

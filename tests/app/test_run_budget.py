@@ -86,9 +86,9 @@ def test_run_options_reject_bad_budgets_and_allow(kwargs, error, match):
 
 def test_cli_rejects_bad_budgets_without_a_traceback(capsys):
     for argv, message in (
-        (["--budget", "1.5XB"], "budget='1.5XB' is not a size"),
-        (["--budget", "-1"], "budget='-1' is not a size"),
-        (["--budget", "40MB", "--quant", "int8"], "cannot be combined with quant"),
+        (["--budget", "1.5XB"], "--budget='1.5XB' is not a size"),
+        (["--budget", "-1"], "--budget='-1' is not a size"),
+        (["--budget", "40MB", "--quant", "int8"], "cannot be combined with --quant"),
         (["--allow", "disk"], "runs only with a budget"),
     ):
         assert main(["run", *argv]) == 2
@@ -209,8 +209,9 @@ def test_allow_is_respected_and_a_budget_nothing_meets_is_a_fit_error(tiny_llama
     assert {(e.storage, e.placement) for e in run(options).budgeted.plan.changed_entries()} == {("keep", "disk")}
     with pytest.raises(
         FitError,
-        match=r"^budget=7.6 MiB \(8000000 B\) less 256 B \(256 B\) of KV cache growth while decoding "
-        r"leaves the prefill forward 7999744 B\. budget=7.6 MiB \(7999744 B\) cannot be met on cpu",
+        match=r"^budget=8000000 \(7.6 MiB\) cannot be met on cpu, 256 B of it kept for the KV cache's growth while "
+        r"decoding: the smallest peak the planner reaches with allow='device' is .*Give budget='\d+(\.\d)?MB' or more, "
+        r"or allow more than allow='device'$",
     ) as caught:
         run(
             RunOptions(model=str(tiny_llama), budget="8MB", allow="device", max_new_tokens=2)
@@ -226,7 +227,7 @@ def test_cli_no_fit_exits_non_zero_with_the_fit_error_also_under_python_O(tiny_l
         timeout=300,
     )
     assert done.returncode == 2
-    assert done.stderr.startswith("tightfit run: error: budget=") and done.stderr.count("\n") == 1
+    assert done.stderr.startswith("tightfit run: error: --budget=1000000 ") and done.stderr.count("\n") == 1
     assert "cannot be met on cpu" in done.stderr and "dominated by" in done.stderr
     assert "Traceback" not in done.stdout + done.stderr
 
@@ -234,7 +235,7 @@ def test_cli_no_fit_exits_non_zero_with_the_fit_error_also_under_python_O(tiny_l
 def test_a_budget_below_the_kv_cache_growth_is_refused(tiny_llama):
     with pytest.raises(
         ValueError,
-        match=r"budget=200 B \(200 B\) leaves nothing for the model: the KV cache's growth while decoding "
-        r"alone needs 256 B \(256 B\); generate fewer tokens",
+        match=r"^budget=200 \(200 B\) leaves nothing for the model: the KV cache's growth while decoding "
+        r"alone needs 256 B \(256 B\); give a smaller max_new_tokens or a larger budget$",
     ):
         run(RunOptions(model=str(tiny_llama), budget=200, max_new_tokens=2))

@@ -192,10 +192,14 @@ def test_run_options_reject_bad_generation_input(kwargs, error, match):
 
 
 def test_run_rejects_generation_options_for_an_encoder_and_too_long_generations(tiny_llama):
-    with pytest.raises(ValueError, match="prompt and max_new_tokens apply to causal LMs; .* is an encoder"):
+    with pytest.raises(
+        ValueError, match="^prompt and max_new_tokens apply to causal LMs; the built-in model is an encoder"
+    ):
         run(RunOptions(max_new_tokens=4))
     with pytest.raises(
-        ValueError, match=r"max_new_tokens=60 make \d+ positions; the model takes at most max_position_embeddings=64"
+        ValueError,
+        match=r"^prompt \(\d+ tokens\) and max_new_tokens=60 make \d+ positions; the model takes at most 64 "
+        r"\(max_position_embeddings in its config.json\)$",
     ):
         run(RunOptions(model=str(tiny_llama), max_new_tokens=60))
 
@@ -204,8 +208,9 @@ def test_cli_reports_bad_generation_flags(tiny_llama, tmp_path, capsys):
     from tightfit.app.cli import main
 
     for flags, message in [
-        (["--max-new-tokens", "0"], "max_new_tokens must be an int >= 1 or None, got 0"),
-        (["--prompt", ""], "prompt must be a non-empty string or None, got ''"),
+        (["--max-new-tokens", "0"], "tightfit run: error: --max-new-tokens must be an int >= 1, got 0\n"),
+        (["--prompt", ""], "tightfit run: error: --prompt must be a non-empty string, got ''\n"),
+        (["--max-new-tokens", "60"], "--prompt (17 tokens) and --max-new-tokens=60 make 77 positions; the model takes"),
         (["--timeline", str(tmp_path / "no" / "t.png")], "does not exist"),
         (["--timeline", str(tmp_path / "t.jpg")], "must end in .png"),
     ]:
@@ -271,3 +276,54 @@ def test_progress_bars_for_loading_and_conversion(tiny_llama):
     drawn = screen.getvalue()
     assert "Loading weights" in drawn and "casting weights to float8_e4m3fn" in drawn and "offloading to cpu" in drawn
     assert "15/15" in drawn  # the 2 x 7 Linear weights and the LM head are cast; norms and embeddings stay
+
+
+def test_generation_warns_nothing(tiny_llama):
+    """transformers deprecates the legacy cache and, from 5.x, the past_key_values keyword: a
+    user can act on neither, so generation passes a Cache object by the keyword the model takes."""
+    import warnings
+
+    model, tokenizer = load_causal_lm(tiny_llama, torch.device("cpu"))
+    ids = tokenizer(DEFAULT_PROMPT, return_tensors="pt").input_ids
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        generated = generate_greedy(model, ids, 4)
+    with torch.inference_mode():  # the same tokens as generating without a cache, one full forward a token
+        tokens = ids
+        for _ in range(4):
+            tokens = torch.cat([tokens, model(input_ids=tokens, use_cache=False).logits[:, -1:].argmax(-1)], 1)
+    assert generated.tokens == tuple(tokens[0, ids.shape[1] :].tolist())
+
+
+def test_the_cache_goes_by_the_keyword_the_model_takes():
+    from transformers import Cache
+
+    from tightfit.app.generation import _cache_argument
+
+    class Older(torch.nn.Module):  # transformers before the rename
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            raise NotImplementedError
+
+    class Newer(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, use_cache=None, **kwargs):
+            raise NotImplementedError
+
+    (older_keyword, older_cache), (newer_keyword, newer_cache) = (
+        next(iter(_cache_argument(Older()).items())),
+        next(iter(_cache_argument(Newer()).items())),
+    )
+    assert (older_keyword, newer_keyword) == ("past_key_values", "cache")
+    assert isinstance(older_cache, Cache) and isinstance(newer_cache, Cache) and older_cache is not newer_cache
+
+
+def test_the_real_command_on_a_causal_lm_prints_no_future_warning(tiny_llama):
+    done = subprocess.run(
+        [sys.executable, "-W", "error::FutureWarning", "-m", "tightfit.app.cli", "run", "--model", str(tiny_llama)]
+        + ["--repeat", "1", "--max-new-tokens", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Warning" not in done.stderr and "deprecated" not in done.stderr, done.stderr
+    assert "greedy generation" in done.stdout

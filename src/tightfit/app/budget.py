@@ -6,10 +6,16 @@ plan's peak is the prediction. A causal LM's run is a generation: the prefill fo
 the prompt, then one-token forwards whose KV cache grows by a fixed number of bytes per
 token; the plan is made for the prefill, and the cache's growth is added on top of it and
 taken off the budget the planner sees, so that the whole generation stays within it.
+
+When nothing fits, the error is said again for the run (:func:`no_fit_message`): the
+budget as the user gave it, what the planner could reach with what was allowed, and
+only suggestions the caller can act on (a budget that fits, typed as a size; a wider
+``--allow``), named as the caller writes them (:mod:`tightfit.app.spelling`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -19,8 +25,9 @@ import torch
 
 from tightfit import backends
 from tightfit._format import human_bytes
+from tightfit.app.spelling import assigned, option
 from tightfit.backends.cpu import read_process_memory, reset_process_peak
-from tightfit.fitting import Allow, FitError, FitPlan, fit
+from tightfit.fitting import PLACEMENTS, Allow, FitError, FitPlan, fit, storage_names
 from tightfit.loading.stream import on_meta
 from tightfit.memory import LiveTensorBytes
 
@@ -72,8 +79,9 @@ def plan_run(
     planned_budget = budget_bytes - kv_cache_bytes
     if planned_budget <= 0:
         raise ValueError(
-            f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) leaves nothing for the model: the KV cache's growth "
-            f"while decoding alone needs {human_bytes(kv_cache_bytes)} ({kv_cache_bytes} B); generate fewer tokens"
+            f"{assigned('budget', budget_bytes)} ({human_bytes(budget_bytes)}) leaves nothing for the model: the KV "
+            f"cache's growth while decoding alone needs {human_bytes(kv_cache_bytes)} ({kv_cache_bytes:,} B); give a "
+            f"smaller {option('max_new_tokens')} or a larger {option('budget')}"
         )
     try:
         plan = fit(
@@ -85,16 +93,71 @@ def plan_run(
             loading=loading,
         )
     except FitError as error:
-        if not kv_cache_bytes:
-            raise
+        smallest = error.smallest_peak_bytes + kv_cache_bytes
         raise FitError(
-            f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) less {human_bytes(kv_cache_bytes)} ({kv_cache_bytes} B) "
-            f"of KV cache growth while decoding leaves the prefill forward {planned_budget} B. {error}",
+            no_fit_message(
+                budget_bytes, smallest, error.parts, device=device, allow=allow, kv_cache_bytes=kv_cache_bytes
+            ),
             budget_bytes=budget_bytes,
-            smallest_peak_bytes=error.smallest_peak_bytes + kv_cache_bytes,
+            smallest_peak_bytes=smallest,
             parts=error.parts,
         ) from None
     return Budgeted(plan, kv_cache_bytes, covers)
+
+
+def size_at_least(nbytes: int) -> str:
+    """The shortest size string (decimal units, one decimal) of at least ``nbytes``:
+    ``1636736`` -> ``'1.7MB'``; what a suggestion of a budget reads."""
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if nbytes >= scale:
+            return f"{math.ceil(nbytes * 10 / scale) / 10:g}{unit}"
+    return str(nbytes)
+
+
+def allow_text(allow: Allow | None) -> str | None:
+    """``allow`` as ``--allow`` names it (``'keep,float8,disk'``: only the restricted
+    kinds), or None where it restricts nothing the run could use."""
+    if allow is None:
+        return None
+    names = []
+    if allow.storage != frozenset(storage_names()):
+        names += [name for name in storage_names() if name in allow.storage]
+    if allow.placement != frozenset(PLACEMENTS):
+        names += [name for name in PLACEMENTS if name in allow.placement]
+    return ",".join(names) or None
+
+
+def no_fit_message(
+    budget_bytes: int,
+    smallest_peak_bytes: int,
+    parts: list[tuple[str, int]],
+    *,
+    device: torch.device,
+    allow: Allow | None,
+    kv_cache_bytes: int = 0,
+) -> str:
+    """Why a run's budget cannot be met, and what would meet it, for the run's caller:
+    the least budget that fits as a size to type, a wider allow where it was restricted.
+    ``parts``: the planner's (what, bytes) of its smallest peak, largest first."""
+    restricted = allow_text(allow)
+    reach = f"with {assigned('allow', restricted)}" if restricted else "with every storage and placement"
+    listed = "; ".join(f"{what}: {human_bytes(size)}" for what, size in parts[:4])
+    message = f"{assigned('budget', budget_bytes)} ({human_bytes(budget_bytes)}) cannot be met on {device}"
+    if kv_cache_bytes:
+        message += f", {human_bytes(kv_cache_bytes)} of it kept for the KV cache's growth while decoding"
+    message += (
+        f": the smallest peak the planner reaches {reach} is {human_bytes(smallest_peak_bytes)} "
+        f"({smallest_peak_bytes:,} B), dominated by {parts[0][0]}. Largest parts: {listed}. "
+    )
+    if parts[0][0].startswith("activations"):
+        message += (
+            "No storage or placement shrinks the activations, and the run is eager, so slicing the layer stack "
+            "(compiled DFS hints, docs/hints.md) would not either. "
+        )
+    message += f"Give {assigned('budget', size_at_least(smallest_peak_bytes))} or more"
+    if restricted:
+        message += f", or allow more than {assigned('allow', restricted)}"
+    return message
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ Each command is one module of this package that holds its options and its handle
 exit statuses. A user error (a bad argument, a broken model folder, a full disk, a device
 that cannot be used) is one line on stderr and exit status 2, as argparse reports a bad
 flag; anything else is a bug and keeps its traceback. ``--traceback`` shows it for both.
+Every message names options as the user types them (``--budget``, not ``budget``:
+:mod:`tightfit.app.spelling`).
 
 The console script starts in :mod:`tightfit_launcher`, which sets the OpenMP wait policy
 before torch is loaded and then calls :func:`main`.
@@ -20,6 +22,7 @@ from rich.console import Console
 
 from tightfit._strict import is_strict
 from tightfit.app import backends_command, check_command, fit_command, plan_command, run_command
+from tightfit.app.spelling import command_line, for_command_line
 
 __all__ = ["main"]
 
@@ -43,6 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for command in _COMMANDS:
         command.add_parser(commands, parents=[common])
+    for subparser in commands.choices.values():  # each command's keyword -> its flag, for its messages
+        flags = {
+            action.dest: max(action.option_strings, key=len)
+            for action in subparser._actions
+            if action.option_strings and action.dest != "help"
+        }
+        subparser.set_defaults(flags=flags)
     return parser
 
 
@@ -52,11 +62,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=160)
     try:
         is_strict()  # an invalid TIGHTFIT_STRICT is refused now, not at the first fallback (or never)
-        return args.handler(args, console)
+        with command_line():
+            return args.handler(args, console)
     except _USER_ERRORS as error:
         if args.traceback:
             raise
         message = " ".join(str(error).split()) or type(error).__name__  # one line, whatever the message holds
+        message = for_command_line(message, args.flags)
         print(f"tightfit {args.command}: error: {message}", file=sys.stderr)
         return 2
 

@@ -2,12 +2,16 @@
 model folder (or the built-in model), made from its config alone: no weight file is
 opened, so a model bigger than this machine plans in seconds, and a budget nothing meets
 is refused here, before anything is loaded (exit status 2, naming the smallest peak
-reachable and what dominates it). ``--json`` prints the plan as JSON."""
+reachable and what dominates it). ``--json`` prints the plan as JSON.
+
+The folder is ``--model DIR``, as for ``run`` and ``plan``. ``tightfit fit DIR``, the
+spelling of earlier releases, still works and says on stderr that it is deprecated."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from rich.console import Console
 from rich.markup import escape
@@ -19,11 +23,26 @@ from tightfit.fitting import PLACEMENTS, storage_names
 __all__: list[str] = []
 
 
+def _folder(args: argparse.Namespace) -> str | None:
+    """``--model DIR``, or the deprecated positional ``DIR``; not both."""
+    if args.folder is None:
+        return args.model
+    if args.model is not None:
+        raise ValueError(
+            f"the model folder is given twice, as --model={args.model} and as {args.folder}; give it once, as --model DIR"
+        )
+    print(
+        f"tightfit fit: note: 'tightfit fit DIR' is deprecated; write 'tightfit fit --model {args.folder}'",
+        file=sys.stderr,
+    )
+    return args.folder
+
+
 def handle(args: argparse.Namespace, console: Console) -> int:
     """Plan, print the plan, exit."""
     budgeted = plan_only(
         RunOptions(
-            model=args.model,
+            model=_folder(args),
             backend=args.backend,
             prompt=args.prompt,
             max_new_tokens=args.max_new_tokens,
@@ -53,6 +72,7 @@ def handle(args: argparse.Namespace, console: Console) -> int:
         f"nothing was loaded (tightfit run --budget carries this plan out)",
         highlight=False,
         markup=False,
+        soft_wrap=True,
     )
     return 0
 
@@ -64,7 +84,10 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
         parents=parents,
         help="plan a model for a memory budget from its config alone, before loading anything (a dry run)",
     )
-    fit.add_argument("model", nargs="?", help="a local Hugging Face model folder (default: the built-in model)")
+    fit.add_argument(
+        "--model", help="a local Hugging Face model folder (default: the built-in model); only its config is read"
+    )
+    fit.add_argument("folder", nargs="?", metavar="DIR", help=argparse.SUPPRESS)  # deprecated: --model DIR
     fit.add_argument(
         "--budget",
         required=True,

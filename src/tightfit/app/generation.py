@@ -3,6 +3,7 @@ agreement that tells how much a change of the weights changed what the model say
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -43,10 +44,30 @@ def _check_ids(input_ids: Any) -> None:
         )
 
 
-def _next_token(output: Any) -> tuple[torch.Tensor, Any]:
-    """The greedy next token and the KV cache of a forward; the rest of ``output`` (logits
-    over the whole prompt after the prefill) is dropped here, not held while decoding."""
-    return output.logits[:, -1].argmax(-1, keepdim=True), output.past_key_values
+def _next_token(output: Any) -> torch.Tensor:
+    """The greedy next token of a forward; the rest of ``output`` (logits over the whole
+    prompt after the prefill) is dropped here, not held while decoding."""
+    return output.logits[:, -1].argmax(-1, keepdim=True)
+
+
+def _cache_argument(model: Any) -> dict[str, Any]:
+    """A new, empty KV cache for ``model``, as the keyword its forward takes it by.
+
+    transformers asks for a ``Cache`` object made up front (a tuple of tensors, the legacy
+    cache, is deprecated) and, from 5.x, calls the argument ``cache`` (``past_key_values``
+    warns a FutureWarning and goes in 5.40). The object is updated in place by every
+    forward, so the same one is passed again while decoding. Before 4.56 DynamicCache
+    takes no config.
+    """
+    from transformers import DynamicCache
+
+    config = getattr(model, "config", None)
+    if config is not None and "config" in inspect.signature(DynamicCache).parameters:
+        cache = DynamicCache(config=config)
+    else:
+        cache = DynamicCache()
+    parameters = inspect.signature(model.forward).parameters
+    return {"cache" if "cache" in parameters else "past_key_values": cache}
 
 
 @torch.inference_mode()
@@ -68,13 +89,14 @@ def generate_greedy(model: Any, input_ids: torch.Tensor, max_new_tokens: int, sy
     wait = synchronize or (lambda: None)
     mark("prefill")
     start = time.perf_counter()
-    token, cache = _next_token(model(input_ids=input_ids, use_cache=True))
+    cache = _cache_argument(model)
+    token = _next_token(model(input_ids=input_ids, use_cache=True, **cache))
     tokens = [int(token)]
     wait()
     prefilled = time.perf_counter()
     mark("decode")
     for _ in range(max_new_tokens - 1):
-        token, cache = _next_token(model(input_ids=token, past_key_values=cache, use_cache=True))
+        token = _next_token(model(input_ids=token, use_cache=True, **cache))
         tokens.append(int(token))
     wait()
     return Generation(tuple(tokens), prefilled - start, time.perf_counter() - prefilled)

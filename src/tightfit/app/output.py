@@ -12,8 +12,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from tightfit._format import human_bytes
+from tightfit.app.budget import Budgeted
 from tightfit.app.models import ENCODER
-from tightfit.app.run import RunReport
+from tightfit.app.run import RunReport, RunStart
 
 __all__: list[str] = []
 
@@ -121,22 +122,34 @@ def _text(report: RunReport) -> Table:
     return text
 
 
-def _print_plan(report: RunReport, console: Console) -> None:
-    plan = report.budgeted.plan
+def _print_plan(budgeted: Budgeted, budget_bytes: int, console: Console) -> None:
+    plan = budgeted.plan
     if plan.applies_nothing:
         console.print(
-            f"budget {human_bytes(report.budget_bytes)} covers the unchanged model "
-            f"({human_bytes(plan.full_peak_bytes + report.budgeted.kv_cache_bytes)} predicted): nothing applied, weights as loaded",
+            f"budget {human_bytes(budget_bytes)} covers the unchanged model "
+            f"({human_bytes(plan.full_peak_bytes + budgeted.kv_cache_bytes)} predicted): nothing applied, weights as loaded",
             highlight=False,
         )
         return
-    if report.budgeted.kv_cache_bytes:
+    if budgeted.kv_cache_bytes:
         console.print(
-            f"planned for {human_bytes(plan.budget_bytes)}: the budget less {human_bytes(report.budgeted.kv_cache_bytes)} "
+            f"planned for {human_bytes(plan.budget_bytes)}: the budget less {human_bytes(budgeted.kv_cache_bytes)} "
             f"of KV cache growth while decoding",
             highlight=False,
         )
     console.print(escape(str(plan)), highlight=False, soft_wrap=True)
+
+
+def print_start(start: RunStart, console: Console) -> None:
+    """What a run prints before it measures: the model, the backend and, with a budget,
+    the plan (before any weight is read); flushed, so that it shows at once even where
+    stdout is a pipe."""
+    kind = "" if start.kind == ENCODER else " (causal LM)"
+    console.print(f"model    {start.model}{kind}", highlight=False, markup=False)
+    console.print(f"backend  {start.backend} ({start.device})", highlight=False, markup=False)
+    if start.budgeted is not None:
+        _print_plan(start.budgeted, start.budget_bytes, console)
+    console.file.flush()
 
 
 def _budget(report: RunReport) -> Table:
@@ -155,13 +168,15 @@ def _budget(report: RunReport) -> Table:
     return table
 
 
-def print_report(report: RunReport, console: Console) -> None:
-    """The tables: what ran, the plan under a budget, what it produced, and the measured figures."""
+def print_report(report: RunReport, console: Console, *, started: bool = False) -> None:
+    """The tables: what ran, the plan under a budget, what it produced, and the measured
+    figures. ``started``: :func:`print_start` has shown what ran and the plan already."""
     measured = report.measurement
-    console.print(f"model    {report.model}" + ("" if report.kind == ENCODER else " (causal LM)"), highlight=False)
-    console.print(f"backend  {report.backend} ({report.device})", highlight=False)
-    if report.budgeted is not None:
-        _print_plan(report, console)
+    if not started:
+        print_start(
+            RunStart(report.model, report.kind, report.backend, report.device, report.budget_bytes, report.budgeted),
+            console,
+        )
     console.print(_pairs(report) if report.kind == ENCODER else _text(report))
     figures = Table(title="measured")
     figures.add_column("figure")

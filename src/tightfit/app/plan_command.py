@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from tightfit.app.models import default_model_dir, model_skeleton
+from tightfit.app.spelling import assigned, option
 from tightfit.memory.plan import MemoryPlan, plan_memory
 
 __all__ = ["plan_model"]
@@ -24,7 +25,7 @@ __all__ = ["plan_model"]
 
 def _positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        raise ValueError(f"{option(name)} must be an int >= 1, got {value!r}")
     return value
 
 
@@ -46,7 +47,7 @@ def plan_model(
     skeleton, config = model_skeleton(folder)
     limit = getattr(config, "max_position_embeddings", None)
     if isinstance(limit, int) and seq > limit:
-        raise ValueError(f"seq={seq} is longer than the model's max_position_embeddings ({limit})")
+        raise ValueError(f"{assigned('seq', seq)} is longer than the model takes: {limit} (max_position_embeddings)")
     skeleton.train(training)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     kwargs = {"use_cache": False} if getattr(config, "use_cache", None) is not None else {}

@@ -9,7 +9,7 @@ measurement."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from tightfit.app.models import (
     load_encoder,
     load_tokenizer,
 )
+from tightfit.app.spelling import assigned, option
 from tightfit.fitting import Allow, held_bytes, parse_size
 from tightfit.hooks import OFFLOAD_TARGETS, apply_layerwise_casting, apply_offloading, resident_bytes
 from tightfit.loading import checkpoint_dtype, load, skeleton
@@ -54,6 +55,7 @@ __all__ = [
     "STORAGE_DTYPE_CHOICES",
     "RunOptions",
     "RunReport",
+    "RunStart",
     "plan_only",
     "quant_configs",
     "run",
@@ -151,7 +153,7 @@ class RunOptions:
         for name in ("repeat", "top_pairs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+                raise ValueError(f"{option(name)} must be an int >= 1, got {value!r}")
         if not isinstance(self.keep_8bit, bool):
             raise TypeError(f"keep_8bit must be a bool, got {type(self.keep_8bit).__name__}: {self.keep_8bit!r}")
         if (
@@ -161,11 +163,11 @@ class RunOptions:
         ):
             raise ValueError("sentences must be a tuple of at least two non-empty strings")
         if self.prompt is not None and (not isinstance(self.prompt, str) or not self.prompt.strip()):
-            raise ValueError(f"prompt must be a non-empty string or None, got {self.prompt!r}")
+            raise ValueError(f"{option('prompt')} must be a non-empty string or None, got {self.prompt!r}")
         if self.max_new_tokens is not None and (
             isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1
         ):
-            raise ValueError(f"max_new_tokens must be an int >= 1 or None, got {self.max_new_tokens!r}")
+            raise ValueError(f"{option('max_new_tokens')} must be an int >= 1 or None, got {self.max_new_tokens!r}")
         if self.timeline is not None:
             check_png_path("timeline", self.timeline, "tightfit run --timeline")
         if self.budget is not None:
@@ -173,17 +175,33 @@ class RunOptions:
             chosen = [name for name in ("quant", "storage_dtype", "offload") if getattr(self, name) is not None]
             if chosen:
                 raise ValueError(
-                    f"budget lets the fit planner choose how weights are stored and where; it cannot be combined with "
-                    f"{', '.join(chosen)}; drop {'them' if len(chosen) > 1 else 'it'}, or restrict the planner with allow"
+                    f"{option('budget')} lets the fit planner choose how weights are stored and where; it cannot be "
+                    f"combined with {', '.join(map(option, chosen))}; drop {'them' if len(chosen) > 1 else 'it'}, "
+                    f"or restrict the planner with {option('allow')}"
                 )
         if self.allow is not None and self.budget is None:
             raise ValueError(
-                f"allow={self.allow!r} restricts the fit planner, which runs only with a budget; give budget too"
+                f"{assigned('allow', self.allow)} restricts the fit planner, which runs only with a budget; "
+                f"give {option('budget')} too"
             )
         if self.allow is not None:
             object.__setattr__(self, "allow", Allow.coerce(self.allow))
         if not isinstance(self.reference, bool):
             raise TypeError(f"reference must be a bool, got {type(self.reference).__name__}: {self.reference!r}")
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """What a run knows before it measures, given to ``run``'s ``on_start``: the
+    model (as the report names it) and its kind, the backend and device, and with a
+    budget the plan (``budgeted``) that loading is about to carry out."""
+
+    model: str
+    kind: str
+    backend: str
+    device: str
+    budget_bytes: int | None = None
+    budgeted: Budgeted | None = None
 
 
 @dataclass
@@ -270,8 +288,10 @@ def _setup(options: RunOptions | None) -> tuple[RunOptions, backends.Backend, to
     folder = Path(options.model) if options.model is not None else default_model_dir()
     kind = folder_kind(folder)
     if kind == ENCODER and (options.prompt is not None or options.max_new_tokens is not None):
+        named = "the built-in model" if options.model is None else assigned("model", str(folder))
         raise ValueError(
-            f"prompt and max_new_tokens apply to causal LMs; model={str(folder)!r} is an encoder, which embeds sentences"
+            f"{option('prompt')} and {option('max_new_tokens')} apply to causal LMs; {named} is an encoder, "
+            f"which embeds sentences"
         )
     return options, backend, device, folder, kind
 
@@ -282,7 +302,7 @@ def _planned(
     """The run's job on the skeleton (no weight read) and its plan for the budget, loading covered."""
     if holds_quantized(folder):
         raise ValueError(
-            f"model={str(folder)!r} holds quantized weights (a bitsandbytes quantization_config, or a folder "
+            f"{assigned('model', str(folder))} holds quantized weights (a bitsandbytes quantization_config, or a folder "
             f"tightfit.save wrote): tightfit run and fit plan full-precision checkpoints for now; load it with "
             f"tightfit.load(folder, budget) from Python"
         )
@@ -306,16 +326,27 @@ def plan_only(options: RunOptions) -> Budgeted:
     raises :class:`tightfit.FitError` when nothing fits."""
     options, backend, device, folder, kind = _setup(options)
     if options.budget is None:
-        raise ValueError("budget is needed to plan (bytes or a size such as '6GB')")
+        raise ValueError(f"{option('budget')} is needed to plan (bytes or a size such as '6GB')")
     return _planned(options, backend, device, folder, kind)[1]
 
 
-def run(options: RunOptions | None = None) -> RunReport:
-    """Run the main job and return its report."""
+def run(options: RunOptions | None = None, *, on_start: Callable[[RunStart], Any] | None = None) -> RunReport:
+    """Run the main job and return its report.
+
+    ``on_start`` is called once with what the run knows before it measures
+    (:class:`RunStart`), so that a caller can show it at once rather than after the run
+    (``tightfit run`` does): with a budget, the plan, before any weight is read; without
+    one, once the model has loaded (a folder that does not load is an error before it).
+    """
+    if on_start is not None and not callable(on_start):
+        raise TypeError(f"on_start must be None or a callable, got {type(on_start).__name__}: {on_start!r}")
     options, backend, device, folder, kind = _setup(options)
     budgeted, loaded = None, None
+    start = RunStart(_described(options, folder), kind, backend.name, str(device), options.budget)
     if options.budget is not None:  # plan from the config, then stream the checkpoint into the plan
         job, budgeted = _planned(options, backend, device, folder, kind)
+        if on_start is not None:
+            on_start(replace(start, budgeted=budgeted))
         loaded = measure_load(lambda: load(folder, plan=budgeted.plan, kind=kind, model=job.model)[0], device)
         job.model = loaded.model
         kept: tuple[str, ...] = ()
@@ -324,6 +355,8 @@ def run(options: RunOptions | None = None) -> RunReport:
         reference = None  # computed after the measured run, from the full-precision model, where it fits
     else:
         job = _job(kind, folder, device, options, backend)
+        if on_start is not None:
+            on_start(start)
         changes = bool(options.quant or options.storage_dtype or options.offload)
         full_weights = weights_bytes([job.model]) if changes else None
         reference = (
@@ -348,7 +381,7 @@ def run(options: RunOptions | None = None) -> RunReport:
         keep_results=True,
     )
     report = RunReport(
-        model=str(folder) if options.model is not None else "all-MiniLM-L6-v2 (built-in default)",
+        model=start.model,
         backend=backend.name,
         device=str(device),
         weights_bytes=weights,
@@ -383,6 +416,11 @@ def run(options: RunOptions | None = None) -> RunReport:
             )
         )
     return report
+
+
+def _described(options: RunOptions, folder: Path) -> str:
+    """The model as a report names it: its folder, or the built-in default."""
+    return str(folder) if options.model is not None else "all-MiniLM-L6-v2 (built-in default)"
 
 
 def _job(
@@ -489,8 +527,8 @@ class _CausalLM:
         length = self.input_ids.shape[1] + self.max_new_tokens
         if limit is not None and length > limit:
             raise ValueError(
-                f"prompt ({self.input_ids.shape[1]} tokens) and max_new_tokens={self.max_new_tokens} make {length} positions; "
-                f"the model takes at most max_position_embeddings={limit}"
+                f"{option('prompt')} ({self.input_ids.shape[1]} tokens) and {assigned('max_new_tokens', self.max_new_tokens)} "
+                f"make {length} positions; the model takes at most {limit} (max_position_embeddings in its config.json)"
             )
         self.synchronize = lambda: backend.synchronize(device)
 

@@ -10,7 +10,7 @@ from contextlib import nullcontext
 from rich.console import Console
 
 from tightfit._progress import show_progress
-from tightfit.app.output import print_report, report_data
+from tightfit.app.output import print_report, print_start, report_data
 from tightfit.app.run import STORAGE_DTYPE_CHOICES, RunOptions, quant_configs
 from tightfit.app.run import run as run_job
 from tightfit.fitting import PLACEMENTS, storage_names
@@ -19,7 +19,12 @@ __all__: list[str] = []
 
 
 def handle(args: argparse.Namespace, console: Console) -> int:
-    """Run, measure and print the report."""
+    """Run, measure and print the report.
+
+    The model, the backend and a budget's plan are printed (and flushed) the moment the
+    plan is made, before loading (without a budget, once the model has loaded); the rest
+    after the run. With ``--json`` stdout holds one
+    JSON document, printed at the end (the plan is its ``plan``), and nothing else."""
     options = RunOptions(
         model=args.model,
         backend=args.backend,
@@ -37,11 +42,11 @@ def handle(args: argparse.Namespace, console: Console) -> int:
     )
     bars = Console(stderr=True)
     with show_progress(bars) if bars.is_terminal and not args.json else nullcontext():  # stderr only, never in --json
-        report = run_job(options)
+        report = run_job(options, on_start=None if args.json else lambda start: print_start(start, console))
     if args.json:
         print(json.dumps(report_data(report), indent=2))
         return 0
-    print_report(report, console)
+    print_report(report, console, started=True)
     return 0
 
 

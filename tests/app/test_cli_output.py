@@ -1,0 +1,72 @@
+"""What ``tightfit run`` prints, and when: the model, the backend and a budget's plan the
+moment the plan is made (flushed, before any weight is read, also where stdout is a
+pipe), the rest after the run; with ``--json`` one JSON document on stdout and nothing
+else."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+#: The real command, its loader marking on file descriptor 1, past Python's buffer, where
+#: loading begins: what the command printed and flushed before comes before the mark in
+#: the piped output, what it had only buffered comes after.
+MARKED = """
+import os
+import sys
+
+import tightfit.app.run as job
+
+loader = job.load
+
+
+def marked(*args, **kwargs):
+    os.write(1, b"<loading begins>\\n")
+    return loader(*args, **kwargs)
+
+
+job.load = marked
+from tightfit.app.cli import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_plan_is_printed_before_loading_with_stdout_piped(tiny_llama):
+    argv = ["run", "--model", str(tiny_llama), "--budget", "4MB", "--repeat", "1", "--max-new-tokens", "3"]
+    done = subprocess.run([sys.executable, "-c", MARKED, *argv], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("<loading begins>\n") == 1, done.stdout
+    before, after = done.stdout.split("<loading begins>\n")
+    lines = before.splitlines()
+    assert lines[0].startswith("model    ") and lines[0].endswith("(causal LM)")
+    assert lines[1] == "backend  cpu (cpu)"
+    assert "planned for 3.8 MiB: the budget less 512 B of KV cache growth while decoding" in before
+    assert "fit plan: LlamaForCausalLM on cpu" in before and lines[-1].startswith("(rest)")  # the whole plan
+    assert "fit plan:" not in after and "backend  cpu" not in after  # printed once
+    order = ["greedy generation", "measured", "budget: predicted against measured", "the prediction covers"]
+    positions = [after.index(title) for title in order]
+    assert positions == sorted(positions), after
+
+
+def test_json_is_one_document_on_stdout_and_nothing_else(tiny_llama):
+    done = subprocess.run(
+        [sys.executable, "-m", "tightfit.app.cli", "run", "--model", str(tiny_llama), "--budget", "4MB"]
+        + ["--repeat", "1", "--max-new-tokens", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    data = json.loads(done.stdout)  # the whole of stdout: the plan is inside, not printed before
+    assert data["plan"]["model"] == "LlamaForCausalLM" and data["within_budget"] is True
+
+
+def test_a_run_without_a_budget_prints_its_header_once(capsys):
+    from tightfit.app.cli import main
+
+    assert main(["run", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model    all-MiniLM-L6-v2 (built-in default)\nbackend  cpu (cpu)\n")
+    assert out.count("backend  cpu") == 1 and "most similar sentence pairs" in out
