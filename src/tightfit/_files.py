@@ -45,10 +45,10 @@ def _refuse_constant(where: str):
     return hook
 
 
-def parse_json(data: bytes | str, where: str, *, strict: bool = False) -> Any:
+def parse_json(data: bytes | str, where: str, *, strict: bool = False, what: str = "is not valid JSON") -> Any:
     """The JSON value in ``data`` (bytes must be UTF-8, with no byte-order mark); a
-    ValueError starting with ``where`` when it is not JSON, not UTF-8, nested too deeply or
-    holds an integer too long to convert. ``strict``: also refuse an object naming a key
+    ValueError "``where`` ``what``: why" when it is not JSON, not UTF-8, nested too deeply
+    or holds an integer too long to convert. ``strict``: also refuse an object naming a key
     twice (Python would keep the last silently) and NaN or Infinity (Python's extension)."""
     try:
         text = data.decode("utf-8") if isinstance(data, (bytes, bytearray, memoryview)) else data
@@ -58,11 +58,11 @@ def parse_json(data: bytes | str, where: str, *, strict: bool = False) -> Any:
             return json.loads(text, object_pairs_hook=_refuse_duplicates(where), parse_constant=_refuse_constant(where))
         return json.loads(text)
     except RecursionError:
-        raise ValueError(f"{where} is not valid JSON: nested too deeply") from None
+        raise ValueError(f"{where} {what}: nested too deeply (maximum recursion depth exceeded)") from None
     except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, an integer of too many digits, a duplicate
         if str(error).startswith(where):
             raise ValueError(str(error)) from None
-        raise ValueError(f"{where} is not valid JSON: {str(error):.300}") from None
+        raise ValueError(f"{where} {what}: {str(error):.300}") from None
 
 
 def _read_capped(file: str | Path, limit: int) -> bytes:

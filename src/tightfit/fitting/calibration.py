@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tightfit._files import read_json
 from tightfit._progress import task
 from tightfit._validate import check_type
 from tightfit.backends.resolve import resolve_backend
@@ -270,8 +271,8 @@ def calibrate(backend: Any = None, *, remeasure: bool = False) -> Calibration:
     path = cache_path(chosen.name, _device_name(device))
     if path.is_file() and not remeasure:
         try:
-            return Calibration.from_dict(json.loads(path.read_text()))
-        except (ValueError, TypeError, json.JSONDecodeError):
+            return Calibration.from_dict(read_json(path))
+        except (ValueError, TypeError):
             pass  # a stale or damaged cache file is measured again and rewritten
     figures = _measure(chosen, device)
     try:

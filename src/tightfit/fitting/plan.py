@@ -15,6 +15,7 @@ from torch import nn
 
 import tightfit.graph
 from tightfit._deprecation import renamed
+from tightfit._files import parse_json
 from tightfit._validate import check_type
 from tightfit.fitting.options import PLACEMENTS, TIED_DECODE, storage_names
 from tightfit.fitting.regions import add_hints, check_module_hints
@@ -294,10 +295,7 @@ class FitPlan:
     def from_json(cls, text: str) -> FitPlan:
         """The plan ``to_json`` wrote."""
         check_type("text", text, str)
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"text is not JSON: {error}") from None
+        data = parse_json(text, "text")
         if not isinstance(data, dict) or data.get("format") != _FORMAT:
             raise ValueError(f"text is not a tightfit plan: expected a JSON object with format {_FORMAT!r}")
         known = {f.name for f in fields(cls)}

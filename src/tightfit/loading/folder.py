@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from tightfit._files import read_json
+from tightfit.loading._config import check_built, check_config, config_errors
 
 __all__ = ["CAUSAL_LM", "ENCODER", "checkpoint_dtype", "folder_kind", "model_folder", "model_kind", "skeleton"]
 
@@ -32,14 +34,6 @@ def require(module: str, extra: str = "hf") -> None:
         )
 
 
-def read_json(file: Path) -> Any:
-    """The JSON in ``file``; a ValueError naming the file where it is not JSON (OSError where unreadable)."""
-    try:
-        return json.loads(file.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{file} is not valid JSON: {error}") from None
-
-
 def model_folder(path: str | Path) -> Path:
     """The folder, once its config.json is known to be a JSON object of a model type transformers knows."""
     if not isinstance(path, (str, Path)):
@@ -55,26 +49,37 @@ def model_folder(path: str | Path) -> Path:
 
 
 def _check_config(file: Path) -> None:
-    """Refuse, naming the file, a config.json that transformers would fail on with a message naming neither."""
+    """Refuse, naming the file and the key, a config.json that transformers would fail on
+    with a message naming neither (:func:`tightfit.loading._config.check_config`)."""
     config = read_json(file)
     if not isinstance(config, dict):
         raise ValueError(f"{file} must hold a JSON object (a model config), got a JSON {type(config).__name__}")
     model_type = config.get("model_type")
-    if model_type is None:
-        return  # transformers may still tell the type from the folder's name, or says it cannot
-    from transformers import __version__
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    if model_type is not None:  # else transformers may still tell the type from the folder's name, or says it cannot
+        from transformers import __version__
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
-        raise ValueError(f"{file}: model_type={model_type!r} is not a model type that transformers {__version__} knows")
+        if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+            raise ValueError(
+                f"{file}: model_type={model_type!r:.80} is not a model type that transformers {__version__} knows"
+            )
+    check_config(file, config)
 
 
 def read_config(path: str | Path) -> Any:
-    """The transformers config of a local folder (only config.json is read)."""
+    """The transformers config of a local folder (only config.json is read). A config that
+    transformers cannot read is a ValueError naming config.json; ``architectures`` given
+    as one name is read as a list of it, as transformers' auto classes read it."""
     folder = model_folder(path)
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(folder, local_files_only=True)
+    file = folder / "config.json"
+    with config_errors(file, "read the model config"):
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    if isinstance(getattr(config, "architectures", None), str):
+        config.architectures = [config.architectures]
+    check_built(file, config)
+    return config
 
 
 def model_kind(config: Any) -> str:
@@ -90,9 +95,12 @@ def model_kind(config: Any) -> str:
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
 
-    if getattr(config, "architectures", None):
+    architectures = getattr(config, "architectures", None)
+    if isinstance(architectures, str):  # one name, not a list: transformers reads it so
+        architectures = [architectures]
+    if architectures:
         causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-        return CAUSAL_LM if any(name in causal for name in config.architectures) else ENCODER
+        return CAUSAL_LM if any(name in causal for name in architectures) else ENCODER
     if getattr(config, "is_decoder", False):
         return CAUSAL_LM
     model_type = getattr(config, "model_type", None)
@@ -150,7 +158,12 @@ def skeleton(path: str | Path, kind: str | None = None) -> tuple[nn.Module, Any]
         raise ValueError(f"kind={kind!r} is not accepted; accepted: {', '.join(_AUTO_CLASSES)}")
     import transformers
 
+    file = Path(path) / "config.json"
+    try:
+        dtype = checkpoint_dtype(config)
+    except ValueError as error:
+        raise ValueError(f"{file}: {error}") from None
     auto = getattr(transformers, _AUTO_CLASSES[kind])
-    with _parameters_on_meta():
-        model = auto.from_config(config, dtype=checkpoint_dtype(config))
+    with config_errors(file, f"build the model ({_AUTO_CLASSES[kind]})"), _parameters_on_meta():
+        model = auto.from_config(config, dtype=dtype)
     return model.eval(), config

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tightfit._files import read_text
 from tightfit._format import human_bytes
 from tightfit._progress import muted, task
 from tightfit._validate import check_type
@@ -400,9 +401,10 @@ def _saved_plan(folder: Path) -> FitPlan | None:
     if not file.is_file():
         return None
     try:
-        return FitPlan.from_json(file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ValueError(f"{file}: {error}") from None
+        return FitPlan.from_json(read_text(file))
+    except (ValueError, TypeError) as error:
+        message = str(error)  # from_json names its argument "text": name the file instead
+        raise ValueError(f"{file} {message[5:]}" if message.startswith("text ") else f"{file}: {message}") from None
 
 
 def load_quantized(

@@ -26,6 +26,7 @@ __all__ = [
     "STATE_KEYS",
     "StoredLeaf",
     "check_bitsandbytes",
+    "check_plan_names",
     "check_planned",
     "holds_quantized",
     "bitsandbytes_settings",
@@ -187,9 +188,23 @@ def check_bitsandbytes(layout: dict[str, StoredLeaf], settings: _Bitsandbytes, c
             )
 
 
+def check_plan_names(plan: FitPlan, model: nn.Module, source: str) -> None:
+    """Every module ``plan`` names (its units, their leaves) is one of ``model``'s: a
+    ValueError naming ``source`` (the plan file) and the module where not."""
+    modules = dict(model.named_modules())
+    for entry in plan.entries:
+        for name in (*entry.modules, *entry.leaves):
+            if name not in modules:
+                raise ValueError(
+                    f"{source} names module {name!r} (in unit {entry.module!r}), which the {type(model).__name__} "
+                    f"built from the folder's config does not have; accepted: a plan made for this model"
+                )
+
+
 def check_planned(layout: dict[str, StoredLeaf], plan: FitPlan, model: nn.Module, source: str) -> None:
     """Every leaf is stored as ``plan`` says: its storage where the plan names the leaf and
     the storage takes it, plainly elsewhere."""
+    check_plan_names(plan, model, source)
     modules = dict(model.named_modules())
     planned = {}
     for entry in plan.entries:

@@ -28,7 +28,7 @@ from tightfit.hooks._disk import MappedRegions
 from tightfit.hooks.offload import offload_in_place
 from tightfit.loading.folder import CAUSAL_LM, ENCODER, model_folder, model_kind, skeleton
 from tightfit.loading.safetensors import Checkpoint
-from tightfit.loading.stored import holds_quantized
+from tightfit.loading.stored import check_plan_names, holds_quantized
 from tightfit.quant import storage_format
 
 __all__ = ["default_inputs", "load", "on_meta", "plan_folder", "stream"]
@@ -149,6 +149,7 @@ def load(
             raise ValueError(
                 "plan does not cover loading: make it with tightfit.load, plan_folder or fit(..., loading=True)"
             )
+        check_plan_names(plan, model, "the plan given")
     else:
         if budget is None:
             raise ValueError("budget is needed to plan the load (bytes or a size such as '6GB'), or pass plan")

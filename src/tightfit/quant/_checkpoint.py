@@ -9,12 +9,12 @@ Private to ``tightfit.quant``: ``QuantState.from_dict`` and the modules'
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
 import torch
 
+from tightfit._files import parse_json
 from tightfit._validate import check_choice, check_type
 from tightfit.ops._arg_checks import BLOCKSIZES_4BIT, BLOCKSIZES_8BIT, block_count, check_packed
 from tightfit.ops.codes import QUANT_TYPES_4BIT, code_4bit
@@ -119,10 +119,7 @@ def _unpack(key: str, blob: object) -> dict[str, Any]:
         raise ValueError(
             f"{key} has shape {tuple(tensor.shape)}; accepted: 1-D, at most {_MAX_METADATA_BYTES} bytes of JSON"
         )
-    try:
-        metadata = json.loads(bytes(tensor.cpu().tolist()).decode("utf-8"))
-    except (ValueError, RecursionError) as error:  # bad UTF-8, bad JSON, too deep, too many digits
-        raise ValueError(f"{key} does not hold valid UTF-8 JSON: {str(error):.200}") from None
+    metadata = parse_json(bytes(tensor.cpu().tolist()), key, what="does not hold valid UTF-8 JSON")
     if not isinstance(metadata, dict):
         raise ValueError(f"{key} holds JSON {type(metadata).__name__}; accepted: a JSON object")
     return metadata
