@@ -30,10 +30,9 @@ from __future__ import annotations
 import functools
 import os
 
-import numpy as np
 import torch
 
-from tightfit.ops._numba import kernel_lock, load_numba, usable_numba
+from tightfit.ops._numba import kernel_lock, usable_numba
 
 __all__: list[str] = []
 
@@ -145,23 +144,6 @@ def _float_matmul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def _few_rows_kernel():
-    numba, _ = load_numba()
-
-    @numba.njit(parallel=True, nogil=True, cache=True)
-    def few_rows(a, b, out):
-        """out[m, n] = sum_k a[m, k] * b[n, k] in int32; each row of ``b`` is read once, for all rows of ``a``."""
-        for n in numba.prange(b.shape[0]):
-            for m in range(a.shape[0]):
-                acc = np.int32(0)
-                for k in range(a.shape[1]):
-                    acc += np.int32(np.int16(a[m, k]) * np.int16(b[n, k]))
-                out[m, n] = acc
-
-    return few_rows
-
-
 def linear_matmul_cpu(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """Exact ``A @ B.T`` for non-empty int8 ``A`` (M, K) and ``B`` (N, K), checked by the op."""
     path = _path(A.shape[0])
@@ -171,8 +153,10 @@ def linear_matmul_cpu(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
         return _int_mm(A, B)
     if usable_numba("int8_linear_matmul", "few-row products use torch._int_mm where exact, else int32 torch.mm"):
         out = torch.empty(A.shape[0], B.shape[0], dtype=torch.int32)
+        from tightfit.ops._kernels_int8 import few_rows
+
         with kernel_lock:
-            _few_rows_kernel()(A.contiguous().numpy(), B.contiguous().numpy(), out.numpy())
+            few_rows(A.contiguous().numpy(), B.contiguous().numpy(), out.numpy())
         return out
     if int_mm_is_exact():
         return _int_mm(A, B)
