@@ -2,7 +2,9 @@
 with ``tightfit.compat.bitsandbytes`` in its place: ``functional.has_avx512bf16``, a
 ``Linear8bitLt`` whose weight was replaced by a plain parameter (tied weights) saves no
 ``SCB``, ``bnb.matmul`` takes the int8 weight as ``state.CB.t()`` and ``bnb.matmul_4bit`` a
-weight quantized (in x out), with bitsandbytes' DeprecationWarning."""
+weight quantized (in x out), with bitsandbytes' DeprecationWarning. Decoded values are held to
+the specification (tightfit's reference kernels on the stored bytes), bitsandbytes' through
+``zoo.peer.PeerCheck``: an xfail naming the deviation where its CPU kernel departs from it."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 import tightfit.compat.bitsandbytes as tnb
+from zoo.peer import PeerCheck, spec_dequantize_4bit
 
 MODULES = ["tightfit", "bitsandbytes"]
 
@@ -77,16 +80,28 @@ def test_transposed_with_out_and_a_transposed_copy_refused():
 def test_matmul_4bit_takes_an_in_by_out_weight_with_bitsandbytes_warning():
     weight = torch.randn(32, 48, generator=torch.Generator().manual_seed(0))  # (in x out)
     A = torch.randn(3, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    results = []
+    bias = torch.ones(48)
+    results, states = [], []
     for name in MODULES:
         bnb = tnb if name == "tightfit" else pytest.importorskip("bitsandbytes")
         packed, state = bnb.functional.quantize_4bit(weight, quant_type="nf4")
         with pytest.warns(DeprecationWarning, match="orientation"):
-            out = bnb.matmul_4bit(A, packed, state, bias=torch.ones(48))
+            out = bnb.matmul_4bit(A, packed, state, bias=bias)
         results.append((out, torch.autograd.grad(out.sum(), A)[0]))
+        states.append((packed, state))
     (ours, our_grad), (theirs, their_grad) = results
+    (our_packed, our_state), (their_packed, their_state) = states
+    assert torch.equal(our_packed, their_packed) and torch.equal(our_state.absmax, their_state.absmax)
+    assert tuple(our_state.shape) == tuple(their_state.shape) == (32, 48)
+    decoded = spec_dequantize_4bit(their_packed, their_state)
+    expected = torch.nn.functional.linear(A, decoded.t(), bias)
+    expected_grad = torch.autograd.grad(expected.sum(), A)[0]
     assert ours.shape == (3, 48)
-    assert torch.equal(ours, theirs) and torch.equal(our_grad, their_grad)
+    assert torch.equal(ours, expected) and torch.equal(our_grad, expected_grad)
+    peer = PeerCheck()
+    peer.agrees("bitsandbytes.matmul_4bit (in x out weight, its dequantize_4bit)", theirs, expected)
+    peer.agrees("bitsandbytes.matmul_4bit's input gradient", their_grad, expected_grad)
+    peer.settle()
 
 
 def test_matmul_4bit_in_by_out_checks_bias_and_out_first():
