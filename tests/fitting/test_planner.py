@@ -8,8 +8,8 @@ from torch import nn
 
 import tightfit
 from tightfit.fitting import Allow, FitError
-from tightfit.fitting.options import Unit, options_for
-from tightfit.fitting.search import search
+from tightfit.fitting.options import Unit, find_units, options_for
+from tightfit.fitting.search import peak_of, search
 from zoo.lm import figures, tiny_lm, token_ids
 
 
@@ -230,3 +230,44 @@ def test_options_of_about_equal_time_tie_and_noise_does_not_change_the_pick(int8
     pick = options[search([options], budget=10**7, activations=0).best.picks[0]].storage
     even = _float8_and_int8(1.0)
     assert pick == (even[search([even], budget=10**7, activations=0).best.picks[0]].storage if tie else "int8")
+
+
+class _WithBuffer(nn.Module):
+    """Two Linear units and, outside them, a buffer its constructor computes (as rotary frequencies)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(64, 64, bias=False)
+        self.second = nn.Linear(64, 64, bias=False)
+        self.register_buffer("frequencies", torch.arange(256, dtype=torch.float32), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x)) * self.frequencies[:64]
+
+
+def test_the_load_peak_counts_the_skeletons_buffers_from_the_first_unit_streamed_in():
+    # the rest streams in last, but its buffers (computed by the skeleton) are there before the first byte is read
+    model = _WithBuffer().eval()
+    assert [(u.name, u.buffer_bytes) for u in find_units(model)] == [("first", 0), ("second", 0), ("(rest)", 1024)]
+    options = {
+        u.name: options_for(
+            u,
+            storages=frozenset({"keep", "int8"}),
+            placements=frozenset({"device", "disk"}),
+            device=torch.device("cpu"),
+            rows={},
+            live={},
+            figures=figures(),
+            loading=True,
+        )
+        for u in find_units(model)
+    }
+    assert [o.ready_bytes for o in options["(rest)"]] == [1024] and not options["first"][0].ready_bytes
+    int8 = next(i for i, o in enumerate(options["first"]) if (o.storage, o.placement) == ("int8", "device"))
+    disk = next(i for i, o in enumerate(options["second"]) if (o.storage, o.placement) == ("keep", "disk"))
+    first, rest = options["first"][int8], options["(rest)"][0]
+    choice = peak_of([options["first"], options["second"], options["(rest)"]], (int8, disk, 0), 0)
+    # converting the first unit is the peak: the buffer is beside it, not only counted when the rest streams in
+    assert choice.load_peak_bytes == first.held_bytes + first.load_bytes + 1024
+    assert choice.load_peak_bytes > first.held_bytes + rest.held_bytes
+    assert choice.peak_bytes >= choice.load_peak_bytes

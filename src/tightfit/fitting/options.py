@@ -71,7 +71,10 @@ class Unit:
     must stay as it is, or ""; ``no_cast``: the reason storages that cast a weight in place
     (float8) are ruled out, or ""; ``tied``: the leaves whose weight an earlier leaf of the
     unit holds (tied weights: stored once, used by each); ``no_decode``: the reason storages
-    that decode are ruled out (:data:`TIED_DECODE`), or "".
+    that decode are ruled out (:data:`TIED_DECODE`), or "";
+    ``buffer_bytes``: of ``bytes``, its buffers, which a checkpoint is not read into (a
+    skeleton's constructors compute them: rotary frequencies, position ids), so they are
+    in memory before the first unit streams in.
     """
 
     name: str
@@ -83,6 +86,7 @@ class Unit:
     no_cast: str = ""  # why storages that cast in place are ruled out ("" when they are not)
     tied: tuple[str, ...] = ()  # leaves whose weight an earlier leaf holds (counted there)
     no_decode: str = ""  # why storages that decode are ruled out ("" when they are not)
+    buffer_bytes: int = 0  # of bytes, its buffers: computed by the skeleton, alive before loading starts
 
     def takes(self, storage: StorageFormat) -> bool:
         """Whether ``storage`` applies to a leaf of this unit: one of its leaf types, in a
@@ -123,6 +127,7 @@ class Option:
     seconds: float
     cost: float
     load_bytes: int = 0  # above held, while this unit streams in from a checkpoint and converts (on the host)
+    ready_bytes: int = 0  # alive before streaming starts (the skeleton's buffers: Unit.buffer_bytes), when loading
 
     @property
     def transient_bytes(self) -> int:
@@ -142,6 +147,12 @@ def _owners(root: nn.Module) -> dict[int, int]:
             if tensor is not None:
                 owners[id(tensor)] = owners.get(id(tensor), 0) + 1
     return owners
+
+
+def _buffer_bytes(modules: list[nn.Module], tensors: dict[int, torch.Tensor]) -> int:
+    """Bytes of those of ``tensors`` (by id) that are buffers of ``modules`` or their submodules."""
+    buffers = {id(buffer) for module in modules for buffer in module.buffers()}
+    return tensor_bytes(tensor for key, tensor in tensors.items() if key in buffers)
 
 
 def _stored_bytes(module: nn.Module) -> int:
@@ -222,7 +233,9 @@ def find_units(model: nn.Module) -> list[Unit]:
         if any(inner[key] < owners[key] for key in tensors):
             own = {k: v for k, v in tensors.items() if k not in covered}
             size = tensor_bytes(own.values())
-            units.append(Unit(name, kind, (), size, size, "shares a tensor with a module outside it (tied weights)"))
+            ready = _buffer_bytes([module for _, _, module in members], own)
+            why = "shares a tensor with a module outside it (tied weights)"
+            units.append(Unit(name, kind, (), size, size, why, buffer_bytes=ready))
             covered.update(tensors)
             continue
         leaves = [
@@ -240,12 +253,15 @@ def find_units(model: nn.Module) -> list[Unit]:
         no_cast = "model.dtype reads its weight, which must keep its dtype" if firsts.keys() & deciders else ""
         no_decode = TIED_DECODE if any(inner[key] > 1 for key in firsts) else ""  # another module of it holds one
         other = tensor_bytes(v for k, v in tensors.items() if k not in firsts)
-        units.append(Unit(name, kind, weights, tensor_bytes(tensors.values()), other, "", no_cast, tied, no_decode))
+        ready = _buffer_bytes([module for _, _, module in members], tensors)
+        size = tensor_bytes(tensors.values())
+        units.append(Unit(name, kind, weights, size, other, "", no_cast, tied, no_decode, buffer_bytes=ready))
         covered.update(tensors)
     rest = {k: v for k, v in _tensors(model).items() if k not in covered}
     if rest:
         size = tensor_bytes(rest.values())
-        units.append(Unit("(rest)", "rest", (), size, size, "norms, biases and buffers outside the units"))
+        why = "norms, biases and buffers outside the units"
+        units.append(Unit("(rest)", "rest", (), size, size, why, buffer_bytes=_buffer_bytes([model], rest)))
     return units
 
 
@@ -334,6 +350,7 @@ def options_for(
                     seconds,
                     _cost(seconds, storage.rank, placement, options) + _TIE * noise,
                     _load_bytes(unit, storage, placement, converting, held) if loading and on_host else 0,
+                    unit.buffer_bytes if loading and on_host else 0,
                 )
             )
     return options

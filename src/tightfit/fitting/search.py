@@ -32,8 +32,9 @@ class Choice:
     activation peak, raised where a unit computes with a decoded weight (``compute_bytes``)
     or streams in (by the largest ``Option.load_bytes``, ``load_bytes``: the bound the
     search holds to the budget); ``load_peak_bytes`` is the exact peak while streaming in,
-    the units in order, each above those loaded before it (a plan that does not cover
-    loading has no use for it)."""
+    the units in order, each above those loaded before it and the buffers of those still
+    to come (computed by the skeleton, in memory from the start); ``peak_bytes`` covers it
+    (a plan that does not cover loading has no use for it)."""
 
     picks: tuple[int, ...]
     held_bytes: int
@@ -47,7 +48,7 @@ class Choice:
 
     @property
     def peak_bytes(self) -> int:
-        return self.held_bytes + self.active_bytes + self.onload_bytes
+        return max(self.held_bytes + self.active_bytes + self.onload_bytes, self.load_peak_bytes)
 
 
 @dataclass(frozen=True)
@@ -60,14 +61,18 @@ class Search:
 
 def peak_of(options: list[list[Option]], picks: tuple[int, ...], activations: int) -> Choice:
     """What a choice predicts: held bytes summed, the activation peak raised by the
-    largest compute or load peak, the two largest onloads."""
+    largest compute or load peak, the two largest onloads, and the peak while streaming in:
+    units in order (the rest last), each above the units before it and the buffers of
+    those after it (``Option.ready_bytes``)."""
     chosen = [unit_options[pick] for unit_options, pick in zip(options, picks)]
     onloads = sorted((o.onload_bytes for o in chosen), reverse=True)[:2]
     computing = max([activations] + [o.compute_peak_bytes for o in chosen])
     loading = max([0] + [o.load_bytes for o in chosen])
-    held = load_peak = 0
+    pending = load_peak = sum(o.ready_bytes for o in chosen)  # in memory before the first unit is read
+    held = 0
     for option in chosen:  # streamed in order, the rest last
-        load_peak = max(load_peak, held + option.held_bytes + option.load_bytes)
+        pending -= option.ready_bytes  # part of the unit's own bytes from here
+        load_peak = max(load_peak, held + pending + option.held_bytes + option.load_bytes)
         held += option.held_bytes
     return Choice(
         picks,

@@ -196,7 +196,15 @@ def quantize_(model: nn.Module, config: QuantConfig) -> nn.Module:
 
 
 def _quantize_children(module: nn.Module, config: QuantConfig, prefix: str, advance: Callable[[int], None]) -> None:
-    for name, child in module.named_children():
+    # By name, holding no child: named_children() keeps every child it yielded until the
+    # loop ends, so each replaced Linear's full-precision weight would stay alive until
+    # its siblings are quantized too (a checkpoint streamed in would peak above its plan).
+    seen: set[int] = set()  # a module registered twice is quantized once, as named_children() does
+    for name in list(module._modules):
+        child = module._modules[name]
+        if child is None or id(child) in seen:
+            continue
+        seen.add(id(child))
         qualified = f"{prefix}{name}"
         child_config = config.config_for(qualified)
         if child_config is None:
@@ -206,3 +214,4 @@ def _quantize_children(module: nn.Module, config: QuantConfig, prefix: str, adva
             advance(1)
         else:
             _quantize_children(child, child_config, prefix=f"{qualified}.", advance=advance)
+        del child
