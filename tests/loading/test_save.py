@@ -16,7 +16,9 @@ import tightfit
 from tightfit.fitting import held_bytes
 from tightfit.loading import Checkpoint
 from tightfit.loading import prequantized as loading
+from tightfit.quant import QuantState
 from zoo.lm import figures
+from zoo.peer import PeerCheck, spec_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,10 +74,25 @@ def test_a_bitsandbytes_model_saves_and_both_libraries_read_it_back(tiny_llama, 
     quantized = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, quantization_config=config)
     quantized.save_pretrained(tmp_path / "bnb")
     model, plan = tightfit.load(tmp_path / "bnb", 5_000_000, example_inputs=INPUTS, calibration=figures())
+    assert torch.equal(logits(model), logits(spec_model(tmp_path / "bnb")))
     folder = tightfit.save(model, plan, tmp_path / "saved")
     reloaded, _ = tightfit.load(folder)
     assert torch.equal(logits(reloaded), logits(model))
-    assert torch.equal(logits(transformers.AutoModelForCausalLM.from_pretrained(folder)), logits(model))
+    expected = logits(spec_model(folder))
+    assert torch.equal(expected, logits(model))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    stored = Checkpoint(folder)
+    layers = {name: m for name, m in theirs.named_modules() if type(m).__name__ == "Linear4bit"}
+    assert len(layers) == 14
+    for name, layer in layers.items():  # transformers holds the codes and scales as saved
+        assert torch.equal(layer.weight.data, stored.read(f"{name}.weight")), name
+        their_state = layer.weight.quant_state.as_dict(packed=True)
+        saved_state = {key: stored.read(f"{name}.weight.{key}") for key in their_state}
+        assert QuantState.from_dict(their_state) == QuantState.from_dict(saved_state), name
+    peer = PeerCheck()
+    name = "transformers' Linear4bit forward on bitsandbytes' CPU kernels"
+    peer.agrees(name, peer.runs(name, lambda: logits(theirs)), expected)
+    peer.settle()
 
 
 @pytest.fixture(scope="module")
