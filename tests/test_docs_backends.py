@@ -124,3 +124,20 @@ def test_page_shows_the_example_verbatim() -> None:
     blocks = re.findall(r"```[a-z]*\n(.*?)```", PAGE.read_text(), flags=re.DOTALL)
     for path in ("pyproject.toml", f"{MODULE}/__init__.py"):
         assert (EXAMPLE / path).read_text() in blocks, f"docs/backends.md does not show {path} as it is"
+
+
+def test_page_shows_the_backends_table(plugin_site: Path) -> None:
+    """docs/backends.md's ``tightfit backends`` table is what the command prints with the
+    example installed (compared as tests/test_docs_examples.py compares every shown output:
+    the machine's free and total memory masked)."""
+    from test_docs_examples import assert_shows, page_blocks
+
+    import tightfit
+
+    if [backend.name for backend in tightfit.backends.available()] != ["cpu"]:
+        pytest.skip("lists this machine's backends; the page's machine had the CPU only")
+    (block,) = [b for b in page_blocks("docs/backends.md") if b.lang == "console" and "$ tightfit backends" in b.text]
+    shown = block.text.split("$ tightfit backends\n", 1)[1]
+    done = _run_fresh(["-m", "tightfit.app.cli", "backends"], plugin_site)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_shows(str(block), shown, done.stdout + done.stderr)
