@@ -39,10 +39,14 @@ bench: $(VENV)/.installed-test
 	$(PY) benchmarks/memory_plan.py
 
 # Longer hostile-input campaigns than the tests run, in worker processes: 10,000 generated raw-op
-# calls and 10,000 corrupted checkpoints (both run; the target fails if either finds something).
+# calls, 10,000 corrupted checkpoints and 2,000 hostile model folders (safetensors headers, shard
+# indexes, config.json, tightfit-plan.json, quantization_config) through tightfit.load; all run,
+# and the target fails if any finds something.
 fuzz: $(VENV)/.installed-test
 	$(PY) -m tightfit.ops.fuzz --count 10000 --seed $${SEED:-0}; ops=$$?; \
-	$(PY) -m tightfit.quant.fuzz --count 10000 --seed $${SEED:-0} && exit $$ops
+	$(PY) -m tightfit.quant.fuzz --count 10000 --seed $${SEED:-0}; quant=$$?; \
+	$(PY) -m tightfit.loading.fuzz --count 2000 --seed $${SEED:-0}; loading=$$?; \
+	[ $$ops -eq 0 ] && [ $$quant -eq 0 ] && [ $$loading -eq 0 ]
 
 clean:
 	rm -rf $(VENV)

@@ -4,6 +4,7 @@ file and the tensor, and reads what is one exactly as the safetensors library do
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 import pytest
@@ -123,3 +124,119 @@ def test_any_header_either_reads_every_tensor_or_is_refused(tmp_path, header, da
     for name, entry in checkpoint.entries.items():
         tensor = checkpoint.read(name)
         assert tuple(tensor.shape) == entry.shape and tensor.dtype == entry.dtype
+
+
+_A = b'"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}'
+_B = b'"b":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}'
+
+
+@pytest.mark.parametrize(
+    "header, data, message",
+    [
+        (  # Python's json keeps the last definition: "a" would read b's bytes
+            b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"a":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}}',
+            b"abcd",
+            "names 'a' twice",
+        ),
+        (b'{"a":{"dtype":"U8","dtype":"U8","shape":[2],"data_offsets":[0,2]}}', b"ab", "names 'dtype' twice"),
+        (
+            b'{"__metadata__":{"x":"1"},"__metadata__":{"y":"2"},' + _A + b"}",
+            b"ab",
+            "names '__metadata__' twice",
+        ),
+        (
+            b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[3,5]}}',
+            b"abXcd",
+            "there are 1 bytes between tensors 'a' and 'b'",
+        ),
+        (b"{" + _A + b"}", b"abX", "its data holds 1 bytes after tensor 'a', which no entry covers"),
+        (b"{}", b"zz", "its data holds 2 bytes and no tensor"),
+        (b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}}', b"Xab", "tensor 'a' is the first in the data but"),
+        (b"{" + _A + b"," + _B.replace(b"[2,4]", b"[1,3]") + b"}", b"abc", "tensors 'a' and 'b' overlap"),
+        (b'{"__metadata__":[1],' + _A + b"}", b"ab", "__metadata__ must be an object of strings, got list"),
+        (b'{"__metadata__":"x",' + _A + b"}", b"ab", "__metadata__ must be an object of strings, got str"),
+        (b'{"__metadata__":0,' + _A + b"}", b"ab", "__metadata__ must be an object of strings, got int"),
+        (b'{"__metadata__":false,' + _A + b"}", b"ab", "__metadata__ must be an object of strings, got bool"),
+        (b'{"__metadata__":{"x":1},' + _A + b"}", b"ab", "__metadata__ must be an object of strings"),
+        (b"\xef\xbb\xbf{" + _A + b"}", b"ab", "Unexpected UTF-8 BOM"),
+        (b'{"__metadata__":{"x":NaN},' + _A + b"}", b"ab", "holds NaN, which is not JSON"),
+        (b'{"\\ud800":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}', b"ab", "lone surrogate"),
+        (b'{"a":{"dtype":"U8","shape":[0, 9223372036854775808],"data_offsets":[0,0]}}', b"", "at most"),
+        (b'{"__metadata__":' + b"[" * 5000 + b"]" * 5000 + b"," + _A + b"}", b"ab", "nested too deeply"),
+        (b"{" + _A + b"}\x00\x00", b"ab", "Extra data"),
+    ],
+)
+def test_what_the_safetensors_format_refuses_is_refused_naming_the_file_and_entry(tmp_path, header, data, message):
+    """Each as the safetensors library refuses it (or, for names and fields given twice,
+    stricter: the library keeps the last, which can be another tensor's bytes)."""
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    with pytest.raises(ValueError, match=re.escape(message)) as refused:
+        Checkpoint(tmp_path)
+    assert str(file) in str(refused.value)
+    if b'"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"a"' not in header:
+        with pytest.raises(Exception):  # noqa: B017 (the library raises its own SafetensorError)
+            safetensors_torch.load_file(file)
+
+
+@pytest.mark.parametrize(
+    "header, data",
+    [
+        (b'{"__metadata__":null,' + _A + b"}", b"ab"),  # null metadata: none
+        (b" \n{" + _A + b"}   ", b"ab"),  # whitespace around the JSON (the padding writers add)
+        (b'{"z":{"dtype":"F32","shape":[0],"data_offsets":[2,2]},' + _A + b"}", b"ab"),  # an empty tensor at the end
+        (b'{"a":{"dtype":"U32","shape":[1],"data_offsets":[0,4]}}', b"abcd"),
+        (b'{"a":{"dtype":"F8_E8M0","shape":[1],"data_offsets":[0,1]}}', b"a"),
+    ],
+)
+def test_what_the_format_accepts_is_read_as_the_library_reads_it(tmp_path, header, data):
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    checkpoint = Checkpoint(tmp_path)
+    expected = safetensors_torch.load_file(file)
+    assert set(checkpoint.entries) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(checkpoint.read(name).reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8))
+
+
+def test_a_bool_tensor_holding_other_bytes_than_0_and_1_is_refused(tmp_path):
+    header = b'{"m":{"dtype":"BOOL","shape":[3],"data_offsets":[0,3]}}'
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\x00\x01\x05")
+    with pytest.raises(ValueError, match="tensor 'm' is BOOL but holds a byte of value 5; accepted: 0 and 1"):
+        Checkpoint(tmp_path).read("m")
+
+
+def test_a_header_longer_than_the_library_s_limit_is_refused(tmp_path):
+    with open(tmp_path / "model.safetensors", "wb") as file:
+        file.write(struct.pack("<Q", 100_000_001))
+        file.truncate(8 + 100_000_001)  # sparse: the file is long enough, the header too long
+    with pytest.raises(
+        ValueError, match="claims 100000001 bytes; the file has 100000001 after the length, and headers above 100000000"
+    ):
+        Checkpoint(tmp_path)
+
+
+def test_an_index_naming_a_shard_with_a_nul_or_a_backslash_is_refused(tmp_path):
+    index = tmp_path / "model.safetensors.index.json"
+    for name in ("model.safetensors\u0000", "sub\\model.safetensors"):
+        index.write_text(json.dumps({"weight_map": {"w": name}}))
+        with pytest.raises(ValueError, match="maps tensor names to shard file names"):
+            Checkpoint(tmp_path)
+
+
+def test_an_index_nested_too_deeply_is_refused_naming_it(tmp_path):
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"weight_map":' * 50_000 + "{}" + "}" * 50_000)
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json is not valid JSON: nested too deeply"):
+        Checkpoint(tmp_path)
+
+
+def test_tied_names_holding_different_values_are_refused(tmp_path):
+    safetensors_torch.save_file(
+        {"e": torch.ones(4), "h": torch.zeros(4), "s": torch.ones(4)}, tmp_path / "model.safetensors"
+    )
+    checkpoint = Checkpoint(tmp_path)
+    assert checkpoint.source(["e", "s"], "") == "e"  # the same values: one tensor for both
+    assert checkpoint.source(["e", "missing"], "") == "e"
+    with pytest.raises(ValueError, match="ties e, h .* holds 'e' and 'h' with different values"):
+        checkpoint.source(["e", "h"], "")

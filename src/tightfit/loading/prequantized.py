@@ -400,8 +400,9 @@ def _saved_plan(folder: Path) -> FitPlan | None:
     file = folder / PLAN_FILE
     if not file.is_file():
         return None
+    text = read_text(file)
     try:
-        return FitPlan.from_json(read_text(file))
+        return FitPlan.from_json(text)
     except (ValueError, TypeError) as error:
         message = str(error)  # from_json names its argument "text": name the file instead
         raise ValueError(f"{file} {message[5:]}" if message.startswith("text ") else f"{file}: {message}") from None

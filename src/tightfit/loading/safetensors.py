@@ -224,7 +224,7 @@ class Checkpoint:
         data = read_json(index)
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not all(
-            isinstance(name, str) and "/" not in name and "\\" not in name and name not in ("", ".", "..")
+            isinstance(name, str) and not {"/", "\\", "\0"} & set(name) and name not in ("", ".", "..")
             for name in weight_map.values()
         ):
             raise ValueError(
@@ -245,6 +245,43 @@ class Checkpoint:
             if found is not None:
                 return found
         return None
+
+    def source(self, names: list[str], prefix: str) -> str | None:
+        """:meth:`find` for a tensor the model ties under several ``names`` (an embedding
+        and the LM head, ``tie_word_embeddings``): where the checkpoint holds more than one
+        of them, they must hold the same values, else a ValueError (transformers then
+        leaves them untied; tying would compute with one in place of the other)."""
+        found = self.find(names, prefix)
+        for name in names[1:] if found is not None else ():
+            other = self.find([name], prefix)
+            if other is not None and other != found and not self.same_values(found, other):
+                raise ValueError(
+                    f"{self.folder / 'config.json'} ties {', '.join(names)} (tie_word_embeddings), but the checkpoint "
+                    f"holds {found!r} and {other!r} with different values; accepted: tie_word_embeddings false (the "
+                    f"checkpoint's two tensors are kept, as transformers keeps them), or one tensor for both"
+                )
+        return found
+
+    def same_values(self, first: str, second: str, chunk: int = 1 << 16) -> bool:
+        """Whether two tensors have the same dtype, shape and bytes (compared a small chunk
+        at a time, outside torch's allocator: nothing the plan's load peak would count)."""
+        a, b = self._entry(first), self._entry(second)
+        if (a.dtype, a.shape) != (b.dtype, b.shape):
+            return False
+        with open(a.file, "rb") as left, open(b.file, "rb") as right:
+            for handle, entry in ((left, a), (right, b)):
+                self._unchanged(entry.file, handle)
+                handle.seek(entry.start)
+            for begin in range(0, a.nbytes, chunk):
+                size = min(chunk, a.nbytes - begin)
+                one, other = left.read(size), right.read(size)
+                if len(one) != size or len(other) != size:
+                    raise ValueError(f"{a.file} or {b.file} ends short of tensor {first!r} or {second!r}")
+                if one != other:
+                    return False
+            for handle, entry in ((left, a), (right, b)):
+                self._unchanged(entry.file, handle)
+        return True
 
     def stamp(self, file: Path) -> tuple[int, ...]:
         """The stamp (:func:`tightfit._files.file_stamp`) shard ``file`` had when its header was read."""

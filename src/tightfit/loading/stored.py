@@ -189,9 +189,10 @@ def check_bitsandbytes(layout: dict[str, StoredLeaf], settings: _Bitsandbytes, c
 
 
 def check_plan_names(plan: FitPlan, model: nn.Module, source: str) -> None:
-    """Every module ``plan`` names (its units, their leaves) is one of ``model``'s: a
-    ValueError naming ``source`` (the plan file) and the module where not."""
+    """Every module ``plan`` names (its units, their leaves) is one of ``model``'s, and no
+    unit is decided twice: a ValueError naming ``source`` (the plan file) and the module where not."""
     modules = dict(model.named_modules())
+    decided: set[str] = set()
     for entry in plan.entries:
         for name in (*entry.modules, *entry.leaves):
             if name not in modules:
@@ -199,6 +200,10 @@ def check_plan_names(plan: FitPlan, model: nn.Module, source: str) -> None:
                     f"{source} names module {name!r} (in unit {entry.module!r}), which the {type(model).__name__} "
                     f"built from the folder's config does not have; accepted: a plan made for this model"
                 )
+        for name in entry.modules:
+            if name in decided:
+                raise ValueError(f"{source} decides for module {name!r} twice; accepted: one entry per unit")
+            decided.add(name)
 
 
 def check_planned(layout: dict[str, StoredLeaf], plan: FitPlan, model: nn.Module, source: str) -> None:

@@ -206,7 +206,7 @@ def _sources(model: nn.Module, slots: _Slots, checkpoint: Checkpoint) -> dict[in
     prefix = getattr(model, "base_model_prefix", "") or ""
     sources, missing = {}, []
     for key, names in slots.names.items():
-        found = checkpoint.find(names, prefix)
+        found = checkpoint.source(names, prefix)
         if found is None:
             missing.append(names[0])
             continue
