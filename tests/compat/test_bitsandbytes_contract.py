@@ -107,7 +107,7 @@ def test_matmul_4bit_takes_an_in_by_out_weight_with_bitsandbytes_warning():
 def test_matmul_4bit_in_by_out_checks_bias_and_out_first():
     packed, state = tnb.functional.quantize_4bit(torch.randn(32, 48), quant_type="nf4")
     A = torch.randn(3, 32)
-    with pytest.raises(ValueError, match=r"bias must have shape \(48,\)"):
+    with pytest.raises(ValueError, match=r"bias must be a float tensor of shape \(48,\)"):
         tnb.matmul_4bit(A, packed, state, bias=torch.ones(32))
     with pytest.raises(ValueError, match="out must be"):
         tnb.matmul_4bit(A, packed, state, out=torch.empty(3, 32))

@@ -33,6 +33,19 @@ def check_optional_tensor(name: str, value: object) -> None:
         check_type(name, value, torch.Tensor)
 
 
+def check_bias(bias: object, features: int, A: torch.Tensor) -> None:
+    """A product's ``bias``: None, or a float tensor of shape ``(features,)`` on ``A``'s device
+    (torch would broadcast other shapes into a result of another shape, or fail inside)."""
+    if bias is None:
+        return
+    check_type("bias", bias, torch.Tensor)
+    if tuple(bias.shape) != (features,) or not bias.is_floating_point() or bias.device != A.device:
+        raise ValueError(
+            f"bias must be a float tensor of shape ({features},) on {A.device} (A's device), "
+            f"got {bias.dtype} of shape {tuple(bias.shape)} on {bias.device}"
+        )
+
+
 def check_size(name: str, value: object, minimum: int) -> int:
     """A layer's dimension: an int (not a bool) of at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int):

@@ -10,26 +10,23 @@ import warnings
 
 import torch
 
-from tightfit._validate import check_choice
-from tightfit.compat.bitsandbytes._common import check_optional_tensor, check_out
-from tightfit.ops._arg_checks import FLOAT_DTYPES
+from tightfit._validate import check_choice, check_type
+from tightfit.compat.bitsandbytes._common import check_bias, check_out
+from tightfit.ops._arg_checks import FLOAT_DTYPES, check_packed
 from tightfit.quant import functional as QF
 from tightfit.quant.state import QuantState
 
 __all__ = ["matmul_4bit"]
 
 
-def _in_by_out(A: object, state: object) -> bool:
-    """Whether ``state`` describes a 4-bit (in x out) weight for ``A`` (anything else goes to
-    tightfit's matmul_4bit, which checks it)."""
+def _weight_state(state: object) -> bool:
+    """Whether ``state`` is a 4-bit state of a 2-D weight (anything else goes to tightfit's
+    matmul_4bit, which refuses it)."""
     return (
-        isinstance(A, torch.Tensor)
-        and A.dim() >= 1
-        and isinstance(state, QuantState)
+        isinstance(state, QuantState)
         and state.quant_type is not None
         and state.shape is not None
         and len(state.shape) == 2
-        and A.shape[-1] == state.shape[0] != state.shape[1]
     )
 
 
@@ -42,13 +39,21 @@ def matmul_4bit(
 ) -> torch.Tensor:
     """``A @ W.T + bias`` for packed 4-bit codes ``B`` of a weight ``W`` (out x in); for one
     quantized (in x out), ``A @ W + bias`` with bitsandbytes' DeprecationWarning."""
-    if not _in_by_out(A, quant_state):
+    check_type("A", A, torch.Tensor)
+    if A.dim() < 1:
+        raise ValueError("A must have at least one dimension (rows x in_features), got a scalar")
+    if not _weight_state(quant_state):
+        return QF.matmul_4bit(A, B, quant_state, out, bias)
+    rows, columns = quant_state.shape  # (out x in); (in x out) where A's last dimension is ``rows``
+    check_packed("B", B, rows * columns, [rows, columns])
+    if not A.shape[-1] == rows != columns:
+        if A.shape[-1] != columns:
+            raise ValueError(f"A has shape {tuple(A.shape)}; its last dimension must be in_features, {columns}")
+        check_bias(bias, rows, A)
         return QF.matmul_4bit(A, B, quant_state, out, bias)
     check_choice("A.dtype", A.dtype, FLOAT_DTYPES)
-    check_optional_tensor("bias", bias)
-    features = quant_state.shape[1]
-    if bias is not None and tuple(bias.shape) != (features,):
-        raise ValueError(f"bias must have shape ({features},) for quant_state.shape {tuple(quant_state.shape)}")
+    features = columns
+    check_bias(bias, features, A)
     check_out("out", out, (*A.shape[:-1], features), A.dtype, A)
     warnings.warn(
         f"matmul_4bit: the weight was quantized in (in x out) orientation (quant_state.shape="

@@ -13,13 +13,14 @@ ops (``torch.ops.bitsandbytes.*``) as functions.
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
 from tightfit import ops
 from tightfit._validate import check_choice, check_same_device, check_type
-from tightfit.compat.bitsandbytes._common import check_out, fixed_argument
-from tightfit.ops._arg_checks import block_count, packed_bytes
+from tightfit.compat.bitsandbytes._common import check_bias, check_out, fixed_argument
+from tightfit.ops._arg_checks import block_count, check_packed, packed_bytes
 from tightfit.ops.codes import QUANT_TYPES_4BIT, dynamic_values
 from tightfit.quant import functional as QF
 from tightfit.quant.functional import QuantState, int8_vectorwise_dequant, int8_vectorwise_quant
@@ -136,9 +137,12 @@ dequantize_nf4 = fixed_argument(dequantize_4bit, "quant_type", "nf4", qualname="
 dequantize_fp4 = fixed_argument(dequantize_4bit, "quant_type", "fp4", qualname="dequantize_fp4")
 
 
-def _check_product(A: object, out: object, transposed_A: object, transposed_B: object, state: object) -> torch.Tensor:
-    """``A``, checked with the other arguments of ``A @ W.T`` for a 4-bit weight (``out``
-    against the product's shape) before any work; refuses what bitsandbytes would silently ignore."""
+def _check_product(
+    A: object, B: object, out: object, transposed_A: object, transposed_B: object, state: object
+) -> torch.Tensor:
+    """``A``, checked with the other arguments of ``A @ W.T`` for a 4-bit weight (``B``'s bytes
+    against the state's shape, ``out`` against the product's) before any work; refuses what
+    bitsandbytes would silently ignore."""
     A = _tensor("A", A)
     check_type("transposed_B", transposed_B, bool)
     check_type("transposed_A", transposed_A, bool)
@@ -149,6 +153,7 @@ def _check_product(A: object, out: object, transposed_A: object, transposed_B: o
         raise ValueError("state must describe a 4-bit weight of shape (out_features, in_features)")
     if A.dim() < 1 or A.shape[-1] != state.shape[1]:
         raise ValueError(f"A has shape {tuple(A.shape)}; its last dimension must be in_features, {state.shape[1]}")
+    check_packed("B", B, math.prod(state.shape), list(state.shape))
     check_out("out", out, (*A.shape[:-1], state.shape[0]), A.dtype, A)
     return A
 
@@ -164,7 +169,7 @@ def gemv_4bit(
     """``A @ dequantize(B).T``, decoding the weight inside the product (the decode kernel).
     Packed codes are read in memory order whatever view ``B`` is (its column or the
     transposed row), so ``transposed_B`` changes nothing, as in bitsandbytes."""
-    A = _check_product(A, out, transposed_A, transposed_B, state)
+    A = _check_product(A, B, out, transposed_A, transposed_B, state)
     return QF.gemv_4bit(A, B, out, state=state)
 
 
@@ -180,7 +185,8 @@ def gemm_4bit(
     """``A @ dequantize(B).T + bias`` in ``A``'s dtype for any number of rows (bitsandbytes'
     ``gemm_4bit`` op, with :func:`gemv_4bit`'s arguments): one row runs the decode kernel,
     more decode the weight once and multiply, as bitsandbytes' CPU path does."""
-    A = _check_product(A, out, transposed_A, transposed_B, state)
+    A = _check_product(A, B, out, transposed_A, transposed_B, state)
+    check_bias(bias, state.shape[0], A)
     return QF.matmul_4bit(A, B, state, out, bias)
 
 
@@ -206,7 +212,8 @@ def int8_linear_matmul(
 ) -> torch.Tensor:
     """Exact ``A @ B.T`` of int8 matrices as int32 (the only ``dtype`` bitsandbytes accepts)."""
     A, B = _tensor("A", A), _tensor("B", B)
-    check_out("out", out, (*A.shape[:-1], B.shape[0]), torch.int32, A)
+    if B.dim() == 2:  # any other B is refused by tightfit's int8_linear_matmul, before ``out`` is used
+        check_out("out", out, (*A.shape[:-1], B.shape[0]), torch.int32, A)
     return QF.int8_linear_matmul(A, B, out, dtype)
 
 
