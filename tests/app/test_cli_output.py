@@ -70,3 +70,17 @@ def test_a_run_without_a_budget_prints_its_header_once(capsys):
     out = capsys.readouterr().out
     assert out.startswith("model    all-MiniLM-L6-v2 (built-in default)\nbackend  cpu (cpu)\n")
     assert out.count("backend  cpu") == 1 and "most similar sentence pairs" in out
+
+
+def test_a_reader_that_leaves_early_stops_the_command_quietly():
+    """``tightfit backends --json | head -0``: the pipe closes before the command writes; it
+    stops with the status a shell gives a command SIGPIPE killed, and says nothing."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tightfit.app.cli", "backends", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    process.stdout.close()  # before the command has imported torch, let alone written
+    assert process.wait(timeout=600) == 141
+    assert process.stderr.read() == ""

@@ -15,6 +15,7 @@ before torch is loaded and then calls :func:`main`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -30,6 +31,9 @@ __all__ = ["main"]
 #: and TypeError, RuntimeError for device state, OSError (unreadable files, a full disk),
 #: MemoryError.
 _USER_ERRORS = (ValueError, TypeError, RuntimeError, OSError, MemoryError)
+
+#: The exit status of a command whose output pipe closed early, as a shell reports one killed by SIGPIPE.
+_SIGPIPE_STATUS = 128 + 13
 
 #: The commands in the order ``tightfit --help`` lists them.
 _COMMANDS = (backends_command, check_command, run_command, fit_command, plan_command)
@@ -64,6 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         is_strict()  # an invalid TIGHTFIT_STRICT is refused now, not at the first fallback (or never)
         with command_line():
             return args.handler(args, console)
+    except BrokenPipeError:  # the reader left (`tightfit plan --json | head`): stop quietly, as `yes | head` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        return _SIGPIPE_STATUS
     except _USER_ERRORS as error:
         if args.traceback:
             raise

@@ -85,7 +85,9 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
         help="plan a model for a memory budget from its config alone, before loading anything (a dry run)",
     )
     fit.add_argument(
-        "--model", help="a local Hugging Face model folder (default: the built-in model); only its config is read"
+        "--model",
+        metavar="DIR",
+        help="a local Hugging Face model folder (default: the built-in model); only its config is read",
     )
     fit.add_argument("folder", nargs="?", metavar="DIR", help=argparse.SUPPRESS)  # deprecated: --model DIR
     fit.add_argument(

@@ -89,7 +89,9 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
         "plan", parents=parents, help="plan a model's memory before running it (no weight is loaded)"
     )
     plan.add_argument(
-        "--model", help="a local Hugging Face model folder (default: the built-in model); only its config is read"
+        "--model",
+        metavar="DIR",
+        help="a local Hugging Face model folder (default: the built-in model); only its config is read",
     )
     plan.add_argument("--batch", type=int, default=8, help="batch size of the planned call (default: 8)")
     plan.add_argument("--seq", type=int, default=128, help="sequence length of the planned call (default: 128)")

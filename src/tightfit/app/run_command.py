@@ -57,6 +57,7 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     )
     run.add_argument(
         "--model",
+        metavar="DIR",
         help="a local Hugging Face model folder, an encoder (embeds sentences) or a causal LM "
         "(generates text) (default: the built-in model)",
     )
