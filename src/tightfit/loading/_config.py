@@ -110,9 +110,10 @@ def _check_rope(file: Path, config: dict[str, Any]) -> None:
         _refuse(file, "rope_theta", theta, "a number > 0")
 
 
-def check_config(file: Path, config: dict[str, Any]) -> None:
+def check_config(file: Path, config: dict[str, Any], config_class: type | None = None) -> None:
     """Refuse, naming ``file`` and the key, what tightfit reads from a config.json and
-    values that make transformers fail without naming either."""
+    values that make transformers fail without naming either. ``config_class``: the
+    transformers config class of its ``model_type``, where known (for its RoPE types)."""
     architectures = config.get("architectures")
     if architectures is not None and not (
         isinstance(architectures, str)
@@ -131,6 +132,8 @@ def check_config(file: Path, config: dict[str, Any]) -> None:
             _refuse(file, key, config[key], "a dtype name such as 'bfloat16'")
     _check_sizes(file, config)
     _check_rope(file, config)
+    for key in _ROPE_KEYS if config_class is not None else ():
+        _check_rope_types(file, config.get(key), key, config_class)
     from transformers.activations import ACT2FN
 
     for key in _ACTIVATIONS:
@@ -139,23 +142,32 @@ def check_config(file: Path, config: dict[str, Any]) -> None:
             _refuse(file, key, value, ", ".join(sorted(ACT2FN)))
 
 
+def _rope_types(config_class: type) -> set[str]:
+    """The RoPE types transformers builds for a model of ``config_class``: its RoPE
+    functions', and those the config class validates."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    own = {name[len("_validate_") : -len("_rope_parameters")] for name in dir(config_class) if _is_rope_check(name)}
+    return {"default", *ROPE_INIT_FUNCTIONS, *own}
+
+
+def _check_rope_types(file: Path, parameters: object, key: str, config_class: type) -> None:
+    if not isinstance(parameters, dict):
+        return
+    layers = [(f"{key}.{k}", v) for k, v in parameters.items() if isinstance(v, dict)] or [(key, parameters)]
+    for name, values in layers:
+        rope_type = values.get("rope_type", values.get("type", "default"))
+        known = _rope_types(config_class)
+        if rope_type not in known:
+            field = "rope_type" if "rope_type" in values else "type"
+            _refuse(file, f"{name}.{field}", rope_type, ", ".join(sorted(known)))
+
+
 def check_built(file: Path, config: Any) -> None:
     """Refuse a RoPE type that neither transformers' RoPE functions nor this model's
     config class knows (transformers only warns, then fails building the model with a
     KeyError naming the type alone)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    parameters = getattr(config, "rope_parameters", None)
-    if not isinstance(parameters, dict):
-        return
-    layers = [(k, v) for k, v in parameters.items() if isinstance(v, dict)] or [("", parameters)]
-    for layer, values in layers:
-        rope_type = values.get("rope_type", values.get("type", "default"))
-        known = {"default", *ROPE_INIT_FUNCTIONS}
-        known |= {name[len("_validate_") : -len("_rope_parameters")] for name in dir(config) if _is_rope_check(name)}
-        if rope_type not in known:
-            key = f"rope_parameters{f'.{layer}' if layer else ''}.rope_type"
-            _refuse(file, key, rope_type, ", ".join(sorted(known)))
+    _check_rope_types(file, getattr(config, "rope_parameters", None), "rope_parameters", type(config))
 
 
 def _is_rope_check(name: str) -> bool:

@@ -16,7 +16,16 @@ from torch import nn
 from tightfit._files import read_json
 from tightfit.loading._config import check_built, check_config, config_errors
 
-__all__ = ["CAUSAL_LM", "ENCODER", "checkpoint_dtype", "folder_kind", "model_folder", "model_kind", "skeleton"]
+__all__ = [
+    "CAUSAL_LM",
+    "ENCODER",
+    "check_builds",
+    "checkpoint_dtype",
+    "folder_kind",
+    "model_folder",
+    "model_kind",
+    "skeleton",
+]
 
 ENCODER = "encoder"
 CAUSAL_LM = "causal-lm"
@@ -55,6 +64,7 @@ def _check_config(file: Path) -> None:
     if not isinstance(config, dict):
         raise ValueError(f"{file} must hold a JSON object (a model config), got a JSON {type(config).__name__}")
     model_type = config.get("model_type")
+    config_class = None
     if model_type is not None:  # else transformers may still tell the type from the folder's name, or says it cannot
         from transformers import __version__
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -63,7 +73,8 @@ def _check_config(file: Path) -> None:
             raise ValueError(
                 f"{file}: model_type={model_type!r:.80} is not a model type that transformers {__version__} knows"
             )
-    check_config(file, config)
+        config_class = CONFIG_MAPPING[model_type]
+    check_config(file, config, config_class)
 
 
 def read_config(path: str | Path) -> Any:
@@ -146,6 +157,21 @@ def _parameters_on_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = register
+
+
+def check_builds(path: str | Path, kind: str) -> None:
+    """Build the model of ``kind`` from a local folder's config.json on the meta device
+    and drop it: a config transformers cannot build a model from is a ValueError naming
+    config.json before any weight is read (what ``from_pretrained`` would raise as its
+    own error, naming neither)."""
+    config = read_config(path)
+    if kind not in _AUTO_CLASSES:
+        raise ValueError(f"kind={kind!r} is not accepted; accepted: {', '.join(_AUTO_CLASSES)}")
+    import transformers
+
+    auto = getattr(transformers, _AUTO_CLASSES[kind])
+    with config_errors(Path(path) / "config.json", f"build the model ({_AUTO_CLASSES[kind]})"), _parameters_on_meta():
+        auto.from_config(config)
 
 
 def skeleton(path: str | Path, kind: str | None = None) -> tuple[nn.Module, Any]:
