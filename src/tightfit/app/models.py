@@ -20,6 +20,7 @@ from tightfit._validate import check_type
 from tightfit.loading.folder import (
     CAUSAL_LM,
     ENCODER,
+    check_builds,
     folder_kind,
     model_folder,
     model_kind,
@@ -119,6 +120,7 @@ def _load(path: str | Path, device: torch.device, auto_class: str) -> tuple[Any,
     import transformers
 
     _check_weights(folder)
+    check_builds(folder, ENCODER if auto_class == "AutoModel" else CAUSAL_LM)  # a bad config names config.json
     with transformers_bars():
         tokenizer = load_tokenizer(folder)
         try:
