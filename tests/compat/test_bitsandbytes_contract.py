@@ -8,6 +8,7 @@ the specification (tightfit's reference kernels on the stored bytes), bitsandbyt
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
@@ -113,3 +114,26 @@ def test_matmul_4bit_in_by_out_checks_bias_and_out_first():
         tnb.matmul_4bit(A, packed, state, out=torch.empty(3, 32))
     with pytest.raises(ValueError, match="A.dtype"):
         tnb.matmul_4bit(A.to(torch.float64), packed, state)
+
+
+def test_quant_state_is_frozen_and_to_returns_the_moved_copy():
+    """The two differences docs/migrating.md lists: bitsandbytes' QuantState is mutable and its
+    ``.to()`` moves in place (returning None); tightfit's is frozen and ``.to()`` returns the
+    moved state, leaving the original where it was. A state left behind is refused at the
+    next decode, naming absmax."""
+    packed, state = tnb.functional.quantize_4bit(torch.randn(16, 64), quant_type="nf4", compress_statistics=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        state.blocksize = 128
+    moved = state.to("meta")
+    assert moved is not state and moved.absmax.is_meta and moved.state2.absmax.is_meta
+    assert state.absmax.device.type == state.state2.absmax.device.type == "cpu"
+    assert moved.state2 is not state.state2
+    with pytest.raises(ValueError, match="absmax is on meta but A is on cpu"):
+        tnb.functional.dequantize_4bit(packed, moved)
+    layer = tnb.nn.Linear4bit(64, 16, quant_type="nf4").to("cpu")  # quantizes
+    weight = layer.weight.to("meta")  # Params4bit.to moves its state, here and on the layer, as bitsandbytes'
+    assert weight.is_meta and weight.quant_state.absmax.is_meta and layer.quant_state.absmax.is_meta
+    bnb = pytest.importorskip("bitsandbytes")
+    _, theirs = bnb.functional.quantize_4bit(torch.randn(16, 64), quant_type="nf4", compress_statistics=True)
+    assert theirs.to("meta") is None and theirs.absmax.is_meta  # bitsandbytes: in place
+    theirs.blocksize = 128  # and mutable
