@@ -10,9 +10,11 @@ Two measurements of one stream:
   the CPU) never exceed the prediction;
 - the CPU allocator's peak (profiler events, which also see the scratch a kernel allocates
   and frees inside one op, such as int8's row and column flags) equals the prediction
-  within :data:`SLACK`: the storage catalogue declares each format's conversion scratch
-  as a bound, and for these shapes the bound is at most 3,004 B above what the allocator
-  sees (8-bit declares 4 KiB for a copy of its code table; float8 and nf4 less).
+  within :data:`SLACK` below it: the storage catalogue declares each format's conversion
+  scratch from the allocator's peak, exactly for large weights, with a 4 KiB floor for
+  8-bit's small ones (3,068 B above what they allocate) and float8's row scales counted
+  (4 bytes a row, 1,408 B here). The two also differ by the int8 flags, which only the
+  allocator sees.
 
 A leak of one converted weight's full-precision copy, the bug this file was written for
 (``quantize_`` held every replaced Linear until its siblings were done: 8.6% above the
@@ -102,13 +104,18 @@ def _measured(folder, plan, model):
 
 @pytest.mark.parametrize(
     "dtype, tied, budgets",
-    [(torch.bfloat16, False, BUDGETS), (torch.float32, False, BUDGETS[::2]), (torch.bfloat16, True, BUDGETS[::2])],
-    ids=["bfloat16", "float32", "bfloat16-tied"],
+    [
+        (torch.bfloat16, False, BUDGETS),
+        (torch.float32, False, BUDGETS[::2]),
+        (torch.float16, False, BUDGETS[::2]),  # the blockwise kernels read float16 through a float32 copy
+        (torch.bfloat16, True, BUDGETS[::2]),
+    ],
+    ids=["bfloat16", "float32", "float16", "bfloat16-tied"],
 )
 def test_every_generated_plan_loads_within_its_predicted_peak(tmp_path, dtype, tied, budgets):
     folder, total = _folder(tmp_path / "lm", dtype, tied)
     _warm(dtype)
-    rows, seen, missed = [], set(), []
+    rows, seen, missed, measured = [], set(), [], set()
     for fraction, allow in itertools.product(budgets, ALLOWS):
         budget = int(total * fraction)
         try:
@@ -117,6 +124,10 @@ def test_every_generated_plan_loads_within_its_predicted_peak(tmp_path, dtype, t
             )
         except FitError:
             continue  # nothing that allow-set permits fits: refused before a byte is read
+        decisions = tuple((e.storage, e.placement) for e in plan.entries)
+        if (budget, decisions) in measured:
+            continue  # another allow-set chose the same plan
+        measured.add((budget, decisions))
         live, allocated = _measured(folder, plan, model)
         predicted = plan.predicted_load_peak_bytes
         seen.update((e.storage, e.placement) for e in plan.entries)
@@ -125,6 +136,6 @@ def test_every_generated_plan_loads_within_its_predicted_peak(tmp_path, dtype, t
         if not (live <= predicted <= budget and allocated <= predicted <= allocated + SLACK):
             missed.append(row)
     assert not missed, "load peaks off their prediction:\n" + "\n".join(missed)
-    assert len(rows) >= 2 * len(budgets) + 4, "\n".join(rows)
+    assert len(rows) >= 2 * len(budgets) + 2, "\n".join(rows)
     assert {storage for storage, _ in seen} >= {"keep", "float8", "8bit", "int8", "nf4"}, seen
     assert {placement for _, placement in seen} >= {"device", "disk"}, seen

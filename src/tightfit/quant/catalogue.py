@@ -250,12 +250,20 @@ def _blockwise_bytes(
     return stored, scales
 
 
-def _code_table_scratch(shape: Shape, dtype: torch.dtype) -> int:
-    return 4096  # blockwise 8-bit quantizes in place of its output; a copy of the code table and a little more
+def _blockwise_scratch(blocksize: int, table_bytes: int, floor: int) -> Callable[[Shape, torch.dtype], int]:
+    """What quantizing a weight blockwise allocates above the stored result (the CPU
+    allocator's peak), the largest of: ``floor`` (small weights: the kernel's own buffers);
+    the finite check of the block scales (``torch.isfinite``: a float32 copy of their
+    magnitudes and three boolean masks, 7 bytes a block); a float16 weight's float32 copy,
+    which the kernels read (4 bytes a value). Both run before the state's copy of the code
+    table (``table_bytes``) exists."""
 
+    def scratch(shape: Shape, dtype: torch.dtype) -> int:
+        numel = math.prod(shape)
+        widened = 4 * numel if dtype == torch.float16 else 0
+        return max(floor, 7 * math.ceil(numel / blocksize) - table_bytes, widened - table_bytes)
 
-def _packing_scratch(shape: Shape, dtype: torch.dtype) -> int:
-    return math.ceil(math.prod(shape) / 8)  # 4-bit: the unpacked codes of one chunk, the scales before packing
+    return scratch
 
 
 def _int8_convert_bytes(shape: Shape, dtype: torch.dtype) -> int:
@@ -272,6 +280,7 @@ def _rows_bytes(shape: Shape, dtype: torch.dtype) -> int:
 def _builtin() -> list[StorageFormat]:
     nf4, fp4, blockwise8, int8 = NF4Config(), FP4Config(), Blockwise8Config(), Int8Config()
     stored_4bit, held_4bit = _blockwise_bytes(4, nf4.blocksize, 16)
+    scratch_4bit = _blockwise_scratch(nf4.blocksize, 16 * 4, 128)
     stored_8bit, held_8bit = _blockwise_bytes(8, blockwise8.blocksize, 256)
     return [
         StorageFormat("keep", 0, 0.0, _keep_bytes, _keep_apply, leaf_types=(nn.Linear, nn.Embedding)),
@@ -295,7 +304,7 @@ def _builtin() -> list[StorageFormat]:
             Linear8bit,
             stored_8bit,
             held_offloaded=held_8bit,
-            convert_bytes=_code_table_scratch,
+            convert_bytes=_blockwise_scratch(blockwise8.blocksize, 256 * 4, 4096),
         ),
         quantized_format(
             "int8",
@@ -308,10 +317,10 @@ def _builtin() -> list[StorageFormat]:
             convert_bytes=_int8_convert_bytes,
         ),
         quantized_format(
-            "nf4", 2, 16.0, nf4, Linear4bit, stored_4bit, held_offloaded=held_4bit, convert_bytes=_packing_scratch
+            "nf4", 2, 16.0, nf4, Linear4bit, stored_4bit, held_offloaded=held_4bit, convert_bytes=scratch_4bit
         ),
         quantized_format(
-            "fp4", 3, 24.0, fp4, Linear4bit, stored_4bit, held_offloaded=held_4bit, convert_bytes=_packing_scratch
+            "fp4", 3, 24.0, fp4, Linear4bit, stored_4bit, held_offloaded=held_4bit, convert_bytes=scratch_4bit
         ),
     ]
 
