@@ -27,6 +27,9 @@ Plans depend on the time model's calibration (tightfit.fitting.calibrate), measu
 machine. The pages' plans were made with the figures in docs/examples/calibration-cpu.json
 (measured on the 2-core machine the pages name); this module puts them into a fresh
 ``TIGHTFIT_CACHE_DIR`` under this machine's name, so the plans come out the same here.
+Memory figures depend on the CPU's int8 matmul path (its scratch): the pages were made on
+an AVX-512 CPU, whose path is ``torch._int_mm``, and the tests pin it
+(``TIGHTFIT_CPU_INT8_PATH=int_mm``) so an AVX2 machine prints the same figures.
 Commands run on the CPU backend (``TIGHTFIT_BACKEND=cpu``), as the pages' did; the
 outputs that list the machine's backends (``tightfit check``) are compared only where
 the CPU is the only one.
@@ -281,6 +284,16 @@ def _example_py(folder: Path) -> None:
 
 #: What a page's folder holds before its commands run.
 SETUP: dict[str, Callable[[Path], None]] = {"docs/fit.md": _llama_demo, "docs/compile.md": _example_py}
+
+
+@pytest.fixture(autouse=True)
+def docs_int8_path(monkeypatch):
+    """The int8 matmul path of the pages' machine, whatever this CPU would choose."""
+    from tightfit.ops import _cpu_int8
+
+    monkeypatch.setenv(_cpu_int8.PATH_VARIABLE, "int_mm")
+    if _cpu_int8._path(64) != "int_mm":
+        pytest.skip("torch._int_mm is not exact on this CPU, and the pages' memory figures were made with it")
 
 
 @pytest.fixture(autouse=True)
