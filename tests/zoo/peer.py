@@ -211,6 +211,17 @@ class PeerCheck:
         self.deviations.append(message)
         return False
 
+    def decode_agrees(self, weight: Any) -> bool:
+        """Whether bitsandbytes' CPU ``dequantize_4bit`` of its own 4-bit ``weight`` (a
+        ``Params4bit``) equals the specification's decode of the same bytes; if not, noted.
+        Its layers' outputs are compared with tightfit's only where it does."""
+        import bitsandbytes.functional as BF
+
+        spec = spec_dequantize_4bit(weight.data, weight.quant_state)
+        return self.agrees(
+            "bitsandbytes.functional.dequantize_4bit", BF.dequantize_4bit(weight.data, weight.quant_state), spec
+        )
+
     def runs(self, function: str, call: Callable[[], Any]) -> Any:
         """``call()``'s result, or None where it raised inside bitsandbytes (noted) or where
         bitsandbytes raised earlier in this check."""
