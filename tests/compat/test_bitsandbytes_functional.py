@@ -13,6 +13,7 @@ import tightfit.compat.bitsandbytes.functional as TF
 import tightfit.quant.functional as QF
 from tightfit import ops
 from tightfit.ops.codes import DYNAMIC_MAP_SHA256
+from zoo.peer import PeerCheck
 
 pytest.importorskip("bitsandbytes")
 BF = pytest.importorskip("bitsandbytes.functional")
@@ -124,14 +125,22 @@ def test_int8_mm_dequant_takes_a_dtype_or_out():
     assert torch.equal(out, TF.int8_mm_dequant(product, row, col, dtype=torch.bfloat16))
 
 
-def test_int8_linear_matmul_writes_out_and_refuses_other_dtypes():
-    A = torch.randint(-127, 128, (4, 8), dtype=torch.int8)
-    B = torch.randint(-127, 128, (3, 8), dtype=torch.int8)
+@pytest.mark.parametrize("K", [8, 1])
+def test_int8_linear_matmul_is_the_exact_product_writes_out_and_refuses_other_dtypes(K):
+    """The exact int32 product (the specification); bitsandbytes' too, where its CPU kernel
+    gives it (on AVX-512 CPUs its ``torch._int_mm`` path is wrong at K = 1: a named xfail)."""
+    generator = torch.Generator().manual_seed(0)
+    A = torch.randint(-127, 128, (4, K), generator=generator, dtype=torch.int8)
+    B = torch.randint(-127, 128, (3, K), generator=generator, dtype=torch.int8)
+    exact = A.to(torch.int32) @ B.to(torch.int32).t()
     out = torch.empty(4, 3, dtype=torch.int32)
     assert TF.int8_linear_matmul(A, B, out=out) is out
-    assert torch.equal(out, BF.int8_linear_matmul(A, B))
+    assert torch.equal(out, exact)
     with pytest.raises(ValueError, match="dtype=torch.float32 is not accepted"):
         TF.int8_linear_matmul(A, B, dtype=torch.float32)
+    peer = PeerCheck()
+    peer.agrees("bitsandbytes.functional.int8_linear_matmul", BF.int8_linear_matmul(A, B), exact)
+    peer.settle()
 
 
 def blockwise_and_4bit(F, W: torch.Tensor):
