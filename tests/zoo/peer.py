@@ -146,12 +146,16 @@ def spec_model(folder: str | os.PathLike[str]) -> nn.Module:
 
 
 def _bitsandbytes_frame(error: BaseException) -> traceback.FrameSummary | None:
-    """The innermost frame of ``error``'s traceback, if it lies in bitsandbytes' own code."""
+    """The innermost frame of ``error``'s traceback, if it lies in bitsandbytes' own package
+    (not tightfit.compat.bitsandbytes)."""
+    import bitsandbytes
+
     frames = traceback.extract_tb(error.__traceback__)
     if not frames:
         return None
     innermost = frames[-1]
-    return innermost if f"{os.sep}bitsandbytes{os.sep}" in innermost.filename else None
+    package = Path(bitsandbytes.__file__).resolve().parent
+    return innermost if Path(innermost.filename).resolve().is_relative_to(package) else None
 
 
 def _machine() -> str:
