@@ -42,6 +42,8 @@ def test_every_target_is_fuzzed_and_cases_are_reproducible():
         ("config", [("set", "architectures", "LlamaForCausalLM")]),  # one name, read as transformers reads it
         ("config", [("set", "tie_word_embeddings", True)]),  # tied, but the checkpoint's two differ: refused
         ("config", [("set", "hidden_act", "nonesuch")]),
+        ("config", [("set", "num_hidden_layers", 2**64)]),  # built layer after layer, forever
+        ("index", [("shard", "directory"), ("shard", "garbage")]),
         ("index", [("entry", 0, "model-00001-of-00002.safetensors\u0000")]),
         ("plan", [("entries", "duplicate", 1)]),
         ("plan", [("entry", 2, "module", "nonesuch")]),

@@ -68,7 +68,8 @@ BROKEN_CONFIGS = [
     ({"hidden_size": "32"}, "hidden_size='32' is not accepted; accepted: an int > 0"),
     ({"vocab_size": 0}, "vocab_size=0 is not accepted"),
     ({"intermediate_size": 0}, "intermediate_size=0 is not accepted"),
-    ({"num_hidden_layers": -1}, "num_hidden_layers=-1 is not accepted; accepted: an int >= 0"),
+    ({"num_hidden_layers": -1}, "num_hidden_layers=-1 is not accepted; accepted: an int from 0 to 4096"),
+    ({"num_hidden_layers": 2**64}, "num_hidden_layers=18446744073709551616 is not accepted"),  # built forever
     ({"hidden_act": "nonesuch"}, "hidden_act='nonesuch' is not accepted; accepted: gelu,"),
     ({"hidden_act": 3}, "hidden_act=3 is not accepted"),
     (

@@ -36,8 +36,11 @@ _POSITIVE = (
     "d_ff",
     "d_kv",
 )
-#: Layer counts: an int >= 0 where given.
-_COUNTS = ("num_hidden_layers", "n_layer", "num_layers")
+#: Counts of modules built one by one (layers, experts): an int from 0 to :data:`MAX_MODULES`
+#: where given. A far larger count takes hours to build (three milliseconds a layer of even
+#: the smallest model), no model has one, and 2**64 layers never finish.
+_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "num_local_experts", "num_experts", "n_routed_experts")
+MAX_MODULES = 4096
 #: Keys naming an activation function (transformers' ``ACT2FN``).
 _ACTIVATIONS = ("hidden_act", "activation_function")
 _ROPE_KEYS = ("rope_scaling", "rope_parameters")
@@ -64,8 +67,8 @@ def _check_sizes(file: Path, config: dict[str, Any]) -> None:
             _refuse(file, key, value, "an int > 0")
     for key in _COUNTS:
         value = config.get(key)
-        if value is not None and not (_is_int(value) and value >= 0):
-            _refuse(file, key, value, "an int >= 0")
+        if value is not None and not (_is_int(value) and 0 <= value <= MAX_MODULES):
+            _refuse(file, key, value, f"an int from 0 to {MAX_MODULES}")
     hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
     if hidden is not None and heads is not None and config.get("head_dim") is None and hidden % heads:
         _refuse(

@@ -120,7 +120,7 @@ def _damage_text(text: bytes, how: str, rng: random.Random) -> bytes:
     if how == "nan":
         return text[:-1] + b', "nan_value": NaN}'
     if how == "utf16":
-        return text.decode().encode("utf-16")
+        return text.decode("utf-8", "replace").encode("utf-16")
     return text[:-1] + b"," + text[1:]  # duplicate: every key given twice
 
 
@@ -569,7 +569,10 @@ def apply_index(folder: Path, mutations: list[tuple]) -> None:
             text_damage.append(args)
         elif kind == "shard":
             shard = folder / "model-00002-of-00002.safetensors"
-            shard.unlink()
+            if shard.is_dir():
+                shard.rmdir()
+            elif shard.exists():
+                shard.unlink()
             if args[0] == "directory":
                 shard.mkdir()
             elif args[0] == "empty":
@@ -625,6 +628,7 @@ CONFIG_CASES = (
     ("head_dim", 7),
     ("head_dim", 8),
     ("num_hidden_layers", -1),
+    ("num_hidden_layers", 2**64),
     ("num_hidden_layers", 1),
     ("num_hidden_layers", 0),
     ("max_position_embeddings", -3),
