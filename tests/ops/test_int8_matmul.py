@@ -191,3 +191,13 @@ def _bitsandbytes_takes_int_mm() -> bool:
     from bitsandbytes.backends.cpu import ops as their_cpu_ops
 
     return bool(getattr(their_cpu_ops, "_has_avx512", False))
+
+
+def test_the_probe_runs_on_real_tensors_inside_fake_mode():
+    """A plan traced on fake tensors may be the first to ask which path runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _cpu_int8.int_mm_is_exact.cache_clear()
+    with FakeTensorMode():
+        exact = _cpu_int8.int_mm_is_exact()
+    assert exact is _cpu_int8.int_mm_is_exact()

@@ -31,6 +31,7 @@ import functools
 import os
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from tightfit.ops._numba import kernel_lock, usable_numba
 
@@ -70,12 +71,15 @@ def pinned_path() -> str | None:
 @functools.lru_cache(maxsize=1)
 def int_mm_is_exact() -> bool:
     """Whether ``torch._int_mm`` is exact on this CPU, checked once against the int32 product
-    on random and extreme values (oneDNN's int8 GEMM without VNNI, for one, is not)."""
-    generator = torch.Generator().manual_seed(0)
-    A = torch.randint(-128, 128, (8, 64), generator=generator, dtype=torch.int8)
-    B = torch.randint(-128, 128, (16, 64), generator=generator, dtype=torch.int8)
-    A[0], B[0], B[1] = 127, 127, -128  # 16-bit pair sums past 2**15 where A is shifted to unsigned
-    return torch.equal(torch._int_mm(A, B.t()), A.to(torch.int32) @ B.to(torch.int32).t())
+    on random and extreme values (oneDNN's int8 GEMM without VNNI, for one, is not). Real
+    tensors whatever modes are active: the first ask may come from a plan traced on fake
+    tensors, or from inside a measured run (whose trackers must not see the probe)."""
+    with _disable_current_modes(), torch.inference_mode():
+        generator = torch.Generator().manual_seed(0)
+        A = torch.randint(-128, 128, (8, 64), generator=generator, dtype=torch.int8)
+        B = torch.randint(-128, 128, (16, 64), generator=generator, dtype=torch.int8)
+        A[0], B[0], B[1] = 127, 127, -128  # 16-bit pair sums past 2**15 where A is shifted to unsigned
+        return torch.equal(torch._int_mm(A, B.t()), A.to(torch.int32) @ B.to(torch.int32).t())
 
 
 def _path(rows: int) -> str:
