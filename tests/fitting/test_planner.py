@@ -271,3 +271,12 @@ def test_the_load_peak_counts_the_skeletons_buffers_from_the_first_unit_streamed
     assert choice.load_peak_bytes == first.held_bytes + first.load_bytes + 1024
     assert choice.load_peak_bytes > first.held_bytes + rest.held_bytes
     assert choice.peak_bytes >= choice.load_peak_bytes
+
+
+def test_a_buffer_on_meta_is_read_with_its_unit_and_not_counted_from_the_start():
+    # a pre-quantized layer's stand-in registers its packed weight as a buffer on meta: the
+    # checkpoint fills it when its unit streams in (counting it from the start over-predicted
+    # a bitsandbytes folder's load peak by 61%)
+    model = _WithBuffer().eval()
+    model.second.register_buffer("packed", torch.empty(512, dtype=torch.uint8, device="meta"))
+    assert [(u.name, u.buffer_bytes) for u in find_units(model)] == [("first", 0), ("second", 0), ("(rest)", 1024)]

@@ -72,9 +72,10 @@ class Unit:
     (float8) are ruled out, or ""; ``tied``: the leaves whose weight an earlier leaf of the
     unit holds (tied weights: stored once, used by each); ``no_decode``: the reason storages
     that decode are ruled out (:data:`TIED_DECODE`), or "";
-    ``buffer_bytes``: of ``bytes``, its buffers, which a checkpoint is not read into (a
-    skeleton's constructors compute them: rotary frequencies, position ids), so they are
-    in memory before the first unit streams in.
+    ``buffer_bytes``: of ``bytes``, its buffers that hold values already (a skeleton's
+    constructors compute them: rotary frequencies, position ids; a checkpoint is not read
+    into them), so they are in memory before the first unit streams in; a buffer on the
+    meta device is read with its unit.
     """
 
     name: str
@@ -150,8 +151,11 @@ def _owners(root: nn.Module) -> dict[int, int]:
 
 
 def _buffer_bytes(modules: list[nn.Module], tensors: dict[int, torch.Tensor]) -> int:
-    """Bytes of those of ``tensors`` (by id) that are buffers of ``modules`` or their submodules."""
-    buffers = {id(buffer) for module in modules for buffer in module.buffers()}
+    """Bytes of those of ``tensors`` (by id) that are buffers of ``modules`` or their
+    submodules and hold values already: a buffer on the meta device is read from the
+    checkpoint with its unit (a pre-quantized layer's packed weight and scales, which its
+    module registers as buffers), not computed before loading starts."""
+    buffers = {id(buffer) for module in modules for buffer in module.buffers() if not buffer.is_meta}
     return tensor_bytes(tensor for key, tensor in tensors.items() if key in buffers)
 
 
