@@ -185,8 +185,8 @@ def _duplicate_unit(text: str) -> str:
     [
         (_rename_unit, "names module 'model.layers.7'"),
         (_duplicate_unit, "decides for module"),
-        (lambda text: '{"entries":' * 100_000 + "1" + "}" * 100_000, "is not valid JSON: nested too deeply"),
-        (lambda text: "\ufeff" + text, "is not valid JSON: Unexpected UTF-8 BOM"),
+        (lambda text: '{"entries":' * 100_000 + "1" + "}" * 100_000, "is not JSON: nested too deeply"),
+        (lambda text: "\ufeff" + text, "is not JSON: Unexpected UTF-8 BOM"),
     ],
 )
 def test_a_broken_saved_plan_is_refused_naming_the_plan_file(saved, tmp_path, edit, message):

@@ -295,7 +295,7 @@ class FitPlan:
     def from_json(cls, text: str) -> FitPlan:
         """The plan ``to_json`` wrote."""
         check_type("text", text, str)
-        data = parse_json(text, "text")
+        data = parse_json(text, "text", what="is not JSON")
         if not isinstance(data, dict) or data.get("format") != _FORMAT:
             raise ValueError(f"text is not a tightfit plan: expected a JSON object with format {_FORMAT!r}")
         known = {f.name for f in fields(cls)}
