@@ -219,6 +219,38 @@ def test_allow_is_respected_and_a_budget_nothing_meets_is_a_fit_error(tiny_llama
     assert caught.value.budget_bytes == 8_000_000 < caught.value.smallest_peak_bytes
 
 
+def test_weights_stored_in_another_dtype_than_the_config_s_load_within_the_plan_the_dry_run_prints(
+    tiny_llama, tmp_path, capsys
+):
+    # bfloat16 weights under a config naming no dtype (float32): the dry run and the run read the
+    # checkpoint's headers and plan the same conversion, and the load stays within its prediction
+    import shutil
+
+    import torch
+    import transformers
+
+    folder = tmp_path / "bf16"
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(folder)
+    for file in tiny_llama.iterdir():
+        if file.suffix != ".safetensors" and file.name != "config.json":
+            shutil.copy(file, folder / file.name)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    arguments = ["--model", str(folder), "--budget", "8MB", "--allow", "keep,disk"]
+    assert main(["fit", *arguments, "--json"]) == 0
+    dry = json.loads(capsys.readouterr().out)
+    report = run(RunOptions(model=str(folder), budget="8MB", allow="keep,disk", repeat=1, max_new_tokens=2))
+    plan = report.budgeted.plan
+    assert plan.to_dict()["entries"] == dry["plan"]["entries"]
+    assert dry["plan"]["predicted_load_peak_bytes"] == plan.predicted_load_peak_bytes
+    assert any("converted from the checkpoint's dtype" in entry.why for entry in plan.entries)
+    assert report.load_peak_bytes <= plan.predicted_load_peak_bytes <= 1.01 * report.load_peak_bytes
+    assert report.measured_peak_bytes <= report.budget_bytes
+
+
 def test_cli_no_fit_exits_non_zero_with_the_fit_error_also_under_python_O(tiny_llama):
     done = subprocess.run(
         [sys.executable, "-O", "-m", "tightfit.app.cli", "run", "--model", str(tiny_llama), "--budget", "1MB"],

@@ -104,9 +104,11 @@ def test_a_sharded_checkpoint_with_its_index_streams_in(folder, tmp_path):
 
 def test_a_refusal_comes_before_any_weight_is_read(folder, monkeypatch):
     def no_reading(*args, **kwargs):
-        raise AssertionError("the checkpoint was opened")
+        raise AssertionError("a weight was read")
 
-    monkeypatch.setattr(streaming, "Checkpoint", no_reading)
+    # the headers are read (the dtypes the plan counts), never a weight's bytes
+    monkeypatch.setattr(Checkpoint, "read", no_reading)
+    monkeypatch.setattr(streaming, "MappedRegions", no_reading)
     with pytest.raises(FitError, match="cannot be met") as refused:
         tightfit.load(folder, 1_000_000, example_inputs={"input_ids": IDS}, calibration=figures())
     assert refused.value.smallest_peak_bytes > 1_000_000
@@ -125,6 +127,55 @@ def test_the_dry_run_reads_no_weight_file(folder, tmp_path, capsys):
     assert dry["plan"]["covers_load"] is True and dry["predicted_peak_bytes"] <= 20_000_000
     assert main(["fit", str(bare), "--budget", "2MB"]) == 2
     assert "cannot be met" in capsys.readouterr().err
+
+
+def _restored(folder, path, config_dtype):
+    """``folder``'s model saved in bfloat16 into ``path``, its config naming ``config_dtype`` (None: no dtype)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(path)
+    for file in folder.iterdir():
+        if file.suffix != ".safetensors" and file.name != "config.json":
+            shutil.copy(file, path / file.name)
+    config = json.loads((path / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    config.pop("dtype", None)
+    if config_dtype is not None:
+        config["dtype"] = config_dtype
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize(
+    "config_dtype, dtype, budget",
+    [(None, torch.float32, 26_000_000), ("float16", torch.float16, 17_000_000)],
+    ids=["no-dtype", "float16"],
+)
+@pytest.mark.parametrize("allow", [{"storage": ["keep"]}, None], ids=["keep", "any"])
+def test_weights_stored_in_another_dtype_are_planned_converted_and_load_within_the_prediction(
+    folder, tmp_path, config_dtype, dtype, budget, allow
+):
+    # bfloat16 weights, a config naming no dtype (the skeleton is float32) or float16: every
+    # tensor is read and converted. A unit kept on disk cannot be mapped in place; it was
+    # converted and held in memory while the plan counted 0 B (2.1 MB predicted, 5.3 MB
+    # measured); now the plan reads the dtypes from the headers and the unit is written,
+    # converted, to an offload file
+    stored = _restored(folder, tmp_path / "bf16", config_dtype)
+    skeleton_model, _ = skeleton(stored)
+    dtypes = tightfit.loading.stored_dtypes(skeleton_model, stored)
+    assert dtypes["lm_head.weight"] == dtypes["model.layers.0.mlp.up_proj.weight"] == torch.bfloat16
+    assert skeleton_model.lm_head.weight.dtype == dtype
+    model, plan = plan_folder(stored, budget, example_inputs={"input_ids": IDS}, calibration=figures(), allow=allow)
+    converted = [e for e in plan.entries if (e.storage, e.placement) == ("keep", "disk")]
+    assert converted and all("converted from the checkpoint's dtype" in e.why for e in converted)
+    with LiveTensorBytes("cpu") as tracker:
+        streaming.stream(model, Checkpoint(stored), plan, torch.device("cpu"))
+    assert tracker.peak <= plan.predicted_load_peak_bytes <= budget
+    # measured: the prediction less the skeleton's rotary frequencies (128 B), there before the stream
+    assert plan.predicted_load_peak_bytes == pytest.approx(tracker.peak, rel=0.01)
+    assert tightfit.fitting.held_bytes(model, "cpu") == plan.predicted_weights_bytes
+    reference = transformers.AutoModelForCausalLM.from_pretrained(stored, dtype=dtype).eval()
+    with torch.inference_mode():
+        assert torch.equal(model(IDS).logits, plan.apply(reference)(IDS).logits)
 
 
 def test_a_mapped_unit_refuses_a_checkpoint_changed_after_loading(folder, tmp_path):

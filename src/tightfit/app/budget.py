@@ -70,12 +70,15 @@ def plan_run(
     kv_cache_bytes: int,
     covers: str,
     loading: bool = False,
+    stored_dtypes: dict[str, torch.dtype] | None = None,
 ) -> Budgeted:
     """Fit ``model`` for ``example_inputs`` (the forward the run makes, a causal LM's
     prefill) into ``budget_bytes`` less ``kv_cache_bytes`` (the cache's growth while
     decoding); ``fit`` raises FitError when nothing fits. The run is eager, where region
     hints save nothing, so the planner may not add them. ``loading``: ``model`` is a
-    skeleton on meta whose checkpoint will stream into the plan; the inputs go to meta too."""
+    skeleton on meta whose checkpoint will stream into the plan; the inputs go to meta too;
+    ``stored_dtypes``: the dtypes its checkpoint's headers give its tensors
+    (:func:`tightfit.loading.stored_dtypes`), for a plan that counts their conversion."""
     planned_budget = budget_bytes - kv_cache_bytes
     if planned_budget <= 0:
         raise ValueError(
@@ -91,6 +94,7 @@ def plan_run(
             backend=device,
             allow=replace(allow or Allow(), hints=False),
             loading=loading,
+            stored_dtypes=stored_dtypes,
         )
     except FitError as error:
         smallest = error.smallest_peak_bytes + kv_cache_bytes

@@ -1,6 +1,7 @@
 """``tightfit fit``: the dry run. The plan ``tightfit run --budget`` would carry out for a
-model folder (or the built-in model), made from its config alone: no weight file is
-opened, so a model bigger than this machine plans in seconds, and a budget nothing meets
+model folder (or the built-in model), made from its config and its checkpoint's headers
+(the dtype each tensor is stored in; none where the folder holds only its config): no
+weight byte is read, so a model bigger than this machine plans in seconds, and a budget nothing meets
 is refused here, before anything is loaded (exit status 2, naming the smallest peak
 reachable and what dominates it). ``--json`` prints the plan as JSON.
 
@@ -82,12 +83,13 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     fit = commands.add_parser(
         "fit",
         parents=parents,
-        help="plan a model for a memory budget from its config alone, before loading anything (a dry run)",
+        help="plan a model for a memory budget from its config, before loading anything (a dry run)",
     )
     fit.add_argument(
         "--model",
         metavar="DIR",
-        help="a local Hugging Face model folder (default: the built-in model); only its config is read",
+        help="a local Hugging Face model folder (default: the built-in model); its config and its checkpoint's "
+        "headers are read, no weight",
     )
     fit.add_argument("folder", nargs="?", metavar="DIR", help=argparse.SUPPRESS)  # deprecated: --model DIR
     fit.add_argument(

@@ -34,7 +34,7 @@ from tightfit.app.models import (
 from tightfit.app.spelling import assigned, option
 from tightfit.fitting import Allow, held_bytes, parse_size
 from tightfit.hooks import OFFLOAD_TARGETS, apply_layerwise_casting, apply_offloading, resident_bytes
-from tightfit.loading import checkpoint_dtype, load, skeleton
+from tightfit.loading import checkpoint_dtype, load, skeleton, stored_dtypes
 from tightfit.loading.stored import holds_quantized
 from tightfit.memory import Measurement, measure, tensor_bytes
 from tightfit.memory.plot import check_png_path
@@ -299,7 +299,8 @@ def _setup(options: RunOptions | None) -> tuple[RunOptions, backends.Backend, to
 def _planned(
     options: RunOptions, backend: backends.Backend, device: torch.device, folder: Path, kind: str
 ) -> tuple[_Encoder | _CausalLM, Budgeted]:
-    """The run's job on the skeleton (no weight read) and its plan for the budget, loading covered."""
+    """The run's job on the skeleton (no weight read: the checkpoint's headers give the
+    dtype each tensor is stored in) and its plan for the budget, loading covered."""
     if holds_quantized(folder):
         raise ValueError(
             f"{assigned('model', str(folder))} holds quantized weights (a bitsandbytes quantization_config, or a folder "
@@ -316,13 +317,15 @@ def _planned(
         kv_cache_bytes=job.kv_cache_bytes(),
         covers=job.covers(),
         loading=True,
+        stored_dtypes=stored_dtypes(job.model, folder),
     )
     return job, budgeted
 
 
 def plan_only(options: RunOptions) -> Budgeted:
-    """The plan ``run(options)`` would carry out, made from the folder's config alone: no
-    weight file is opened (``tightfit fit``, the dry run). ``options.budget`` is needed;
+    """The plan ``run(options)`` would carry out, made from the folder's config and its
+    checkpoint's headers (the dtypes its tensors are stored in): no weight byte is read
+    (``tightfit fit``, the dry run). ``options.budget`` is needed;
     raises :class:`tightfit.FitError` when nothing fits."""
     options, backend, device, folder, kind = _setup(options)
     if options.budget is None:

@@ -11,8 +11,9 @@ iterates them and names none. Biases, norms and other tensors keep their dtype.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -76,6 +77,10 @@ class Unit:
     constructors compute them: rotary frequencies, position ids; a checkpoint is not read
     into them), so they are in memory before the first unit streams in; a buffer on the
     meta device is read with its unit.
+    ``converted``: its tensors that the checkpoint stores in another dtype than the
+    model's (``stored_dtypes`` of :func:`find_units`): loading reads and converts them,
+    so the unit cannot be mapped from the checkpoint in place; ``read_bytes``: the largest
+    of those as stored, alive beside its converted copy while it is read.
     """
 
     name: str
@@ -88,6 +93,8 @@ class Unit:
     tied: tuple[str, ...] = ()  # leaves whose weight an earlier leaf holds (counted there)
     no_decode: str = ""  # why storages that decode are ruled out ("" when they are not)
     buffer_bytes: int = 0  # of bytes, its buffers: computed by the skeleton, alive before loading starts
+    converted: tuple[str, ...] = ()  # tensors stored in another dtype than the model's: read and converted
+    read_bytes: int = 0  # the largest of those as stored, beside its converted copy while it is read
 
     def takes(self, storage: StorageFormat) -> bool:
         """Whether ``storage`` applies to a leaf of this unit: one of its leaf types, in a
@@ -159,6 +166,19 @@ def _buffer_bytes(modules: list[nn.Module], tensors: dict[int, torch.Tensor]) ->
     return tensor_bytes(tensor for key, tensor in tensors.items() if key in buffers)
 
 
+def _conversions(
+    tensors: dict[int, torch.Tensor], names: dict[int, list[str]], stored: Mapping[str, torch.dtype]
+) -> dict[str, int]:
+    """Of ``tensors`` (by id), those ``stored`` (by any of their ``names``) in another dtype
+    than their own: each one's first name and its bytes as stored."""
+    found = {}
+    for key, tensor in tensors.items():
+        dtype = next((stored[name] for name in names.get(key, ()) if name in stored), tensor.dtype)
+        if dtype != tensor.dtype:
+            found[names[key][0]] = tensor.numel() * dtype.itemsize
+    return found
+
+
 def _stored_bytes(module: nn.Module) -> int:
     """Bytes of the distinct storages behind ``module``'s parameters and buffers."""
     return tensor_bytes(_tensors(module).values())
@@ -206,7 +226,7 @@ def _tied_groups(groups: list[tuple[str, str, nn.Module]]) -> list[list[tuple[st
     return sorted(joined.values(), key=lambda members: len(members) == 1)  # stable
 
 
-def find_units(model: nn.Module) -> list[Unit]:
+def find_units(model: nn.Module, stored_dtypes: Mapping[str, torch.dtype] | None = None) -> list[Unit]:
     """The model's units: units of tied weights first, then the others in module order, the rest last.
 
     Linear and Embedding modules outside the layer stack that share a weight (tied weights:
@@ -221,9 +241,24 @@ def find_units(model: nn.Module) -> list[Unit]:
     that holds it. A leaf the model pins to full precision (diffusers'
     ``_keep_in_fp32_modules`` and ``_skip_layerwise_casting_patterns``, searched in
     qualified names as layerwise casting does) is not one of its unit's leaves: its weight
-    keeps its dtype, wherever the unit is placed.
+    keeps its dtype, wherever the unit is placed. ``stored_dtypes``: the dtype a checkpoint
+    stores each tensor in, by qualified name (:func:`tightfit.loading.stored_dtypes`, from
+    its headers); a tensor stored in another dtype than the model's is read and converted
+    while loading (:attr:`Unit.converted`).
     """
     owners = _owners(model)
+    names: dict[int, list[str]] = {}
+    for name, tensor in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        names.setdefault(id(tensor), []).append(name)
+
+    def converting(tensors: dict[int, torch.Tensor]) -> dict[str, Any]:
+        """:class:`Unit`'s ``converted`` and ``read_bytes`` for ``tensors``."""
+        found = _conversions(tensors, names, stored_dtypes or {})
+        return {"converted": tuple(found), "read_bytes": max(found.values(), default=0)}
+
     deciders = dtype_deciders(model)  # model.dtype reads them: layerwise casting leaves them as they are
     pins = compile_patterns("pins", model_pins(model))
     units, covered = [], {}
@@ -239,7 +274,7 @@ def find_units(model: nn.Module) -> list[Unit]:
             size = tensor_bytes(own.values())
             ready = _buffer_bytes([module for _, _, module in members], own)
             why = "shares a tensor with a module outside it (tied weights)"
-            units.append(Unit(name, kind, (), size, size, why, buffer_bytes=ready))
+            units.append(Unit(name, kind, (), size, size, why, buffer_bytes=ready, **converting(own)))
             covered.update(tensors)
             continue
         leaves = [
@@ -259,13 +294,28 @@ def find_units(model: nn.Module) -> list[Unit]:
         other = tensor_bytes(v for k, v in tensors.items() if k not in firsts)
         ready = _buffer_bytes([module for _, _, module in members], tensors)
         size = tensor_bytes(tensors.values())
-        units.append(Unit(name, kind, weights, size, other, "", no_cast, tied, no_decode, buffer_bytes=ready))
+        units.append(
+            Unit(
+                name,
+                kind,
+                weights,
+                size,
+                other,
+                "",
+                no_cast,
+                tied,
+                no_decode,
+                buffer_bytes=ready,
+                **converting(tensors),
+            )
+        )
         covered.update(tensors)
     rest = {k: v for k, v in _tensors(model).items() if k not in covered}
     if rest:
         size = tensor_bytes(rest.values())
         why = "norms, biases and buffers outside the units"
-        units.append(Unit("(rest)", "rest", (), size, size, why, buffer_bytes=_buffer_bytes([model], rest)))
+        ready = _buffer_bytes([model], rest)
+        units.append(Unit("(rest)", "rest", (), size, size, why, buffer_bytes=ready, **converting(rest)))
     return units
 
 
@@ -361,13 +411,16 @@ def options_for(
 
 
 def _load_bytes(unit: Unit, storage: StorageFormat, placement: str, converting: int, held: int) -> int:
-    """Bytes above ``held`` while the unit streams in: its tensors as read, plus, at the
-    worst leaf, that leaf's converted copy and scratch less what the leaves converted
-    before it gave back (``converting``). A unit kept as it is on disk is mapped from the
-    checkpoint in place, and reads nothing into memory."""
-    if placement == "disk" and not storage.decodes:
+    """Bytes above ``held`` while the unit streams in: its tensors as read, plus the larger
+    of: at the worst leaf, that leaf's converted copy and scratch less what the leaves
+    converted before it gave back (``converting``); a tensor stored in another dtype, as
+    read, beside its copy in the model's dtype (``Unit.read_bytes``). A unit kept as it is
+    on disk is mapped from the checkpoint in place, and reads nothing into memory, unless
+    a tensor of it is stored in another dtype: then it is read, converted and written to
+    an offload file like a quantized unit on disk."""
+    if placement == "disk" and not storage.decodes and not unit.converted:
         return 0
-    return max(0, unit.bytes + converting - held)
+    return max(0, unit.bytes + max(converting, unit.read_bytes) - held)
 
 
 def _cost(seconds: float, rank: int, placement: str, earlier: list[Option]) -> float:

@@ -124,6 +124,8 @@ def _why(unit: Unit, option: Option, keep: Option, applies_nothing: bool) -> str
     where = {"device": "", "cpu": ", weights in CPU memory", "disk": ", weights memory-mapped from disk"}[
         option.placement
     ]
+    if option.placement == "disk" and option.storage == "keep" and unit.converted:
+        where = ", weights converted from the checkpoint's dtype into an offload file on disk"
     saved = keep.held_bytes - option.held_bytes
     extra = (option.seconds - keep.seconds) * 1e3
     return f"{option.storage}{where}: {human_bytes(saved)} less on the device, {extra:+.2f} ms"
@@ -183,6 +185,7 @@ def fit(
     calibration: Calibration | None = None,
     remeasure: bool = False,
     loading: bool = False,
+    stored_dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> FitPlan:
     """A :class:`FitPlan` whose predicted device peak for ``model(*example_inputs)`` (or
     ``model(**example_inputs)`` for a dict) is within ``budget`` at the least predicted time.
@@ -216,7 +219,13 @@ def fit(
     ``loading``: the plan also covers streaming the weights in from a checkpoint
     (:func:`tightfit.load`): on the CPU, each unit's tensors as read and its conversion
     count above the weights held, so the budget holds from the first byte read. Plan
-    such a model on the meta device (it needs no weights).
+    such a model on the meta device (it needs no weights). ``stored_dtypes`` (with
+    ``loading`` only): the dtype the checkpoint stores each tensor in, by the model's
+    qualified names (:func:`tightfit.loading.stored_dtypes` reads them from the safetensors
+    headers); a tensor stored in another dtype than the model's is read and converted
+    while loading, so its unit is not mapped from the checkpoint in place: kept on disk,
+    it is converted and written to an offload file (default: every tensor is stored in
+    the model's dtype).
     """
     from tightfit.backends.resolve import resolve_backend
 
@@ -228,6 +237,8 @@ def fit(
         check_type("calibration", calibration, Calibration)
     check_type("remeasure", remeasure, bool)
     check_type("loading", loading, bool)
+    if stored_dtypes is not None:
+        _check_stored_dtypes(stored_dtypes, loading)
     backends, device = resolve_backend(backend)
     figures = calibration if calibration is not None else calibrate(backends[0], remeasure=remeasure)
     _check_calibration(figures, backends[0].name, device)
@@ -236,7 +247,7 @@ def fit(
     activations = planned.live_peak_bytes + planned.inputs_bytes if planned else 0
     peak_node = planned.peak_node if planned else None
     live = _live_while_computing(memory, device, spans, activations)
-    units = find_units(model)
+    units = find_units(model, stored_dtypes)
 
     def build(outliers: dict[str, int] | None) -> list[list[Option]]:
         return [
@@ -345,6 +356,16 @@ def fit(
         covers_load=loading,
         predicted_load_peak_bytes=load_peak,
     )
+
+
+def _check_stored_dtypes(stored_dtypes: Any, loading: bool) -> None:
+    """A mapping of tensor names to dtypes, for a plan that covers loading."""
+    check_type("stored_dtypes", stored_dtypes, Mapping)
+    for name, dtype in stored_dtypes.items():
+        check_type("stored_dtypes key", name, str)
+        check_type(f"stored_dtypes[{name!r}]", dtype, torch.dtype)
+    if not loading:
+        raise ValueError("stored_dtypes describes a checkpoint to load; it is taken only with loading=True")
 
 
 def _check_calibration(figures: Calibration, backend: str, device: torch.device) -> None:

@@ -5,7 +5,7 @@ converted and placed as planned, so the budget holds from the first byte. See do
 from tightfit.loading.folder import CAUSAL_LM, ENCODER, checkpoint_dtype, folder_kind, model_kind, skeleton
 from tightfit.loading.safetensors import Checkpoint
 from tightfit.loading.save import save
-from tightfit.loading.stream import default_inputs, load, plan_folder
+from tightfit.loading.stream import default_inputs, load, plan_folder, stored_dtypes
 
 __all__ = [
     "CAUSAL_LM",
@@ -19,4 +19,5 @@ __all__ = [
     "plan_folder",
     "save",
     "skeleton",
+    "stored_dtypes",
 ]

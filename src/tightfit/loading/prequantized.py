@@ -49,10 +49,12 @@ from tightfit.loading.stored import (
     swap_modules,
 )
 from tightfit.loading.stream import (
+    _converts,
     _map_unit,
     _read_unit,
     _Slots,
     _sources,
+    _stored_dtypes,
     _stream_tied,
     default_inputs,
     on_meta,
@@ -179,6 +181,7 @@ def _plan(
             allow=Allow(storage=frozenset({"keep"}), placement=allowed.placement, hints=allowed.hints),
             calibration=calibration,
             loading=True,
+            stored_dtypes=_stored_dtypes(model, checkpoint),  # a plain leaf stored in another dtype is converted
         )
     except FitError as error:
         raise FitError(
@@ -338,7 +341,8 @@ def _stream(
 ) -> None:
     """Read ``checkpoint`` into ``model`` (a skeleton on meta whose quantized leaves are
     shells) unit by unit, placing each as ``plan`` says. A unit on disk whose tensors are
-    all stored as they are used is mapped from the file in place."""
+    all stored as they are used (in the skeleton's dtypes) is mapped from the file in
+    place; one that converts a tensor is read and written to an offload file."""
     slots = _Slots(model)
     sources = _sources(model, slots, checkpoint)
     pending = {leaf.name: leaf for leaf in layout.values() if leaf.storage != "keep"}
@@ -357,7 +361,7 @@ def _stream(
                 cast = frozenset(name for name, _ in inside if pending[name].storage == "float8")
                 for name in sorted(cast):
                     _fill_float8(dict(inside)[name], pending[name], checkpoint, slots, advance)
-                mapped = entry.placement == "disk" and not cast
+                mapped = entry.placement == "disk" and not cast and not _converts(unit, checkpoint, sources)
                 files = _map_unit(unit, entry.module, checkpoint, slots, sources, advance) if mapped else []
                 _read_unit(unit, checkpoint, slots, sources, advance)
                 for name, module in inside:

@@ -1,5 +1,6 @@
-"""``tightfit.load``: plan a local model folder from its config before reading a byte,
-then stream its safetensors checkpoint into that plan, unit by unit (D8).
+"""``tightfit.load``: plan a local model folder from its config (and its checkpoint's
+headers: the dtype each tensor is stored in) before reading a byte of a weight, then
+stream its safetensors checkpoint into that plan, unit by unit (D8).
 
 Each unit of the plan is read tensor by tensor into the skeleton's meta parameters,
 converted to its planned storage (the storage catalogue's ``apply``: quantize, cast) and
@@ -27,11 +28,11 @@ from tightfit.hooks import apply_offloading
 from tightfit.hooks._disk import MappedRegions
 from tightfit.hooks.offload import offload_in_place
 from tightfit.loading.folder import CAUSAL_LM, ENCODER, model_folder, model_kind, skeleton
-from tightfit.loading.safetensors import Checkpoint
+from tightfit.loading.safetensors import INDEX_FILE, SINGLE_FILE, Checkpoint
 from tightfit.loading.stored import check_plan_names, holds_quantized
 from tightfit.quant import storage_format
 
-__all__ = ["default_inputs", "load", "on_meta", "plan_folder", "stream"]
+__all__ = ["default_inputs", "load", "on_meta", "plan_folder", "stored_dtypes", "stream"]
 
 #: Tokens per sequence of the inputs a folder is planned for when none are given.
 DEFAULT_TOKENS = 128
@@ -64,6 +65,69 @@ def on_meta(inputs: Any) -> Any:
     return inputs
 
 
+def _headers(folder: Path) -> Checkpoint | None:
+    """The folder's checkpoint, its shards' headers read and checked (no weight byte is
+    read), where it holds one with every shard; None where it holds none yet (config.json
+    and the tokenizer only, or an index whose shards are not all there)."""
+    if not (folder / SINGLE_FILE).is_file():
+        index = folder / INDEX_FILE
+        if not index.is_file() or not all(shard.is_file() for shard in Checkpoint._shards(folder, index)):
+            return None
+    return Checkpoint(folder)
+
+
+def _stored_dtypes(model: nn.Module, checkpoint: Checkpoint | None) -> dict[str, torch.dtype]:
+    """:func:`stored_dtypes` from a checkpoint whose headers are read ({} for None)."""
+    if checkpoint is None:
+        return {}
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    found = {}
+    for names in _Slots(model).names.values():
+        source = checkpoint.find(names, prefix)
+        if source is not None:
+            found.update(dict.fromkeys(names, checkpoint.entries[source].dtype))
+    return found
+
+
+def stored_dtypes(model: nn.Module, folder: str | Path) -> dict[str, torch.dtype]:
+    """The dtype the folder's safetensors checkpoint stores each of ``model``'s meta
+    tensors in (``model``: the folder's skeleton), under every name the model knows it by,
+    read from the shards' headers: no weight byte is read. What :func:`tightfit.fit` takes
+    as ``stored_dtypes`` to count the conversion of a tensor stored in another dtype than
+    the model's. Empty where the folder holds no checkpoint yet (config.json and the
+    tokenizer, or an index whose shards are not all there): the plan then assumes the
+    model's dtypes. A tensor the checkpoint lacks is left out (loading refuses it)."""
+    check_type("model", model, nn.Module)
+    return _stored_dtypes(model, _headers(model_folder(folder)))
+
+
+def _plan_folder(
+    folder: str | Path,
+    budget: int | str,
+    *,
+    example_inputs: Any,
+    backend: Any,
+    allow: Allow | Mapping[str, Any] | None,
+    calibration: Calibration | None,
+    kind: str | None,
+) -> tuple[nn.Module, FitPlan, Checkpoint | None]:
+    """:func:`plan_folder`, and the checkpoint whose headers it read (None where the folder holds none yet)."""
+    model, config = skeleton(folder, kind)  # the folder checked first
+    checkpoint = _headers(Path(folder))
+    inputs = default_inputs(config, kind or model_kind(config)) if example_inputs is None else on_meta(example_inputs)
+    plan = fit(
+        model,
+        inputs,
+        budget,
+        backend=backend,
+        allow=allow,
+        calibration=calibration,
+        loading=True,
+        stored_dtypes=_stored_dtypes(model, checkpoint),
+    )
+    return model, plan, checkpoint
+
+
 def plan_folder(
     folder: str | Path,
     budget: int | str,
@@ -75,13 +139,22 @@ def plan_folder(
     kind: str | None = None,
 ) -> tuple[nn.Module, FitPlan]:
     """(skeleton, plan): the plan of a local Hugging Face folder for ``budget``, covering
-    loading, made from its config.json alone (no weight file is opened). ``example_inputs``
-    (default :func:`default_inputs`) are moved to the meta device; the other arguments are
-    :func:`tightfit.fit`'s. Raises :class:`tightfit.FitError` when nothing fits: before
-    loading, naming the smallest peak reachable and what dominates it."""
-    model, config = skeleton(folder, kind)
-    inputs = default_inputs(config, kind or model_kind(config)) if example_inputs is None else on_meta(example_inputs)
-    plan = fit(model, inputs, budget, backend=backend, allow=allow, calibration=calibration, loading=True)
+    loading, made from its config.json and, where the folder holds its safetensors
+    checkpoint, the dtypes its headers give each tensor (:func:`stored_dtypes`; no weight
+    byte is read: a tensor stored in another dtype than the config's is counted as read
+    and converted). ``example_inputs`` (default :func:`default_inputs`) are moved to the
+    meta device; the other arguments are :func:`tightfit.fit`'s. Raises
+    :class:`tightfit.FitError` when nothing fits: before loading, naming the smallest
+    peak reachable and what dominates it."""
+    model, plan, _ = _plan_folder(
+        folder,
+        budget,
+        example_inputs=example_inputs,
+        backend=backend,
+        allow=allow,
+        calibration=calibration,
+        kind=kind,
+    )
     return model, plan
 
 
@@ -99,8 +172,9 @@ def load(
 ) -> tuple[nn.Module, FitPlan]:
     """(model, plan): a local Hugging Face folder's model, streamed into a plan for ``budget``.
 
-    The plan is made first, from the config alone (:func:`plan_folder`; ``FitError``
-    before any weight is read when nothing fits), or given as ``plan`` (then ``budget``,
+    The plan is made first, from the config and the checkpoint's headers
+    (:func:`plan_folder`; ``FitError`` before any weight is read when nothing fits), or
+    given as ``plan`` (then ``budget``,
     ``example_inputs``, ``allow`` and ``calibration`` are refused). The safetensors
     checkpoint is then read unit by unit, each unit converted and placed as planned, in
     the dtype the checkpoint's config names (``torch_dtype``). ``kind``: ``"causal-lm"``
@@ -139,6 +213,7 @@ def load(
             kind=kind,
             model=model,
         )
+    checkpoint = None
     if plan is not None:
         if model is None:
             model, _ = skeleton(path, kind)
@@ -155,7 +230,7 @@ def load(
             raise ValueError("budget is needed to plan the load (bytes or a size such as '6GB'), or pass plan")
         if model is not None:
             raise ValueError("model (a skeleton) is taken only with the plan made on it; pass plan too")
-        model, plan = plan_folder(
+        model, plan, checkpoint = _plan_folder(
             path,
             parse_size(budget, "budget"),
             example_inputs=example_inputs,
@@ -165,7 +240,7 @@ def load(
             kind=kind,
         )
     _, device = resolve_backend(plan.device)
-    stream(model, Checkpoint(path), plan, device)
+    stream(model, checkpoint if checkpoint is not None else Checkpoint(path), plan, device)  # the headers planned
     return model, plan
 
 
@@ -242,12 +317,22 @@ def _read_into(tensor: torch.Tensor, source: str, checkpoint: Checkpoint, slots:
     slots.fill(tensor, value if value.dtype == tensor.dtype else value.to(tensor.dtype))
 
 
+def _converts(module: nn.Module, checkpoint: Checkpoint, sources: dict[int, str]) -> bool:
+    """Whether the checkpoint stores a meta tensor of ``module`` in another dtype than the
+    skeleton's: the unit is then read and converted, not mapped in place (the plan counts
+    it so, from the same headers: :attr:`tightfit.fitting.options.Unit.converted`)."""
+    return any(
+        tensor.is_meta and checkpoint.entries[sources[id(tensor)]].dtype != tensor.dtype
+        for tensor in [*module.parameters(), *module.buffers()]
+    )
+
+
 def _map_unit(
     module: nn.Module, name: str, checkpoint: Checkpoint, slots: _Slots, sources: dict[int, str], advance: Any
 ) -> list[MappedRegions]:
     """Fill the unit's meta tensors with views of the checkpoint's files, mapped in place
-    (one map per shard the unit spans); a tensor stored in another dtype than the
-    skeleton's is read and converted instead."""
+    (one map per shard the unit spans). Only for a unit whose tensors are stored in the
+    skeleton's dtypes (not :func:`_converts`)."""
     regions: dict[Path, dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]]] = {}
     pending = []
     for tensor in [*module.parameters(), *module.buffers()]:
@@ -255,9 +340,8 @@ def _map_unit(
             continue
         source = sources[id(tensor)]
         entry = checkpoint.entries[source]
-        if entry.dtype != tensor.dtype:
-            _read_into(tensor, source, checkpoint, slots, advance)
-            continue
+        if entry.dtype != tensor.dtype:  # the callers read such a unit instead
+            raise ValueError(f"checkpoint tensor {source!r} is {entry.dtype}, not {tensor.dtype}: it cannot be mapped")
         checkpoint.check(source)
         regions.setdefault(entry.file, {})[source] = (entry.start, entry.nbytes, entry.dtype, entry.shape)
         pending.append((tensor, entry.file, source))
@@ -280,13 +364,14 @@ def _stream_tied(
     """Stream a unit of tied weights (modules sharing a weight, :attr:`PlanEntry.modules`;
     stored as it is) and say so; False for any other unit. On disk, each of its modules
     computes from the checkpoint mapped in place, hooked to bring the shared view onto the
-    device for its own forward; otherwise the unit is read, then kept on the device or
-    offloaded as one (:func:`~tightfit.fitting.plan.offload_unit`)."""
+    device for its own forward, where the checkpoint stores it in the skeleton's dtype;
+    otherwise the unit is read, then kept on the device or offloaded as one
+    (:func:`~tightfit.fitting.plan.offload_unit`)."""
     names = entry.modules
     if len(names) < 2:
         return False
     modules = [model.get_submodule(name) for name in names]
-    if entry.placement == "disk":
+    if entry.placement == "disk" and not any(_converts(module, checkpoint, sources) for module in modules):
         mapped = [_map_unit(module, name, checkpoint, slots, sources, advance) for name, module in zip(names, modules)]
         for module in modules:
             offload_in_place(module, device, [file for files in mapped for file in files])
@@ -302,7 +387,10 @@ def _stream_tied(
 
 
 def stream(model: nn.Module, checkpoint: Checkpoint, plan: FitPlan, device: torch.device) -> None:
-    """Read ``checkpoint`` into ``model`` (a skeleton on meta) unit by unit as ``plan`` says."""
+    """Read ``checkpoint`` into ``model`` (a skeleton on meta) unit by unit as ``plan`` says.
+    A unit kept as it is on disk is mapped from the checkpoint in place where its tensors
+    are stored in the skeleton's dtypes; else it is read, converted and written to an
+    offload file, as a quantized unit on disk is."""
     slots = _Slots(model)
     sources = _sources(model, slots, checkpoint)
     total = sum(checkpoint.entries[name].nbytes for name in set(sources.values()))
@@ -312,7 +400,8 @@ def stream(model: nn.Module, checkpoint: Checkpoint, plan: FitPlan, device: torc
                 continue
             unit = model if entry.kind == "rest" else model.get_submodule(entry.module)
             storage = storage_format(entry.storage)
-            if entry.placement == "disk" and not storage.decodes:  # as stored: computed from the checkpoint's pages
+            as_stored = entry.placement == "disk" and not storage.decodes and not _converts(unit, checkpoint, sources)
+            if as_stored:  # computed from the checkpoint's pages; converted units are written to an offload file
                 offload_in_place(unit, device, _map_unit(unit, entry.module, checkpoint, slots, sources, advance))
                 continue
             _read_unit(unit, checkpoint, slots, sources, advance)
