@@ -209,6 +209,32 @@ def test_a_budget_moves_units_to_disk_within_the_predicted_load_peak(bnb, load_p
     peer.settle()
 
 
+def test_plain_weights_stored_in_another_dtype_are_converted_to_disk_within_the_predicted_load_peak(
+    bnb, tmp_path, load_peaks
+):
+    # bfloat16 embedding and head beside the 4-bit layers, under a config naming no dtype: the
+    # skeleton is float32, so they are read and converted (counted from the checkpoint's
+    # headers), and on disk written to an offload file instead of kept in memory
+    source, _ = bnb("nf4", torch.bfloat16)
+    folder = tmp_path / "no-dtype"
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    budget = 7_000_000
+    model, plan = tightfit.load(folder, budget, example_inputs={"input_ids": IDS}, calibration=figures())
+    assert model.dtype == torch.float32
+    on_disk = [e for e in plan.entries if e.placement == "disk"]
+    assert {e.module for e in on_disk} == {"model.embed_tokens", "lm_head"}
+    assert all("converted from the checkpoint's dtype" in e.why for e in on_disk)
+    assert load_peaks[0] <= plan.predicted_load_peak_bytes <= plan.predicted_peak_bytes <= budget
+    assert plan.predicted_load_peak_bytes <= 1.05 * load_peaks[0]
+    assert held_bytes(model, "cpu") == plan.predicted_weights_bytes
+    kept, _ = tightfit.load(folder, "100MB", calibration=figures())
+    assert torch.equal(logits(model), logits(kept))
+
+
 def test_a_budget_too_small_is_refused_before_any_weight_is_read(bnb, monkeypatch):
     folder, _ = bnb("nf4")
 
