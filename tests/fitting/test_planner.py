@@ -280,3 +280,50 @@ def test_a_buffer_on_meta_is_read_with_its_unit_and_not_counted_from_the_start()
     model = _WithBuffer().eval()
     model.second.register_buffer("packed", torch.empty(512, dtype=torch.uint8, device="meta"))
     assert [(u.name, u.buffer_bytes) for u in find_units(model)] == [("first", 0), ("second", 0), ("(rest)", 1024)]
+
+
+def test_a_tensor_stored_in_another_dtype_is_read_converted_and_its_unit_not_mapped_in_place():
+    # the first weight is stored in bfloat16 (the headers say so), the model computes in float32
+    model = _WithBuffer().eval()
+    stored = {"first.weight": torch.bfloat16, "second.weight": torch.float32}
+    units = {u.name: u for u in find_units(model, stored)}
+    assert units["first"].converted == ("first.weight",) and units["first"].read_bytes == 64 * 64 * 2
+    assert not units["second"].converted and not units["second"].read_bytes
+    options = {
+        name: {
+            (o.storage, o.placement): o
+            for o in options_for(
+                unit,
+                storages=frozenset({"keep", "int8"}),
+                placements=frozenset({"device", "disk"}),
+                device=torch.device("cpu"),
+                rows={},
+                live={},
+                figures=figures(),
+                loading=True,
+            )
+        }
+        for name, unit in units.items()
+    }
+    weight = 64 * 64 * 4
+    # on disk: read, converted (the stored copy beside it) and written to an offload file, not mapped
+    assert options["first"]["keep", "disk"].load_bytes == weight + 64 * 64 * 2
+    assert options["first"]["keep", "disk"].held_bytes == 0
+    assert options["first"]["keep", "device"].load_bytes == 64 * 64 * 2  # above the weight it holds
+    assert options["second"]["keep", "disk"].load_bytes == 0  # mapped in place
+    # both kept on the device: the peak is the second unit's read, with the first held and the buffer
+    x, later = torch.randn(2, 64), {"second.weight": torch.bfloat16}
+    plan = tightfit.fit(model, (x,), "1MiB", calibration=figures(), loading=True, stored_dtypes=later)
+    unchanged = tightfit.fit(model, (x,), "1MiB", calibration=figures(), loading=True)
+    assert unchanged.predicted_load_peak_bytes == 2 * weight + 1024
+    assert plan.predicted_load_peak_bytes == 2 * weight + 1024 + 64 * 64 * 2
+
+
+def test_stored_dtypes_are_checked():
+    model, x = _WithBuffer().eval(), torch.randn(2, 64)
+    with pytest.raises(ValueError, match="stored_dtypes describes a checkpoint to load; it is taken only with"):
+        tightfit.fit(model, (x,), "1MiB", calibration=figures(), stored_dtypes={"first.weight": torch.bfloat16})
+    with pytest.raises(TypeError, match=r"stored_dtypes\['first.weight'\] must be dtype, got str"):
+        tightfit.fit(model, (x,), "1MiB", calibration=figures(), loading=True, stored_dtypes={"first.weight": "bf16"})
+    with pytest.raises(TypeError, match="stored_dtypes must be Mapping, got list"):
+        tightfit.fit(model, (x,), "1MiB", calibration=figures(), loading=True, stored_dtypes=[])
