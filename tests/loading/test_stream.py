@@ -102,6 +102,16 @@ def test_a_sharded_checkpoint_with_its_index_streams_in(folder, tmp_path):
         assert torch.equal(streamed(IDS).logits, _reference(folder, plan)(IDS).logits)
 
 
+def test_an_index_whose_shards_are_not_all_there_plans_from_the_config(folder, tmp_path):
+    # weights still downloading: no header to read, the weights assumed in the config's dtype
+    transformers.AutoModelForCausalLM.from_pretrained(folder).save_pretrained(tmp_path, max_shard_size="5MB")
+    sorted(tmp_path.glob("*.safetensors"))[-1].unlink()
+    partial, plan = plan_folder(tmp_path, 17_000_000, example_inputs={"input_ids": IDS}, calibration=figures())
+    assert tightfit.loading.stored_dtypes(partial, tmp_path) == {}
+    _, whole = plan_folder(folder, 17_000_000, example_inputs={"input_ids": IDS}, calibration=figures())
+    assert plan.to_dict() == whole.to_dict()
+
+
 def test_a_refusal_comes_before_any_weight_is_read(folder, monkeypatch):
     def no_reading(*args, **kwargs):
         raise AssertionError("a weight was read")
