@@ -246,6 +246,9 @@ def run_shown_command(command: str, folder: Path, capsys, monkeypatch) -> str:
         (recipe,) = _makefile_recipe(args[0])  # one command: echoed, then run
         return recipe + "\n" + run_shown_command(recipe.replace(".venv/bin/", ""), folder, capsys, monkeypatch)
     monkeypatch.chdir(folder)
+    if program == "tightfit" and args[:1] == ["check"]:
+        # a fresh process: the harness lists every registered op, and other tests register test ops here
+        program, args = "python", ["-m", "tightfit_launcher", *args]
     if program == "tightfit":
         from tightfit.app import cli
 
