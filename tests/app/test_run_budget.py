@@ -14,6 +14,7 @@ from tightfit.app.budget import kv_cache_bytes_per_token
 from tightfit.app.cli import main
 from tightfit.app.run import RunOptions, run
 from tightfit.fitting import PLACEMENTS, Allow, FitError, storage_names
+from zoo.lm import resaved_in_bfloat16
 
 # keys and values of 2 layers, 2 KV heads of 8 dimensions, float32
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 8 * 4
@@ -224,21 +225,7 @@ def test_weights_stored_in_another_dtype_than_the_config_s_load_within_the_plan_
 ):
     # bfloat16 weights under a config naming no dtype (float32): the dry run and the run read the
     # checkpoint's headers and plan the same conversion, and the load stays within its prediction
-    import shutil
-
-    import torch
-    import transformers
-
-    folder = tmp_path / "bf16"
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-    model.to(torch.bfloat16).save_pretrained(folder)
-    for file in tiny_llama.iterdir():
-        if file.suffix != ".safetensors" and file.name != "config.json":
-            shutil.copy(file, folder / file.name)
-    config = json.loads((folder / "config.json").read_text())
-    config.pop("dtype", None)
-    config.pop("torch_dtype", None)
-    (folder / "config.json").write_text(json.dumps(config))
+    folder = resaved_in_bfloat16(tiny_llama, tmp_path / "bf16")
     arguments = ["--model", str(folder), "--budget", "8MB", "--allow", "keep,disk"]
     assert main(["fit", *arguments, "--json"]) == 0
     dry = json.loads(capsys.readouterr().out)

@@ -245,23 +245,25 @@ class _WithBuffer(nn.Module):
         return self.second(self.first(x)) * self.frequencies[:64]
 
 
+def _keep_or_int8_on_device_or_disk(unit: Unit) -> list:
+    """The unit's options for a load plan, kept or int8, on the device or on disk."""
+    return options_for(
+        unit,
+        storages=frozenset({"keep", "int8"}),
+        placements=frozenset({"device", "disk"}),
+        device=torch.device("cpu"),
+        rows={},
+        live={},
+        figures=figures(),
+        loading=True,
+    )
+
+
 def test_the_load_peak_counts_the_skeletons_buffers_from_the_first_unit_streamed_in():
     # the rest streams in last, but its buffers (computed by the skeleton) are there before the first byte is read
     model = _WithBuffer().eval()
     assert [(u.name, u.buffer_bytes) for u in find_units(model)] == [("first", 0), ("second", 0), ("(rest)", 1024)]
-    options = {
-        u.name: options_for(
-            u,
-            storages=frozenset({"keep", "int8"}),
-            placements=frozenset({"device", "disk"}),
-            device=torch.device("cpu"),
-            rows={},
-            live={},
-            figures=figures(),
-            loading=True,
-        )
-        for u in find_units(model)
-    }
+    options = {u.name: _keep_or_int8_on_device_or_disk(u) for u in find_units(model)}
     assert [o.ready_bytes for o in options["(rest)"]] == [1024] and not options["first"][0].ready_bytes
     int8 = next(i for i, o in enumerate(options["first"]) if (o.storage, o.placement) == ("int8", "device"))
     disk = next(i for i, o in enumerate(options["second"]) if (o.storage, o.placement) == ("keep", "disk"))
@@ -290,19 +292,7 @@ def test_a_tensor_stored_in_another_dtype_is_read_converted_and_its_unit_not_map
     assert units["first"].converted == ("first.weight",) and units["first"].read_bytes == 64 * 64 * 2
     assert not units["second"].converted and not units["second"].read_bytes
     options = {
-        name: {
-            (o.storage, o.placement): o
-            for o in options_for(
-                unit,
-                storages=frozenset({"keep", "int8"}),
-                placements=frozenset({"device", "disk"}),
-                device=torch.device("cpu"),
-                rows={},
-                live={},
-                figures=figures(),
-                loading=True,
-            )
-        }
+        name: {(o.storage, o.placement): o for o in _keep_or_int8_on_device_or_disk(unit)}
         for name, unit in units.items()
     }
     weight = 64 * 64 * 4

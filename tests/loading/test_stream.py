@@ -17,7 +17,7 @@ from tightfit.fitting import FitError
 from tightfit.loading import Checkpoint, plan_folder, skeleton
 from tightfit.loading import stream as streaming
 from tightfit.memory import LiveTensorBytes
-from zoo.lm import figures
+from zoo.lm import figures, resaved_in_bfloat16
 
 transformers = pytest.importorskip("transformers")
 
@@ -139,22 +139,6 @@ def test_the_dry_run_reads_no_weight_file(folder, tmp_path, capsys):
     assert "cannot be met" in capsys.readouterr().err
 
 
-def _restored(folder, path, config_dtype):
-    """``folder``'s model saved in bfloat16 into ``path``, its config naming ``config_dtype`` (None: no dtype)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model.to(torch.bfloat16).save_pretrained(path)
-    for file in folder.iterdir():
-        if file.suffix != ".safetensors" and file.name != "config.json":
-            shutil.copy(file, path / file.name)
-    config = json.loads((path / "config.json").read_text())
-    config.pop("torch_dtype", None)
-    config.pop("dtype", None)
-    if config_dtype is not None:
-        config["dtype"] = config_dtype
-    (path / "config.json").write_text(json.dumps(config))
-    return path
-
-
 @pytest.mark.parametrize(
     "config_dtype, dtype, budget",
     [(None, torch.float32, 26_000_000), ("float16", torch.float16, 17_000_000)],
@@ -169,7 +153,7 @@ def test_weights_stored_in_another_dtype_are_planned_converted_and_load_within_t
     # converted and held in memory while the plan counted 0 B (2.1 MB predicted, 5.3 MB
     # measured); now the plan reads the dtypes from the headers and the unit is written,
     # converted, to an offload file
-    stored = _restored(folder, tmp_path / "bf16", config_dtype)
+    stored = resaved_in_bfloat16(folder, tmp_path / "bf16", config_dtype)
     skeleton_model, _ = skeleton(stored)
     dtypes = tightfit.loading.stored_dtypes(skeleton_model, stored)
     assert dtypes["lm_head.weight"] == dtypes["model.layers.0.mlp.up_proj.weight"] == torch.bfloat16

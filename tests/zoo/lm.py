@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -73,3 +77,22 @@ def tiny_lm(seed: int = 0, **sizes) -> TinyLM:
 
 def token_ids(batch: int = 4, length: int = 16, vocab: int = 2000) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def resaved_in_bfloat16(folder: Path, path: Path, config_dtype: str | None = None) -> Path:
+    """``folder``'s causal LM saved in bfloat16 into ``path``, its config naming
+    ``config_dtype`` (None: no dtype), so the stored dtype differs from the config's."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(path)
+    for file in folder.iterdir():
+        if file.suffix != ".safetensors" and file.name != "config.json":
+            shutil.copy(file, path / file.name)
+    config = json.loads((path / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    config.pop("dtype", None)
+    if config_dtype is not None:
+        config["dtype"] = config_dtype
+    (path / "config.json").write_text(json.dumps(config))
+    return path
