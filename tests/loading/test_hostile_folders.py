@@ -238,17 +238,34 @@ CLI_CONFIGS = [
 ]
 
 
+def _commands(folder: Path) -> dict[str, list[str]]:
+    return {
+        "run": ["run", "--model", str(folder), *RUN],
+        "fit": ["fit", "--model", str(folder), "--budget", "40MB"],
+        "plan": ["plan", "--model", str(folder), "--batch", "1", "--seq", "4"],
+    }
+
+
+@pytest.mark.parametrize(("changes", "message"), CLI_CONFIGS, ids=[m.split("=")[0] for _, m in CLI_CONFIGS])
+def test_every_command_refuses_a_broken_config_in_one_line(tiny_llama, tmp_path, capsys, changes, message):
+    """The commands' own entry point, in this process: every config, every command."""
+    folder = _with(tiny_llama, tmp_path, changes)
+    for command, args in _commands(folder).items():
+        assert cli.main(args) == 2, args
+        out, err = capsys.readouterr()
+        assert out == "" and "Traceback" not in err
+        lines = err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"tightfit {command}: error: "), err
+        assert f"{folder / 'config.json'}" in lines[0] and message in lines[0], (args, lines[0])
+
+
 def test_the_real_commands_refuse_a_broken_config_in_one_line(tiny_llama, tmp_path):
-    """Every command on every third config, one command in turn on the others (each run is a new process)."""
+    """The installed command, each in a new process: one broken config per command."""
     runs = []
-    for number, (changes, message) in enumerate(CLI_CONFIGS):
+    for command, number in (("run", 1), ("fit", 3), ("plan", len(CLI_CONFIGS) - 1)):
+        changes, message = CLI_CONFIGS[number]
         folder = _with(tiny_llama, tmp_path / str(number), changes)
-        commands = [
-            ("run", ["run", "--model", str(folder), *RUN], folder, message),
-            ("fit", ["fit", str(folder), "--budget", "40MB"], folder, message),
-            ("plan", ["plan", "--model", str(folder), "--batch", "1", "--seq", "4"], folder, message),
-        ]
-        runs += commands if number % 3 == 0 else [commands[number % 3]]
+        runs.append((command, _commands(folder)[command], folder, message))
     with ThreadPoolExecutor(max_workers=3) as pool:
         done = list(pool.map(lambda run: _run(run[1]), runs))
     for (command, args, folder, message), result in zip(runs, done):
