@@ -97,7 +97,7 @@ def _store_overload(out, r, c, value):
 @numba.njit(nogil=True)
 def quant_row(row, limit_bits, q, outlier):
     """``row``'s scale (the largest |x| below the limit), its codes written to ``q``:
-    round(x * (127 / scale)) half to even, outliers coded 0 and their columns flagged
+    round(x * (127 * (1 / scale))) half to even, outliers coded 0 and their columns flagged
     (every flag written is 1, so rows racing on one are harmless); NaN where the row
     holds NaN or inf, nothing written then. Magnitudes are compared as the integers
     their float32 bits are (the same order for finite values), which vectorizes."""
@@ -110,7 +110,9 @@ def quant_row(row, limit_bits, q, outlier):
     if any_size >= np.uint32(0x7F800000):
         return np.float32(np.nan)
     stat = as_float(largest)
-    scale = np.float32(127.0) / stat if largest > 0 else np.float32(0.0)
+    # 127 times the reciprocal, each rounded to float32: how torch computes ``127.0 / row_stats``
+    # (the reference); the correctly rounded quotient differs by an ulp for some scales (120)
+    scale = (np.float32(1.0) / stat) * np.float32(127.0) if largest > 0 else np.float32(0.0)
     # adding and taking 1.5 * 2**23 rounds |x| <= 128 half to even
     if any_size < limit_bits:
         for k in range(row.shape[0]):
