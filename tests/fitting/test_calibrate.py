@@ -111,3 +111,11 @@ def test_round_trip_and_unknown_keys():
         Calibration.from_dict({**figs.to_dict(), "speed": 1})
     with pytest.raises(TypeError, match="remeasure must be bool"):
         calibrate("cpu", remeasure="yes")
+
+
+def test_fixed_figures_are_the_same_everywhere_and_still_checked():
+    fixed = Calibration.fixed(disk_bandwidth=2e9)
+    assert (fixed.device_name, fixed.matmul_flops, fixed.disk_bandwidth) == ("fixed", 1e10, 2e9)
+    assert fixed == Calibration.fixed(disk_bandwidth=2e9)
+    with pytest.raises(ValueError, match="disk_bandwidth must be a finite number > 0"):
+        Calibration.fixed(disk_bandwidth=0)

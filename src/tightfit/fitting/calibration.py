@@ -95,6 +95,24 @@ class Calibration:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < math.inf):
                 raise ValueError(f"decode_seconds[{key!r}] must be a finite number >= 0, got {value!r}")
 
+    @classmethod
+    def fixed(cls, **changes: Any) -> Calibration:
+        """Round figures measured on nothing (10 GFLOP/s, 10 GB/s memory, 1 GB/s disk, the
+        CPU, decoding free), with ``changes`` applied: for plans that must come out the same
+        on every machine (tests, fuzzing)."""
+        values: dict[str, Any] = dict(
+            backend="cpu",
+            device_name="fixed",
+            torch_version=torch.__version__,
+            matmul_flops=1e10,
+            device_bandwidth=1e10,
+            host_to_device_bandwidth=None,
+            disk_bandwidth=1e9,
+            decode_seconds={storage.name: 0.0 for storage in storage_formats() if storage.decodes},
+        )
+        values.update(changes)
+        return cls(**values)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
