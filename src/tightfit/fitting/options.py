@@ -254,27 +254,32 @@ def find_units(model: nn.Module, stored_dtypes: Mapping[str, torch.dtype] | None
     ]:
         names.setdefault(id(tensor), []).append(name)
 
-    def converting(tensors: dict[int, torch.Tensor]) -> dict[str, Any]:
-        """:class:`Unit`'s ``converted`` and ``read_bytes`` for ``tensors``."""
+    def loading(modules: list[nn.Module], tensors: dict[int, torch.Tensor]) -> dict[str, Any]:
+        """:class:`Unit`'s loading terms (``buffer_bytes``, ``converted``, ``read_bytes``)
+        for a unit of ``modules`` holding ``tensors``."""
         found = _conversions(tensors, names, stored_dtypes or {})
-        return {"converted": tuple(found), "read_bytes": max(found.values(), default=0)}
+        return {
+            "buffer_bytes": _buffer_bytes(modules, tensors),
+            "converted": tuple(found),
+            "read_bytes": max(found.values(), default=0),
+        }
 
     deciders = dtype_deciders(model)  # model.dtype reads them: layerwise casting leaves them as they are
     pins = compile_patterns("pins", model_pins(model))
     units, covered = [], {}
     for members in _tied_groups(_groups(model)):
         name, kind, _ = members[0]
-        tensors = {key: t for _, _, module in members for key, t in _tensors(module).items()}
+        modules = [module for _, _, module in members]
+        tensors = {key: t for module in modules for key, t in _tensors(module).items()}
         inner: dict[int, int] = {}
-        for _, _, module in members:
+        for module in modules:
             for key, count in _owners(module).items():
                 inner[key] = inner.get(key, 0) + count
         if any(inner[key] < owners[key] for key in tensors):
             own = {k: v for k, v in tensors.items() if k not in covered}
             size = tensor_bytes(own.values())
-            ready = _buffer_bytes([module for _, _, module in members], own)
             why = "shares a tensor with a module outside it (tied weights)"
-            units.append(Unit(name, kind, (), size, size, why, buffer_bytes=ready, **converting(own)))
+            units.append(Unit(name, kind, (), size, size, why, **loading(modules, own)))
             covered.update(tensors)
             continue
         leaves = [
@@ -292,30 +297,14 @@ def find_units(model: nn.Module, stored_dtypes: Mapping[str, torch.dtype] | None
         no_cast = "model.dtype reads its weight, which must keep its dtype" if firsts.keys() & deciders else ""
         no_decode = TIED_DECODE if any(inner[key] > 1 for key in firsts) else ""  # another module of it holds one
         other = tensor_bytes(v for k, v in tensors.items() if k not in firsts)
-        ready = _buffer_bytes([module for _, _, module in members], tensors)
         size = tensor_bytes(tensors.values())
-        units.append(
-            Unit(
-                name,
-                kind,
-                weights,
-                size,
-                other,
-                "",
-                no_cast,
-                tied,
-                no_decode,
-                buffer_bytes=ready,
-                **converting(tensors),
-            )
-        )
+        units.append(Unit(name, kind, weights, size, other, "", no_cast, tied, no_decode, **loading(modules, tensors)))
         covered.update(tensors)
     rest = {k: v for k, v in _tensors(model).items() if k not in covered}
     if rest:
         size = tensor_bytes(rest.values())
         why = "norms, biases and buffers outside the units"
-        ready = _buffer_bytes([model], rest)
-        units.append(Unit("(rest)", "rest", (), size, size, why, buffer_bytes=ready, **converting(rest)))
+        units.append(Unit("(rest)", "rest", (), size, size, why, **loading([model], rest)))
     return units
 
 
