@@ -52,9 +52,8 @@ def matmul_4bit(
         check_bias(bias, rows, A)
         return QF.matmul_4bit(A, B, quant_state, out, bias)
     check_choice("A.dtype", A.dtype, FLOAT_DTYPES)
-    features = columns
-    check_bias(bias, features, A)
-    check_out("out", out, (*A.shape[:-1], features), A.dtype, A)
+    check_bias(bias, columns, A)  # (in x out): ``columns`` are the out features
+    check_out("out", out, (*A.shape[:-1], columns), A.dtype, A)
     warnings.warn(
         f"matmul_4bit: the weight was quantized in (in x out) orientation (quant_state.shape="
         f"{list(quant_state.shape)}); quantize it as (out_features, in_features). bitsandbytes will refuse it.",
