@@ -17,6 +17,12 @@ __all__: list[str] = []  # private helpers
 MAX_JSON_BYTES = 100_000_000
 
 
+def cache_dir() -> Path:
+    """Where tightfit keeps what it measures or builds once per machine (calibration
+    figures, compiled kernels): ``$TIGHTFIT_CACHE_DIR``, default ``~/.cache/tightfit``."""
+    return Path(os.environ.get("TIGHTFIT_CACHE_DIR") or Path.home() / ".cache" / "tightfit")
+
+
 def file_stamp(stat: os.stat_result) -> tuple[int, int, int, int, int]:
     """What tells one version of a file from another without reading it: (device, inode,
     size, modification time, status-change time). Replacing the file (a rename, ``rsync``,

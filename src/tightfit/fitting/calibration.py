@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tightfit._files import read_json
+from tightfit._files import cache_dir, read_json
 from tightfit._progress import task
 from tightfit._validate import check_type
 from tightfit.backends.resolve import resolve_backend
@@ -145,7 +145,7 @@ def _device_name(device: torch.device) -> str:
 
 def cache_path(backend: str, device_name: str) -> Path:
     """Where the figures of ``backend`` on ``device_name`` are cached for this torch version."""
-    folder = Path(os.environ.get("TIGHTFIT_CACHE_DIR") or Path.home() / ".cache" / "tightfit")
+    folder = cache_dir()
     slug = re.sub(r"[^A-Za-z0-9.]+", "-", f"{backend}-{device_name}-torch{torch.__version__}").strip("-")
     return folder / f"calibration-{slug}.json"
 

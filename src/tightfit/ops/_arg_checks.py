@@ -171,3 +171,20 @@ def gemv_4bit(A: Any, B: Any, shape: Any, absmax: Any, blocksize: Any, quant_typ
     check_packed("B", B, shape[0] * shape[1], shape)
     check_same_device("B", B, "A", A)
     check_absmax(absmax, shape[0] * shape[1], blocksize, A)
+
+
+def gemv_blockwise(A: Any, B: Any, absmax: Any, code: Any, blocksize: Any) -> None:
+    check_float_input("A", A)
+    check_type("B", B, torch.Tensor)
+    if B.dtype != torch.uint8 or B.dim() != 2:
+        raise TypeError(
+            f"B must be 2-D uint8 codes (out_features x in_features), got {B.dtype} of shape {tuple(B.shape)}"
+        )
+    if not B.is_contiguous():
+        raise ValueError(f"B must be contiguous (codes are read in memory order), got strides {B.stride()}")
+    if A.dim() < 1 or A.shape[-1] != B.shape[1]:
+        raise ValueError(f"A has shape {tuple(A.shape)}; its last dimension must be B's in_features, {B.shape[1]}")
+    check_same_device("B", B, "A", A)
+    check_blocksize(blocksize, None)
+    check_absmax(absmax, B.numel(), blocksize, A)
+    check_code(code, A)

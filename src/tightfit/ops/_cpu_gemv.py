@@ -1,0 +1,71 @@
+"""Few-token matmuls against blockwise codes on the CPU through the native kernels
+(``native/gemv_blockwise.c``): each stored byte read once, decoded in registers.
+
+The caller has checked shapes, dtypes and lengths (the op's check, D9); here every tensor
+is made contiguous in the dtype the C code reads, so the pointers it gets are valid for
+the sizes it is given. Returns None where no native library could be built (the caller
+falls back to its numba or reference kernel, which reports it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tightfit._strict import report_fallback
+from tightfit.ops import _native
+
+__all__: list[str] = []
+
+#: Up to this many tokens the fused kernel runs; more amortize a decode and a GEMM better.
+MAX_TOKENS = 8
+
+
+def native_library(op: str):
+    """The native library, or None after reporting once why ``op`` takes its numba or
+    reference kernel instead (D1; not where ``TIGHTFIT_CPU_KERNEL_PATH=none`` asks for that)."""
+    library, path_or_reason = _native.library()
+    if library is None and _native.pinned_path() != "none":
+        report_fallback(op, "cpu", "native", f"{path_or_reason}; running the numba or reference kernel")
+    return library
+
+
+def gemv_blockwise(
+    A: torch.Tensor,
+    codes: torch.Tensor,
+    bits: int,
+    shape: list[int] | tuple[int, int],
+    absmax: torch.Tensor,
+    table: torch.Tensor,
+    blocksize: int,
+    op: str,
+) -> torch.Tensor | None:
+    """``A @ decode(codes).T`` in float32 (``A``'s rows flattened), or None where no native
+    library could be built. ``absmax`` holds one scale per block of the flattened weight."""
+    library = native_library(op)
+    if library is None:
+        return None
+    rows, cols = shape
+    x = A.reshape(-1, cols).float().contiguous()
+    w = codes.reshape(-1).view(torch.uint8).contiguous()
+    scales = absmax.float().contiguous()
+    table32 = table.float().contiguous()
+    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    library.tf_gemv_blockwise(
+        x.data_ptr(),
+        w.data_ptr(),
+        bits,
+        scales.data_ptr(),
+        None,
+        None,
+        None,
+        1,
+        0.0,
+        table32.data_ptr(),
+        x.shape[0],
+        rows,
+        cols,
+        blocksize,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out
