@@ -73,80 +73,62 @@ static void rows_scalar(const float *x, const uint8_t *w, int bits, const scales
     }
 }
 
-/* 4-bit vector loops take 32 weights (16 bytes) a step: the high nibbles are the even
- * elements, the low nibbles the odd ones. Rather than interleave the decoded weights, x is
- * permuted once per call so each 32-run holds its even elements, then its odd ones. Needs
- * K and the blocksize to be multiples of 32, so that every row and block starts a run. */
+/* The vector loops take a step of 32 weights of R rows at a time for up to TOKENS tokens:
+ * each step decodes the R rows' codes into vectors, multiplies them by their block's scale
+ * (the reference's float32 decode, exactly), and adds their products with each token into
+ * an R x tokens tile of accumulators, so each x vector loaded serves R rows. Needs K and
+ * the blocksize to be multiples of 32 and the blocksize a power of two, so that every row
+ * and block starts a step. 4-bit steps read 16 bytes: the high nibbles are the even
+ * elements, the low ones the odd; rather than interleave the decoded weights, x is
+ * permuted once per call so each 32-run holds its even elements, then its odd ones. */
+#define STEP 32
 static void permute_pairs(const float *x, float *xp, int64_t M, int64_t K) {
-    for (int64_t i = 0; i < M * K; i += 32)
-        for (int t = 0; t < 16; t++) {
+    for (int64_t i = 0; i < M * K; i += STEP)
+        for (int t = 0; t < STEP / 2; t++) {
             xp[i + t] = x[i + 2 * t];
-            xp[i + 16 + t] = x[i + 2 * t + 1];
+            xp[i + STEP / 2 + t] = x[i + 2 * t + 1];
         }
+}
+
+/* The scale of the block holding flat element `flat`, looked up again only where a block starts. */
+ALWAYS_INLINE float step_scale(const scales_t *s, int64_t flat, int64_t k, int shift, float current) {
+    return (k == 0 || (flat & ((INT64_C(1) << shift) - 1)) == 0) ? block_scale(s, flat >> shift) : current;
 }
 
 #if defined(TF_AVX512)
+#define LANES 16
+typedef __m512 vec;
+#define VZERO _mm512_setzero_ps()
+#define VLOAD _mm512_loadu_ps
+#define VFMA _mm512_fmadd_ps
+#define VSUM _mm512_reduce_add_ps
 
-ALWAYS_INLINE void rows_4bit_vec(const float *xp, const uint8_t *w, const scales_t *s, const float *table,
-                                 int64_t n0, int64_t n1, int64_t N, int64_t K, int64_t bs, float *out,
-                                 const int mc) {
-    const __m512 tab = _mm512_loadu_ps(table);
-    const __m512i low4 = _mm512_set1_epi32(15);
-    for (int64_t n = n0; n < n1; n++) {
-        __m512 acc[TOKENS];
-        for (int m = 0; m < mc; m++) acc[m] = _mm512_setzero_ps();
-        int64_t start = n * K, k = 0, b = start / bs;
-        while (k < K) {
-            int64_t end = (b + 1) * bs - start;
-            if (end > K) end = K;
-            __m512 even[TOKENS], odd[TOKENS];
-            for (int m = 0; m < mc; m++) even[m] = odd[m] = _mm512_setzero_ps();
-            for (; k < end; k += 32) {
-                __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + ((start + k) >> 1))));
-                __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), tab);
-                __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(bytes, low4), tab);
-                for (int m = 0; m < mc; m++) {
-                    even[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp + m * K + k), even[m]);
-                    odd[m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xp + m * K + k + 16), odd[m]);
-                }
-            }
-            __m512 scale = _mm512_set1_ps(block_scale(s, b));
-            for (int m = 0; m < mc; m++) acc[m] = _mm512_fmadd_ps(_mm512_add_ps(even[m], odd[m]), scale, acc[m]);
-            b++;
+/* Decoded step of one row: LANES-wide vectors, and where each one's x starts in the step. */
+ALWAYS_INLINE void decode_step(const uint8_t *w, int64_t flat, int bits, const float *table, float scale,
+                               vec *v) {
+    const __m512 factor = _mm512_set1_ps(scale);
+    if (bits == 4) {
+        const __m512 tab = _mm512_loadu_ps(table);
+        __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + (flat >> 1))));
+        v[0] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), tab), factor);
+        v[1] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), tab), factor);
+    } else {
+        for (int h = 0; h < 2; h++) {
+            __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + flat + LANES * h)));
+            v[h] = _mm512_mul_ps(_mm512_i32gather_ps(codes, table, 4), factor);
         }
-        for (int m = 0; m < mc; m++) out[m * N + n] = _mm512_reduce_add_ps(acc[m]);
     }
 }
-
-#define STEP_8BIT 16
-ALWAYS_INLINE void rows_8bit_vec(const float *x, const uint8_t *w, const scales_t *s, const float *table,
-                                 int64_t n0, int64_t n1, int64_t N, int64_t K, int64_t bs, float *out,
-                                 const int mc) {
-    for (int64_t n = n0; n < n1; n++) {
-        __m512 acc[TOKENS];
-        for (int m = 0; m < mc; m++) acc[m] = _mm512_setzero_ps();
-        int64_t start = n * K, k = 0, b = start / bs;
-        while (k < K) {
-            int64_t end = (b + 1) * bs - start;
-            if (end > K) end = K;
-            __m512 part[TOKENS];
-            for (int m = 0; m < mc; m++) part[m] = _mm512_setzero_ps();
-            for (; k < end; k += STEP_8BIT) {
-                __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + start + k)));
-                __m512 v = _mm512_i32gather_ps(codes, table, 4);
-                for (int m = 0; m < mc; m++) part[m] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + m * K + k), part[m]);
-            }
-            __m512 scale = _mm512_set1_ps(block_scale(s, b));
-            for (int m = 0; m < mc; m++) acc[m] = _mm512_fmadd_ps(part[m], scale, acc[m]);
-            b++;
-        }
-        for (int m = 0; m < mc; m++) out[m * N + n] = _mm512_reduce_add_ps(acc[m]);
-    }
-}
+#define VECS 2
+static const int X_OFFSET[2][VECS] = {{0, 16}, {0, 16}};
 
 #elif defined(TF_AVX2)
-
-ALWAYS_INLINE float hsum256(__m256 v) {
+#define LANES 8
+typedef __m256 vec;
+#define VZERO _mm256_setzero_ps()
+#define VLOAD _mm256_loadu_ps
+#define VFMA _mm256_fmadd_ps
+ALWAYS_INLINE float VSUM(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -154,157 +136,112 @@ ALWAYS_INLINE float hsum256(__m256 v) {
 }
 
 /* Table of 16 by two 8-entry permutes, chosen by bit 3 of the code (moved to the sign bit). */
-ALWAYS_INLINE __m256 lookup16(__m256 tab_lo, __m256 tab_hi, __m256i codes) {
-    __m256 lo = _mm256_permutevar8x32_ps(tab_lo, codes);
-    __m256 hi = _mm256_permutevar8x32_ps(tab_hi, codes);
+ALWAYS_INLINE __m256 lookup16(const float *table, __m256i codes) {
+    __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), codes);
+    __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), codes);
     return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28)));
 }
 
-ALWAYS_INLINE void rows_4bit_vec(const float *xp, const uint8_t *w, const scales_t *s, const float *table,
-                                 int64_t n0, int64_t n1, int64_t N, int64_t K, int64_t bs, float *out,
-                                 const int mc) {
-    const __m256 tab_lo = _mm256_loadu_ps(table), tab_hi = _mm256_loadu_ps(table + 8);
-    const __m256i low4 = _mm256_set1_epi32(15);
-    for (int64_t n = n0; n < n1; n++) {
-        __m256 acc[TOKENS];
-        for (int m = 0; m < mc; m++) acc[m] = _mm256_setzero_ps();
-        int64_t start = n * K, k = 0, b = start / bs;
-        while (k < K) {
-            int64_t end = (b + 1) * bs - start;
-            if (end > K) end = K;
-            __m256 even[TOKENS], odd[TOKENS];
-            for (int m = 0; m < mc; m++) even[m] = odd[m] = _mm256_setzero_ps();
-            for (; k < end; k += 32) {
-                const uint8_t *p = w + ((start + k) >> 1);
-                for (int half = 0; half < 2; half++) {
-                    __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * half)));
-                    __m256 hi = lookup16(tab_lo, tab_hi, _mm256_srli_epi32(bytes, 4));
-                    __m256 lo = lookup16(tab_lo, tab_hi, _mm256_and_si256(bytes, low4));
-                    for (int m = 0; m < mc; m++) {
-                        even[m] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xp + m * K + k + 8 * half), even[m]);
-                        odd[m] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xp + m * K + k + 16 + 8 * half), odd[m]);
-                    }
-                }
+ALWAYS_INLINE void decode_step(const uint8_t *w, int64_t flat, int bits, const float *table, float scale,
+                               vec *v) {
+    const __m256 factor = _mm256_set1_ps(scale);
+    for (int h = 0; h < 2; h++) {
+        if (bits == 4) {
+            __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + (flat >> 1) + 8 * h)));
+            v[h] = _mm256_mul_ps(lookup16(table, _mm256_srli_epi32(bytes, 4)), factor);
+            v[2 + h] = _mm256_mul_ps(lookup16(table, _mm256_and_si256(bytes, _mm256_set1_epi32(15))), factor);
+        } else {
+            for (int q = 0; q < 2; q++) {
+                __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + flat + 16 * h + 8 * q)));
+                v[2 * h + q] = _mm256_mul_ps(_mm256_i32gather_ps(table, codes, 4), factor);
             }
-            __m256 scale = _mm256_set1_ps(block_scale(s, b));
-            for (int m = 0; m < mc; m++) acc[m] = _mm256_fmadd_ps(_mm256_add_ps(even[m], odd[m]), scale, acc[m]);
-            b++;
         }
-        for (int m = 0; m < mc; m++) out[m * N + n] = hsum256(acc[m]);
     }
 }
+#define VECS 4
+static const int X_OFFSET[2][VECS] = {{0, 8, 16, 24}, {0, 8, 16, 24}};
 
-#define STEP_8BIT 8
-ALWAYS_INLINE void rows_8bit_vec(const float *x, const uint8_t *w, const scales_t *s, const float *table,
-                                 int64_t n0, int64_t n1, int64_t N, int64_t K, int64_t bs, float *out,
-                                 const int mc) {
-    for (int64_t n = n0; n < n1; n++) {
-        __m256 acc[TOKENS];
-        for (int m = 0; m < mc; m++) acc[m] = _mm256_setzero_ps();
-        int64_t start = n * K, k = 0, b = start / bs;
-        while (k < K) {
-            int64_t end = (b + 1) * bs - start;
-            if (end > K) end = K;
-            __m256 part[TOKENS];
-            for (int m = 0; m < mc; m++) part[m] = _mm256_setzero_ps();
-            for (; k < end; k += STEP_8BIT) {
-                __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + start + k)));
-                __m256 v = _mm256_i32gather_ps(table, codes, 4);
-                for (int m = 0; m < mc; m++) part[m] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + m * K + k), part[m]);
-            }
-            __m256 scale = _mm256_set1_ps(block_scale(s, b));
-            for (int m = 0; m < mc; m++) acc[m] = _mm256_fmadd_ps(part[m], scale, acc[m]);
-            b++;
-        }
-        for (int m = 0; m < mc; m++) out[m * N + n] = hsum256(acc[m]);
-    }
+#else /* portable: fixed-width arrays the compiler vectorizes (SSE2 on x86-64, NEON on ARM) */
+#define LANES 8
+typedef struct {
+    float f[LANES];
+} vec;
+static const vec VZERO = {{0}};
+ALWAYS_INLINE vec VLOAD(const float *p) {
+    vec v;
+    memcpy(v.f, p, sizeof v.f);
+    return v;
 }
-
-#else /* portable: fixed-width lanes the compiler vectorizes (SSE2 on x86-64, NEON on ARM) */
-
-#define LANES 16
-ALWAYS_INLINE float lanes_sum(const float *v) {
+ALWAYS_INLINE vec VFMA(vec a, vec b, vec c) {
+    for (int t = 0; t < LANES; t++) c.f[t] += a.f[t] * b.f[t];
+    return c;
+}
+ALWAYS_INLINE float VSUM(vec v) {
     float total = 0.0f;
-    for (int t = 0; t < LANES; t++) total += v[t];
+    for (int t = 0; t < LANES; t++) total += v.f[t];
     return total;
 }
-
-ALWAYS_INLINE void rows_4bit_vec(const float *xp, const uint8_t *w, const scales_t *s, const float *table,
-                                 int64_t n0, int64_t n1, int64_t N, int64_t K, int64_t bs, float *out,
-                                 const int mc) {
-    for (int64_t n = n0; n < n1; n++) {
-        float acc[TOKENS][LANES] = {{0}};
-        int64_t start = n * K, k = 0, b = start / bs;
-        while (k < K) {
-            int64_t end = (b + 1) * bs - start;
-            if (end > K) end = K;
-            float part[TOKENS][LANES] = {{0}};
-            for (; k < end; k += 32) {
-                const uint8_t *p = w + ((start + k) >> 1);
-                float hi[LANES], lo[LANES];
-                for (int t = 0; t < LANES; t++) {
-                    hi[t] = table[p[t] >> 4];
-                    lo[t] = table[p[t] & 15];
-                }
-                for (int m = 0; m < mc; m++)
-                    for (int t = 0; t < LANES; t++)
-                        part[m][t] += hi[t] * xp[m * K + k + t] + lo[t] * xp[m * K + k + 16 + t];
+ALWAYS_INLINE void decode_step(const uint8_t *w, int64_t flat, int bits, const float *table, float scale,
+                               vec *v) {
+    for (int h = 0; h < 2; h++)
+        for (int t = 0; t < LANES; t++) {
+            if (bits == 4) {
+                uint8_t byte = w[(flat >> 1) + LANES * h + t];
+                v[h].f[t] = table[byte >> 4] * scale;
+                v[2 + h].f[t] = table[byte & 15] * scale;
+            } else {
+                v[h].f[t] = table[w[flat + LANES * h + t]] * scale;
+                v[2 + h].f[t] = table[w[flat + 2 * LANES + LANES * h + t]] * scale;
             }
-            float scale = block_scale(s, b);
-            for (int m = 0; m < mc; m++)
-                for (int t = 0; t < LANES; t++) acc[m][t] += part[m][t] * scale;
-            b++;
         }
-        for (int m = 0; m < mc; m++) out[m * N + n] = lanes_sum(acc[m]);
-    }
 }
-
-#define STEP_8BIT LANES
-ALWAYS_INLINE void rows_8bit_vec(const float *x, const uint8_t *w, const scales_t *s, const float *table,
-                                 int64_t n0, int64_t n1, int64_t N, int64_t K, int64_t bs, float *out,
-                                 const int mc) {
-    for (int64_t n = n0; n < n1; n++) {
-        float acc[TOKENS][LANES] = {{0}};
-        int64_t start = n * K, k = 0, b = start / bs;
-        while (k < K) {
-            int64_t end = (b + 1) * bs - start;
-            if (end > K) end = K;
-            float part[TOKENS][LANES] = {{0}};
-            for (; k < end; k += LANES) {
-                float v[LANES];
-                for (int t = 0; t < LANES; t++) v[t] = table[w[start + k + t]];
-                for (int m = 0; m < mc; m++)
-                    for (int t = 0; t < LANES; t++) part[m][t] += v[t] * x[m * K + k + t];
-            }
-            float scale = block_scale(s, b);
-            for (int m = 0; m < mc; m++)
-                for (int t = 0; t < LANES; t++) acc[m][t] += part[m][t] * scale;
-            b++;
-        }
-        for (int m = 0; m < mc; m++) out[m * N + n] = lanes_sum(acc[m]);
-    }
-}
-
+#define VECS 4
+static const int X_OFFSET[2][VECS] = {{0, 8, 16, 24}, {0, 8, 16, 24}};
 #endif
 
-/* One function per token count, so each has its accumulators in registers. */
-#define FOR_TOKEN_COUNTS(CASE) CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-
-static void rows_4bit(const float *xp, const uint8_t *w, const scales_t *s, const float *table, int64_t n0,
-                      int64_t n1, int64_t N, int64_t K, int64_t bs, float *out, int mc) {
-    switch (mc) {
-#define CASE(c) \
-    case c: rows_4bit_vec(xp, w, s, table, n0, n1, N, K, bs, out, c); break;
-        FOR_TOKEN_COUNTS(CASE)
-#undef CASE
+/* R rows from n0, tokens [0, mc) of x (already offset), into out (already offset). */
+ALWAYS_INLINE void tile(const float *x, const uint8_t *w, int bits, const scales_t *s, const float *table,
+                        int64_t n0, const int R, int64_t N, int64_t K, int shift, float *out, const int mc) {
+    vec acc[4][TOKENS];
+    float scale[4] = {0};
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mc; m++) acc[r][m] = VZERO;
+    for (int64_t k = 0; k < K; k += STEP) {
+        vec v[4][VECS];
+        for (int r = 0; r < R; r++) {
+            int64_t flat = (n0 + r) * K + k;
+            scale[r] = step_scale(s, flat, k, shift, scale[r]);
+            decode_step(w, flat, bits, table, scale[r], v[r]);
+        }
+        for (int m = 0; m < mc; m++)
+            for (int j = 0; j < VECS; j++) {
+                vec xv = VLOAD(x + m * K + k + X_OFFSET[bits == 8][j]);
+                for (int r = 0; r < R; r++) acc[r][m] = VFMA(v[r][j], xv, acc[r][m]);
+            }
     }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mc; m++) out[m * N + n0 + r] = VSUM(acc[r][m]);
 }
 
-static void rows_8bit(const float *x, const uint8_t *w, const scales_t *s, const float *table, int64_t n0,
-                      int64_t n1, int64_t N, int64_t K, int64_t bs, float *out, int mc) {
+/* Rows per tile, as many as the vector registers hold (32 with AVX-512, 16 with AVX2). */
+#if defined(TF_AVX512)
+#define TILE_ROWS(mc) ((mc) <= 4 ? 4 : 2)
+#else
+#define TILE_ROWS(mc) 1
+#endif
+#define FOR_TOKEN_COUNTS(CASE) CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+
+static void rows_vec(const float *x, const uint8_t *w, int bits, const scales_t *s, const float *table, int64_t n0,
+                     int64_t n1, int64_t N, int64_t K, int shift, float *out, int mc) {
     switch (mc) {
-#define CASE(c) \
-    case c: rows_8bit_vec(x, w, s, table, n0, n1, N, K, bs, out, c); break;
+#define CASE(c)                                                                                \
+    case c: {                                                                                  \
+        int64_t n = n0;                                                                        \
+        for (; n + TILE_ROWS(c) <= n1; n += TILE_ROWS(c))                                      \
+            tile(x, w, bits, s, table, n, TILE_ROWS(c), N, K, shift, out, c);                  \
+        for (; n < n1; n++) tile(x, w, bits, s, table, n, 1, N, K, shift, out, c);            \
+        break;                                                                                 \
+    }
         FOR_TOKEN_COUNTS(CASE)
 #undef CASE
     }
@@ -313,14 +250,16 @@ static void rows_8bit(const float *x, const uint8_t *w, const scales_t *s, const
 /* Rows are split into contiguous ranges, one per thread, so each streams its own bytes. */
 static void gemv(const float *x, const uint8_t *w, int bits, const scales_t *s, const float *table, int64_t M,
                  int64_t N, int64_t K, int64_t bs, float *out, int threads) {
-    int64_t step = bits == 4 ? 32 : STEP_8BIT; /* rows and blocks must start whole steps */
-    int vector = K % step == 0 && bs % step == 0;
+    int vector = K % STEP == 0 && bs % STEP == 0 && (bs & (bs - 1)) == 0;
+    int shift = 0;
+    while ((INT64_C(1) << shift) < bs) shift++;
     float *xp = NULL;
     if (vector && bits == 4) {
         xp = (float *)malloc((size_t)(M * K) * sizeof(float));
         if (!xp) vector = 0;
         else permute_pairs(x, xp, M, K);
     }
+    const float *xv = bits == 4 ? xp : x;
     if (threads < 1) threads = 1;
     if (threads > N) threads = (int)(N > 0 ? N : 1);
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
@@ -332,8 +271,7 @@ static void gemv(const float *x, const uint8_t *w, int bits, const scales_t *s, 
         }
         for (int64_t m0 = 0; m0 < M; m0 += TOKENS) {
             int mc = (int)(M - m0 < TOKENS ? M - m0 : TOKENS);
-            if (bits == 4) rows_4bit(xp + m0 * K, w, s, table, n0, n1, N, K, bs, out + m0 * N, mc);
-            else rows_8bit(x + m0 * K, w, s, table, n0, n1, N, K, bs, out + m0 * N, mc);
+            rows_vec(xv + m0 * K, w, bits, s, table, n0, n1, N, K, shift, out + m0 * N, mc);
         }
     }
     free(xp);
