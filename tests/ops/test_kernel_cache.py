@@ -66,7 +66,13 @@ print(json.dumps({"kernels": kernels, "digest": digest}))
 
 
 def _run_probe(cache: Path) -> dict:
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache), NUMBA_NUM_THREADS="2", TIGHTFIT_CPU_INT8_PATH="few_rows")
+    env = dict(
+        os.environ,
+        NUMBA_CACHE_DIR=str(cache),
+        NUMBA_NUM_THREADS="2",
+        TIGHTFIT_CPU_INT8_PATH="few_rows",
+        TIGHTFIT_CPU_KERNEL_PATH="none",
+    )
     env.pop("NUMBA_DISABLE_JIT", None)
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr

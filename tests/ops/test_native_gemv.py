@@ -195,3 +195,53 @@ def test_a_build_is_reused_by_later_processes(tmp_path):
     built = sorted((tmp_path / "kernels").glob("*.so"))
     assert [path.name.split("-")[1] for path in built] == [run.stdout.strip()]
     assert log.read_text().splitlines() == ["compile"]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_double_quantized_scales_decode_in_the_kernel(path, bits):
+    """Scales passed as stored (uint8 codes, nested absmax, offset) give the product of the
+    float scales the reference decodes from them."""
+    generator = torch.Generator().manual_seed(bits)
+    values, x = torch.randn(48, 96, generator=generator), torch.randn(3, 96, generator=generator)
+    if bits == 4:
+        codes, absmax = _quantize_4bit_reference(values, 32, "nf4", torch.uint8)
+    else:
+        codes, absmax = _quantize_blockwise_reference(values, dynamic_map(), 32)
+    offset = float(absmax.mean())
+    qabsmax, absmax2 = _quantize_blockwise_reference(absmax - offset, dynamic_map(), 16)
+    scales = ops.dequantize_blockwise(qabsmax, absmax2, None, 16) + offset
+    nested = (absmax2, dynamic_map(), 16, offset)
+    if bits == 4:
+        weight = _dequantize_4bit_reference(codes, scales, 32, "nf4", [48, 96], torch.float32)
+        got = ops.gemv_4bit(x, codes, [48, 96], qabsmax, 32, "nf4", *nested)
+    else:
+        weight = ops.dequantize_blockwise(codes, scales, None, 32)
+        got = ops.gemv_blockwise(x, codes, qabsmax, None, 32, *nested)
+    _check(got, x @ weight.t(), x, weight)
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        ({"absmax2": None}, ValueError, "code2 is given without absmax2"),
+        ({"absmax": torch.zeros(5, dtype=torch.uint8)}, ValueError, "absmax .double-quantized. must be 1-D uint8"),
+        ({"absmax2": torch.zeros(3)}, ValueError, "absmax2 must be 1-D float32 with 1 values"),
+        ({"code2": torch.zeros(255)}, ValueError, "code2 must be 1-D float32 of 256"),
+        ({"offset": float("nan")}, ValueError, "offset must be a finite float"),
+        ({"nested_blocksize": 0}, ValueError, "blocksize=0 is not accepted"),
+    ],
+)
+def test_hostile_double_quantized_scales_are_refused(change, error, match):
+    codes, absmax = _quantize_4bit_reference(torch.randn(8, 64), 64, "nf4", torch.uint8)
+    args = {
+        "absmax": absmax.to(torch.uint8),
+        "absmax2": torch.ones(1),
+        "code2": dynamic_map(),
+        "nested_blocksize": 256,
+        "offset": 0.0,
+    } | change
+    x = torch.randn(1, 64)
+    with pytest.raises(error, match=match):
+        ops.gemv_4bit(x, codes, [8, 64], args["absmax"], 64, "nf4", *list(args.values())[1:])
+    with pytest.raises(error, match=match):
+        torch.ops.tightfit.gemv_4bit(x, codes, [8, 64], args["absmax"], 64, "nf4", *list(args.values())[1:])

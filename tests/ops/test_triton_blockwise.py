@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from tightfit.ops import blockwise
+from tightfit.ops import blockwise, blockwise_gemv
 from tightfit.ops._registry import get_op
 
 pytest.importorskip("triton")
@@ -30,7 +30,7 @@ GPU_KERNELS = {
     "dequantize_blockwise": blockwise._dequantize_blockwise_gpu,
     "quantize_4bit": blockwise._quantize_4bit_gpu,
     "dequantize_4bit": blockwise._dequantize_4bit_gpu,
-    "gemv_4bit": blockwise._gemv_4bit_gpu,
+    "gemv_4bit": blockwise_gemv._gemv_4bit_gpu,
 }
 
 
@@ -73,7 +73,7 @@ def test_gemv_many_tokens_uses_dequantize_and_matmul():
     weight = torch.randn(48, 64)
     packed, absmax = blockwise._quantize_4bit_reference(weight, 64, "nf4", torch.uint8)
     x = torch.randn(2, 20, 64)
-    want = blockwise._gemv_4bit_reference(x, packed, [48, 64], absmax, 64, "nf4")
-    got = blockwise._gemv_4bit_gpu(x.to(DEVICE), packed.to(DEVICE), [48, 64], absmax.to(DEVICE), 64, "nf4").cpu()
+    want = blockwise_gemv._gemv_4bit_reference(x, packed, [48, 64], absmax, 64, "nf4")
+    got = blockwise_gemv._gemv_4bit_gpu(x.to(DEVICE), packed.to(DEVICE), [48, 64], absmax.to(DEVICE), 64, "nf4").cpu()
     assert got.shape == (2, 20, 48)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -159,7 +159,62 @@ def dequantize_4bit(A: Any, absmax: Any, blocksize: Any, quant_type: Any, shape:
     check_dtype("dtype", dtype)
 
 
-def gemv_4bit(A: Any, B: Any, shape: Any, absmax: Any, blocksize: Any, quant_type: Any) -> None:
+def check_scales(
+    absmax: Any,
+    numel: int,
+    blocksize: int,
+    A: torch.Tensor,
+    absmax2: Any,
+    code2: Any,
+    nested_blocksize: Any,
+    offset: Any,
+) -> None:
+    """Block scales as stored: float ``absmax``, or its uint8 codes with the nested
+    ``absmax2`` (float32), ``code2`` (256 float32), ``nested_blocksize`` and ``offset``."""
+    if absmax2 is None:
+        if code2 is not None:
+            raise ValueError("code2 is given without absmax2; double-quantized scales need both, plain scales neither")
+        check_absmax(absmax, numel, blocksize, A)
+        return
+    check_type("absmax", absmax, torch.Tensor)
+    expected = block_count(numel, blocksize)
+    if absmax.dtype != torch.uint8 or absmax.dim() != 1 or absmax.numel() != expected:
+        raise ValueError(
+            f"absmax (double-quantized) must be 1-D uint8 codes, {expected} for {numel} values in blocks of "
+            f"{blocksize}; got dtype {absmax.dtype}, shape {tuple(absmax.shape)}"
+        )
+    check_same_device("absmax", absmax, "A", A)
+    check_blocksize(nested_blocksize, None)
+    check_type("absmax2", absmax2, torch.Tensor)
+    nested = block_count(expected, nested_blocksize)
+    if absmax2.dtype != torch.float32 or absmax2.dim() != 1 or absmax2.numel() != nested:
+        raise ValueError(
+            f"absmax2 must be 1-D float32 with {nested} values ({expected} codes in blocks of {nested_blocksize}); "
+            f"got dtype {absmax2.dtype}, shape {tuple(absmax2.shape)}"
+        )
+    check_same_device("absmax2", absmax2, "A", A)
+    check_type("code2", code2, torch.Tensor)
+    if code2.dtype != torch.float32 or code2.dim() != 1 or code2.numel() != 256:
+        raise ValueError(
+            f"code2 must be 1-D float32 of 256 values, got dtype {code2.dtype}, shape {tuple(code2.shape)}"
+        )
+    check_same_device("code2", code2, "A", A)
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
+        raise ValueError(f"offset must be a finite float, got {type(offset).__name__}: {offset!r}")
+
+
+def gemv_4bit(
+    A: Any,
+    B: Any,
+    shape: Any,
+    absmax: Any,
+    blocksize: Any,
+    quant_type: Any,
+    absmax2: Any = None,
+    code2: Any = None,
+    nested_blocksize: Any = 256,
+    offset: Any = 0.0,
+) -> None:
     check_float_input("A", A)
     check_blocksize(blocksize, BLOCKSIZES_4BIT)
     check_quant_type(quant_type)
@@ -170,10 +225,20 @@ def gemv_4bit(A: Any, B: Any, shape: Any, absmax: Any, blocksize: Any, quant_typ
         )
     check_packed("B", B, shape[0] * shape[1], shape)
     check_same_device("B", B, "A", A)
-    check_absmax(absmax, shape[0] * shape[1], blocksize, A)
+    check_scales(absmax, shape[0] * shape[1], blocksize, A, absmax2, code2, nested_blocksize, offset)
 
 
-def gemv_blockwise(A: Any, B: Any, absmax: Any, code: Any, blocksize: Any) -> None:
+def gemv_blockwise(
+    A: Any,
+    B: Any,
+    absmax: Any,
+    code: Any,
+    blocksize: Any,
+    absmax2: Any = None,
+    code2: Any = None,
+    nested_blocksize: Any = 256,
+    offset: Any = 0.0,
+) -> None:
     check_float_input("A", A)
     check_type("B", B, torch.Tensor)
     if B.dtype != torch.uint8 or B.dim() != 2:
@@ -186,5 +251,5 @@ def gemv_blockwise(A: Any, B: Any, absmax: Any, code: Any, blocksize: Any) -> No
         raise ValueError(f"A has shape {tuple(A.shape)}; its last dimension must be B's in_features, {B.shape[1]}")
     check_same_device("B", B, "A", A)
     check_blocksize(blocksize, None)
-    check_absmax(absmax, B.numel(), blocksize, A)
+    check_scales(absmax, B.numel(), blocksize, A, absmax2, code2, nested_blocksize, offset)
     check_code(code, A)

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from tightfit.ops._arg_checks import block_count
-from tightfit.ops._cpu_gemv import gemv_blockwise
 from tightfit.ops._hugepages import empty_with_huge_pages
 from tightfit.ops._numba import kernel_lock, usable_numba
 
@@ -173,12 +172,9 @@ def dequantize_4bit_cpu(A, absmax, code, blocksize, shape, dtype, reference) -> 
 
 
 def gemv_4bit_cpu(A, B, shape, absmax, code, blocksize, reference) -> torch.Tensor:
-    rows, cols = shape
-    out = gemv_blockwise(A, B, 4, shape, absmax, code, blocksize, "gemv_4bit")
-    if out is not None:
-        return out.to(A.dtype).reshape(*A.shape[:-1], rows)
     if usable_numba("gemv_4bit", "running the reference kernel") is None:
         return reference()
+    rows, cols = shape
     x = A.reshape(-1, cols).float().contiguous()
     out = torch.empty(x.shape[0], rows, dtype=torch.float32)
     code32 = code.float().contiguous().numpy()

@@ -38,28 +38,34 @@ def gemv_blockwise(
     table: torch.Tensor,
     blocksize: int,
     op: str,
+    nested: tuple[torch.Tensor | None, torch.Tensor | None, int, float],
 ) -> torch.Tensor | None:
     """``A @ decode(codes).T`` in float32 (``A``'s rows flattened), or None where no native
-    library could be built. ``absmax`` holds one scale per block of the flattened weight."""
+    library could be built. ``absmax`` holds one scale per block of the flattened weight,
+    or, with ``nested`` = (absmax2, code2, nested_blocksize, offset), their uint8 codes."""
     library = native_library(op)
     if library is None:
         return None
     rows, cols = shape
+    absmax2, code2, nested_blocksize, offset = nested
     x = A.reshape(-1, cols).float().contiguous()
     w = codes.reshape(-1).view(torch.uint8).contiguous()
-    scales = absmax.float().contiguous()
     table32 = table.float().contiguous()
     out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    if absmax2 is None:
+        scales, qscales, nested_tensors = absmax.float().contiguous(), None, (None, None)
+    else:
+        scales, qscales = None, absmax.contiguous()
+        nested_tensors = (code2.contiguous(), absmax2.contiguous())
     library.tf_gemv_blockwise(
         x.data_ptr(),
         w.data_ptr(),
         bits,
-        scales.data_ptr(),
-        None,
-        None,
-        None,
-        1,
-        0.0,
+        None if scales is None else scales.data_ptr(),
+        None if qscales is None else qscales.data_ptr(),
+        *(None if t is None else t.data_ptr() for t in nested_tensors),
+        nested_blocksize,
+        float(offset),
         table32.data_ptr(),
         x.shape[0],
         rows,

@@ -28,7 +28,6 @@ __all__ = [
     "FLOAT_DTYPES",
     "dequantize_4bit",
     "dequantize_blockwise",
-    "gemv_4bit",
     "quantize_4bit",
     "quantize_blockwise",
 ]
@@ -122,13 +121,6 @@ def _dequantize_4bit_reference(
     return values.reshape(shape).to(dtype)
 
 
-def _gemv_4bit_reference(
-    A: torch.Tensor, B: torch.Tensor, shape: list[int], absmax: torch.Tensor, blocksize: int, quant_type: str
-) -> torch.Tensor:
-    weight = _dequantize_4bit_reference(B, absmax, blocksize, quant_type, shape, A.dtype)
-    return torch.nn.functional.linear(A, weight)
-
-
 # -- fake kernels ---------------------------------------------------------------------------
 
 
@@ -149,10 +141,6 @@ def _quantize_4bit_fake(A, blocksize, quant_type, quant_storage):
 
 def _dequantize_4bit_fake(A, absmax, blocksize, quant_type, shape, dtype):
     return torch.empty(shape, dtype=dtype, device=A.device)
-
-
-def _gemv_4bit_fake(A, B, shape, absmax, blocksize, quant_type):
-    return torch.empty(*A.shape[:-1], shape[0], dtype=A.dtype, device=A.device)
 
 
 # -- CPU kernels ----------------------------------------------------------------------------
@@ -203,23 +191,7 @@ def _dequantize_4bit_cpu(A, absmax, blocksize, quant_type, shape, dtype):
     )
 
 
-def _gemv_4bit_cpu(A, B, shape, absmax, blocksize, quant_type):
-    return cpu.gemv_4bit_cpu(
-        A,
-        B,
-        shape,
-        absmax,
-        code_4bit(quant_type),
-        blocksize,
-        lambda: _gemv_4bit_reference(A, B, shape, absmax, blocksize, quant_type),
-    )
-
-
 # -- GPU kernels (Triton, imported at the first call) -------------------------------------
-
-#: Up to this many tokens, gemv_4bit decodes the weight inside the product; more tokens
-#: amortize one dequantize and a tensor-core matmul better.
-_GEMV_MAX_TOKENS = 8
 
 
 def _triton():
@@ -255,14 +227,6 @@ def _quantize_4bit_gpu(A, blocksize, quant_type, quant_storage):
 
 def _dequantize_4bit_gpu(A, absmax, blocksize, quant_type, shape, dtype):
     return _triton().dequantize(A, absmax, _code_on(quant_type, A.device), blocksize, shape, dtype, four_bit=True)
-
-
-def _gemv_4bit_gpu(A, B, shape, absmax, blocksize, quant_type):
-    code = _code_on(quant_type, A.device)
-    if A.numel() // shape[1] <= _GEMV_MAX_TOKENS and shape[1] % 2 == 0:  # rows start on a byte
-        return _triton().gemv_4bit(A, B, shape, absmax.float(), code, blocksize)
-    weight = _triton().dequantize(B, absmax, code, blocksize, shape, A.dtype, four_bit=True)
-    return torch.nn.functional.linear(A, weight)
 
 
 # -- conformance cases ----------------------------------------------------------------------
@@ -331,24 +295,6 @@ def _dequantize_4bit_cases() -> list[Case]:
     return cases
 
 
-def _gemv_4bit_cases() -> list[Case]:
-    generator = torch.Generator().manual_seed(5)
-    cases = []
-    for quant_type in QUANT_TYPES_4BIT:
-        for dtype in FLOAT_DTYPES:
-            for rows, cols, tokens in ((96, 64, 1), (33, 65, 1), (40, 256, 3)):
-                weight = torch.randn(rows, cols, generator=generator)
-                packed, absmax = _quantize_4bit_reference(weight, 64, quant_type, torch.uint8)
-                x = torch.randn(tokens, cols, generator=generator).to(dtype)
-                cases.append(
-                    Case(
-                        f"{quant_type} {dtype} {tokens}x{cols} @ {rows}x{cols}",
-                        (x, packed, [rows, cols], absmax, 64, quant_type),
-                    )
-                )
-    return cases
-
-
 _QUANTIZE_BLOCKWISE = define_op(
     "quantize_blockwise",
     _quantize_blockwise_reference,
@@ -373,28 +319,6 @@ _DEQUANTIZE_4BIT = define_op(
     cases=_dequantize_4bit_cases,
     check=checks.dequantize_4bit,
 )
-_GEMV_4BIT = define_op(
-    "gemv_4bit", _gemv_4bit_reference, fake=_gemv_4bit_fake, cases=_gemv_4bit_cases, metric=1e-4, check=checks.gemv_4bit
-)
-
-
-def _gemv_4bit_setup_context(ctx, inputs, output):
-    A, B, shape, absmax, blocksize, quant_type = inputs
-    ctx.save_for_backward(B, absmax)
-    ctx.decode = (blocksize, quant_type, shape)
-
-
-def _gemv_4bit_backward(ctx, grad):
-    """Gradient for ``A`` only (QLoRA): ``grad @ W``, W decoded in the gradient's dtype; the
-    packed weight and its scales are frozen data, never trained."""
-    B, absmax = ctx.saved_tensors
-    blocksize, quant_type, shape = ctx.decode
-    weight = _DEQUANTIZE_4BIT.custom_op(B, absmax, blocksize, quant_type, shape, grad.dtype)
-    return grad @ weight, None, None, None, None, None
-
-
-_GEMV_4BIT.custom_op.register_autograd(_gemv_4bit_backward, setup_context=_gemv_4bit_setup_context)
-register_kernel("gemv_4bit", "cpu", _gemv_4bit_cpu, label="fused decode + dot (numba)")
 register_kernel("quantize_blockwise", "cpu", _quantize_blockwise_cpu, label="block scan (numba)")
 register_kernel("dequantize_blockwise", "cpu", _dequantize_blockwise_cpu, label="block scan (numba)")
 register_kernel("quantize_4bit", "cpu", _quantize_4bit_cpu, label="block scan (numba)")
@@ -405,7 +329,6 @@ if importlib.util.find_spec("triton") is not None:  # checked without importing 
     register_kernel("dequantize_blockwise", "cuda", _dequantize_blockwise_gpu, label="element tiles (triton)")
     register_kernel("quantize_4bit", "cuda", _quantize_4bit_gpu, label="block tiles (triton)")
     register_kernel("dequantize_4bit", "cuda", _dequantize_4bit_gpu, label="element tiles (triton)")
-    register_kernel("gemv_4bit", "cuda", _gemv_4bit_gpu, label="fused decode + dot (triton)")
 
 
 # -- public functions: defaults and value checks, then the op (which checks the rest) ----------
@@ -474,19 +397,3 @@ def dequantize_4bit(
 ) -> torch.Tensor:
     """Decode packed 4-bit codes into a tensor of ``shape`` and ``dtype``."""
     return _DEQUANTIZE_4BIT(A, absmax, blocksize, quant_type, shape, dtype)
-
-
-def gemv_4bit(
-    A: torch.Tensor,
-    B: torch.Tensor,
-    shape: Sequence[int],
-    absmax: torch.Tensor,
-    blocksize: int = 64,
-    quant_type: str = "nf4",
-) -> torch.Tensor:
-    """``A @ dequantize(B).T`` for a packed 4-bit weight of ``shape`` (out x in), decoding
-    the weight block by block instead of materializing it: the single-token case.
-
-    ``A`` has shape (..., in); the result (..., out) has ``A``'s dtype. The CPU kernel
-    accumulates in float32, so results agree with the reference to rounding."""
-    return _GEMV_4BIT(A, B, shape, absmax, blocksize, quant_type)
