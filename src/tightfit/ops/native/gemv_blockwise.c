@@ -74,13 +74,15 @@ static void rows_scalar(const float *x, const uint8_t *w, int bits, const scales
 }
 
 /* The vector loops take a step of 32 weights of R rows at a time for up to TOKENS tokens:
- * each step decodes the R rows' codes into vectors, multiplies them by their block's scale
- * (the reference's float32 decode, exactly), and adds their products with each token into
- * an R x tokens tile of accumulators, so each x vector loaded serves R rows. Needs K and
- * the blocksize to be multiples of 32 and the blocksize a power of two, so that every row
- * and block starts a step. 4-bit steps read 16 bytes: the high nibbles are the even
- * elements, the low ones the odd; rather than interleave the decoded weights, x is
- * permuted once per call so each 32-run holds its even elements, then its odd ones. */
+ * each step decodes the R rows' codes into vectors of weights already multiplied by their
+ * block's scale (the reference's float32 decode, exactly) and adds their products with
+ * each token into an R x tokens tile of accumulators, so each x vector loaded serves R rows.
+ * 4-bit codes look up a 16-entry table scaled once per block (a multiply per block, not
+ * per weight); 8-bit codes gather from the 256-entry table and multiply. Needs K and the
+ * blocksize to be multiples of 32 and the blocksize a power of two, so that every row and
+ * block starts a step. 4-bit steps read 16 bytes: the high nibbles are the even elements,
+ * the low ones the odd; rather than interleave the decoded weights, x is permuted once per
+ * call so each 32-run holds its even elements, then its odd ones. */
 #define STEP 32
 static void permute_pairs(const float *x, float *xp, int64_t M, int64_t K) {
     for (int64_t i = 0; i < M * K; i += STEP)
@@ -88,11 +90,6 @@ static void permute_pairs(const float *x, float *xp, int64_t M, int64_t K) {
             xp[i + t] = x[i + 2 * t];
             xp[i + STEP / 2 + t] = x[i + 2 * t + 1];
         }
-}
-
-/* The scale of the block holding flat element `flat`, looked up again only where a block starts. */
-ALWAYS_INLINE float step_scale(const scales_t *s, int64_t flat, int64_t k, int shift, float current) {
-    return (k == 0 || (flat & ((INT64_C(1) << shift) - 1)) == 0) ? block_scale(s, flat >> shift) : current;
 }
 
 #if defined(TF_AVX512)
@@ -103,24 +100,32 @@ typedef __m512 vec;
 #define VFMA _mm512_fmadd_ps
 #define VSUM _mm512_reduce_add_ps
 
-/* Decoded step of one row: LANES-wide vectors, and where each one's x starts in the step. */
-ALWAYS_INLINE void decode_step(const uint8_t *w, int64_t flat, int bits, const float *table, float scale,
+/* A row's current block: its scale, and for 4-bit codes the table times the scale. */
+typedef struct {
+    __m512 scale, tab;
+} block_t;
+ALWAYS_INLINE void set_block(block_t *b, const float *table, float scale, int bits) {
+    b->scale = _mm512_set1_ps(scale);
+    if (bits == 4) b->tab = _mm512_mul_ps(_mm512_loadu_ps(table), b->scale);
+}
+
+/* One row's step as LANES-wide vectors; X_OFFSET says where each one's x starts in the step.
+ * vpermps reads only an index's low 4 bits, so no mask isolates the low nibble. */
+ALWAYS_INLINE void decode_step(const uint8_t *w, int64_t flat, int bits, const float *table, const block_t *b,
                                vec *v) {
-    const __m512 factor = _mm512_set1_ps(scale);
     if (bits == 4) {
-        const __m512 tab = _mm512_loadu_ps(table);
         __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + (flat >> 1))));
-        v[0] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), tab), factor);
-        v[1] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), tab), factor);
+        v[0] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), b->tab);
+        v[1] = _mm512_permutexvar_ps(bytes, b->tab);
     } else {
         for (int h = 0; h < 2; h++) {
             __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + flat + LANES * h)));
-            v[h] = _mm512_mul_ps(_mm512_i32gather_ps(codes, table, 4), factor);
+            v[h] = _mm512_mul_ps(_mm512_i32gather_ps(codes, table, 4), b->scale);
         }
     }
 }
 #define VECS 2
-static const int X_OFFSET[2][VECS] = {{0, 16}, {0, 16}};
+static const int X_OFFSET[VECS] = {0, 16};
 
 #elif defined(TF_AVX2)
 #define LANES 8
@@ -135,31 +140,41 @@ ALWAYS_INLINE float VSUM(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Table of 16 by two 8-entry permutes, chosen by bit 3 of the code (moved to the sign bit). */
-ALWAYS_INLINE __m256 lookup16(const float *table, __m256i codes) {
-    __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), codes);
-    __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), codes);
+typedef struct {
+    __m256 scale, lo, hi;
+} block_t;
+ALWAYS_INLINE void set_block(block_t *b, const float *table, float scale, int bits) {
+    b->scale = _mm256_set1_ps(scale);
+    if (bits == 4) {
+        b->lo = _mm256_mul_ps(_mm256_loadu_ps(table), b->scale);
+        b->hi = _mm256_mul_ps(_mm256_loadu_ps(table + 8), b->scale);
+    }
+}
+
+/* 16 entries by two 8-entry permutes (each reads an index's low 3 bits), chosen by bit 3
+ * of the index, moved to the sign bit: higher bits of the index are ignored. */
+ALWAYS_INLINE __m256 lookup16(const block_t *b, __m256i codes) {
+    __m256 lo = _mm256_permutevar8x32_ps(b->lo, codes), hi = _mm256_permutevar8x32_ps(b->hi, codes);
     return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28)));
 }
 
-ALWAYS_INLINE void decode_step(const uint8_t *w, int64_t flat, int bits, const float *table, float scale,
+ALWAYS_INLINE void decode_step(const uint8_t *w, int64_t flat, int bits, const float *table, const block_t *b,
                                vec *v) {
-    const __m256 factor = _mm256_set1_ps(scale);
     for (int h = 0; h < 2; h++) {
         if (bits == 4) {
             __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + (flat >> 1) + 8 * h)));
-            v[h] = _mm256_mul_ps(lookup16(table, _mm256_srli_epi32(bytes, 4)), factor);
-            v[2 + h] = _mm256_mul_ps(lookup16(table, _mm256_and_si256(bytes, _mm256_set1_epi32(15))), factor);
+            v[h] = lookup16(b, _mm256_srli_epi32(bytes, 4));
+            v[2 + h] = lookup16(b, bytes);
         } else {
             for (int q = 0; q < 2; q++) {
                 __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + flat + 16 * h + 8 * q)));
-                v[2 * h + q] = _mm256_mul_ps(_mm256_i32gather_ps(table, codes, 4), factor);
+                v[2 * h + q] = _mm256_mul_ps(_mm256_i32gather_ps(table, codes, 4), b->scale);
             }
         }
     }
 }
 #define VECS 4
-static const int X_OFFSET[2][VECS] = {{0, 8, 16, 24}, {0, 8, 16, 24}};
+static const int X_OFFSET[VECS] = {0, 8, 16, 24};
 
 #else /* portable: fixed-width arrays the compiler vectorizes (SSE2 on x86-64, NEON on ARM) */
 #define LANES 8
@@ -181,41 +196,57 @@ ALWAYS_INLINE float VSUM(vec v) {
     for (int t = 0; t < LANES; t++) total += v.f[t];
     return total;
 }
-ALWAYS_INLINE void decode_step(const uint8_t *w, int64_t flat, int bits, const float *table, float scale,
+typedef struct {
+    float scale, tab[16];
+} block_t;
+ALWAYS_INLINE void set_block(block_t *b, const float *table, float scale, int bits) {
+    b->scale = scale;
+    if (bits == 4)
+        for (int t = 0; t < 16; t++) b->tab[t] = table[t] * scale;
+}
+ALWAYS_INLINE void decode_step(const uint8_t *w, int64_t flat, int bits, const float *table, const block_t *b,
                                vec *v) {
     for (int h = 0; h < 2; h++)
         for (int t = 0; t < LANES; t++) {
             if (bits == 4) {
                 uint8_t byte = w[(flat >> 1) + LANES * h + t];
-                v[h].f[t] = table[byte >> 4] * scale;
-                v[2 + h].f[t] = table[byte & 15] * scale;
+                v[h].f[t] = b->tab[byte >> 4];
+                v[2 + h].f[t] = b->tab[byte & 15];
             } else {
-                v[h].f[t] = table[w[flat + LANES * h + t]] * scale;
-                v[2 + h].f[t] = table[w[flat + 2 * LANES + LANES * h + t]] * scale;
+                v[h].f[t] = table[w[flat + LANES * h + t]] * b->scale;
+                v[2 + h].f[t] = table[w[flat + 2 * LANES + LANES * h + t]] * b->scale;
             }
         }
 }
 #define VECS 4
-static const int X_OFFSET[2][VECS] = {{0, 8, 16, 24}, {0, 8, 16, 24}};
+static const int X_OFFSET[VECS] = {0, 8, 16, 24};
 #endif
 
 /* R rows from n0, tokens [0, mc) of x (already offset), into out (already offset). */
-ALWAYS_INLINE void tile(const float *x, const uint8_t *w, int bits, const scales_t *s, const float *table,
+ALWAYS_INLINE void tile(const float *x, const uint8_t *w, const int bits, const scales_t *s, const float *table,
                         int64_t n0, const int R, int64_t N, int64_t K, int shift, float *out, const int mc) {
     vec acc[4][TOKENS];
-    float scale[4] = {0};
+    block_t block[4];
+    memset(block, 0, sizeof block); /* each is set at k == 0; this only quiets the compiler */
+    const int64_t mask = (INT64_C(1) << shift) - 1;
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
         for (int m = 0; m < mc; m++) acc[r][m] = VZERO;
     for (int64_t k = 0; k < K; k += STEP) {
         vec v[4][VECS];
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             int64_t flat = (n0 + r) * K + k;
-            scale[r] = step_scale(s, flat, k, shift, scale[r]);
-            decode_step(w, flat, bits, table, scale[r], v[r]);
+            if (k == 0 || (flat & mask) == 0) set_block(&block[r], table, block_scale(s, flat >> shift), bits);
+            decode_step(w, flat, bits, table, &block[r], v[r]);
         }
+#pragma GCC unroll 8
         for (int m = 0; m < mc; m++)
+#pragma GCC unroll 4
             for (int j = 0; j < VECS; j++) {
-                vec xv = VLOAD(x + m * K + k + X_OFFSET[bits == 8][j]);
+                vec xv = VLOAD(x + m * K + k + X_OFFSET[j]);
+#pragma GCC unroll 4
                 for (int r = 0; r < R; r++) acc[r][m] = VFMA(v[r][j], xv, acc[r][m]);
             }
     }
@@ -231,8 +262,8 @@ ALWAYS_INLINE void tile(const float *x, const uint8_t *w, int bits, const scales
 #endif
 #define FOR_TOKEN_COUNTS(CASE) CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 
-static void rows_vec(const float *x, const uint8_t *w, int bits, const scales_t *s, const float *table, int64_t n0,
-                     int64_t n1, int64_t N, int64_t K, int shift, float *out, int mc) {
+ALWAYS_INLINE void rows_vec(const float *x, const uint8_t *w, const int bits, const scales_t *s, const float *table,
+                            int64_t n0, int64_t n1, int64_t N, int64_t K, int shift, float *out, int mc) {
     switch (mc) {
 #define CASE(c)                                                                                \
     case c: {                                                                                  \
@@ -271,7 +302,8 @@ static void gemv(const float *x, const uint8_t *w, int bits, const scales_t *s, 
         }
         for (int64_t m0 = 0; m0 < M; m0 += TOKENS) {
             int mc = (int)(M - m0 < TOKENS ? M - m0 : TOKENS);
-            rows_vec(xv + m0 * K, w, bits, s, table, n0, n1, N, K, shift, out + m0 * N, mc);
+            if (bits == 4) rows_vec(xv + m0 * K, w, 4, s, table, n0, n1, N, K, shift, out + m0 * N, mc);
+            else rows_vec(xv + m0 * K, w, 8, s, table, n0, n1, N, K, shift, out + m0 * N, mc);
         }
     }
     free(xp);
