@@ -4,7 +4,8 @@
 device memory bandwidth (a copy), host-to-device copy bandwidth (accelerators), disk
 read bandwidth (a fresh file dropped from the page cache), and the per-weight cost of
 decoding each storage of the storage catalogue during a forward (its format's decode
-probe). The compute figures are sampled in turns for a fixed time
+probe), and each storage's one-token forward (few-token forwards read the stored bytes
+in the product, at their own speed). The compute figures are sampled in turns for a fixed time
 (:data:`SECONDS_PER_FIGURE` each) and each is the least of its samples (other work on
 the machine only adds time), so that a machine doing other work moves the figures
 little and the whole takes a time known beforehand, which the progress task names;
@@ -17,6 +18,7 @@ and torch version; ``remeasure=True`` measures again. Tests build a
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -45,6 +47,7 @@ __all__ = ["SECONDS_PER_FIGURE", "Calibration", "cache_path", "calibrate"]
 SECONDS_PER_FIGURE = 0.5
 _MIN_SAMPLES = 3
 _PROBE_FEATURES, _PROBE_ROWS = 1024, 64  # the layer and the batch the decode probes run on
+_TOKEN_FEATURES = 2048  # the layer the one-token probes run on
 
 _FIGURES = ("matmul_flops", "device_bandwidth", "host_to_device_bandwidth", "disk_bandwidth")
 
@@ -56,7 +59,10 @@ class Calibration:
     ``host_to_device_bandwidth`` is None where the device is the host (the CPU): nothing
     is copied there. ``decode_seconds`` maps each storage of the catalogue that decodes
     (float8, 8bit, int8, nf4, fp4 and any registered since) to the extra seconds a
-    forward spends per weight stored so.
+    forward spends per weight stored so. ``token_seconds`` maps storages (``keep``
+    included) to the whole seconds per weight of a one-token forward of a layer stored
+    so, which the few-token kernels run without decoding the weight first; a storage
+    without one is priced by the decode and matmul figures.
     """
 
     backend: str
@@ -68,6 +74,7 @@ class Calibration:
     disk_bandwidth: float
     decode_seconds: dict[str, float] = field(default_factory=dict)
     measured_seconds: float = 0.0  # how long calibrating took
+    token_seconds: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("backend", "device_name", "torch_version"):
@@ -94,6 +101,13 @@ class Calibration:
         for key, value in self.decode_seconds.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < math.inf):
                 raise ValueError(f"decode_seconds[{key!r}] must be a finite number >= 0, got {value!r}")
+        check_type("token_seconds", self.token_seconds, dict)
+        names = [storage.name for storage in storage_formats()]
+        for key, value in self.token_seconds.items():
+            if key not in names:
+                raise ValueError(f"token_seconds has unknown storage {key!r}; accepted: {', '.join(names)}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+                raise ValueError(f"token_seconds[{key!r}] must be a finite number > 0, got {value!r}")
 
     @classmethod
     def fixed(cls, **changes: Any) -> Calibration:
@@ -227,6 +241,24 @@ def _probes(
     return probes
 
 
+def _token_probes(device: torch.device) -> dict[str, Callable[[], Any]]:
+    """Each storage's one-token forward of a :data:`_TOKEN_FEATURES` squared bf16 layer,
+    applied as a plan applies it (the storage's own ``apply``), run once: the few-token
+    kernels read the stored bytes in the product, so a one-token forward is priced by its
+    own figure, not by a decode plus a matmul."""
+    torch.manual_seed(0)
+    x = torch.randn(1, _TOKEN_FEATURES, device=device, dtype=torch.bfloat16)
+    probes = {}
+    for storage in storage_formats():
+        if nn.Linear not in storage.leaf_types:
+            continue
+        model = nn.Sequential(nn.Linear(_TOKEN_FEATURES, _TOKEN_FEATURES, bias=False)).to(device, torch.bfloat16)
+        storage.apply(model, frozenset({"0"}))
+        probes[storage.name] = functools.partial(model, x)
+        probes[storage.name]()
+    return probes
+
+
 def _measure(backend: Any, device: torch.device) -> Calibration:
     start = time.perf_counter()
 
@@ -239,6 +271,7 @@ def _measure(backend: Any, device: torch.device) -> Calibration:
             f"calibrating {backend.name}: preparing the decode probes (kernels compile at first use)", decoding
         ) as advance:
             probes = _probes(device, sync, advance)
+            tokens = _token_probes(device)
         a = torch.randn(1024, 1024, device=device)
         b = torch.randn(1024, 256, device=device)
         block = torch.ones(16 << 20, dtype=torch.uint8, device=device)
@@ -256,6 +289,8 @@ def _measure(backend: Any, device: torch.device) -> Calibration:
             works[f"decode {name}"] = work
             if baseline is not None:
                 works[f"baseline {name}"] = baseline
+        for name, work in tokens.items():
+            works[f"token {name}"] = work
         count = 1 + len(works)  # the disk, then the figures sampled in turns
         about = math.ceil(count * SECONDS_PER_FIGURE * 1.25)  # and a quarter again for first calls and slow rounds
         with task(f"calibrating {backend.name} (once, about {about} s)", count) as advance:
@@ -276,6 +311,7 @@ def _measure(backend: Any, device: torch.device) -> Calibration:
         disk_bandwidth=disk,
         decode_seconds=decode,
         measured_seconds=time.perf_counter() - start,
+        token_seconds={name: least[f"token {name}"] / _TOKEN_FEATURES**2 for name in tokens},
     )
 
 
@@ -289,7 +325,9 @@ def calibrate(backend: Any = None, *, remeasure: bool = False) -> Calibration:
     path = cache_path(chosen.name, _device_name(device))
     if path.is_file() and not remeasure:
         try:
-            return Calibration.from_dict(read_json(path))
+            data = read_json(path)
+            if "token_seconds" in data:  # figures cached before one-token forwards were measured are stale
+                return Calibration.from_dict(data)
         except (ValueError, TypeError):
             pass  # a stale or damaged cache file is measured again and rewritten
     figures = _measure(chosen, device)

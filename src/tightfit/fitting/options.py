@@ -22,6 +22,7 @@ from tightfit.fitting.outliers import assumed_outliers
 from tightfit.hooks._units import compile_patterns
 from tightfit.hooks.casting import dtype_deciders, model_pins
 from tightfit.memory import tensor_bytes
+from tightfit.ops import FEW_TOKENS
 from tightfit.quant import StorageFormat, layer_stack, storage_format, storage_formats
 from tightfit.quant.layers import largest_repeated_list
 
@@ -346,6 +347,7 @@ def options_for(
         kinds = {leaf_type.__name__ for leaf_type in storage.leaf_types}
         stored, held_offloaded, decoded, decode_seconds, compute_seconds = unit.other_bytes, 0, 0, 0.0, 0.0
         touched, noise, converting, shrunk = unit.other_bytes, 0.0, 0, 0
+        read, token_seconds = unit.other_bytes, 0.0  # bytes read from memory per forward; few-token leaves' seconds
         again = 0  # tied leaves' weights: stored with the first leaf, copied onto the device again for each use
         for name, kind, shape, dtype in unit.weights:
             leaf = storage if kind in kinds else storage_format("keep")  # a leaf the storage does not apply to stays
@@ -356,16 +358,23 @@ def options_for(
                 stored += size
                 held_offloaded += leaf.held_offloaded(shape, dtype)
             numel, count = math.prod(shape), rows.get(name, 0)
-            if kind == "Linear":
+            few_tokens = kind == "Linear" and 0 < count <= FEW_TOKENS and leaf.name in figures.token_seconds
+            if few_tokens:  # the few-token kernels' measured seconds, reading and decoding included
+                token_seconds += numel * figures.token_seconds[leaf.name]
+                touched += size
+            elif kind == "Linear":
                 compute_seconds += 2 * numel * count / figures.matmul_flops
                 touched += size
+                read += size
             else:  # an embedding kept as it is reads only the rows it looks up (whole pages from a file)
-                touched += min(size, count * max(size // shape[0], _PAGE)) if not leaf.decodes else size
+                looked_up = min(size, count * max(size // shape[0], _PAGE)) if not leaf.decodes else size
+                touched += looked_up
+                read += looked_up
             if leaf.decodes:  # leaves convert in module order: those before this one hold their stored bytes
                 converting = max(converting, size + leaf.convert_bytes(shape, dtype) - shrunk)
                 shrunk += numel * dtype.itemsize - size
                 noise += numel * leaf.noise
-                decode_seconds += numel * figures.decode_seconds[leaf.name]
+                decode_seconds += 0.0 if few_tokens else numel * figures.decode_seconds[leaf.name]
                 columns = 0
                 if leaf.outlier_threshold is not None:
                     columns = assumed_outliers(shape[1]) if outliers is None else outliers.get(name, 0)
@@ -375,7 +384,7 @@ def options_for(
             if placement not in placements or (placement == "cpu" and on_host):
                 continue
             held = stored if placement == "device" else held_offloaded
-            seconds = compute_seconds + decode_seconds + touched / figures.device_bandwidth
+            seconds = compute_seconds + decode_seconds + token_seconds + read / figures.device_bandwidth
             onload = 0
             if placement != "device" and not on_host:
                 onload = stored - held

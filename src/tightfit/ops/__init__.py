@@ -8,13 +8,14 @@ Backend plugins add kernels with :func:`register_kernel`.
 from tightfit.ops._autograd import int8_linear
 from tightfit.ops._registry import Case, KernelInfo, OpDef, get_op, register_kernel, registered_ops
 from tightfit.ops.blockwise import dequantize_4bit, dequantize_blockwise, quantize_4bit, quantize_blockwise
-from tightfit.ops.blockwise_gemv import gemv_4bit, gemv_blockwise
+from tightfit.ops.blockwise_gemv import FEW_TOKENS, gemv_4bit, gemv_blockwise
 from tightfit.ops.cast import CAST_DTYPES, cast
 from tightfit.ops.codes import code_4bit, dynamic_map
 from tightfit.ops.int8 import int8_linear_matmul, int8_mm_dequant, int8_vectorwise_dequant, int8_vectorwise_quant
 
 __all__ = [
     "CAST_DTYPES",
+    "FEW_TOKENS",
     "Case",
     "KernelInfo",
     "OpDef",

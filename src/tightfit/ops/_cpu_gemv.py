@@ -16,9 +16,6 @@ from tightfit.ops import _native
 
 __all__: list[str] = []
 
-#: Up to this many tokens the fused kernel runs; more amortize a decode and a GEMM better.
-MAX_TOKENS = 8
-
 
 def native_library(op: str):
     """The native library, or None after reporting once why ``op`` takes its numba or

@@ -39,11 +39,11 @@ from tightfit.ops.blockwise import (
 )
 from tightfit.ops.codes import QUANT_TYPES_4BIT, code_4bit, dynamic_map
 
-__all__ = ["gemv_4bit", "gemv_blockwise"]
+__all__ = ["FEW_TOKENS", "gemv_4bit", "gemv_blockwise"]
 
-#: Up to this many tokens the GPU's gemv_4bit decodes the weight inside the product; more
-#: amortize one dequantize and a tensor-core matmul better.
-_GEMV_MAX_TOKENS = 8
+#: Up to this many rows (tokens) a quantized layer's forward runs these kernels, which read
+#: the codes in the product; more rows amortize a decode and a GEMM better (CPU and GPU).
+FEW_TOKENS = 8
 
 
 def _scales(absmax, absmax2, code2, nested_blocksize, offset) -> torch.Tensor:
@@ -103,7 +103,7 @@ def _gemv_4bit_gpu(
 ):
     code = _code_on(quant_type, A.device)
     scales = _scales(absmax, absmax2, code2, nested_blocksize, offset)
-    if A.numel() // shape[1] <= _GEMV_MAX_TOKENS and shape[1] % 2 == 0:  # rows start on a byte
+    if A.numel() // shape[1] <= FEW_TOKENS and shape[1] % 2 == 0:  # rows start on a byte
         return _triton().gemv_4bit(A, B, shape, scales, code, blocksize)
     weight = _triton().dequantize(B, scales, code, blocksize, shape, A.dtype, four_bit=True)
     return torch.nn.functional.linear(A, weight)
