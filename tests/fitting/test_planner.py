@@ -317,3 +317,31 @@ def test_stored_dtypes_are_checked():
         tightfit.fit(model, (x,), "1MiB", calibration=figures(), loading=True, stored_dtypes={"first.weight": "bf16"})
     with pytest.raises(TypeError, match="stored_dtypes must be Mapping, got list"):
         tightfit.fit(model, (x,), "1MiB", calibration=figures(), loading=True, stored_dtypes=[])
+
+
+def _one_linear_options(rows: int, token_seconds: dict) -> dict:
+    unit = Unit("a", "linear", (("a", "Linear", (256, 256), torch.float32),), 256 * 256 * 4, 0)
+    options = options_for(
+        unit,
+        storages=frozenset({"keep", "nf4"}),
+        placements=frozenset({"device"}),
+        device=torch.device("cpu"),
+        rows={"a": rows},
+        live={},
+        figures=figures(
+            decode_seconds={"float8": 0, "8bit": 0, "int8": 0, "nf4": 1e-6, "fp4": 0}, token_seconds=token_seconds
+        ),
+    )
+    return {option.storage: option.seconds for option in options}
+
+
+def test_few_token_forwards_are_priced_by_the_one_token_figures():
+    """Up to FEW_TOKENS rows, a Linear costs its storage's measured one-token seconds per weight
+    (the fused kernels read the codes in the product); above, the decode and matmul figures."""
+    fast_nf4 = {"keep": 2e-9, "nf4": 1e-9}
+    few = _one_linear_options(tightfit.ops.FEW_TOKENS, fast_nf4)
+    assert few["keep"] == pytest.approx(256 * 256 * 2e-9) and few["nf4"] == pytest.approx(256 * 256 * 1e-9)
+    many = _one_linear_options(tightfit.ops.FEW_TOKENS + 1, fast_nf4)
+    assert many["nf4"] > 256 * 256 * 1e-6 > many["keep"]  # the slow decode figure prices it
+    unmeasured = _one_linear_options(1, {"keep": 2e-9})  # a storage without a one-token figure: the old terms
+    assert unmeasured["nf4"] > 256 * 256 * 1e-6
