@@ -73,7 +73,7 @@ def test_gemv_4bit_every_path(path, quant_type, rows, cols, blocksize, tokens, d
 
 
 #: 8-bit blocksizes: powers of two (vector loops) and not (element by element), spanning rows.
-SHAPES_8BIT = [(64, 96, 64), (24, 96, 256), (40, 256, 4096), (33, 65, 64), (24, 96, 1000), (5, 32, 1)]
+SHAPES_8BIT = [(64, 96, 64), (16, 192, 128), (24, 96, 256), (40, 256, 4096), (33, 65, 64), (24, 96, 1000), (5, 32, 1)]
 
 
 @pytest.mark.parametrize("rows, cols, blocksize", SHAPES_8BIT)

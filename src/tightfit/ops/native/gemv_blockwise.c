@@ -92,6 +92,14 @@ static void permute_pairs(const float *x, float *xp, int64_t M, int64_t K) {
         }
 }
 
+/* 8-bit VBMI steps of 64: vector j holds elements 16L + 4j + i (lane L, i < 4). */
+static void permute_quads(const float *x, float *xq, int64_t M, int64_t K) {
+    for (int64_t i = 0; i < M * K; i += 64)
+        for (int j = 0; j < 4; j++)
+            for (int lane = 0; lane < 4; lane++)
+                for (int t = 0; t < 4; t++) xq[i + 16 * j + 4 * lane + t] = x[i + 16 * lane + 4 * j + t];
+}
+
 #if defined(TF_AVX512)
 #define LANES 16
 typedef __m512 vec;
@@ -109,7 +117,7 @@ ALWAYS_INLINE void set_block(block_t *b, const float *table, float scale, int bi
     if (bits == 4) b->tab = _mm512_mul_ps(_mm512_loadu_ps(table), b->scale);
 }
 
-/* One row's step as LANES-wide vectors; X_OFFSET says where each one's x starts in the step.
+/* One row's step as LANES-wide vectors; X_OFFSET_* says where each one's x starts in the step.
  * vpermps reads only an index's low 4 bits, so no mask isolates the low nibble. */
 ALWAYS_INLINE void decode_step(const uint8_t *w, int64_t flat, int bits, const float *table, const block_t *b,
                                vec *v) {
@@ -118,14 +126,44 @@ ALWAYS_INLINE void decode_step(const uint8_t *w, int64_t flat, int bits, const f
         v[0] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), b->tab);
         v[1] = _mm512_permutexvar_ps(bytes, b->tab);
     } else {
+#if defined(TF_VBMI)
+        /* 64 codes a step: each byte of the 256 floats is a 256-byte plane looked up with two
+         * 128-entry byte permutes (bit 7 of the code picks one), and the four planes are
+         * interleaved back into floats by unpacks within 128-bit lanes: vector j holds the
+         * weights 16L + 4j + i of lane L, so x is permuted once per call to match. */
+        const __m512i codes = _mm512_loadu_si512((const void *)(w + flat));
+        const __mmask64 upper = _mm512_movepi8_mask(codes);
+        const __m512i *plane = (const __m512i *)table; /* 4 planes x 4 vectors, built in gemv() */
+        __m512i bytes[4];
+        for (int j = 0; j < 4; j++) {
+            __m512i low = _mm512_permutex2var_epi8(plane[4 * j], codes, plane[4 * j + 1]);
+            __m512i high = _mm512_permutex2var_epi8(plane[4 * j + 2], codes, plane[4 * j + 3]);
+            bytes[j] = _mm512_mask_blend_epi8(upper, low, high);
+        }
+        __m512i lo01 = _mm512_unpacklo_epi8(bytes[0], bytes[1]), hi01 = _mm512_unpackhi_epi8(bytes[0], bytes[1]);
+        __m512i lo23 = _mm512_unpacklo_epi8(bytes[2], bytes[3]), hi23 = _mm512_unpackhi_epi8(bytes[2], bytes[3]);
+        v[0] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23)), b->scale);
+        v[1] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23)), b->scale);
+        v[2] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23)), b->scale);
+        v[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23)), b->scale);
+#else
         for (int h = 0; h < 2; h++) {
             __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + flat + LANES * h)));
             v[h] = _mm512_mul_ps(_mm512_i32gather_ps(codes, table, 4), b->scale);
         }
+#endif
     }
 }
-#define VECS 2
-static const int X_OFFSET[VECS] = {0, 16};
+#define VECS_4BIT 2
+static const int X_OFFSET_4BIT[] = {0, 16};
+#if defined(TF_VBMI)
+#define STEP_8BIT 64
+#define VECS_8BIT 4
+static const int X_OFFSET_8BIT[] = {0, 16, 32, 48};
+#else
+#define VECS_8BIT 2
+static const int X_OFFSET_8BIT[] = {0, 16};
+#endif
 
 #elif defined(TF_AVX2)
 #define LANES 8
@@ -173,8 +211,9 @@ ALWAYS_INLINE void decode_step(const uint8_t *w, int64_t flat, int bits, const f
         }
     }
 }
-#define VECS 4
-static const int X_OFFSET[VECS] = {0, 8, 16, 24};
+#define VECS_4BIT 4
+#define VECS_8BIT 4
+static const int X_OFFSET_4BIT[] = {0, 8, 16, 24}, X_OFFSET_8BIT[] = {0, 8, 16, 24};
 
 #else /* portable: fixed-width arrays the compiler vectorizes (SSE2 on x86-64, NEON on ARM) */
 #define LANES 8
@@ -218,9 +257,15 @@ ALWAYS_INLINE void decode_step(const uint8_t *w, int64_t flat, int bits, const f
             }
         }
 }
-#define VECS 4
-static const int X_OFFSET[VECS] = {0, 8, 16, 24};
+#define VECS_4BIT 4
+#define VECS_8BIT 4
+static const int X_OFFSET_4BIT[] = {0, 8, 16, 24}, X_OFFSET_8BIT[] = {0, 8, 16, 24};
 #endif
+
+#ifndef STEP_8BIT
+#define STEP_8BIT STEP
+#endif
+#define MAX_VECS 4
 
 /* R rows from n0, tokens [0, mc) of x (already offset), into out (already offset). */
 ALWAYS_INLINE void tile(const float *x, const uint8_t *w, const int bits, const scales_t *s, const float *table,
@@ -233,8 +278,10 @@ ALWAYS_INLINE void tile(const float *x, const uint8_t *w, const int bits, const 
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
         for (int m = 0; m < mc; m++) acc[r][m] = VZERO;
-    for (int64_t k = 0; k < K; k += STEP) {
-        vec v[4][VECS];
+    const int step = bits == 4 ? STEP : STEP_8BIT, vecs = bits == 4 ? VECS_4BIT : VECS_8BIT;
+    const int *x_offset = bits == 4 ? X_OFFSET_4BIT : X_OFFSET_8BIT;
+    for (int64_t k = 0; k < K; k += step) {
+        vec v[4][MAX_VECS];
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             int64_t flat = (n0 + r) * K + k;
@@ -244,8 +291,8 @@ ALWAYS_INLINE void tile(const float *x, const uint8_t *w, const int bits, const 
 #pragma GCC unroll 8
         for (int m = 0; m < mc; m++)
 #pragma GCC unroll 4
-            for (int j = 0; j < VECS; j++) {
-                vec xv = VLOAD(x + m * K + k + X_OFFSET[j]);
+            for (int j = 0; j < vecs; j++) {
+                vec xv = VLOAD(x + m * K + k + x_offset[j]);
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) acc[r][m] = VFMA(v[r][j], xv, acc[r][m]);
             }
@@ -255,10 +302,12 @@ ALWAYS_INLINE void tile(const float *x, const uint8_t *w, const int bits, const 
 }
 
 /* Rows per tile, as many as the vector registers hold (32 with AVX-512, 16 with AVX2). */
-#if defined(TF_AVX512)
-#define TILE_ROWS(mc) ((mc) <= 4 ? 4 : 2)
+#if defined(TF_VBMI)
+#define TILE_ROWS(mc, bits) ((bits) == 8 ? 1 : (mc) <= 4 ? 4 : 2)
+#elif defined(TF_AVX512)
+#define TILE_ROWS(mc, bits) ((mc) <= 4 ? 4 : 2)
 #else
-#define TILE_ROWS(mc) 1
+#define TILE_ROWS(mc, bits) 1
 #endif
 #define FOR_TOKEN_COUNTS(CASE) CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 
@@ -268,8 +317,8 @@ ALWAYS_INLINE void rows_vec(const float *x, const uint8_t *w, const int bits, co
 #define CASE(c)                                                                                \
     case c: {                                                                                  \
         int64_t n = n0;                                                                        \
-        for (; n + TILE_ROWS(c) <= n1; n += TILE_ROWS(c))                                      \
-            tile(x, w, bits, s, table, n, TILE_ROWS(c), N, K, shift, out, c);                  \
+        for (; n + TILE_ROWS(c, bits) <= n1; n += TILE_ROWS(c, bits))                          \
+            tile(x, w, bits, s, table, n, TILE_ROWS(c, bits), N, K, shift, out, c);            \
         for (; n < n1; n++) tile(x, w, bits, s, table, n, 1, N, K, shift, out, c);            \
         break;                                                                                 \
     }
@@ -281,16 +330,27 @@ ALWAYS_INLINE void rows_vec(const float *x, const uint8_t *w, const int bits, co
 /* Rows are split into contiguous ranges, one per thread, so each streams its own bytes. */
 static void gemv(const float *x, const uint8_t *w, int bits, const scales_t *s, const float *table, int64_t M,
                  int64_t N, int64_t K, int64_t bs, float *out, int threads) {
-    int vector = K % STEP == 0 && bs % STEP == 0 && (bs & (bs - 1)) == 0;
+    int64_t step = bits == 4 ? STEP : STEP_8BIT;
+    int vector = K % step == 0 && bs % step == 0 && (bs & (bs - 1)) == 0;
     int shift = 0;
     while ((INT64_C(1) << shift) < bs) shift++;
     float *xp = NULL;
-    if (vector && bits == 4) {
+    int permuted = bits == 4 || STEP_8BIT == 64;
+    if (vector && permuted) {
         xp = (float *)malloc((size_t)(M * K) * sizeof(float));
         if (!xp) vector = 0;
-        else permute_pairs(x, xp, M, K);
+        else if (bits == 4) permute_pairs(x, xp, M, K);
+        else permute_quads(x, xp, M, K);
     }
-    const float *xv = bits == 4 ? xp : x;
+    const float *xv = permuted ? xp : x;
+    /* The vector loops' table: for 8-bit VBMI steps, the table's bytes as 4 planes of 256. */
+    _Alignas(64) uint8_t planes[4 * 256];
+    const float *vtable = table;
+    if (bits == 8 && STEP_8BIT == 64) {
+        for (int j = 0; j < 4; j++)
+            for (int e = 0; e < 256; e++) planes[256 * j + e] = ((const uint8_t *)&table[e])[j];
+        vtable = (const float *)planes;
+    }
     if (threads < 1) threads = 1;
     if (threads > N) threads = (int)(N > 0 ? N : 1);
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
@@ -302,8 +362,8 @@ static void gemv(const float *x, const uint8_t *w, int bits, const scales_t *s, 
         }
         for (int64_t m0 = 0; m0 < M; m0 += TOKENS) {
             int mc = (int)(M - m0 < TOKENS ? M - m0 : TOKENS);
-            if (bits == 4) rows_vec(xv + m0 * K, w, 4, s, table, n0, n1, N, K, shift, out + m0 * N, mc);
-            else rows_vec(xv + m0 * K, w, 8, s, table, n0, n1, N, K, shift, out + m0 * N, mc);
+            if (bits == 4) rows_vec(xv + m0 * K, w, 4, s, vtable, n0, n1, N, K, shift, out + m0 * N, mc);
+            else rows_vec(xv + m0 * K, w, 8, s, vtable, n0, n1, N, K, shift, out + m0 * N, mc);
         }
     }
     free(xp);
