@@ -184,7 +184,12 @@ def _load(path: str) -> tuple[ctypes.CDLL | None, str | None]:
         for name, argtypes in _SIGNATURES.items():
             function = getattr(library, name)
             function.argtypes, function.restype = argtypes, None
-    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+    except (
+        OSError,
+        RuntimeError,
+        AttributeError,
+        subprocess.SubprocessError,
+    ) as error:  # AttributeError: a symbol missing
         return None, f"the native {path} kernels could not be built ({type(error).__name__}: {error})"
     return library, None
 
