@@ -56,6 +56,7 @@ PAGES = [
     "README.md",
     "docs/ops.md",
     "docs/quantization.md",
+    "docs/kernels.md",
     "docs/hooks.md",
     "docs/hints.md",
     "docs/compile.md",
