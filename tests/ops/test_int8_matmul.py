@@ -1,21 +1,25 @@
 """int8_linear_matmul's CPU paths: each pinned in turn, whatever this CPU has, and each
 bit-equal to the int32 reference on every shape (K = 1, extremes and sums past 2**24
-included), its scratch as declared, and against bitsandbytes' CPU result."""
+included), its scratch as declared, and against bitsandbytes' CPU result. The native
+path is tested on every instruction set this CPU runs (TIGHTFIT_CPU_KERNEL_PATH)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tightfit
 import tightfit.ops as ops
+from tightfit import FallbackWarning, StrictModeError
 from tightfit.memory import allocated_peak
-from tightfit.ops import _cpu_int8
+from tightfit.ops import _cpu_int8, _native
 
 # rows x K x N: one K run and several; one block of B and several (BLOCK_BYTES / (4 * run) rows each)
 SHAPES = [(33, 7, 5), (40, 1024, 300), (48, 2100, 300), (70, 1025, 1100)]
@@ -92,9 +96,18 @@ def test_int32_accumulation_wraps_as_the_reference(path):
 
 def test_unpinned_choice_follows_the_cpu(monkeypatch):
     monkeypatch.delenv(_cpu_int8.PATH_VARIABLE, raising=False)
-    for capability, few, many in [("AVX512", "int_mm", "int_mm"), ("AVX2", "few_rows", "float")]:
+    rows = (1, _cpu_int8.NATIVE_ROWS, _cpu_int8.NATIVE_ROWS + 1, _cpu_int8.FEW_ROWS, _cpu_int8.FEW_ROWS + 1)
+    for capability, expected in [
+        ("AVX512", ("native", "native", "int_mm", "int_mm", "int_mm")),
+        ("AVX2", ("native", "native", "few_rows", "few_rows", "float")),
+    ]:
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability)
-        assert (_cpu_int8._path(_cpu_int8.FEW_ROWS), _cpu_int8._path(_cpu_int8.FEW_ROWS + 1)) == (few, many)
+        monkeypatch.setenv(_native.PATH_VARIABLE, "portable")  # the AVX2 cap would otherwise cap the native path too
+        assert tuple(_cpu_int8._path(r) for r in rows) == expected
+        monkeypatch.setenv(_native.PATH_VARIABLE, "none")  # no native kernels: as before they came
+        assert tuple(_cpu_int8._path(r) for r in rows) == tuple(
+            p if p != "native" else ("int_mm" if capability == "AVX512" else "few_rows") for p in expected
+        )
 
 
 def test_an_inexact_int_mm_is_never_taken(monkeypatch):
@@ -106,9 +119,50 @@ def test_an_inexact_int_mm_is_never_taken(monkeypatch):
         monkeypatch.setenv(_cpu_int8.PATH_VARIABLE, pin)
         assert "int_mm" not in (_cpu_int8._path(1), _cpu_int8._path(64))
         if pin in ("auto", "int_mm"):
-            assert (_cpu_int8._path(1), _cpu_int8._path(64)) == ("few_rows", "float")
+            assert (_cpu_int8._path(1), _cpu_int8._path(64)) == ("native", "float")
         A, B = _ints("mixed", 64, 300), _ints("random", 9, 300)
         assert torch.equal(ops.int8_linear_matmul(A, B), _reference(A, B))
+
+
+def test_native_without_a_build_takes_numba_with_a_warning(monkeypatch):
+    """No compiler (or a failed build): a pin to ``native`` says so once (D1) and the few-row
+    product runs the numba kernel, still exact; strict mode refuses."""
+    monkeypatch.setenv(_cpu_int8.PATH_VARIABLE, "native")
+    monkeypatch.setattr(_native, "library", lambda: (None, "no C compiler (test)"))
+    A, B = _ints("mixed", 3, 2100), _ints("mixed", 37, 2100)
+    with pytest.warns(FallbackWarning, match="int8_linear_matmul.*no C compiler"):
+        assert _cpu_int8._path(3) == "few_rows"
+    assert torch.equal(ops.int8_linear_matmul(A, B), _reference(A, B))
+    with tightfit.strict(), pytest.raises(StrictModeError, match="no C compiler"):
+        ops.int8_linear_matmul(A, B)
+    monkeypatch.setenv(_native.PATH_VARIABLE, "none")  # asked for no native kernels: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _cpu_int8._path(3) == "few_rows"
+
+
+@pytest.mark.parametrize("kernel_path", [p for p in _native.PATHS if _native.runnable(p)])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 33])
+@pytest.mark.parametrize("K", [1, 2, 15, 16, 17, 31, 32, 33, 64, 100, 1025])
+def test_native_kernel_on_every_instruction_set_is_exact(monkeypatch, kernel_path, rows, K):
+    """Each instruction set the native kernel is built for (this CPU permitting), on widths
+    around its vector steps (16 and 32 bytes) and row counts around its groups of 8."""
+    monkeypatch.setenv(_cpu_int8.PATH_VARIABLE, "native")
+    monkeypatch.setenv(_native.PATH_VARIABLE, kernel_path)
+    for kind in ("random", "-128", "mixed"):
+        A, B = _ints(kind, rows, K), _ints(kind, 37, K)
+        A[0, 0], B[0, -1] = 127, -128
+        assert torch.equal(ops.int8_linear_matmul(A, B), _reference(A, B)), kind
+
+
+@pytest.mark.parametrize("kernel_path", [p for p in _native.PATHS if _native.runnable(p)])
+def test_native_kernel_wraps_as_the_reference(monkeypatch, kernel_path):
+    monkeypatch.setenv(_cpu_int8.PATH_VARIABLE, "native")
+    monkeypatch.setenv(_native.PATH_VARIABLE, kernel_path)
+    A, B = _ints("-128", 9, 140_001), _ints("-128", 3, 140_001)
+    expected = _reference(A, B)
+    assert expected[0, 0] < 0  # wrapped
+    assert torch.equal(ops.int8_linear_matmul(A, B), expected)
 
 
 def test_the_probe_sees_a_saturating_gemm():

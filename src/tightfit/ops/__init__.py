@@ -11,6 +11,7 @@ from tightfit.ops.blockwise import dequantize_4bit, dequantize_blockwise, quanti
 from tightfit.ops.blockwise_gemv import FEW_TOKENS, gemv_4bit, gemv_blockwise
 from tightfit.ops.cast import CAST_DTYPES, cast
 from tightfit.ops.codes import code_4bit, dynamic_map
+from tightfit.ops.float8_gemv import gemv_float8
 from tightfit.ops.int8 import int8_linear_matmul, int8_mm_dequant, int8_vectorwise_dequant, int8_vectorwise_quant
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "dynamic_map",
     "gemv_4bit",
     "gemv_blockwise",
+    "gemv_float8",
     "get_op",
     "int8_linear",
     "int8_linear_matmul",

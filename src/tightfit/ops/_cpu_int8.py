@@ -1,8 +1,13 @@
 """Fast exact int8 matmul on the CPU (``A @ B.T`` into int32), in bounded scratch memory.
 
 Without AVX-512, torch's ``_int_mm`` runs scalar code, 20-40x slower than a float32 GEMM.
-Two exact ways around it:
+Exact ways around it:
 
+- few rows (decoding, up to ``NATIVE_ROWS``): the native kernel (``native/int8_rows.c``,
+  built at first use, see ``_native``) reads each byte of B once, in registers, for all
+  rows of A: bytes sign-extended to int16 and multiplied in pairs into int32 (AVX-512 or
+  AVX2), or plain C with wrapping int32 sums elsewhere. Its only scratch is A widened to
+  int16 (2 bytes a value, outside torch's allocator).
 - many rows: float32 GEMMs of the int8 values, as bitsandbytes does, but exact: the K
   axis is cut into runs of 1024, where no partial sum, in whatever order a GEMM adds, can
   pass 2**24 (1024 * 128 * 128), so every one is an integer float32 holds; the runs are
@@ -10,8 +15,8 @@ Two exact ways around it:
   for B a block of rows, ``BLOCK_BYTES``) at a time into reused buffers, never whole (B
   whole would be 4x the weight); the first run's GEMMs write into the int32 output's own
   bytes seen as float32, converted in place.
-- few rows (decoding): converting B would dominate, so a numba kernel reads B's int8
-  bytes once, all rows of A at a time, with int32 accumulation.
+- few rows without a native build: a numba kernel reads B's int8 bytes once, all rows of
+  A at a time, with int32 accumulation (the D1 warning says the native one is missing).
 
 With AVX-512 (bitsandbytes' rule), where float32 GEMMs may round their inputs (TF32/bf16
 modes), or without numba for few rows, ``torch._int_mm`` (oneDNN). It is not exact
@@ -19,10 +24,12 @@ everywhere: with K = 1 it reads B's transpose with the wrong strides (garbage on
 CPUs), so K = 1 is an int32 outer product; and oneDNN's int8 GEMM without VNNI saturates
 16-bit pair sums, so the path is taken only after a probe of such sums came back exact.
 
-``TIGHTFIT_CPU_INT8_PATH`` (``int_mm``, ``float``, ``few_rows``) pins the path whatever the
-CPU has, so every path is tested on any machine; exactness still wins (rounding float32
-GEMMs or a failed probe take the exact alternative). :func:`scratch_bytes` says what each
-path allocates besides the output, for the planner.
+``TIGHTFIT_CPU_INT8_PATH`` (``int_mm``, ``float``, ``few_rows``, ``native``) pins the path
+whatever the CPU has and whatever the row count, so every path is tested on any machine;
+exactness still wins (rounding float32 GEMMs or a failed probe take the exact
+alternative), and a pinned ``native`` without a native build takes the next one (after
+the D1 warning). ``TIGHTFIT_CPU_KERNEL_PATH`` picks the native kernel's instruction set.
+:func:`scratch_bytes` says what each path allocates besides the output, for the planner.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ import os
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from tightfit._strict import report_fallback
+from tightfit.ops import _native
 from tightfit.ops._numba import kernel_lock, usable_numba
 
 __all__: list[str] = []
@@ -43,6 +52,9 @@ EXACT_RUN = 1024
 BLOCK_BYTES = 1024 * 1024
 #: At most this many rows of A go through the byte-reading kernel; above, the float GEMMs win.
 FEW_ROWS = 32
+#: At most this many rows of A go through the native kernel unpinned (it is at the memory
+#: roof for one row and compute-bound from a few rows on, where oneDNN's GEMM catches up).
+NATIVE_ROWS = 8
 
 
 def _float32_is_ieee() -> bool:
@@ -55,7 +67,7 @@ def _float32_is_ieee() -> bool:
 
 #: The environment variable that pins a path, and the paths it accepts ("auto": by the CPU).
 PATH_VARIABLE = "TIGHTFIT_CPU_INT8_PATH"
-PATHS = ("int_mm", "float", "few_rows")
+PATHS = ("int_mm", "float", "few_rows", "native")
 
 
 def pinned_path() -> str | None:
@@ -83,22 +95,39 @@ def int_mm_is_exact() -> bool:
 
 
 def _path(rows: int) -> str:
-    """The pinned path, else the one the CPU's features favour; then the first exact one."""
+    """The pinned path, else the one the CPU's features favour; then the first usable one
+    (exact, and for ``native`` built)."""
     chosen = pinned_path()
-    if chosen is None and torch.backends.cpu.get_cpu_capability() == "AVX512":
+    few, native = rows <= FEW_ROWS, ("native",) if rows <= NATIVE_ROWS else ()
+    if chosen is None and native and _native_library() is not None:
+        chosen = "native"
+    elif chosen is None and torch.backends.cpu.get_cpu_capability() == "AVX512":
         chosen = "int_mm"  # oneDNN's int8 GEMM is fast there
     elif chosen is None:
-        chosen = "few_rows" if rows <= FEW_ROWS else "float"
-    preference = (chosen, "few_rows" if rows <= FEW_ROWS else "float", "int_mm", "few_rows")
-    return next(path for path in preference if _is_exact(path))
+        chosen = "few_rows" if few else "float"
+    preference = (chosen, *native, "few_rows" if few else "float", "int_mm", "few_rows")
+    return next(path for path in preference if _usable(path))
 
 
-def _is_exact(path: str) -> bool:
+def _usable(path: str) -> bool:
     if path == "float":
         return _float32_is_ieee()
     if path == "int_mm":
         return int_mm_is_exact()
+    if path == "native":
+        return _native_library() is not None
     return True  # few_rows: numba's int32 loop (or, without numba, the int32 reference)
+
+
+def _native_library():
+    """The native kernels' library, or None after reporting once why not (D1; not where
+    ``TIGHTFIT_CPU_KERNEL_PATH=none`` asks for no native kernels)."""
+    library, path_or_reason = _native.library()
+    if library is None and _native.pinned_path() != "none":
+        report_fallback(
+            "int8_linear_matmul", "cpu", "native", f"{path_or_reason}; few-row products take numba or torch._int_mm"
+        )
+    return library
 
 
 def _block_rows(out_features: int, in_features: int) -> int:
@@ -155,6 +184,8 @@ def linear_matmul_cpu(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
         return _float_matmul(A, B)
     if path == "int_mm":
         return _int_mm(A, B)
+    if path == "native":
+        return _native_matmul(A, B)
     if usable_numba("int8_linear_matmul", "few-row products use torch._int_mm where exact, else int32 torch.mm"):
         out = torch.empty(A.shape[0], B.shape[0], dtype=torch.int32)
         from tightfit.ops._kernels_int8 import few_rows
@@ -165,6 +196,17 @@ def linear_matmul_cpu(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     if int_mm_is_exact():
         return _int_mm(A, B)
     return A.to(torch.int32) @ B.to(torch.int32).t()
+
+
+def _native_matmul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """The native kernel (``_path`` has checked that it is built) on contiguous copies, whose
+    pointers are valid for the sizes it is given."""
+    a, b = A.contiguous(), B.contiguous()
+    out = torch.empty(a.shape[0], b.shape[0], dtype=torch.int32)
+    _native_library().tf_int8_matmul_rows(
+        a.data_ptr(), b.data_ptr(), out.data_ptr(), a.shape[0], b.shape[0], a.shape[1], torch.get_num_threads()
+    )
+    return out
 
 
 def _int_mm(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
