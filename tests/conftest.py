@@ -18,7 +18,7 @@ def pytest_report_header(config):
 
     import torch
 
-    from tightfit.ops import _cpu_int8
+    from tightfit.ops import _cpu_int8, _native
 
     model = next(
         (line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")),
@@ -26,7 +26,8 @@ def pytest_report_header(config):
     )
     return (
         f"cpu: {model}; torch capability {torch.backends.cpu.get_cpu_capability()}; "
-        f"int8 matmul path: {_cpu_int8._path(1)} (1 row), {_cpu_int8._path(64)} (64 rows)"
+        f"int8 matmul path: {_cpu_int8._path(1)} (1 row), {_cpu_int8._path(64)} (64 rows); "
+        f"native kernel path: {_native.selected_path() or 'none'}"
     )
 
 
