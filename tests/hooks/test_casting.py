@@ -21,6 +21,7 @@ from tightfit.hooks import (
     remove_offloading,
 )
 from tightfit.memory import tensor_bytes
+from tightfit.ops import FEW_TOKENS
 from zoo.hooks import Block, bert_and_output, cosine, relative_error, same_state, snapshot, stack, unet
 
 F8 = torch.float8_e4m3fn
@@ -50,13 +51,14 @@ def test_outputs_stay_close_and_removal_restores_bit_for_bit(granularity, scale)
 def test_removal_without_originals_restores_dtypes_with_the_float8_values():
     model = stack()
     apply_layerwise_casting(model, F8, torch.float32)
-    x = torch.randn(2, 32)
+    x = torch.randn(FEW_TOKENS + 1, 32)  # past the few-token forwards that read float8 directly
     with torch.no_grad():
-        hooked = model(x)
+        hooked, few = model(x), model(x[:2])
     remove_layerwise_casting(model)
     assert model[0].up.weight.dtype == torch.float32 and model[0].up.weight.requires_grad
     assert "weight_scale" not in model[0].up.state_dict()
     assert torch.equal(model(x), hooked)  # the weights computed with, now stored in float32
+    assert relative_error(model(x[:2]), few) < 1e-6  # the same weights, summed in another order
 
 
 class Recording(nn.Linear):
@@ -239,7 +241,8 @@ def test_autograd_inference_mode_and_compile():
     with torch.no_grad():
         assert torch.allclose(compiled(x.detach()), eager, atol=1e-6)
     exported = torch.export.export(model, (x.detach(),))
-    assert torch.equal(exported.module()(x.detach()), eager)
+    # a traced graph upcasts (shapes may be symbolic); eager's few-token forwards read float8
+    assert torch.allclose(exported.module()(x.detach()), eager, atol=1e-6)
 
 
 def test_state_dict_round_trips_through_safetensors_while_hooked(tmp_path):

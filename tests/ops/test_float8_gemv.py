@@ -169,3 +169,20 @@ def test_bad_arguments_are_refused(entry, args, error, match):
     }[entry]
     with pytest.raises(error, match=match):
         call(*args)
+
+
+@pytest.mark.parametrize("compute", [torch.float16, torch.bfloat16])
+def test_weights_the_upcast_overflows_are_infinite_as_in_the_reference(kernel_path, compute):
+    """float16 holds e5m2's 57344 but not 57344 * 2: the reference's upcast makes it inf (and
+    bfloat16 past its largest value), where float32 arithmetic alone would not."""
+    codes = torch.tensor([[0x7B, 0x3C, 0x00, 0xFB] * 10, [0x3C] * 40, [0x7B] * 40], dtype=torch.uint8)
+    weight = codes.view(torch.float8_e5m2)
+    scale = torch.tensor([[2.0], [1.0], [2.0**113 if compute == torch.bfloat16 else 1.0]])
+    x = torch.full((2, 40), 1e-3, dtype=compute)
+    x[1, 2] = 0.0
+    expected = get_op("gemv_float8").reference(x, weight, scale, None)
+    got = gemv_float8(x, weight, scale)
+    assert not torch.isfinite(expected).all()
+    assert torch.equal(torch.isnan(got), torch.isnan(expected)) and torch.equal(torch.isinf(got), torch.isinf(expected))
+    finite = torch.isfinite(expected)
+    assert _nmse(got[finite], expected[finite]) < 1e-6

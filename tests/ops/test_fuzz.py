@@ -26,8 +26,17 @@ def test_every_op_is_fuzzed():
 
 
 def test_int8_linear_cases_end_in_the_reference_or_a_clean_error():
-    cases = [(index, make_case(7, index)) for index in range(600)]
+    cases = [(index, make_case(7, index)) for index in range(800)]
     outcomes = [run_case(case, index)[0] for index, case in cases if case.op == "int8_linear"][:40]
+    assert len(outcomes) == 40 and set(outcomes) == {"equal", "clean"}
+
+
+@pytest.mark.parametrize("op", ["gemv_float8", "gemv_blockwise"])
+def test_native_gemv_cases_end_in_the_reference_or_a_clean_error(op):
+    """The ops whose CPU kernels are native C, in this process: hostile arguments must be
+    refused before the kernel, valid ones must agree with the reference."""
+    cases = [(index, make_case(9, index)) for index in range(1000)]
+    outcomes = [run_case(case, index)[0] for index, case in cases if case.op == op][:40]
     assert len(outcomes) == 40 and set(outcomes) == {"equal", "clean"}
 
 

@@ -15,6 +15,9 @@ PATHS = {"torch.ops": lambda name: getattr(torch.ops.tightfit, name), "direct": 
 
 W = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
 PACKED, ABSMAX = _quantize_4bit_reference(W, 64, "nf4", torch.uint8)
+CODES, ABSMAX8 = _quantize_blockwise_reference(W, dynamic_map(), 64)
+QABSMAX8 = ABSMAX8.to(torch.uint8)  # double-quantized scales' codes: one a block
+W8 = W.to(torch.float8_e4m3fn)
 
 BAD_CALLS = [
     # an 8-byte input decoded as a large shape read the heap
@@ -60,6 +63,49 @@ BAD_CALLS = [
         "row_stats",
     ),
     ("cast_into", (torch.randn(4), torch.empty(5, dtype=torch.bfloat16)), ValueError, "out has shape"),
+    # gemv_blockwise: the native kernel reads B, absmax and the tables by the sizes the op derives
+    ("gemv_blockwise", (torch.randn(1, 16), CODES.t(), ABSMAX8, dynamic_map(), 64), ValueError, "contiguous"),
+    ("gemv_blockwise", (torch.randn(1, 16), CODES.view(torch.int8), ABSMAX8, dynamic_map(), 64), TypeError, "uint8"),
+    ("gemv_blockwise", (torch.randn(1, 16), CODES.reshape(-1), ABSMAX8, dynamic_map(), 64), TypeError, "2-D"),
+    ("gemv_blockwise", (torch.randn(1, 15), CODES, ABSMAX8, dynamic_map(), 64), ValueError, "in_features"),
+    ("gemv_blockwise", (torch.randn(1, 16), CODES, ABSMAX8[:1], dynamic_map(), 64), ValueError, "absmax has shape"),
+    ("gemv_blockwise", (torch.randn(1, 16), CODES, ABSMAX8, dynamic_map()[:16], 64), ValueError, "256 values"),
+    ("gemv_blockwise", (torch.randn(1, 16), CODES, ABSMAX8, dynamic_map(), 0), ValueError, "blocksize"),
+    ("gemv_blockwise", (torch.randn(1, 16), CODES, ABSMAX8, dynamic_map(), 1 << 62), ValueError, "blocksize"),
+    (
+        "gemv_blockwise",
+        (torch.randn(1, 16), CODES, QABSMAX8, dynamic_map(), 64, torch.ones(5), dynamic_map(), 1),
+        ValueError,
+        "absmax2 must be",
+    ),
+    (
+        "gemv_blockwise",
+        (torch.randn(1, 16), CODES, QABSMAX8, dynamic_map(), 64, torch.ones(2), dynamic_map(), 1 << 40),
+        ValueError,
+        "blocksize",
+    ),
+    (
+        "gemv_blockwise",
+        (torch.randn(1, 16), CODES, ABSMAX8, dynamic_map(), 64, None, dynamic_map()),
+        ValueError,
+        "code2 is given without absmax2",
+    ),
+    (
+        "gemv_blockwise",
+        (torch.randn(1, 16), CODES, QABSMAX8, dynamic_map(), 64, torch.ones(2), dynamic_map(), 1, float("nan")),
+        ValueError,
+        "offset must be a finite",
+    ),
+    # gemv_float8: the native kernel reads the weight as rows of in_features bytes, the scale per row
+    ("gemv_float8", (torch.randn(1, 8), W8.t(), None, None), ValueError, "contiguous 2-D"),
+    ("gemv_float8", (torch.randn(1, 16), W8.view(torch.uint8), None, None), TypeError, "float8_e4m3fn or"),
+    ("gemv_float8", (torch.randn(1, 16), W8.reshape(-1), None, None), ValueError, "contiguous 2-D"),
+    ("gemv_float8", (torch.randn(1, 15), W8, None, None), ValueError, "in_features"),
+    ("gemv_float8", (torch.randn(1, 16), W8, torch.ones(8), None), ValueError, "scale must hold"),
+    ("gemv_float8", (torch.randn(1, 16), W8, torch.ones(9, 1), None), ValueError, "scale must hold"),
+    ("gemv_float8", (torch.randn(1, 16), W8, torch.ones(8, 1, dtype=torch.int64), None), TypeError, "scale must be"),
+    ("gemv_float8", (torch.randn(1, 16), W8, None, torch.ones(4)), ValueError, "bias must be"),
+    ("gemv_float8", (torch.randn(1, 16), W8, None, torch.ones(8, dtype=torch.float16)), ValueError, "bias must be"),
 ]
 
 
@@ -67,6 +113,27 @@ BAD_CALLS = [
 @pytest.mark.parametrize(("name", "args", "error", "match"), BAD_CALLS, ids=[f"{c[0]}-{c[3]}" for c in BAD_CALLS])
 def test_raw_op_refuses_unsafe_arguments(path, name, args, error, match):
     with pytest.raises(error, match=match):
+        PATHS[path](name)(*args)
+
+
+HUGE_ROWS = 1 << 40  # rows of an expanded input: nothing may be sized by them before a clean error
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(
+    ("name", "args"),
+    [
+        ("gemv_float8", (torch.randn(1, 16).expand(HUGE_ROWS, 16), W8, None, None)),
+        ("gemv_blockwise", (torch.randn(1, 16).expand(HUGE_ROWS, 16), CODES, ABSMAX8, dynamic_map(), 64)),
+        ("gemv_4bit", (torch.randn(1, 16).expand(HUGE_ROWS, 16), PACKED, [8, 16], ABSMAX, 64, "nf4")),
+        ("int8_linear_matmul", (torch.ones(1, 16, dtype=torch.int8).expand(HUGE_ROWS, 16), W.to(torch.int8))),
+    ],
+    ids=["gemv_float8", "gemv_blockwise", "gemv_4bit", "int8_linear_matmul"],
+)
+def test_outputs_too_large_to_allocate_raise_cleanly(path, name, args):
+    """An input of 2**40 rows (a stride-0 view, so it costs nothing) asks for an output no
+    allocator gives: a clean error, never a crash or a write past a smaller buffer."""
+    with pytest.raises((ValueError, TypeError, RuntimeError)):
         PATHS[path](name)(*args)
 
 

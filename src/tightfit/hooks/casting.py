@@ -7,6 +7,12 @@ the layer for that forward, and drops it afterwards (no down-cast, no second sto
 copy). Float8 storage is scaled by default: a power-of-two scale per output channel
 (or per tensor) kept beside the weight as ``<name>_scale`` and applied in the upcast;
 powers of two make that multiplication exact in every compute dtype.
+
+An ``nn.Linear`` (its own ``forward``, no hook inside this one) with a float8_e4m3fn or
+float8_e5m2 weight on the CPU that gets at most ``FEW_TOKENS`` rows skips the upcast:
+``tightfit.ops.gemv_float8`` reads the stored bytes once, decoding them in registers
+(decoding is what a few-token forward is made of), so no upcast copy exists then. It
+computes what the upcast and ``F.linear`` compute, to the rounding of the sum's order.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from tightfit.hooks._exclusive import OneForwardAtATime
 from tightfit.hooks._units import Granularity, Slot, Unit, all_slots, check_granularity, compile_patterns, select_units
 from tightfit.hooks.offload import OFFLOADING
 from tightfit.hooks.registry import HookRegistry, ModuleHook
+from tightfit.ops.blockwise_gemv import FEW_TOKENS
+from tightfit.ops.float8_gemv import FLOAT8_FORMATS, upcast_float8
 
 logger = logging.getLogger("tightfit.hooks")
 
@@ -121,17 +129,19 @@ _SMALL_CPU_NUMEL = 1 << 14
 
 
 def _upcast(stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``upcast_float8`` (``gemv_float8``'s specification), the conversion by ``tightfit.ops.cast``
+    where that runs faster (its bits are torch's)."""
     if stored.device.type == "cpu" and stored.numel() <= _SMALL_CPU_NUMEL and not torch.compiler.is_compiling():
-        weight = stored.to(dtype)
-    else:
-        weight = ops.cast(stored, dtype)
+        return upcast_float8(stored, scale, dtype)
+    weight = ops.cast(stored, dtype)
     if scale is not None:
         weight.mul_(scale if scale.dtype == dtype else scale.to(dtype))
     return weight
 
 
 class LayerwiseCastingHook(ModuleHook):
-    """Presents the unit's stored tensors in the compute dtype for each forward, then drops the copies."""
+    """Presents the unit's stored tensors in the compute dtype for each forward, then drops the
+    copies; a few-token ``nn.Linear`` forward on the CPU reads its float8 weight as stored."""
 
     order = 20
     diffusers_name = "layerwise_casting"
@@ -140,7 +150,9 @@ class LayerwiseCastingHook(ModuleHook):
         self.entries = entries
         self.storage_dtype = storage_dtype
         self.compute_dtype = compute_dtype
-        self._saved: list[list[torch.Tensor]] = []  # a stack: a module may run inside itself
+        # a stack (a module may run inside itself): the stored tensors, and the weight's entry
+        # when the forward runs gemv_float8 on it instead (None: the module's forward runs)
+        self._saved: list[tuple[list[torch.Tensor], _Entry | None]] = []
         self._claim = OneForwardAtATime(LAYERWISE_CASTING)
 
     def __repr__(self) -> str:
@@ -153,24 +165,69 @@ class LayerwiseCastingHook(ModuleHook):
             return _upcast(current, entry.scale_slot.get() if entry.scale_slot else None, self.compute_dtype)
         return current.to(self.compute_dtype)
 
+    def _fused_weight(self, module: nn.Module, args: tuple, kwargs: dict, stored: list[torch.Tensor]) -> int | None:
+        """The index of the weight's entry when this forward is a few-token ``nn.Linear`` one on
+        the CPU that ``gemv_float8`` computes from the stored weight, else None. Metadata only,
+        so a trace on fake tensors takes the same path as the run it predicts."""
+        if self.storage_dtype not in FLOAT8_FORMATS or torch.compiler.is_compiling():
+            return None
+        if type(module).forward is not nn.Linear.forward or not _innermost(self, module):
+            return None
+        x = args[0] if len(args) == 1 and not kwargs else kwargs.get("input") if not args and len(kwargs) == 1 else None
+        if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dtype != self.compute_dtype or x.dim() < 1:
+            return None
+        index = next(
+            (i for i, e in enumerate(self.entries) if e.slot.owner is module and e.slot.name == "weight"), None
+        )
+        if index is None:
+            return None
+        entry, tensor = self.entries[index], stored[index]
+        scale = entry.scale_slot.get() if entry.scale_slot else None
+        bias = module.bias  # presented in the compute dtype on its device, if it is not already
+        if (
+            not entry.record.stored
+            or tensor.dtype != self.storage_dtype
+            or tensor.device.type != "cpu"
+            or tensor.dim() != 2
+            or not tensor.is_contiguous()
+            or x.shape[-1] != tensor.shape[1]
+            or not 0 < x.numel() // max(tensor.shape[1], 1) <= FEW_TOKENS
+            or (scale is not None and scale.device.type != "cpu")
+            or (bias is not None and (bias.device.type != "cpu" or bias.dim() != 1))
+        ):
+            return None
+        return index
+
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._claim.enter(module)
         stored = [entry.slot.get() for entry in self.entries]
         try:
+            fused = self._fused_weight(module, args, kwargs, stored)
             presented = [
-                self._present(entry, tensor) for entry, tensor in zip(self.entries, stored)
+                tensor if index == fused else self._present(entry, tensor)
+                for index, (entry, tensor) in enumerate(zip(self.entries, stored))
             ]  # nothing changed yet
         except BaseException:
             self._claim.exit()
             raise
         for entry, tensor in zip(self.entries, presented):
             entry.slot.set(tensor)
-        self._saved.append(stored)
+        self._saved.append((stored, None if fused is None else self.entries[fused]))
         return args, kwargs
 
+    def around(self, module: nn.Module, call, args: tuple, kwargs: dict) -> object:
+        fused = self._saved[-1][1] if self._saved else None
+        if fused is None:
+            return call(*args, **kwargs)
+        # nn.Linear.forward, with nothing inside this hook: F.linear(x, upcast weight, bias), fused
+        x = args[0] if args else kwargs["input"]
+        scale = fused.scale_slot.get() if fused.scale_slot else None
+        return ops.gemv_float8(x, module.weight, scale, module.bias)
+
     def _restore(self) -> None:
-        for entry, stored in zip(self.entries, self._saved.pop()):
-            entry.slot.set(stored)
+        stored, _ = self._saved.pop()
+        for entry, tensor in zip(self.entries, stored):
+            entry.slot.set(tensor)
 
     def post_forward(self, module: nn.Module, output: object) -> object:
         self._restore()
@@ -188,6 +245,18 @@ class LayerwiseCastingHook(ModuleHook):
                 _restore_record(entry.record)
             if entry.scale_slot is not None:
                 entry.scale_slot.table.pop(entry.scale_slot.name, None)
+
+
+def _innermost(hook: ModuleHook, module: nn.Module) -> bool:
+    """Whether ``hook`` is the last of ``module``'s hooks and what it encloses is the module's
+    own ``forward`` (not one set on the instance), so computing that forward's result in its
+    place skips nothing."""
+    registry = HookRegistry.get(module)
+    if registry is None:
+        return False
+    names = registry.names()
+    inner = getattr(registry._inner_forward, "__func__", None)
+    return bool(names) and registry.hook(names[-1]) is hook and inner is type(module).forward
 
 
 def _restore_record(record: _Record) -> None:

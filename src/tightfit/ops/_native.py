@@ -79,7 +79,7 @@ _SIGNATURES = {
         _I64,
     ],
     "tf_int8_matmul_rows": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
-    "tf_gemv_float8": [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64],
+    "tf_gemv_float8": [_PTR, _PTR, _I64, _PTR, _I64, _F32, _PTR, _I64, _I64, _I64, _PTR, _I64],
 }
 
 _build_lock = threading.Lock()

@@ -27,6 +27,9 @@ __all__ = ["FLOAT8_FORMATS", "gemv_float8", "upcast_float8"]
 
 #: The float8 kinds the op reads, and the format number the native kernel knows each by.
 FLOAT8_FORMATS: dict[torch.dtype, int] = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
+#: The least magnitude each compute dtype rounds to infinity: the upcast's scaled weights past
+#: it are infinite (a float16 upcast of an e5m2 weight times 2, for one).
+_CEILING = {torch.float32: math.inf, torch.float16: 65520.0, torch.bfloat16: 2.0**128 - 2.0**119}
 #: Up to this many rows of ``A`` the fused kernel runs (the planner prices such forwards by
 #: the one-token figures); more amortize an upcast and a GEMM better.
 MAX_TOKENS = FEW_TOKENS
@@ -116,6 +119,7 @@ def _cpu(A, weight, scale, bias):
         FLOAT8_FORMATS[weight.dtype],
         None if scales is None else scales.data_ptr(),
         0 if scales is None else scales.numel(),
+        _CEILING[A.dtype],
         None if shift is None else shift.data_ptr(),
         rows,
         out_features,

@@ -333,6 +333,138 @@ def _gemv_4bit(b: _Builder) -> list[Any]:
     return args
 
 
+def _nested_scales(b: _Builder, absmax: torch.Tensor) -> list[Any]:
+    """Double-quantized block scales, as QuantState stores them: [codes, absmax2, code2, nested_blocksize, offset]."""
+    nested_blocksize = b.rng.choice((1, 3, 256))
+    count = absmax.numel()
+    absmax2 = torch.rand(checks.block_count(count, nested_blocksize), generator=b.generator) * 2
+    codes = b.bytes_(count)
+    return [codes, absmax2, _sorted_code(b), nested_blocksize, b.rng.choice((0.0, 0.25, -1.5))]
+
+
+def _gemv_blockwise(b: _Builder) -> list[Any]:
+    rows, cols = b.rng.randint(1, 40), b.rng.choice((b.rng.randint(1, 70), 32, 64, 128))
+    blocksize = b.rng.choice(_BLOCKSIZES_8BIT)
+    tokens = b.rng.choice(((cols,), (1, cols), (3, cols), (2, 2, cols), (9, cols)))
+    numel = rows * cols
+    absmax = _absmax(b, numel, blocksize)
+    nested = _nested_scales(b, absmax) if b.rng.random() < 0.3 else [absmax, None, None, 256, 0.0]
+    args = [
+        b.floats(tokens, b.rng.choice(checks.FLOAT_DTYPES)),
+        b.bytes_(numel).reshape(rows, cols),
+        nested[0],
+        _sorted_code(b),
+        blocksize,
+        *nested[1:],
+    ]
+
+    def absmax_ok(t: torch.Tensor) -> bool:
+        count = checks.block_count(numel, args[4])
+        if args[5] is None:
+            return _absmax_ok(numel, args[4])(t)
+        return t.dtype == torch.uint8 and t.dim() == 1 and t.numel() == count
+
+    names = ("A", "B", "absmax", "code", "blocksize") + (
+        ("absmax2", "code2", "nested_blocksize", "offset") if args[5] is not None else ()
+    )
+    for what in b.which(names):
+        if what == "A":
+            b.tensor_mutation(
+                args, 0, "A", lambda t: _floats_ok(t) and t.dim() >= 1 and t.shape[-1] == cols, primary=True
+            )
+        elif what == "B":
+            b.tensor_mutation(
+                args, 1, "B", lambda t: t.dtype == torch.uint8 and t.shape == (rows, cols) and t.is_contiguous()
+            )
+        elif what == "absmax":
+            b.tensor_mutation(args, 2, "absmax", absmax_ok)
+        elif what == "code":
+            b.tensor_mutation(args, 3, "code", _code_ok)
+        elif what == "blocksize":
+            b.blocksize(args, 4, None, numel=numel)
+        elif what == "absmax2":
+            count = args[2].numel()
+            b.tensor_mutation(
+                args,
+                5,
+                "absmax2",
+                lambda t, count=count: (
+                    t.dtype == torch.float32 and t.dim() == 1 and t.numel() == checks.block_count(count, args[7])
+                ),
+            )
+        elif what == "code2":
+            b.tensor_mutation(args, 6, "code2", _code_ok)
+        elif what == "nested_blocksize":
+            value = b.rng.choice((0, -3, 1, 2, 255, 256, 1 << 40))
+            valid = 1 <= value <= checks.MAX_BLOCKSIZE_8BIT and checks.block_count(
+                args[2].numel(), value
+            ) == checks.block_count(args[2].numel(), args[7])
+            args[7] = value
+            b.mutate(f"nested_blocksize {value}", valid)
+        else:
+            args[8] = b.rng.choice((math.nan, math.inf, -2.0, 0.5))
+            b.mutate(f"offset {args[8]}", math.isfinite(args[8]))
+    return args
+
+
+def _gemv_float8(b: _Builder) -> list[Any]:
+    from tightfit.ops.float8_gemv import FLOAT8_FORMATS
+
+    rows, cols = b.rng.randint(1, 40), b.rng.choice((b.rng.randint(1, 70), 16, 32, 64, 128))
+    fmt = b.rng.choice(sorted(FLOAT8_FORMATS, key=str))
+    dtype = b.rng.choice(checks.FLOAT_DTYPES)
+    tokens = b.rng.choice(((cols,), (1, cols), (3, cols), (2, 2, cols), (8, cols), (9, cols), (0, cols)))
+    if b.rng.random() < 0.1:  # every bit pattern: NaN and inf where the format has them
+        weight = b.bytes_(rows * cols).reshape(rows, cols).view(fmt)
+    else:
+        weight = torch.randn(rows, cols, generator=b.generator).to(fmt)
+    kind = b.rng.choice(("none", "tensor", "one", "row"))
+    exponents = torch.randint(-6, 1, (rows, 1), generator=b.generator)
+    scale = {
+        "none": None,
+        "tensor": torch.tensor(0.25),
+        "one": torch.tensor([2.0]),
+        "row": torch.ldexp(torch.ones(rows, 1), exponents),
+    }[kind]
+    if scale is not None:
+        scale = scale.to(b.rng.choice(checks.FLOAT_DTYPES))
+    bias = b.floats((rows,), dtype) if b.rng.random() < 0.5 else None
+    args = [b.floats(tokens, dtype), weight, scale, bias]
+
+    def scale_ok(t: torch.Tensor) -> bool:
+        return t.dtype in checks.FLOAT_DTYPES and ((t.numel() == 1 and t.dim() <= 2) or tuple(t.shape) == (rows, 1))
+
+    def bias_ok(t: torch.Tensor) -> bool:
+        return isinstance(args[0], torch.Tensor) and t.dtype == args[0].dtype and tuple(t.shape) == (rows,)
+
+    for what in b.which(("A", "weight", "scale", "bias")):
+        if what == "A":
+            b.tensor_mutation(
+                args,
+                0,
+                "A",
+                lambda t: (
+                    _floats_ok(t)
+                    and t.dim() >= 1
+                    and t.shape[-1] == cols
+                    and (args[3] is None or args[3].dtype == t.dtype)
+                ),
+                primary=True,
+            )
+        elif what == "weight":
+            b.tensor_mutation(
+                args,
+                1,
+                "weight",
+                lambda t: t.dtype in FLOAT8_FORMATS and t.shape == (rows, cols) and t.is_contiguous(),
+            )
+        elif what == "scale" and scale is not None:
+            b.tensor_mutation(args, 2, "scale", scale_ok, optional=True)
+        elif what == "bias" and bias is not None:
+            b.tensor_mutation(args, 3, "bias", bias_ok, optional=True)
+    return args
+
+
 def _int8_vectorwise_quant(b: _Builder) -> list[Any]:
     shape = b.rng.choice(
         ((b.rng.randint(0, 9), b.rng.randint(0, 40)), (b.rng.randint(1, 40),), (2, 3, b.rng.randint(0, 9)))
@@ -480,6 +612,8 @@ _GENERATORS: dict[str, Callable[[_Builder], list[Any]]] = {
     "quantize_4bit": _quantize_4bit,
     "dequantize_4bit": _dequantize_4bit,
     "gemv_4bit": _gemv_4bit,
+    "gemv_blockwise": _gemv_blockwise,
+    "gemv_float8": _gemv_float8,
     "int8_vectorwise_quant": _int8_vectorwise_quant,
     "int8_linear_matmul": _int8_linear_matmul,
     "int8_mm_dequant": _int8_mm_dequant,

@@ -9,9 +9,11 @@
  * mantissa moved up by 7 bits: the exponent bias differs by 8, subnormals included), its
  * NaNs (0x7F, 0xFF) made float16 NaNs, and the 2**8 goes into the row's factor, so one
  * multiply per weight decodes and scales it (the same float32 product as decoding, then
- * scaling). Where that factor would overflow (a scale past 2**119) the row takes the
- * table path. Portable C (and the K % STEP tail) looks bytes up in a 256-entry table of
- * their values, built per call.
+ * scaling). Portable C (and the K % STEP tail) looks bytes up in a 256-entry table of
+ * their values, built per call. A row whose scaled weights may reach `ceiling` (the least
+ * magnitude the compute dtype rounds to infinity: 65520 for float16) takes the table path,
+ * which makes those weights infinite as the reference's upcast does; so does a row whose
+ * e4m3fn factor would overflow (a scale past 2**119).
  *
  * Compiled once per instruction-set path (TF_AVX512, TF_AVX2, or neither); see
  * tightfit.ops._native. The caller (Python) has checked dtypes, shapes and contiguity (D9):
@@ -55,6 +57,8 @@ typedef struct {
     const float *x;
     const uint8_t *w;
     int format;
+    float largest; /* the format's largest finite magnitude */
+    float ceiling;
     const float *scale; /* NULL: none */
     int64_t scale_stride; /* 0: one scale for the tensor, 1: one a row */
     const float *bias;
@@ -73,6 +77,7 @@ static void rows_scalar(const job_t *j, int64_t n0, int64_t n1, int64_t m0, int6
         const uint8_t *w = j->w + n * K;
         for (int64_t k = 0; k < K; k++) {
             float v = j->table[w[k]] * s;
+            if (fabsf(v) >= j->ceiling) v = copysignf(INFINITY, v);
             for (int64_t m = 0; m < mc; m++) acc[m] += v * j->x[(m0 + m) * K + k];
         }
         for (int64_t m = 0; m < mc; m++) j->out[(m0 + m) * j->N + n] = acc[m] + (j->bias ? j->bias[n] : 0.0f);
@@ -228,10 +233,14 @@ ALWAYS_INLINE void tile(const job_t *j, int64_t n0, const int R, int64_t m0, con
 #endif
 #define FOR_TOKEN_COUNTS(CASE) CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 
-/* Whether rows [n, n + R) all have a factor the vector loop can use. */
+/* Whether the vector loop can take rows [n, n + R): their scaled weights stay below the
+ * ceiling and their factors are finite where their scales are. */
 static int usable(const job_t *j, int64_t n, int R) {
-    for (int r = 0; r < R; r++)
-        if (isnan(row_factor(j, n + r)) && !isnan(row_scale(j, n + r))) return 0;
+    for (int r = 0; r < R; r++) {
+        float s = row_scale(j, n + r);
+        if (isnan(s)) continue;
+        if (fabsf(s) * j->largest >= j->ceiling || isnan(row_factor(j, n + r))) return 0;
+    }
     return 1;
 }
 
@@ -260,14 +269,17 @@ static void rows_vec(const job_t *j, int64_t n0, int64_t n1, int64_t m0, int mc)
 }
 
 /* out[M x N] = x[M x K] @ (decode(w) * scale).T + bias. format: 0 e4m3fn, 1 e5m2; scale NULL
- * (none), or scale_count 1 (the tensor's) or N (a row's); bias NULL or N values. Rows are
- * split into contiguous ranges, one per thread, so each thread streams its own bytes. */
+ * (none), or scale_count 1 (the tensor's) or N (a row's); scaled weights of magnitude
+ * `ceiling` and more are infinite; bias NULL or N values. Rows are split into contiguous
+ * ranges, one per thread, so each thread streams its own bytes. */
 void tf_gemv_float8(const float *x, const uint8_t *w, int64_t format, const float *scale, int64_t scale_count,
-                    const float *bias, int64_t M, int64_t N, int64_t K, float *out, int64_t threads) {
+                    float ceiling, const float *bias, int64_t M, int64_t N, int64_t K, float *out,
+                    int64_t threads) {
     if (M <= 0 || N <= 0) return;
     float table[256];
     build_table((int)format, table);
-    job_t j = {x, w, (int)format, scale, scale_count > 1 ? 1 : 0, bias, table, N, K, out};
+    float largest = format == E4M3FN ? 448.0f : 57344.0f;
+    job_t j = {x, w, (int)format, largest, ceiling, scale, scale_count > 1 ? 1 : 0, bias, table, N, K, out};
     if (threads < 1) threads = 1;
     if (threads > N) threads = N;
 #pragma omp parallel for num_threads((int)threads) schedule(static, 1)
