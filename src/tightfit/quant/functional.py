@@ -14,6 +14,7 @@ import torch
 
 from tightfit import ops
 from tightfit._validate import check_type
+from tightfit.quant import _tiled
 from tightfit.quant.state import QuantState
 
 __all__ = [
@@ -281,16 +282,21 @@ def _decode(B: torch.Tensor, state: QuantState) -> torch.Tensor:
 
 
 def _linear(A: torch.Tensor, B: torch.Tensor, state: QuantState, bias: torch.Tensor | None) -> torch.Tensor:
-    """``A @ decode(B).T + bias`` in ``A``'s dtype, the decoded weight dropped at the end."""
-    weight = _decode(B, state).to(A.dtype)
-    return torch.nn.functional.linear(A, weight, None if bias is None else bias.to(A.dtype))
+    """``A @ decode(B).T + bias`` in ``A``'s dtype, decoding one tile of weight rows at a
+    time (``_tiled``): what it holds above its output is a tile, not the decoded weight."""
+    grid = _tiled.layout(B, state, A.shape[-1] if A.dim() else -1, A.dtype.itemsize)
+    if grid is None:  # codes or a state that tiling cannot slice: decoded whole, the ops refuse them
+        weight = _decode(B, state).to(A.dtype)
+        return torch.nn.functional.linear(A, weight, None if bias is None else bias.to(A.dtype))
+    return _tiled.linear(A, B, state, bias, grid)
 
 
 class _LinearDecodedTwice(torch.autograd.Function):
     """``A @ decode(B).T + bias`` that saves the codes, not the decoded weight, for the
     backward and decodes them again there, as bitsandbytes' ``MatMul4Bit`` does: in a
     QLoRA fine-tune every layer's full-precision weight would otherwise stay alive from
-    its forward to its backward. Gradients for ``A`` and ``bias``; the weight is frozen."""
+    its forward to its backward. Both decode a tile of rows at a time. Gradients for
+    ``A`` and ``bias``; the weight is frozen."""
 
     @staticmethod
     def forward(
@@ -307,10 +313,15 @@ class _LinearDecodedTwice(torch.autograd.Function):
         (B,) = ctx.saved_tensors
         grad_A = grad_bias = None
         if ctx.needs_input_grad[0]:
-            # Decoded from a flat view of the codes: torch.compile's common-subexpression pass
-            # would otherwise merge this decode with the forward's and keep that weight alive.
-            weight = _decode(B.reshape(-1), ctx.state).view(grad.shape[-1], ctx.in_features)
-            grad_A = grad.matmul(weight.to(grad.dtype))
+            # The tiles are sliced from other views of the codes than the forward's:
+            # torch.compile's common-subexpression pass would otherwise merge the two
+            # decodes and keep the decoded tiles alive from the forward to the backward.
+            grid = _tiled.layout(B, ctx.state, ctx.in_features, grad.dtype.itemsize)
+            if grid is None:
+                weight = _decode(B.reshape(-1), ctx.state).view(grad.shape[-1], ctx.in_features)
+                grad_A = grad.matmul(weight.to(grad.dtype))
+            else:
+                grad_A = _tiled.grad_input(grad, B, ctx.state, grid)
         if ctx.needs_input_grad[2]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
         return grad_A, None, grad_bias, None
@@ -320,8 +331,9 @@ def _decoded_linear(
     A: torch.Tensor, B: torch.Tensor, state: QuantState, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``A @ decode(B).T + bias`` in ``A``'s dtype for 4-bit or 8-bit blockwise codes ``B``
-    (the quantized layers' forward). Without gradients the decoded weight is
-    dropped after the matmul; with them only the codes wait for the backward."""
+    (the quantized layers' forward), a tile of decoded weight rows at a time. Without
+    gradients each tile is dropped after its product; with them only the codes wait
+    for the backward."""
     if torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad)):
         return _LinearDecodedTwice.apply(A, B, bias, state)
     return _linear(A, B, state, bias)
@@ -336,7 +348,8 @@ def matmul_4bit(
 ) -> torch.Tensor:
     """``A @ dequantize(B).T + bias`` in ``A``'s dtype. One token at a time (decode) runs
     the fused kernel and never holds the decoded weight; larger batches decode the weight
-    per call and use torch's matmul; for the backward they keep the codes, not the weight."""
+    a tile of rows at a time for torch's matmul; for the backward they keep the codes,
+    not the weight."""
     state = _check_4bit_weight_state(quant_state)
     check_type("A", A, torch.Tensor)
     single_token = A.dim() > 0 and A.numel() == A.shape[-1]

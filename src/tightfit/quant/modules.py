@@ -10,7 +10,6 @@ and applies all of them or none: a new weight never meets stale scales.
 from __future__ import annotations
 
 import abc
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,6 +21,7 @@ from tightfit._validate import check_non_negative_number, check_type
 from tightfit.ops import _cpu_int8, _cpu_int8_rows
 from tightfit.ops._arg_checks import FLOAT_DTYPES, block_count
 from tightfit.quant import _checkpoint as checks
+from tightfit.quant import _tiled
 from tightfit.quant import functional as F
 from tightfit.quant.state import QuantState
 
@@ -142,12 +142,40 @@ class QuantizedLinear(_CheckedLoading):
         _check_input(x, self.in_features)
         return F._decoded_linear(x, self.weight, self.quant_state, self.bias)
 
+    #: The blocksize :meth:`transient_bytes` assumes unless told (the format's default config).
+    default_blocksize: int = 64
+
     @classmethod
-    def transient_bytes(cls, shape: tuple[int, ...], rows: int, outliers: int, dtype: torch.dtype) -> int:
-        """Bytes :meth:`forward` allocates above its output for a weight of ``shape`` and
-        ``dtype``: the decoded copy of the whole weight (whatever ``rows``; a one-token
-        4-bit forward that skips the copy is counted as if it made it)."""
-        return math.prod(shape) * dtype.itemsize
+    def _nested_blocksize(cls, blocksize: int) -> int:
+        """Blocks of scales per block of a double-quantized absmax."""
+        return blocksize
+
+    @classmethod
+    def transient_bytes(
+        cls,
+        shape: tuple[int, ...],
+        rows: int,
+        outliers: int,
+        dtype: torch.dtype,
+        *,
+        blocksize: int | None = None,
+        nested: bool = False,
+    ) -> int:
+        """Bytes :meth:`forward` holds above its output for ``rows`` rows (tokens) of a
+        weight of ``shape`` stored in ``dtype`` (or in float32) and run in ``dtype``:
+        one tile of decoded weight rows (about ``_tiled.TILE_BYTES``; the whole weight
+        when it is smaller), and for a ``nested`` absmax the float32 scales of the tile,
+        decoded from the nested blocks that hold them, at the largest tile. The weight is
+        in blocks of ``blocksize`` (default :attr:`default_blocksize`). Nothing for no
+        rows; a one-token 4-bit forward, whose fused kernel decodes nothing, is counted
+        as if it decoded a tile. Tensors between ops, as
+        :class:`tightfit.memory.LiveTensorBytes` counts them (tests/quant/test_tiled_linear.py
+        holds the forward to it)."""
+        if rows == 0:
+            return 0
+        blocksize = cls.default_blocksize if blocksize is None else blocksize
+        nested_blocksize = cls._nested_blocksize(blocksize) if nested else 0
+        return _tiled.transient_bytes(tuple(shape), dtype.itemsize, blocksize, nested_blocksize)
 
     def unregistered_tensors(self) -> list[torch.Tensor]:
         """The tensors this layer holds outside its parameters and buffers (its
@@ -205,6 +233,12 @@ def _check_linear(linear: object) -> nn.Linear:
 class Linear4bit(QuantizedLinear):
     """``nn.Linear`` with an NF4 or FP4 weight (4 bits per value plus one scale per block)."""
 
+    default_blocksize = 64
+
+    @classmethod
+    def _nested_blocksize(cls, blocksize: int) -> int:
+        return F.NESTED_BLOCKSIZE_4BIT
+
     @classmethod
     def from_linear(
         cls,
@@ -244,6 +278,8 @@ class Linear4bit(QuantizedLinear):
 
 class Linear8bit(QuantizedLinear):
     """``nn.Linear`` with a blockwise 8-bit weight (dynamic map, one scale per block)."""
+
+    default_blocksize = 4096
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, blocksize: int = 4096, nested: bool = False) -> Linear8bit:
