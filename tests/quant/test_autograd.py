@@ -166,6 +166,20 @@ def test_eager_and_compiled_agree_with_adapters():
             ),
         ),
         (
+            "gemv_blockwise",
+            lambda: (
+                torch.randn(2, 64, requires_grad=True),
+                torch.randint(0, 256, (8, 64), dtype=torch.uint8),
+                torch.randint(0, 256, (8,), dtype=torch.uint8),
+                tightfit.ops.dynamic_map(),
+                64,
+                torch.rand(2) + 0.5,
+                tightfit.ops.dynamic_map(),
+                4,
+                0.25,
+            ),
+        ),
+        (
             "int8_linear",
             lambda: (
                 torch.randn(3, 64, requires_grad=True),

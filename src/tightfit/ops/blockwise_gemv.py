@@ -138,15 +138,16 @@ _GEMV_4BIT = define_op(
 
 def _gemv_4bit_setup_context(ctx, inputs, output):
     A, B, shape, absmax, blocksize, quant_type, absmax2, code2, nested_blocksize, offset = inputs
-    ctx.save_for_backward(B, _scales(absmax, absmax2, code2, nested_blocksize, offset))
-    ctx.decode = (blocksize, quant_type, shape)
+    ctx.save_for_backward(B, absmax, absmax2, code2)
+    ctx.decode = (blocksize, quant_type, shape, nested_blocksize, offset)
 
 
 def _gemv_4bit_backward(ctx, grad):
     """Gradient for ``A`` only (QLoRA): ``grad @ W``, W decoded in the gradient's dtype; the
     packed weight and its scales are frozen data, never trained."""
-    B, scales = ctx.saved_tensors
-    blocksize, quant_type, shape = ctx.decode
+    B, absmax, absmax2, code2 = ctx.saved_tensors
+    blocksize, quant_type, shape, nested_blocksize, offset = ctx.decode
+    scales = _scales(absmax, absmax2, code2, nested_blocksize, offset)
     weight = _DEQUANTIZE_4BIT.custom_op(B, scales, blocksize, quant_type, shape, grad.dtype)
     return grad @ weight, *([None] * 9)
 
@@ -216,15 +217,18 @@ _GEMV_BLOCKWISE = define_op(
 
 def _gemv_blockwise_setup_context(ctx, inputs, output):
     A, B, absmax, code, blocksize, absmax2, code2, nested_blocksize, offset = inputs
-    ctx.save_for_backward(B, _scales(absmax, absmax2, code2, nested_blocksize, offset), code)
-    ctx.blocksize = blocksize
+    ctx.save_for_backward(B, absmax, code, absmax2, code2)
+    ctx.decode = (blocksize, nested_blocksize, offset)
 
 
 def _gemv_blockwise_backward(ctx, grad):
     """Gradient for ``A`` only: ``grad @ W``, W decoded in the gradient's dtype (the codes
     and scales are frozen data)."""
-    B, scales, code = ctx.saved_tensors
-    weight = dequantize_blockwise(B, scales, code, ctx.blocksize, grad.dtype)
+    B, absmax, code, absmax2, code2 = ctx.saved_tensors
+    blocksize, nested_blocksize, offset = ctx.decode
+    weight = dequantize_blockwise(
+        B, _scales(absmax, absmax2, code2, nested_blocksize, offset), code, blocksize, grad.dtype
+    )
     return grad @ weight, *([None] * 8)
 
 
