@@ -141,24 +141,35 @@ def test_native_without_a_build_takes_numba_with_a_warning(monkeypatch):
         assert _cpu_int8._path(3) == "few_rows"
 
 
-@pytest.mark.parametrize("kernel_path", [p for p in _native.PATHS if _native.runnable(p)])
+#: Each instruction set the native kernel is built for (this CPU permitting), the AVX-512
+#: ones with and without VNNI (taken only where the CPU has it).
+KERNELS = [
+    (path, vnni)
+    for path in _native.PATHS
+    if _native.runnable(path)
+    for vnni in (True, False)[: 2 if "512" in path else 1]
+]
+
+
+@pytest.mark.parametrize(("kernel_path", "vnni"), KERNELS)
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 33])
-@pytest.mark.parametrize("K", [1, 2, 15, 16, 17, 31, 32, 33, 64, 100, 1025])
-def test_native_kernel_on_every_instruction_set_is_exact(monkeypatch, kernel_path, rows, K):
-    """Each instruction set the native kernel is built for (this CPU permitting), on widths
-    around its vector steps (16 and 32 bytes) and row counts around its groups of 8."""
+@pytest.mark.parametrize("K", [1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 1025])
+def test_native_kernel_on_every_instruction_set_is_exact(monkeypatch, kernel_path, vnni, rows, K):
+    """On widths around its vector steps (16, 32 and 64 bytes) and row counts around its groups of 8."""
     monkeypatch.setenv(_cpu_int8.PATH_VARIABLE, "native")
     monkeypatch.setenv(_native.PATH_VARIABLE, kernel_path)
+    monkeypatch.setattr(_cpu_int8, "VNNI", vnni)
     for kind in ("random", "-128", "mixed"):
         A, B = _ints(kind, rows, K), _ints(kind, 37, K)
         A[0, 0], B[0, -1] = 127, -128
         assert torch.equal(ops.int8_linear_matmul(A, B), _reference(A, B)), kind
 
 
-@pytest.mark.parametrize("kernel_path", [p for p in _native.PATHS if _native.runnable(p)])
-def test_native_kernel_wraps_as_the_reference(monkeypatch, kernel_path):
+@pytest.mark.parametrize(("kernel_path", "vnni"), KERNELS)
+def test_native_kernel_wraps_as_the_reference(monkeypatch, kernel_path, vnni):
     monkeypatch.setenv(_cpu_int8.PATH_VARIABLE, "native")
     monkeypatch.setenv(_native.PATH_VARIABLE, kernel_path)
+    monkeypatch.setattr(_cpu_int8, "VNNI", vnni)
     A, B = _ints("-128", 9, 140_001), _ints("-128", 3, 140_001)
     expected = _reference(A, B)
     assert expected[0, 0] < 0  # wrapped

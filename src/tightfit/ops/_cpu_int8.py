@@ -5,9 +5,11 @@ Exact ways around it:
 
 - few rows (decoding, up to ``NATIVE_ROWS``): the native kernel (``native/int8_rows.c``,
   built at first use, see ``_native``) reads each byte of B once, in registers, for all
-  rows of A: bytes sign-extended to int16 and multiplied in pairs into int32 (AVX-512 or
-  AVX2), or plain C with wrapping int32 sums elsewhere. Its only scratch is A widened to
-  int16 (2 bytes a value, outside torch's allocator).
+  rows of A: with AVX-512 VNNI, unsigned-by-signed byte dot products (A shifted by 128,
+  the shift taken off once per row of B); else bytes sign-extended to int16 and multiplied
+  in pairs into int32 (AVX-512 or AVX2), or plain C with wrapping int32 sums elsewhere.
+  Its only scratch is A shifted or widened (1 or 2 bytes a value, outside torch's
+  allocator).
 - many rows: float32 GEMMs of the int8 values, as bitsandbytes does, but exact: the K
   axis is cut into runs of 1024, where no partial sum, in whatever order a GEMM adds, can
   pass 2**24 (1024 * 128 * 128), so every one is an integer float32 holds; the runs are
@@ -52,9 +54,11 @@ EXACT_RUN = 1024
 BLOCK_BYTES = 1024 * 1024
 #: At most this many rows of A go through the byte-reading kernel; above, the float GEMMs win.
 FEW_ROWS = 32
-#: At most this many rows of A go through the native kernel unpinned (it is at the memory
-#: roof for one row and compute-bound from a few rows on, where oneDNN's GEMM catches up).
+#: At most this many rows of A go through the native kernel unpinned (the decoding case).
 NATIVE_ROWS = 8
+#: Whether the native kernel takes AVX-512 VNNI where the CPU has it (tests turn it off to
+#: test the int16 loop on the same CPU).
+VNNI = True
 
 
 def _float32_is_ieee() -> bool:
@@ -204,7 +208,14 @@ def _native_matmul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     a, b = A.contiguous(), B.contiguous()
     out = torch.empty(a.shape[0], b.shape[0], dtype=torch.int32)
     _native_library().tf_int8_matmul_rows(
-        a.data_ptr(), b.data_ptr(), out.data_ptr(), a.shape[0], b.shape[0], a.shape[1], torch.get_num_threads()
+        a.data_ptr(),
+        b.data_ptr(),
+        out.data_ptr(),
+        a.shape[0],
+        b.shape[0],
+        a.shape[1],
+        torch.get_num_threads(),
+        int(VNNI),
     )
     return out
 
