@@ -34,6 +34,21 @@ def bnb(request):
     return library(request.param)
 
 
+def same_outputs(ours: torch.Tensor, theirs: torch.Tensor, computed_in: torch.dtype | None = None) -> None:
+    """Layers whose decoded weights are equal give the same outputs up to the order of the
+    sums: tightfit's few-token kernels add the products in another order than bitsandbytes'
+    CPU code, and in float32 where bitsandbytes first rounds the decoded weight to a 16-bit
+    input's dtype: within float32 rounding, or for 16-bit outputs a few units in the last
+    place of the largest output (the spec, decode then ``F.linear``, is tests/ops' business).
+    ``computed_in``: the dtype the layers computed in, where the output was cast from it."""
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+    if (computed_in or ours.dtype) == torch.float32:
+        torch.testing.assert_close(ours, theirs)
+    else:
+        scale = float(theirs.abs().max()) if theirs.numel() else 0.0
+        torch.testing.assert_close(ours, theirs, rtol=2**-7, atol=2**-6 * scale)
+
+
 def float_linear(seed: int = 0, in_features: int = 64, out_features: int = 32, dtype=torch.float32) -> nn.Linear:
     torch.manual_seed(seed)
     return nn.Linear(in_features, out_features, dtype=dtype)
@@ -117,10 +132,10 @@ def test_state_dict_and_outputs_equal_bitsandbytes(quant_type, compress_statisti
     same_state_dicts(ours.state_dict(), theirs.state_dict())
     assert torch.equal(decoded(ours), spec_dequantize_4bit(ours.weight.data, ours.weight.quant_state))
     peer = PeerCheck()
-    if peer.decode_agrees(theirs.weight):  # then the layers' arithmetic must be the same
+    if peer.decode_agrees(theirs.weight):  # then the layers compute the same (up to the order of the sums)
         with torch.no_grad():
             for x in (inputs(), inputs(dtype=torch.bfloat16), inputs(2, dtype=torch.float16)):
-                assert torch.equal(ours(x), theirs(x))
+                same_outputs(ours(x), theirs(x))
     peer.settle()
 
 
@@ -134,8 +149,8 @@ def test_compute_dtype_is_used_and_the_output_has_the_input_dtype(compute_dtype)
         with torch.no_grad():
             y, their_y = ours(x), theirs(x)
         assert y.dtype == x.dtype
-        if same_decode:  # then the layers' arithmetic must be the same
-            assert torch.equal(y, their_y)
+        if same_decode:  # then the layers compute the same (up to the order of the sums)
+            same_outputs(y, their_y, ours.compute_dtype)
     assert ours.compute_dtype == theirs.compute_dtype and ours.compute_type_is_set
     peer.settle()
 
@@ -161,7 +176,7 @@ def test_built_on_meta_and_filled_from_prequantized(writer, reader):
     theirs = [m.weight for m in (source, layer) if type(m).__module__.startswith("bitsandbytes")]
     if all([peer.decode_agrees(weight) for weight in theirs]):  # then the layers' arithmetic must be the same
         with torch.no_grad():
-            assert torch.equal(layer(inputs()), source(inputs()))
+            same_outputs(layer(inputs()), source(inputs()))
     peer.settle()
 
 
@@ -206,7 +221,7 @@ def test_load_state_dict_strict_takes_bitsandbytes_layout(writer, on_meta):
     layer.load_state_dict(source.state_dict(), strict=True)
     assert layer.weight.device.type == "cpu" and layer.weight.bnb_quantized and layer.weight.module is layer
     with torch.no_grad():
-        assert torch.equal(layer(inputs()), source(inputs()))
+        same_outputs(layer(inputs()), source(inputs()))
     same_state_dicts(layer.state_dict(), source.state_dict())
 
 

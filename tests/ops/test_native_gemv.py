@@ -207,7 +207,7 @@ def test_double_quantized_scales_decode_in_the_kernel(path, bits):
         codes, absmax = _quantize_4bit_reference(values, 32, "nf4", torch.uint8)
     else:
         codes, absmax = _quantize_blockwise_reference(values, dynamic_map(), 32)
-    offset = float(absmax.mean())
+    offset = absmax.mean()
     qabsmax, absmax2 = _quantize_blockwise_reference(absmax - offset, dynamic_map(), 16)
     scales = ops.dequantize_blockwise(qabsmax, absmax2, None, 16) + offset
     nested = (absmax2, dynamic_map(), 16, offset)
@@ -223,11 +223,12 @@ def test_double_quantized_scales_decode_in_the_kernel(path, bits):
 @pytest.mark.parametrize(
     "change, error, match",
     [
-        ({"absmax2": None}, ValueError, "code2 is given without absmax2"),
+        ({"absmax2": None}, ValueError, "code2 or offset is given without absmax2"),
         ({"absmax": torch.zeros(5, dtype=torch.uint8)}, ValueError, "absmax .double-quantized. must be 1-D uint8"),
         ({"absmax2": torch.zeros(3)}, ValueError, "absmax2 must be 1-D float32 with 1 values"),
         ({"code2": torch.zeros(255)}, ValueError, "code2 must be 1-D float32 of 256"),
-        ({"offset": float("nan")}, ValueError, "offset must be a finite float"),
+        ({"offset": torch.ones(2)}, ValueError, "offset must be a float32 tensor of one value"),
+        ({"offset": 0.5}, TypeError, "offset must be Tensor"),
         ({"nested_blocksize": 0}, ValueError, "blocksize=0 is not accepted"),
     ],
 )
@@ -238,7 +239,7 @@ def test_hostile_double_quantized_scales_are_refused(change, error, match):
         "absmax2": torch.ones(1),
         "code2": dynamic_map(),
         "nested_blocksize": 256,
-        "offset": 0.0,
+        "offset": torch.tensor(0.0),
     } | change
     x = torch.randn(1, 64)
     with pytest.raises(error, match=match):

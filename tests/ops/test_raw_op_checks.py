@@ -88,13 +88,13 @@ BAD_CALLS = [
         "gemv_blockwise",
         (torch.randn(1, 16), CODES, ABSMAX8, dynamic_map(), 64, None, dynamic_map()),
         ValueError,
-        "code2 is given without absmax2",
+        "code2 or offset is given without absmax2",
     ),
     (
         "gemv_blockwise",
-        (torch.randn(1, 16), CODES, QABSMAX8, dynamic_map(), 64, torch.ones(2), dynamic_map(), 1, float("nan")),
+        (torch.randn(1, 16), CODES, QABSMAX8, dynamic_map(), 64, torch.ones(2), dynamic_map(), 1, torch.ones(2)),
         ValueError,
-        "offset must be a finite",
+        "offset must be a float32 tensor of one value",
     ),
     # gemv_float8: the native kernel reads the weight as rows of in_features bytes, the scale per row
     ("gemv_float8", (torch.randn(1, 8), W8.t(), None, None), ValueError, "contiguous 2-D"),

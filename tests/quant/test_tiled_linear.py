@@ -33,6 +33,7 @@ import pytest
 import torch
 from torch import nn
 
+import tightfit
 from tightfit.memory import LiveTensorBytes
 from tightfit.quant import _tiled, storage_format
 from tightfit.quant import functional as QF
@@ -245,12 +246,15 @@ def test_the_forward_holds_its_transient_bytes_above_its_output(
         monkeypatch.setattr(_tiled, "TILE_BYTES", tile_bytes)
     shape = (300, 96)
     layer = _layer(kind, shape, dtype=dtype)
-    for tokens in (2, 37):
+    for tokens in (2, tightfit.ops.FEW_TOKENS + 1, 37):
         x = _x((tokens, 96), dtype)
         with torch.no_grad(), LiveTensorBytes() as tracker:
             out = layer(x)
         predicted = type(layer).transient_bytes(shape, tokens, 0, dtype, blocksize=blocksize, nested=nested)
-        assert tracker.peak - out.nbytes == predicted
+        if tokens <= tightfit.ops.FEW_TOKENS:  # the few-token kernel decodes nothing: the tile is an upper bound
+            assert tracker.peak - out.nbytes <= predicted
+        else:
+            assert tracker.peak - out.nbytes == predicted
         whole = 300 * 96 * dtype.itemsize
         assert predicted < whole if tile_bytes is not None else predicted >= whole
 
@@ -262,8 +266,8 @@ def test_the_catalogue_predicts_one_default_tile(name):
     torch.manual_seed(0)
     linear = nn.Linear(2048, 1500)
     layer = Linear4bit.from_linear(linear) if name == "nf4" else Linear8bit.from_linear(linear)
-    x = torch.randn(5, 2048)
+    x = torch.randn(tightfit.ops.FEW_TOKENS + 1, 2048)  # more rows than the few-token kernels take
     with torch.no_grad(), LiveTensorBytes() as tracker:
         out = layer(x)
-    predicted = storage_format(name).transient_bytes(shape, 5, 0, torch.float32)
+    predicted = storage_format(name).transient_bytes(shape, x.shape[0], 0, torch.float32)
     assert tracker.peak - out.nbytes == predicted == _tiled.TILE_BYTES < 1500 * 2048 * 4

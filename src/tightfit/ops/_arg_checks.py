@@ -172,8 +172,10 @@ def check_scales(
     """Block scales as stored: float ``absmax``, or its uint8 codes with the nested
     ``absmax2`` (float32), ``code2`` (256 float32), ``nested_blocksize`` and ``offset``."""
     if absmax2 is None:
-        if code2 is not None:
-            raise ValueError("code2 is given without absmax2; double-quantized scales need both, plain scales neither")
+        if code2 is not None or offset is not None:
+            raise ValueError(
+                "code2 or offset is given without absmax2; double-quantized scales need all three, plain scales none"
+            )
         check_absmax(absmax, numel, blocksize, A)
         return
     check_type("absmax", absmax, torch.Tensor)
@@ -199,8 +201,12 @@ def check_scales(
             f"code2 must be 1-D float32 of 256 values, got dtype {code2.dtype}, shape {tuple(code2.shape)}"
         )
     check_same_device("code2", code2, "A", A)
-    if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
-        raise ValueError(f"offset must be a finite float, got {type(offset).__name__}: {offset!r}")
+    check_type("offset", offset, torch.Tensor)
+    if offset.dtype != torch.float32 or offset.numel() != 1:
+        raise ValueError(
+            f"offset must be a float32 tensor of one value, got dtype {offset.dtype}, shape {tuple(offset.shape)}"
+        )
+    check_same_device("offset", offset, "A", A)
 
 
 def gemv_4bit(
@@ -213,7 +219,7 @@ def gemv_4bit(
     absmax2: Any = None,
     code2: Any = None,
     nested_blocksize: Any = 256,
-    offset: Any = 0.0,
+    offset: Any = None,
 ) -> None:
     check_float_input("A", A)
     check_blocksize(blocksize, BLOCKSIZES_4BIT)
@@ -237,7 +243,7 @@ def gemv_blockwise(
     absmax2: Any = None,
     code2: Any = None,
     nested_blocksize: Any = 256,
-    offset: Any = 0.0,
+    offset: Any = None,
 ) -> None:
     check_float_input("A", A)
     check_type("B", B, torch.Tensor)

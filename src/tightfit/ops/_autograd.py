@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from tightfit._validate import check_non_negative_number, check_same_device, check_type
+from tightfit.ops import int8
 from tightfit.ops._arg_checks import FLOAT_DTYPES
 from tightfit.ops._registry import Case, define_op, register_kernel
 from tightfit.ops.int8 import (
@@ -80,11 +81,33 @@ def _cases() -> list[Case]:
     ]
 
 
+def _int8_linear_cpu(
+    A: torch.Tensor, weight: torch.Tensor, SCB: torch.Tensor, bias: torch.Tensor | None, threshold: float
+) -> torch.Tensor:
+    """The reference's steps, each step's CPU kernel called directly where the dispatcher would
+    add nothing (no dispatch or function mode active, not tracing): int8_linear's check has
+    covered the arguments and what one step hands the next is valid by construction, so the
+    steps' own checks and dispatch, a fifth of a one-token call, are left out. The same
+    kernels, bits and allocations; the same error for NaN or inf."""
+    if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack() or torch.compiler.is_compiling():
+        return _int8_linear_reference(A, weight, SCB, bias, threshold)
+    rows = A.reshape(-1, weight.shape[1])
+    if rows.numel() and not int8._all_finite(rows):
+        raise ValueError("A has NaN or inf values; int8 quantization needs finite values")
+    q, row_scales, outlier_cols = int8._vectorwise_cpu(rows, threshold)
+    product = int8._linear_matmul_cpu(q, weight)
+    out = int8._mm_dequant_cpu(product, row_scales, SCB, A.dtype, None if bias is None else bias.to(A.dtype))
+    if threshold > 0.0 and outlier_cols.numel():
+        weight_cols = int8_vectorwise_dequant(weight[:, outlier_cols].contiguous(), SCB).to(A.dtype)
+        out = out.addmm(rows[:, outlier_cols], weight_cols.t())
+    return out.reshape(*A.shape[:-1], weight.shape[0])
+
+
 _INT8_LINEAR = define_op(
     "int8_linear", _int8_linear_reference, fake=_int8_linear_fake, cases=_cases, check=_check_int8_linear
 )
-# The reference is device-generic (each step dispatches on its own); registering it is what says so.
-register_kernel("int8_linear", "cpu", _int8_linear_reference, label="int8 ops in sequence")
+# Other devices run the reference, whose steps each dispatch on their own.
+register_kernel("int8_linear", "cpu", _int8_linear_cpu, label="int8 CPU kernels in sequence")
 
 
 def _setup_context(ctx, inputs, output):

@@ -35,7 +35,7 @@ def gemv_blockwise(
     table: torch.Tensor,
     blocksize: int,
     op: str,
-    nested: tuple[torch.Tensor | None, torch.Tensor | None, int, float],
+    nested: tuple[torch.Tensor | None, torch.Tensor | None, int, torch.Tensor | None],
 ) -> torch.Tensor | None:
     """``A @ decode(codes).T`` in float32 (``A``'s rows flattened), or None where no native
     library could be built. ``absmax`` holds one scale per block of the flattened weight,
@@ -62,7 +62,7 @@ def gemv_blockwise(
         None if qscales is None else qscales.data_ptr(),
         *(None if t is None else t.data_ptr() for t in nested_tensors),
         nested_blocksize,
-        float(offset),
+        0.0 if offset is None else float(offset),
         table32.data_ptr(),
         x.shape[0],
         rows,

@@ -36,6 +36,7 @@ the D1 warning). ``TIGHTFIT_CPU_KERNEL_PATH`` picks the native kernel's instruct
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 
@@ -99,31 +100,40 @@ def int_mm_is_exact() -> bool:
 
 
 def _path(rows: int) -> str:
-    """The pinned path, else the one the CPU's features favour; then the first usable one
-    (exact, and for ``native`` built)."""
-    chosen = pinned_path()
+    """The path ``rows`` rows of A take (see :func:`_choose`)."""
+    return _choose(rows)[0]
+
+
+def _choose(rows: int) -> tuple[str, ctypes.CDLL | None]:
+    """(path, the native library where the path is ``native``): the pinned path, else the one
+    the CPU's features favour; then the first exact one (``native`` where it is built). The
+    library is looked up at most once, and only where ``native`` is a candidate."""
     few, native = rows <= FEW_ROWS, ("native",) if rows <= NATIVE_ROWS else ()
-    if chosen is None and native and _native_library() is not None:
-        chosen = "native"
-    elif chosen is None and torch.backends.cpu.get_cpu_capability() == "AVX512":
-        chosen = "int_mm"  # oneDNN's int8 GEMM is fast there
-    elif chosen is None:
-        chosen = "few_rows" if few else "float"
-    preference = (chosen, *native, "few_rows" if few else "float", "int_mm", "few_rows")
-    return next(path for path in preference if _usable(path))
+    by_cpu = "int_mm" if torch.backends.cpu.get_cpu_capability() == "AVX512" else ("few_rows" if few else "float")
+    pinned = pinned_path()
+    first = (pinned,) if pinned is not None else (*native, by_cpu)  # oneDNN's int8 GEMM is fast with AVX-512
+    library, looked_up = None, False
+    for path in (*first, *native, "few_rows" if few else "float", "int_mm"):
+        if path != "native":
+            if _is_exact(path):
+                return path, None
+        else:
+            if not looked_up:
+                library, looked_up = _native_library(), True
+            if library is not None:
+                return path, library
+    return "few_rows", None  # always exact
 
 
-def _usable(path: str) -> bool:
+def _is_exact(path: str) -> bool:
     if path == "float":
         return _float32_is_ieee()
     if path == "int_mm":
         return int_mm_is_exact()
-    if path == "native":
-        return _native_library() is not None
     return True  # few_rows: numba's int32 loop (or, without numba, the int32 reference)
 
 
-def _native_library():
+def _native_library() -> ctypes.CDLL | None:
     """The native kernels' library, or None after reporting once why not (D1; not where
     ``TIGHTFIT_CPU_KERNEL_PATH=none`` asks for no native kernels)."""
     library, path_or_reason = _native.library()
@@ -183,13 +193,13 @@ def _float_matmul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
 
 def linear_matmul_cpu(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """Exact ``A @ B.T`` for non-empty int8 ``A`` (M, K) and ``B`` (N, K), checked by the op."""
-    path = _path(A.shape[0])
+    path, library = _choose(A.shape[0])
     if path == "float":
         return _float_matmul(A, B)
     if path == "int_mm":
         return _int_mm(A, B)
     if path == "native":
-        return _native_matmul(A, B)
+        return _native_matmul(A, B, library)
     if usable_numba("int8_linear_matmul", "few-row products use torch._int_mm where exact, else int32 torch.mm"):
         out = torch.empty(A.shape[0], B.shape[0], dtype=torch.int32)
         from tightfit.ops._kernels_int8 import few_rows
@@ -202,12 +212,11 @@ def linear_matmul_cpu(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     return A.to(torch.int32) @ B.to(torch.int32).t()
 
 
-def _native_matmul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    """The native kernel (``_path`` has checked that it is built) on contiguous copies, whose
-    pointers are valid for the sizes it is given."""
+def _native_matmul(A: torch.Tensor, B: torch.Tensor, library: ctypes.CDLL) -> torch.Tensor:
+    """The native kernel on contiguous copies, whose pointers are valid for the sizes it is given."""
     a, b = A.contiguous(), B.contiguous()
     out = torch.empty(a.shape[0], b.shape[0], dtype=torch.int32)
-    _native_library().tf_int8_matmul_rows(
+    library.tf_int8_matmul_rows(
         a.data_ptr(),
         b.data_ptr(),
         out.data_ptr(),

@@ -66,7 +66,7 @@ def _gemv_4bit_reference(
     absmax2: torch.Tensor | None = None,
     code2: torch.Tensor | None = None,
     nested_blocksize: int = 256,
-    offset: float = 0.0,
+    offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     scales = _scales(absmax, absmax2, code2, nested_blocksize, offset)
     weight = _dequantize_4bit_reference(B, scales, blocksize, quant_type, shape, A.dtype)
@@ -113,7 +113,7 @@ def _nested(scales: torch.Tensor, nested_blocksize: int) -> tuple:
     """``scales`` double-quantized as QuantState does it: (codes, absmax2, code2, nested_blocksize, offset)."""
     offset = scales.mean()
     codes, absmax2 = _quantize_blockwise_reference(scales - offset, dynamic_map(), nested_blocksize)
-    return codes, absmax2, dynamic_map(), nested_blocksize, float(offset)
+    return codes, absmax2, dynamic_map(), nested_blocksize, offset.reshape(())
 
 
 def _gemv_4bit_cases() -> list[Case]:
@@ -170,18 +170,18 @@ def _gemv_blockwise_reference(
     absmax2: torch.Tensor | None = None,
     code2: torch.Tensor | None = None,
     nested_blocksize: int = 256,
-    offset: float = 0.0,
+    offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     scales = _scales(absmax, absmax2, code2, nested_blocksize, offset)
     weight = _dequantize_blockwise_reference(B, scales, code, blocksize, A.dtype)
     return torch.nn.functional.linear(A, weight)
 
 
-def _gemv_blockwise_fake(A, B, absmax, code, blocksize, absmax2=None, code2=None, nested_blocksize=256, offset=0.0):
+def _gemv_blockwise_fake(A, B, absmax, code, blocksize, absmax2=None, code2=None, nested_blocksize=256, offset=None):
     return A.new_empty(*A.shape[:-1], B.shape[0])
 
 
-def _gemv_blockwise_cpu(A, B, absmax, code, blocksize, absmax2=None, code2=None, nested_blocksize=256, offset=0.0):
+def _gemv_blockwise_cpu(A, B, absmax, code, blocksize, absmax2=None, code2=None, nested_blocksize=256, offset=None):
     nested = (absmax2, code2, nested_blocksize, offset)
     out = native_gemv(A, B, 8, B.shape, absmax, code, blocksize, "gemv_blockwise", nested)
     if out is None:  # no native build: decode with the numba kernel, then one GEMM
@@ -249,14 +249,14 @@ def gemv_4bit(
     absmax2: torch.Tensor | None = None,
     code2: torch.Tensor | None = None,
     nested_blocksize: int = 256,
-    offset: float = 0.0,
+    offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``A @ dequantize(B).T`` for a packed 4-bit weight of ``shape`` (out x in), decoding
     the weight block by block instead of materializing it: the few-token case.
 
     ``A`` has shape (..., in); the result (..., out) has ``A``'s dtype. Double-quantized
     scales: ``absmax`` holds their uint8 codes, decoded with ``absmax2``, ``code2`` (256
-    float32), ``nested_blocksize`` and ``offset``. The CPU kernel accumulates in float32,
+    float32), ``nested_blocksize`` and ``offset`` (a float32 tensor of one value). The CPU kernel accumulates in float32,
     so results agree with the reference to rounding."""
     return _GEMV_4BIT(A, B, shape, absmax, blocksize, quant_type, absmax2, code2, nested_blocksize, offset)
 
@@ -270,7 +270,7 @@ def gemv_blockwise(
     absmax2: torch.Tensor | None = None,
     code2: torch.Tensor | None = None,
     nested_blocksize: int = 256,
-    offset: float = 0.0,
+    offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``A @ dequantize_blockwise(B).T`` for 8-bit codes ``B`` (out x in, uint8), decoding
     the weight block by block in the product instead of materializing it (few tokens).

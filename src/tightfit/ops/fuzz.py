@@ -339,7 +339,7 @@ def _nested_scales(b: _Builder, absmax: torch.Tensor) -> list[Any]:
     count = absmax.numel()
     absmax2 = torch.rand(checks.block_count(count, nested_blocksize), generator=b.generator) * 2
     codes = b.bytes_(count)
-    return [codes, absmax2, _sorted_code(b), nested_blocksize, b.rng.choice((0.0, 0.25, -1.5))]
+    return [codes, absmax2, _sorted_code(b), nested_blocksize, torch.tensor(b.rng.choice((0.0, 0.25, -1.5)))]
 
 
 def _gemv_blockwise(b: _Builder) -> list[Any]:
@@ -348,7 +348,7 @@ def _gemv_blockwise(b: _Builder) -> list[Any]:
     tokens = b.rng.choice(((cols,), (1, cols), (3, cols), (2, 2, cols), (9, cols)))
     numel = rows * cols
     absmax = _absmax(b, numel, blocksize)
-    nested = _nested_scales(b, absmax) if b.rng.random() < 0.3 else [absmax, None, None, 256, 0.0]
+    nested = _nested_scales(b, absmax) if b.rng.random() < 0.3 else [absmax, None, None, 256, None]
     args = [
         b.floats(tokens, b.rng.choice(checks.FLOAT_DTYPES)),
         b.bytes_(numel).reshape(rows, cols),
@@ -402,8 +402,10 @@ def _gemv_blockwise(b: _Builder) -> list[Any]:
             args[7] = value
             b.mutate(f"nested_blocksize {value}", valid)
         else:
-            args[8] = b.rng.choice((math.nan, math.inf, -2.0, 0.5))
-            b.mutate(f"offset {args[8]}", math.isfinite(args[8]))
+            value = b.rng.choice((0.5, torch.tensor(0.5, dtype=torch.float64), torch.ones(2), torch.tensor([-2.0])))
+            args[8] = value
+            valid = isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.numel() == 1
+            b.mutate(f"offset {value!r}", valid)
     return args
 
 

@@ -56,6 +56,22 @@ def _nest(absmax: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Ten
     return codes, offset, state2
 
 
+def _stored_scales(state: QuantState) -> tuple[Any, ...]:
+    """The block scales as the few-token ops take them, as stored: (absmax, absmax2, code2,
+    nested_blocksize, offset), the last four unset where the scales are not double-quantized."""
+    if not state.nested:
+        return state.absmax, None, None, 256, None
+    return state.absmax, state.state2.absmax, state.state2.code, state.state2.blocksize, state.offset
+
+
+def _few_tokens(A: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the few-token kernels, which read the codes in the product, run for ``A``:
+    at most ``FEW_TOKENS`` rows, no gradient recorded (training runs the tiled GEMMs,
+    whose forward and backward match ``F.linear`` on the decoded weight bit for bit)."""
+    recording = torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad))
+    return not recording and A.dim() > 0 and A.numel() <= ops.FEW_TOKENS * A.shape[-1]
+
+
 def _absmax_of(state: QuantState) -> torch.Tensor:
     if not state.nested:
         return state.absmax
@@ -272,7 +288,8 @@ def gemv_4bit(
     if transposed_A or transposed_B:
         raise ValueError("transposed_A and transposed_B are not supported; pass A and B as stored")
     state = _check_4bit_weight_state(state)
-    result = ops.gemv_4bit(A, B, list(state.shape), _absmax_of(state).float(), state.blocksize, state.quant_type)
+    absmax, *nested = _stored_scales(state)
+    result = ops.gemv_4bit(A, B, list(state.shape), absmax, state.blocksize, state.quant_type, *nested)
     return _copy_into("out", out, result)
 
 
@@ -333,7 +350,11 @@ def _decoded_linear(
     """``A @ decode(B).T + bias`` in ``A``'s dtype for 4-bit or 8-bit blockwise codes ``B``
     (the quantized layers' forward), a tile of decoded weight rows at a time. Without
     gradients each tile is dropped after its product; with them only the codes wait
-    for the backward."""
+    for the backward. Up to ``FEW_TOKENS`` rows, 8-bit codes go through the few-token kernel."""
+    if state.quant_type is None and _few_tokens(A, bias) and B.dim() == 2:
+        absmax, *nested = _stored_scales(state)
+        result = ops.gemv_blockwise(A, B, absmax, state.code, state.blocksize, *nested)
+        return result if bias is None else (result + bias).to(A.dtype)  # the bias rounded once, as for 4-bit
     if torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad)):
         return _LinearDecodedTwice.apply(A, B, bias, state)
     return _linear(A, B, state, bias)
@@ -346,15 +367,15 @@ def matmul_4bit(
     out: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``A @ dequantize(B).T + bias`` in ``A``'s dtype. One token at a time (decode) runs
-    the fused kernel and never holds the decoded weight; larger batches decode the weight
+    """``A @ dequantize(B).T + bias`` in ``A``'s dtype. Up to ``FEW_TOKENS`` rows without
+    gradients (decoding) run the fused kernel, which never holds the decoded weight; more rows decode the weight
     a tile of rows at a time for torch's matmul; for the backward they keep the codes,
     not the weight."""
     state = _check_4bit_weight_state(quant_state)
     check_type("A", A, torch.Tensor)
-    single_token = A.dim() > 0 and A.numel() == A.shape[-1]
-    if single_token:
-        result = ops.gemv_4bit(A, B, list(state.shape), _absmax_of(state).float(), state.blocksize, state.quant_type)
+    if _few_tokens(A, bias):
+        absmax, *nested = _stored_scales(state)
+        result = ops.gemv_4bit(A, B, list(state.shape), absmax, state.blocksize, state.quant_type, *nested)
         if bias is not None:  # rounded once, as torch.compile computes it (it fuses a cast of the bias into the add)
             result = (result + bias).to(A.dtype)
     else:

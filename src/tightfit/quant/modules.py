@@ -167,8 +167,9 @@ class QuantizedLinear(_CheckedLoading):
         when it is smaller), and for a ``nested`` absmax the float32 scales of the tile,
         decoded from the nested blocks that hold them, at the largest tile. The weight is
         in blocks of ``blocksize`` (default :attr:`default_blocksize`). Nothing for no
-        rows; a one-token 4-bit forward, whose fused kernel decodes nothing, is counted
-        as if it decoded a tile. Tensors between ops, as
+        rows; up to ``FEW_TOKENS`` rows without gradients the few-token kernels run, which
+        decode nothing (they hold the input and the output in float32), and are counted
+        as if they decoded a tile: an upper bound. Tensors between ops, as
         :class:`tightfit.memory.LiveTensorBytes` counts them (tests/quant/test_tiled_linear.py
         holds the forward to it)."""
         if rows == 0:

@@ -27,6 +27,9 @@
 
 #define TOKENS 8
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+/* Each step also asks for the bytes this many rows of B ahead, into L2: the hardware
+ * prefetchers alone leave a third of the memory's bandwidth unused here. */
+#define PREFETCH(b, k, K) __builtin_prefetch((b) + (k) + 4 * (K), 0, 2)
 
 /* One output element, element by element (the path when the scratch could not be had). */
 static int32_t dot_scalar(const int8_t *a, const int8_t *b, int64_t K) {
@@ -54,6 +57,7 @@ ALWAYS_INLINE void rows_vec(const int16_t *a16, const int8_t *B, int32_t *out, i
         __m512i acc[TOKENS];
         for (int m = 0; m < mc; m++) acc[m] = _mm512_setzero_si512();
         for (int64_t k = 0; k < whole; k += STEP) {
+            PREFETCH(b, k, K);
             __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(b + k)));
             for (int m = 0; m < mc; m++)
                 acc[m] = _mm512_add_epi32(acc[m], _mm512_madd_epi16(w, _mm512_loadu_si512(a16 + m * K + k)));
@@ -88,6 +92,7 @@ VNNI ALWAYS_INLINE void rows_vnni_vec(const uint8_t *au, const int8_t *B, int32_
         __m512i acc[TOKENS], sum = _mm512_setzero_si512();
         for (int m = 0; m < mc; m++) acc[m] = _mm512_setzero_si512();
         for (int64_t k = 0; k < whole; k += VNNI_STEP) {
+            PREFETCH(b, k, K);
             __m512i w = _mm512_loadu_si512(b + k);
             sum = _mm512_dpbusd_epi32(sum, ones, w);
             for (int m = 0; m < mc; m++) acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_loadu_si512(au + m * K + k), w);
@@ -135,6 +140,7 @@ ALWAYS_INLINE void rows_vec(const int16_t *a16, const int8_t *B, int32_t *out, i
         __m256i acc[TOKENS];
         for (int m = 0; m < mc; m++) acc[m] = _mm256_setzero_si256();
         for (int64_t k = 0; k < whole; k += STEP) {
+            PREFETCH(b, k, K);
             __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + k)));
             for (int m = 0; m < mc; m++)
                 acc[m] = _mm256_add_epi32(
@@ -165,6 +171,7 @@ ALWAYS_INLINE void rows_vec(const int16_t *a16, const int8_t *B, int32_t *out, i
         const int8_t *b = B + n * K;
         uint32_t acc[TOKENS][STEP] = {{0}};
         for (int64_t k = 0; k < whole; k += STEP) {
+            PREFETCH(b, k, K);
             int32_t w[STEP];
             for (int t = 0; t < STEP; t++) w[t] = b[k + t];
             for (int m = 0; m < mc; m++)
