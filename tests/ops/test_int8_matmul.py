@@ -266,3 +266,25 @@ def test_the_probe_runs_on_real_tensors_inside_fake_mode():
     with FakeTensorMode():
         exact = _cpu_int8.int_mm_is_exact()
     assert exact is _cpu_int8.int_mm_is_exact()
+
+
+@pytest.mark.parametrize("shape", [(2048,), (1, 2048), (8, 2048), (2, 3, 2048)])
+@pytest.mark.parametrize("threshold", [0.0, 6.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_linear_cpu_kernel_is_the_reference_bit_for_bit(shape, threshold, dtype):
+    """int8_linear's CPU kernel calls the steps' kernels directly (no re-checks, no dispatch):
+    the reference's bits, outlier columns included, and its error for NaN."""
+    from tightfit.ops._autograd import _int8_linear_reference
+
+    generator = torch.Generator().manual_seed(len(shape))
+    A = torch.randn(shape, generator=generator).to(dtype)
+    A[..., 5] = 9.0  # an outlier column at threshold 6
+    weight = _ints("random", 96, 2048)
+    SCB = torch.rand(96, generator=generator) + 0.5
+    bias = torch.randn(96, generator=generator).to(dtype)
+    with torch.inference_mode():
+        expected = _int8_linear_reference(A, weight, SCB, bias, threshold)
+        assert torch.equal(ops.int8_linear(A, weight, SCB, bias, threshold), expected)
+        A.view(-1)[3] = float("nan")
+        with pytest.raises(ValueError, match="NaN or inf"):
+            ops.int8_linear(A, weight, SCB, bias, threshold)
