@@ -246,3 +246,19 @@ def test_hostile_double_quantized_scales_are_refused(change, error, match):
         ops.gemv_4bit(x, codes, [8, 64], args["absmax"], 64, "nf4", *list(args.values())[1:])
     with pytest.raises(error, match=match):
         torch.ops.tightfit.gemv_4bit(x, codes, [8, 64], args["absmax"], 64, "nf4", *list(args.values())[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_is_bit_equal_to_the_reference_on_every_path(path, dtype):
+    """The many-token forwards decode tiles through the native dequantize: bit for bit the
+    reference's float32 decode and its cast (odd counts, partial last blocks included)."""
+    generator = torch.Generator().manual_seed(3)
+    values = torch.randn(1001, generator=generator)
+    packed, absmax = _quantize_4bit_reference(values, 64, "nf4", torch.uint8)
+    got = ops.dequantize_4bit(packed, absmax, 64, "nf4", [1001], dtype)
+    want = _dequantize_4bit_reference(packed, absmax, 64, "nf4", [1001], dtype)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    codes, absmax8 = _quantize_blockwise_reference(values, dynamic_map(), 100)
+    got = ops.dequantize_blockwise(codes, absmax8, None, 100, dtype)
+    want = ops.get_op("dequantize_blockwise").reference(codes, absmax8, dynamic_map(), 100, dtype)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

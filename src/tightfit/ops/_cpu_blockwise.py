@@ -1,5 +1,8 @@
 """Fast CPU kernels for blockwise 8-bit and 4-bit quantization (numba, compiled at first use
-and cached on disk; the kernels themselves are in ``_kernels_blockwise``).
+and cached on disk; the kernels themselves are in ``_kernels_blockwise``). Decoding runs the
+native kernel (``native/dequantize_blockwise.c``) where it builds: it shares torch's OpenMP
+threads, where each numba call handed over between two thread pools (milliseconds a call
+under the default spin-wait, paid per tile by the many-token forwards).
 
 They follow the reference kernels in ``ops/blockwise.py`` operation for operation in
 float32 (reciprocal-multiply for full blocks, division for the partial last block, the
@@ -22,6 +25,7 @@ import numpy as np
 import torch
 
 from tightfit.ops._arg_checks import block_count
+from tightfit.ops._cpu_gemv import native_library
 from tightfit.ops._hugepages import empty_with_huge_pages
 from tightfit.ops._numba import kernel_lock, usable_numba
 
@@ -135,9 +139,26 @@ def _dequantize_into(
     dtype: torch.dtype,
     reference,
 ) -> torch.Tensor:
+    as_bf16 = dtype == torch.bfloat16
+    library = native_library(op)
+    if library is not None:
+        out = empty_with_huge_pages((numel,), torch.bfloat16 if as_bf16 else torch.float32)
+        scales, table = absmax.float().contiguous(), code.float().contiguous()
+        bits = 4 if op == "dequantize_4bit" else 8
+        library.tf_dequantize_blockwise(
+            data.data_ptr(),
+            bits,
+            scales.data_ptr(),
+            table.data_ptr(),
+            numel,
+            blocksize,
+            out.data_ptr(),
+            as_bf16,
+            torch.get_num_threads(),
+        )
+        return out if out.dtype == dtype else out.to(dtype)
     if usable_numba(op, "running the reference kernel") is None:
         return reference()
-    as_bf16 = dtype == torch.bfloat16
     out = empty_with_huge_pages((numel,), torch.bfloat16 if as_bf16 else torch.float32)
     target = out.view(torch.int16).numpy().view(np.uint16) if as_bf16 else out.view(torch.int32).numpy().view(np.uint32)
     code32 = code.float().contiguous().numpy()
