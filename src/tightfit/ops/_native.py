@@ -158,8 +158,9 @@ def _build(path: str) -> Path:
     if compiler is None:
         raise RuntimeError(f"no C compiler ({os.environ.get('CC') or 'cc'} is not on PATH)")
     sources = sorted(_SOURCE_DIR.glob("*.c"))
+    headers = sorted(_SOURCE_DIR.glob("*.h"))
     folder = cache_dir() / "kernels"
-    target = folder / f"tightfit-{path}-{_build_key(compiler, path, sources)}.so"
+    target = folder / f"tightfit-{path}-{_build_key(compiler, path, sources + headers)}.so"
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)

@@ -16,16 +16,11 @@
  *
  * x is M x K float32, out is M x N float32; tokens come in groups of TOKENS.
  */
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-#if defined(TF_AVX512) || defined(TF_AVX2)
-#include <immintrin.h>
-#endif
+#include "vector.h"
 
 #define TOKENS 8
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* Where a block's scale comes from: absmax[b], or code2[qabsmax[b]] * absmax2[b / nested] + offset. */
 typedef struct {
@@ -101,12 +96,6 @@ static void permute_quads(const float *x, float *xq, int64_t M, int64_t K) {
 }
 
 #if defined(TF_AVX512)
-#define LANES 16
-typedef __m512 vec;
-#define VZERO _mm512_setzero_ps()
-#define VLOAD _mm512_loadu_ps
-#define VFMA _mm512_fmadd_ps
-#define VSUM _mm512_reduce_add_ps
 
 /* A row's current block: its scale, and for 4-bit codes the table times the scale. */
 typedef struct {
@@ -166,17 +155,6 @@ static const int X_OFFSET_8BIT[] = {0, 16};
 #endif
 
 #elif defined(TF_AVX2)
-#define LANES 8
-typedef __m256 vec;
-#define VZERO _mm256_setzero_ps()
-#define VLOAD _mm256_loadu_ps
-#define VFMA _mm256_fmadd_ps
-ALWAYS_INLINE float VSUM(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 typedef struct {
     __m256 scale, lo, hi;
@@ -216,25 +194,6 @@ ALWAYS_INLINE void decode_step(const uint8_t *w, int64_t flat, int bits, const f
 static const int X_OFFSET_4BIT[] = {0, 8, 16, 24}, X_OFFSET_8BIT[] = {0, 8, 16, 24};
 
 #else /* portable: fixed-width arrays the compiler vectorizes (SSE2 on x86-64, NEON on ARM) */
-#define LANES 8
-typedef struct {
-    float f[LANES];
-} vec;
-static const vec VZERO = {{0}};
-ALWAYS_INLINE vec VLOAD(const float *p) {
-    vec v;
-    memcpy(v.f, p, sizeof v.f);
-    return v;
-}
-ALWAYS_INLINE vec VFMA(vec a, vec b, vec c) {
-    for (int t = 0; t < LANES; t++) c.f[t] += a.f[t] * b.f[t];
-    return c;
-}
-ALWAYS_INLINE float VSUM(vec v) {
-    float total = 0.0f;
-    for (int t = 0; t < LANES; t++) total += v.f[t];
-    return total;
-}
 typedef struct {
     float scale, tab[16];
 } block_t;

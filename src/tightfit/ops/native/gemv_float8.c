@@ -22,17 +22,12 @@
  * NULL or N float32, out is M x N float32.
  */
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
 
-#if defined(TF_AVX512) || defined(TF_AVX2)
-#include <immintrin.h>
-#endif
+#include "vector.h"
 
 #define TOKENS 8
 #define E4M3FN 0
 #define E5M2 1
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* The float32 value of every byte, exactly. */
 static void build_table(int format, float *table) {
@@ -87,13 +82,7 @@ static void rows_scalar(const job_t *j, int64_t n0, int64_t n1, int64_t m0, int6
 
 /* The vector paths decode a step of STEP bytes into VECS vectors of LANES floats. */
 #if defined(TF_AVX512)
-#define LANES 16
 #define VECS 2
-typedef __m512 vec;
-#define VZERO _mm512_setzero_ps()
-#define VLOAD _mm512_loadu_ps
-#define VFMA _mm512_fmadd_ps
-#define VSUM _mm512_reduce_add_ps
 
 /* 32 bytes as float16 bit patterns (e4m3fn: of the value times 2**-8), then float32. For
  * e4m3fn, (byte << 8) shifted right arithmetically by one puts the sign in bits 15 and 14
@@ -111,18 +100,7 @@ ALWAYS_INLINE void decode(const uint8_t *w, int format, vec *v) {
 }
 
 #elif defined(TF_AVX2)
-#define LANES 8
 #define VECS 2
-typedef __m256 vec;
-#define VZERO _mm256_setzero_ps()
-#define VLOAD _mm256_loadu_ps
-#define VFMA _mm256_fmadd_ps
-ALWAYS_INLINE float VSUM(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 ALWAYS_INLINE void decode(const uint8_t *w, int format, vec *v) {
     __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)w));
@@ -137,26 +115,7 @@ ALWAYS_INLINE void decode(const uint8_t *w, int format, vec *v) {
 }
 
 #else /* portable: fixed-width arrays the compiler vectorizes (SSE2 on x86-64, NEON on ARM) */
-#define LANES 8
 #define VECS 2
-typedef struct {
-    float f[LANES];
-} vec;
-static const vec VZERO = {{0}};
-ALWAYS_INLINE vec VLOAD(const float *p) {
-    vec v;
-    memcpy(v.f, p, sizeof v.f);
-    return v;
-}
-ALWAYS_INLINE vec VFMA(vec a, vec b, vec c) {
-    for (int t = 0; t < LANES; t++) c.f[t] += a.f[t] * b.f[t];
-    return c;
-}
-ALWAYS_INLINE float VSUM(vec v) {
-    float total = 0.0f;
-    for (int t = 0; t < LANES; t++) total += v.f[t];
-    return total;
-}
 #endif
 #define STEP (LANES * VECS)
 

@@ -1,0 +1,59 @@
+/* What the few-token kernels share: one float vector type per instruction-set path, with
+ * the few operations the multiply-accumulate loops use. TF_AVX512: 16 lanes; TF_AVX2: 8;
+ * neither: 8 lanes of plain C the compiler vectorizes for its baseline (SSE2 on x86-64,
+ * NEON on ARM). */
+#ifndef TIGHTFIT_VECTOR_H
+#define TIGHTFIT_VECTOR_H
+
+#include <stdint.h>
+#include <string.h>
+#if defined(TF_AVX512) || defined(TF_AVX2)
+#include <immintrin.h>
+#endif
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+#if defined(TF_AVX512)
+#define LANES 16
+typedef __m512 vec;
+#define VZERO _mm512_setzero_ps()
+#define VLOAD _mm512_loadu_ps
+#define VFMA _mm512_fmadd_ps
+#define VSUM _mm512_reduce_add_ps
+
+#elif defined(TF_AVX2)
+#define LANES 8
+typedef __m256 vec;
+#define VZERO _mm256_setzero_ps()
+#define VLOAD _mm256_loadu_ps
+#define VFMA _mm256_fmadd_ps
+ALWAYS_INLINE float VSUM(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#else
+#define LANES 8
+typedef struct {
+    float f[LANES];
+} vec;
+static const vec VZERO = {{0}};
+ALWAYS_INLINE vec VLOAD(const float *p) {
+    vec v;
+    memcpy(v.f, p, sizeof v.f);
+    return v;
+}
+ALWAYS_INLINE vec VFMA(vec a, vec b, vec c) {
+    for (int t = 0; t < LANES; t++) c.f[t] += a.f[t] * b.f[t];
+    return c;
+}
+ALWAYS_INLINE float VSUM(vec v) {
+    float total = 0.0f;
+    for (int t = 0; t < LANES; t++) total += v.f[t];
+    return total;
+}
+#endif
+
+#endif
