@@ -42,7 +42,9 @@ Rows (``--rows`` picks some by name):
   token, the next token the argmax of the last logits.
 
 Every row decodes the same 32 fixed prompt ids into 64 new tokens (``--new-tokens``),
-greedily and without stopping at an end token, on ``--threads`` threads (2). Prefill: from
+greedily and without stopping at an end token, on ``--threads`` threads (2), under the
+threading policy the ``tightfit`` command sets (``OMP_WAIT_POLICY=PASSIVE``, which
+llama.cpp's OpenMP build reads too; the script restarts itself with it where it is unset). Prefill: from
 the call to the first new token (the prompt's forward). Decode tok/s: the other new tokens
 over the time they took. One warm-up generation of 4 tokens per row first; then
 ``--rounds`` rounds each run every row once in an order rotating from round to round (a
@@ -82,7 +84,10 @@ Without it (or with ``--skip-llama``) the llama.cpp rows are skipped with a note
 
 Run:
     .venv/bin/python benchmarks/decode_cpu.py [--rounds 3] [--new-tokens 64] [--threads 2]
-        [--skip-llama] [--rows NAME ...] [--cache-dir DIR] [--out PATH]
+        [--skip-llama] [--rows NAME ...] [--cache-dir DIR] [--out PATH] [--quiet-load L]
+
+``--quiet-load L`` waits (at most 30 minutes) for a 1-minute load average of at most L
+before the rounds: on a shared machine, run it as ``--quiet-load 1.5``.
 """
 
 from __future__ import annotations

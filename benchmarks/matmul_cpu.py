@@ -37,9 +37,14 @@ scales, maps, as held) over the time per call; ``of roof``: that over the read b
 (100%: the call runs at memory speed; many tokens are compute-bound, so their figures are
 low by nature); ``x bf16``: bf16's time over the row's (above 1: faster than bf16).
 
+Threads: 2 by default, under the policy the ``tightfit`` command sets
+(``OMP_WAIT_POLICY=PASSIVE``; the script restarts itself with it where it is unset); on a
+busy machine spinning OpenMP threads turn every call into a scheduler time slice.
+``--quiet-load L`` first waits (at most 30 minutes) for a 1-minute load average <= L.
+
 Run (2 threads by default, as a small decode box has):
     .venv/bin/python benchmarks/matmul_cpu.py [--threads 2] [--rounds 15] [--tokens 1 8 128]
-        [--shapes 2048x5632 4096x4096] [--pool-mib N] [--rows SUBSTRING ...] [--out PATH]
+        [--shapes 2048x5632 4096x4096] [--pool-mib N] [--rows SUBSTRING ...] [--out PATH] [--quiet-load L]
 """
 
 from __future__ import annotations
