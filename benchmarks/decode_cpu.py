@@ -633,7 +633,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-llama", action="store_true", help="leave out the llama.cpp rows")
     parser.add_argument(
-        "--rows", nargs="+", default=None, help=f"rows to run, by name (default: {', '.join(DEFAULT_ROWS)})"
+        "--rows",
+        nargs="+",
+        default=None,
+        help=f"rows to run, by name (default: {', '.join(DEFAULT_ROWS)})".replace("%", "%%"),
     )
     parser.add_argument("--cache-dir", type=Path, default=CACHE)
     parser.add_argument("--out", type=Path, default=RESULTS)
