@@ -189,12 +189,16 @@ def test_a_build_is_reused_by_later_processes(tmp_path):
     )
     env = {**os.environ, "TIGHTFIT_CACHE_DIR": str(tmp_path), "TIGHTFIT_STRICT": "1", "CC": str(wrapper)}
     env.pop(_native.PATH_VARIABLE, None)
+    compiles = []
     for _ in range(2):
         run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr
+        compiles.append(len(log.read_text().splitlines()))
     built = sorted((tmp_path / "kernels").glob("*.so"))
     assert [path.name.split("-")[1] for path in built] == [run.stdout.strip()]
-    assert log.read_text().splitlines() == ["compile"]
+    assert (
+        compiles[0] == compiles[1] > 0
+    )  # the first process compiled (a source at a time, then a link); the second nothing
 
 
 @pytest.mark.parametrize("bits", [4, 8])

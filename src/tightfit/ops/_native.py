@@ -54,7 +54,14 @@ _NEEDS = {
 }
 #: -ffp-contract=off: scalar code rounds each product and sum as the reference does (the
 #: double-quantized scales decode bit for bit); the vector loops use explicit FMAs.
-_COMMON_FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-std=c11"]
+_COMMON_FLAGS = [
+    "-O3",
+    "-shared",
+    "-fPIC",
+    "-fopenmp",
+    "-ffp-contract=off",
+    "-std=c11",
+]  # -shared only matters at the link
 _SOURCE_DIR = Path(__file__).with_name("native")
 
 #: ctypes signatures of the exported functions, by name.
@@ -164,18 +171,34 @@ def _build(path: str) -> Path:
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(dir=folder, suffix=".so.partial")
-    os.close(handle)
-    try:
-        command = [compiler, *_COMMON_FLAGS, *_FLAGS[path], *map(str, sources), "-o", partial]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed: {result.stderr.strip()[-2000:]}")
+    with tempfile.TemporaryDirectory(dir=folder) as scratch:
+        flags = [*_COMMON_FLAGS, *_FLAGS[path]]
+        objects = [os.path.join(scratch, f"{source.stem}.o") for source in sources]
+        # One compiler per source at once (the first build is on a user's critical path), then a link.
+        _run_all([[compiler, *flags, "-c", str(source), "-o", obj] for source, obj in zip(sources, objects)])
+        partial = os.path.join(scratch, "library.so")
+        _run_all([[compiler, *flags, *objects, "-o", partial]])
         os.replace(partial, target)  # atomic: a concurrent process sees the whole library or none
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
     return target
+
+
+def _run_all(commands: list[list[str]]) -> None:
+    """Run ``commands`` side by side; RuntimeError with the compiler's message if one fails."""
+    running = [
+        (command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        for command in commands
+    ]
+    failures = []
+    for command, process in running:
+        try:
+            _, stderr = process.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            _, stderr = process.communicate()
+        if process.returncode != 0:
+            failures.append(f"{' '.join(command)} failed: {stderr.strip()[-2000:]}")
+    if failures:
+        raise RuntimeError("; ".join(failures))
 
 
 @functools.cache

@@ -272,6 +272,12 @@ ALWAYS_INLINE void tile(const float *x, const uint8_t *w, const int bits, const 
 
 ALWAYS_INLINE void rows_vec(const float *x, const uint8_t *w, const int bits, const scales_t *s, const float *table,
                             int64_t n0, int64_t n1, int64_t N, int64_t K, int shift, float *out, int mc) {
+#if !defined(TF_AVX512) && !defined(TF_AVX2)
+    /* portable: one tile function for every token count (the fallback path; eight copies
+     * of its unrolled loops took most of the build's time) */
+    for (int64_t n = n0; n < n1; n++) tile(x, w, bits, s, table, n, 1, N, K, shift, out, mc);
+    return;
+#endif
     switch (mc) {
 #define CASE(c)                                                                                \
     case c: {                                                                                  \
