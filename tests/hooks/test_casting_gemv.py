@@ -56,8 +56,7 @@ def calls(monkeypatch):
 
 @pytest.mark.parametrize("storage", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("scale", ["channel", "tensor", None])
-@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(("scale", "bias"), [("channel", True), ("tensor", False), (None, True)])
 def test_few_tokens_read_the_stored_weight(calls, storage, compute, scale, bias):
     layer = _linear(bias=bias).to(compute)
     apply_layerwise_casting(layer, storage, compute, scale=scale)

@@ -55,8 +55,8 @@ def test_every_byte_decodes_exactly(kernel_path, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("tokens", [1, 3, 8, 9])
-@pytest.mark.parametrize("cols", [1, 17, 32, 33, 1024])
+@pytest.mark.parametrize("tokens", [1, 9])
+@pytest.mark.parametrize("cols", [1, 33, 1024])
 def test_agrees_with_the_reference(kernel_path, fmt, tokens, cols):
     generator = torch.Generator().manual_seed(tokens * 1000 + cols)
     rows = 37

@@ -152,8 +152,8 @@ KERNELS = [
 
 
 @pytest.mark.parametrize(("kernel_path", "vnni"), KERNELS)
-@pytest.mark.parametrize("rows", [1, 8, 9, 33])  # one token, the most unpinned, one past, many
-@pytest.mark.parametrize("K", [1, 15, 16, 17, 63, 64, 65, 1025])  # around the vector widths
+@pytest.mark.parametrize("rows", [1, 9, 33])  # one token, a group of 8 and one more, many
+@pytest.mark.parametrize("K", [1, 16, 17, 65, 1025])  # around the vector widths
 def test_native_kernel_on_every_instruction_set_is_exact(monkeypatch, kernel_path, vnni, rows, K):
     """On widths around its vector steps (16, 32 and 64 bytes) and row counts around its groups of 8."""
     monkeypatch.setenv(_cpu_int8.PATH_VARIABLE, "native")

@@ -58,7 +58,7 @@ SHAPES_4BIT = [(64, 96, 64), (24, 96, 64), (33, 65, 64), (40, 256, 128), (8, 64,
 
 @pytest.mark.parametrize("quant_type, dtype", [("nf4", torch.bfloat16), ("fp4", torch.float32)])
 @pytest.mark.parametrize("rows, cols, blocksize", SHAPES_4BIT)
-@pytest.mark.parametrize("tokens", [1, 3, 9])
+@pytest.mark.parametrize("tokens", [1, 9])  # a token; a group of 8 and one more
 def test_gemv_4bit_every_path(path, quant_type, rows, cols, blocksize, tokens, dtype):
     if path != "none":
         assert _native.library()[1] == path
@@ -77,7 +77,7 @@ SHAPES_8BIT = [(64, 96, 64), (16, 192, 128), (24, 96, 256), (40, 256, 4096), (33
 
 
 @pytest.mark.parametrize("rows, cols, blocksize", SHAPES_8BIT)
-@pytest.mark.parametrize("tokens, dtype", [(1, torch.bfloat16), (5, torch.float32), (9, torch.bfloat16)])
+@pytest.mark.parametrize("tokens, dtype", [(1, torch.bfloat16), (9, torch.float32)])
 def test_gemv_blockwise_every_path(path, rows, cols, blocksize, tokens, dtype):
     generator = torch.Generator().manual_seed(rows * cols + tokens)
     codes, absmax = _quantize_blockwise_reference(
@@ -89,7 +89,7 @@ def test_gemv_blockwise_every_path(path, rows, cols, blocksize, tokens, dtype):
     _check(ops.gemv_blockwise(x, codes, absmax, None, blocksize), want, x, weight)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
     path=st.sampled_from(RUNNABLE),
     bits=st.sampled_from([4, 8]),
