@@ -224,6 +224,16 @@ def module_bytes(module: torch.nn.Module) -> int:
     return tensor_bytes([*module.parameters(), *module.buffers(), *unregistered_tensors(module)])
 
 
+def add_quiet_load_option(parser) -> None:
+    """``--quiet-load``, which both benchmarks pass to :func:`wait_for_quiet`."""
+    parser.add_argument(
+        "--quiet-load",
+        type=float,
+        default=None,
+        help="first wait (up to 30 min) until the 1-minute load average is at most this (a shared machine)",
+    )
+
+
 def wait_for_quiet(max_load: float | None, timeout: float = 1800.0, poll: float = 10.0) -> str:
     """Wait until the 1-minute load average is at most ``max_load`` (None: do not wait), at
     most ``timeout`` seconds; returns what happened, for the report."""

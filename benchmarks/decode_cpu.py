@@ -114,6 +114,7 @@ from pathlib import Path
 import torch
 from _common import (
     ReadRoof,
+    add_quiet_load_option,
     as_tightfit_run_threads,
     load_average,
     machine_lines,
@@ -640,12 +641,7 @@ def main() -> None:
     )
     parser.add_argument("--cache-dir", type=Path, default=CACHE)
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument(
-        "--quiet-load",
-        type=float,
-        default=None,
-        help="first wait (up to 30 min) until the 1-minute load average is at most this (a shared machine)",
-    )
+    add_quiet_load_option(parser)
     args = parser.parse_args()
     if args.rounds < 1 or args.new_tokens < 2 or args.threads < 1:
         parser.error("--rounds and --threads must be >= 1, --new-tokens >= 2")

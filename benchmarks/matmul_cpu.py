@@ -63,6 +63,7 @@ import torch
 import torch.nn.functional as F
 from _common import (
     ReadRoof,
+    add_quiet_load_option,
     as_tightfit_run_threads,
     last_level_cache_bytes,
     load_average,
@@ -348,12 +349,7 @@ def main() -> None:
     parser.add_argument("--pool-mib", type=int, default=None, help="bytes each row's pool of copies holds at least")
     parser.add_argument("--rows", nargs="+", default=None, help="keep the rows whose name contains one of these")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument(
-        "--quiet-load",
-        type=float,
-        default=None,
-        help="first wait (up to 30 min) until the 1-minute load average is at most this (a shared machine)",
-    )
+    add_quiet_load_option(parser)
     args = parser.parse_args()
     if args.threads < 1 or args.rounds < 1:
         parser.error("--threads and --rounds must be >= 1")
