@@ -29,6 +29,9 @@ Rows (``--rows`` picks some by name):
   ``tightfit run --quant Q --all-4bit`` does (``quantize_(model, quant_configs()[Q])``):
   LLM.int8() with threshold 6.0, 8-bit blockwise with blocksize 4096, NF4 with blocksize
   64;
+- ``tightfit nf4 int8-compute``: the nf4 row with ``--compute int8`` (``NF4Config(compute="int8")``):
+  activations quantized to int8 per block of 32, the NF4 table at int8 levels, integer dot
+  products (``tightfit.ops.gemv_4bit_int8``), as llama.cpp multiplies its 4-bit formats;
 - ``tightfit float8``: ``tightfit run --storage-dtype float8_e4m3fn``: layerwise casting,
   every Linear's weight stored in float8 e4m3 (a scale per output channel), computed in
   bfloat16;
@@ -108,7 +111,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -449,11 +452,14 @@ def make_rows(
     def kept() -> TorchRunner:
         return TorchRunner(load_causal_lm(folder, cpu)[0])
 
-    def quantized(name: str) -> Callable[[], TorchRunner]:
+    def quantized(name: str, compute: str = "float") -> Callable[[], TorchRunner]:
         def make() -> TorchRunner:
             model = load_causal_lm(folder, cpu)[0]
-            quantize_(model, quant_configs()[name])  # every Linear: tightfit run --quant NAME --all-4bit
-            return TorchRunner(model, repr(quant_configs()[name]))
+            config = quant_configs()[name]
+            if compute != "float":  # tightfit run --quant NAME --all-4bit --compute COMPUTE
+                config = replace(config, compute=compute)
+            quantize_(model, config)  # every Linear: tightfit run --quant NAME --all-4bit
+            return TorchRunner(model, repr(config))
 
         return make
 
@@ -488,6 +494,7 @@ def make_rows(
         Row("tightfit 8bit", quantized("8bit")),
         Row("tightfit float8", float8),
         Row("tightfit nf4", quantized("nf4")),
+        Row("tightfit nf4 int8-compute", quantized("nf4", "int8")),
         Row("tightfit fp4", quantized("fp4")),
         Row("tightfit budget 50%", budgeted(0.5)),
         Row("tightfit budget 25%", budgeted(0.25)),
@@ -552,12 +559,13 @@ DEFAULT_ROWS = (
     "tightfit 8bit",
     "tightfit float8",
     "tightfit nf4",
+    "tightfit nf4 int8-compute",
     "tightfit budget 50%",
     "tightfit budget 25%",
     "transformers bf16",
     *(f"llama.cpp {kind}" for kind in GGUF_TYPES),
 )
-ALL_ROWS = (*DEFAULT_ROWS[:5], "tightfit fp4", *DEFAULT_ROWS[5:])
+ALL_ROWS = (*DEFAULT_ROWS[:6], "tightfit fp4", *DEFAULT_ROWS[6:])
 
 
 # --- the run -----------------------------------------------------------------------------

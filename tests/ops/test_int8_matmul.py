@@ -158,7 +158,7 @@ def test_native_kernel_on_every_instruction_set_is_exact(monkeypatch, kernel_pat
     """On widths around its vector steps (16, 32 and 64 bytes) and row counts around its groups of 8."""
     monkeypatch.setenv(_cpu_int8.PATH_VARIABLE, "native")
     monkeypatch.setenv(_native.PATH_VARIABLE, kernel_path)
-    monkeypatch.setattr(_cpu_int8, "VNNI", vnni)
+    monkeypatch.setattr(_native, "VNNI", vnni)
     for kind in ("random", "-128", "mixed"):
         A, B = _ints(kind, rows, K), _ints(kind, 37, K)
         A[0, 0], B[0, -1] = 127, -128
@@ -169,7 +169,7 @@ def test_native_kernel_on_every_instruction_set_is_exact(monkeypatch, kernel_pat
 def test_native_kernel_wraps_as_the_reference(monkeypatch, kernel_path, vnni):
     monkeypatch.setenv(_cpu_int8.PATH_VARIABLE, "native")
     monkeypatch.setenv(_native.PATH_VARIABLE, kernel_path)
-    monkeypatch.setattr(_cpu_int8, "VNNI", vnni)
+    monkeypatch.setattr(_native, "VNNI", vnni)
     A, B = _ints("-128", 9, 140_001), _ints("-128", 3, 140_001)
     expected = _reference(A, B)
     assert expected[0, 0] < 0  # wrapped

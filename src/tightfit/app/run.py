@@ -19,7 +19,7 @@ import torch
 from tightfit import backends
 from tightfit._deprecation import renamed
 from tightfit._format import human_bytes
-from tightfit._validate import check_type
+from tightfit._validate import check_choice, check_type
 from tightfit.app.budget import Budgeted, kv_cache_bytes_per_token, measure_load, plan_run
 from tightfit.app.generation import Generation, generate_greedy, token_agreement
 from tightfit.app.models import (
@@ -39,6 +39,7 @@ from tightfit.loading.stored import holds_quantized
 from tightfit.memory import Measurement, measure, tensor_bytes
 from tightfit.memory.plot import check_png_path
 from tightfit.quant import (
+    COMPUTE_4BIT,
     Linear8bit,
     NF4Config,
     QuantConfig,
@@ -101,7 +102,9 @@ class RunOptions:
 
     ``keep_8bit`` (with a 4-bit ``quant``): the Linear layers of the later half of the
     model's layer stack (:func:`tightfit.quant.layer_stack`) are stored in blockwise 8-bit,
-    the rest in 4 bits; False stores every Linear layer in 4 bits.
+    the rest in 4 bits; False stores every Linear layer in 4 bits. ``compute`` (with a
+    4-bit ``quant``): how the 4-bit layers multiply, ``"float"`` or ``"int8"`` (activations
+    quantized to int8, integer dot products: faster on CPUs, less exact).
 
     ``sentences`` are what an encoder embeds; ``prompt`` and ``max_new_tokens`` (None:
     :data:`DEFAULT_PROMPT`, :data:`DEFAULT_MAX_NEW_TOKENS`) what a causal LM continues, and
@@ -126,6 +129,7 @@ class RunOptions:
     sentences: tuple[str, ...] = DEFAULT_SENTENCES
     top_pairs: int = 3
     keep_8bit: bool = True
+    compute: str = "float"
     prompt: str | None = None
     max_new_tokens: int | None = None
     timeline: str | Path | None = None
@@ -156,6 +160,11 @@ class RunOptions:
                 raise ValueError(f"{option(name)} must be an int >= 1, got {value!r}")
         if not isinstance(self.keep_8bit, bool):
             raise TypeError(f"keep_8bit must be a bool, got {type(self.keep_8bit).__name__}: {self.keep_8bit!r}")
+        check_choice(option("compute"), self.compute, COMPUTE_4BIT)
+        if self.compute != "float" and not isinstance(quant_configs().get(self.quant), NF4Config):
+            raise ValueError(
+                f"{assigned('compute', self.compute)} needs a 4-bit quant (nf4 or fp4), got quant={self.quant!r}"
+            )
         if (
             not isinstance(self.sentences, tuple)
             or len(self.sentences) < 2
@@ -462,6 +471,8 @@ def _convert(model: torch.nn.Module, options: RunOptions, device: torch.device) 
             stack = layer_stack(model)
             kept = stack[len(stack) // 2 :]
             config = replace(config, keep_8bit=kept)
+        if isinstance(config, NF4Config):
+            config = replace(config, compute=options.compute)
         quantize_(model, config)
     if options.storage_dtype is not None:
         compute_dtype = next(model.parameters()).dtype

@@ -33,6 +33,7 @@ def handle(args: argparse.Namespace, console: Console) -> int:
         offload=args.offload,
         repeat=args.repeat,
         keep_8bit=not args.all_4bit,
+        compute=args.compute,
         prompt=args.prompt,
         max_new_tokens=args.max_new_tokens,
         timeline=args.timeline,
@@ -71,6 +72,13 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
         "--all-4bit",
         action="store_true",
         help="with nf4 or fp4, store every Linear layer in 4 bits (default: the later half of the layers in 8 bits)",
+    )
+    run.add_argument(
+        "--compute",
+        choices=["float", "int8"],
+        default="float",
+        help="with nf4 or fp4: how the 4-bit layers multiply; int8 quantizes activations to int8 per block of 32 "
+        "and multiplies in integers (faster on CPUs, less exact; default: float)",
     )
     run.add_argument(
         "--storage-dtype",

@@ -44,25 +44,16 @@ def gemv_blockwise(
     if library is None:
         return None
     rows, cols = shape
-    absmax2, code2, nested_blocksize, offset = nested
     x = A.reshape(-1, cols).float().contiguous()
     w = codes.reshape(-1).view(torch.uint8).contiguous()
     table32 = table.float().contiguous()
     out = torch.empty(x.shape[0], rows, dtype=torch.float32)
-    if absmax2 is None:
-        scales, qscales, nested_tensors = absmax.float().contiguous(), None, (None, None)
-    else:
-        scales, qscales = None, absmax.contiguous()
-        nested_tensors = (code2.contiguous(), absmax2.contiguous())
+    scale_args, _keep = _scale_arguments(absmax, nested)
     library.tf_gemv_blockwise(
         x.data_ptr(),
         w.data_ptr(),
         bits,
-        None if scales is None else scales.data_ptr(),
-        None if qscales is None else qscales.data_ptr(),
-        *(None if t is None else t.data_ptr() for t in nested_tensors),
-        nested_blocksize,
-        0.0 if offset is None else float(offset),
+        *scale_args,
         table32.data_ptr(),
         x.shape[0],
         rows,
@@ -72,3 +63,52 @@ def gemv_blockwise(
         torch.get_num_threads(),
     )
     return out
+
+
+def gemv_4bit_int8(
+    A: torch.Tensor,
+    codes: torch.Tensor,
+    shape: list[int] | tuple[int, int],
+    absmax: torch.Tensor,
+    table8: torch.Tensor,
+    blocksize: int,
+    nested: tuple[torch.Tensor | None, torch.Tensor | None, int, torch.Tensor | None],
+) -> torch.Tensor | None:
+    """``A`` quantized to int8 per 32, times 4-bit ``codes`` decoded through the int8 table
+    ``table8`` (``native/gemv_4bit_int8.c``), in float32; or None where no native library
+    could be built. Scales as for :func:`gemv_blockwise`."""
+    library = native_library("gemv_4bit_int8")
+    if library is None:
+        return None
+    rows, cols = shape
+    x = A.reshape(-1, cols).float().contiguous()
+    w = codes.reshape(-1).view(torch.uint8).contiguous()
+    table = table8.to(torch.int8).contiguous()
+    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    scale_args, _keep = _scale_arguments(absmax, nested)
+    library.tf_gemv_4bit_int8(
+        x.data_ptr(),
+        w.data_ptr(),
+        *scale_args,
+        table.data_ptr(),
+        x.shape[0],
+        rows,
+        cols,
+        blocksize,
+        out.data_ptr(),
+        torch.get_num_threads(),
+        int(_native.VNNI),
+    )
+    return out
+
+
+def _scale_arguments(absmax: torch.Tensor, nested: tuple) -> tuple[tuple, list[torch.Tensor]]:
+    """The C functions' six scale arguments (absmax, qabsmax, code2, absmax2, nested_blocksize,
+    offset), and the tensors behind their pointers (held by the caller until the call returns)."""
+    absmax2, code2, nested_blocksize, offset = nested
+    if absmax2 is None:
+        scales = absmax.float().contiguous()
+        return (scales.data_ptr(), None, None, None, nested_blocksize, 0.0), [scales]
+    qscales, code2, absmax2 = absmax.contiguous(), code2.contiguous(), absmax2.contiguous()
+    args = (None, qscales.data_ptr(), code2.data_ptr(), absmax2.data_ptr(), nested_blocksize, float(offset))
+    return args, [qscales, code2, absmax2]

@@ -57,9 +57,6 @@ BLOCK_BYTES = 1024 * 1024
 FEW_ROWS = 32
 #: At most this many rows of A go through the native kernel unpinned (the decoding case).
 NATIVE_ROWS = 8
-#: Whether the native kernel takes AVX-512 VNNI where the CPU has it (tests turn it off to
-#: test the int16 loop on the same CPU).
-VNNI = True
 
 
 def _float32_is_ieee() -> bool:
@@ -224,7 +221,7 @@ def _native_matmul(A: torch.Tensor, B: torch.Tensor, library: ctypes.CDLL) -> to
         b.shape[0],
         a.shape[1],
         torch.get_num_threads(),
-        int(VNNI),
+        int(_native.VNNI),
     )
     return out
 

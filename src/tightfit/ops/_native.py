@@ -37,6 +37,9 @@ __all__: list[str] = []
 
 PATH_VARIABLE = "TIGHTFIT_CPU_KERNEL_PATH"
 PATHS = ("avx512vbmi", "avx512", "avx2", "portable")
+#: Whether the AVX-512 kernels take VNNI's byte dot products where the CPU has it (tests turn
+#: it off to run the loops without it on the same CPU).
+VNNI = True
 
 #: What each path compiles with, and the CPU flags (as /proc/cpuinfo names them) it needs.
 _AVX512 = ["-DTF_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
@@ -83,6 +86,24 @@ _SIGNATURES = {
         _I64,
         _I64,
         _PTR,
+        _I64,
+    ],
+    "tf_gemv_4bit_int8": [
+        _PTR,
+        _PTR,
+        _PTR,
+        _PTR,
+        _PTR,
+        _PTR,
+        _I64,
+        _F32,
+        _PTR,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _PTR,
+        _I64,
         _I64,
     ],
     "tf_dequantize_blockwise": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64],

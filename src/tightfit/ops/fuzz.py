@@ -614,6 +614,7 @@ _GENERATORS: dict[str, Callable[[_Builder], list[Any]]] = {
     "quantize_4bit": _quantize_4bit,
     "dequantize_4bit": _dequantize_4bit,
     "gemv_4bit": _gemv_4bit,
+    "gemv_4bit_int8": _gemv_4bit,  # the same arguments
     "gemv_blockwise": _gemv_blockwise,
     "gemv_float8": _gemv_float8,
     "int8_vectorwise_quant": _int8_vectorwise_quant,

@@ -29,6 +29,7 @@ from tightfit.quant.config import (
     quantize_,
     register_handler,
 )
+from tightfit.quant.functional import COMPUTE_4BIT
 from tightfit.quant.layers import layer_stack
 from tightfit.quant.modules import (
     Linear4bit,
@@ -41,6 +42,7 @@ from tightfit.quant.modules import (
 from tightfit.quant.state import QuantState
 
 __all__ = [
+    "COMPUTE_4BIT",
     "FLOAT8_DTYPE",
     "Blockwise8Config",
     "FP4Config",

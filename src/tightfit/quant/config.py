@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from tightfit._progress import task
-from tightfit._validate import check_non_negative_number, check_type
+from tightfit._validate import check_choice, check_non_negative_number, check_type
 from tightfit.ops.blockwise import BLOCKSIZES_4BIT, BLOCKSIZES_8BIT
+from tightfit.quant.functional import COMPUTE_4BIT
 from tightfit.quant.modules import Linear4bit, Linear8bit, LinearInt8
 
 __all__ = [
@@ -68,12 +69,18 @@ class NF4Config(QuantConfig):
     blockwise 8-bit (``Blockwise8Config()``: one byte per weight) instead of 4 bits: the
     few that lose most at 4 bits. A pattern may name a container (``"encoder.layer.5"``)
     to keep every layer in it; ``skip`` wins over ``keep_8bit``.
+
+    ``compute`` is how the layers multiply: ``"float"`` (the activations as they come,
+    products in float32) or ``"int8"`` (activations quantized to int8 per block of 32 and
+    the 4-bit table at int8 levels, integer dot products: faster on CPUs, less exact;
+    :func:`tightfit.ops.gemv_4bit_int8`, measured in docs/kernels.md).
     """
 
     blocksize: int = 64
     double_quant: bool = False
     quant_storage: torch.dtype = torch.uint8
     keep_8bit: tuple[str, ...] = field(default_factory=tuple)
+    compute: str = "float"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -81,6 +88,7 @@ class NF4Config(QuantConfig):
         check_type("double_quant", self.double_quant, bool)
         check_type("quant_storage", self.quant_storage, torch.dtype)
         _check_patterns("keep_8bit", self.keep_8bit)
+        check_choice("compute", self.compute, COMPUTE_4BIT)
 
     def config_for(self, name: str) -> QuantConfig | None:
         config = super().config_for(name)
@@ -141,6 +149,7 @@ def _nf4(linear: nn.Linear, config: NF4Config) -> nn.Module:
         blocksize=config.blocksize,
         compress_statistics=config.double_quant,
         quant_storage=config.quant_storage,
+        compute=config.compute,
     )
 
 
@@ -152,6 +161,7 @@ def _fp4(linear: nn.Linear, config: FP4Config) -> nn.Module:
         blocksize=config.blocksize,
         compress_statistics=config.double_quant,
         quant_storage=config.quant_storage,
+        compute=config.compute,
     )
 
 

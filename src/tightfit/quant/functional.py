@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tightfit import ops
-from tightfit._validate import check_type
+from tightfit._validate import check_choice, check_type
 from tightfit.quant import _tiled
 from tightfit.quant.state import QuantState
 
@@ -62,6 +62,10 @@ def _stored_scales(state: QuantState) -> tuple[Any, ...]:
     if not state.nested:
         return state.absmax, None, None, 256, None
     return state.absmax, state.state2.absmax, state.state2.code, state.state2.blocksize, state.offset
+
+
+#: How a 4-bit matmul multiplies: in float, or with int8 activations (``matmul_4bit(compute=...)``).
+COMPUTE_4BIT = ("float", "int8")
 
 
 def _few_tokens(A: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -366,16 +370,20 @@ def matmul_4bit(
     quant_state: QuantState,
     out: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    compute: str = "float",
 ) -> torch.Tensor:
     """``A @ dequantize(B).T + bias`` in ``A``'s dtype. Up to ``FEW_TOKENS`` rows without
     gradients (decoding) run the fused kernel, which never holds the decoded weight; more rows decode the weight
     a tile of rows at a time for torch's matmul; for the backward they keep the codes,
-    not the weight."""
+    not the weight. ``compute="int8"`` (not in bitsandbytes) quantizes ``A`` to int8 per
+    block of 32 and multiplies in integers at every row count (:func:`tightfit.ops.gemv_4bit_int8`)."""
     state = _check_4bit_weight_state(quant_state)
     check_type("A", A, torch.Tensor)
-    if _few_tokens(A, bias):
+    check_choice("compute", compute, COMPUTE_4BIT)
+    if compute == "int8" or _few_tokens(A, bias):
         absmax, *nested = _stored_scales(state)
-        result = ops.gemv_4bit(A, B, list(state.shape), absmax, state.blocksize, state.quant_type, *nested)
+        gemv = ops.gemv_4bit_int8 if compute == "int8" else ops.gemv_4bit
+        result = gemv(A, B, list(state.shape), absmax, state.blocksize, state.quant_type, *nested)
         if bias is not None:  # rounded once, as torch.compile computes it (it fuses a cast of the bias into the add)
             result = (result + bias).to(A.dtype)
     else:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tightfit import ops
-from tightfit._validate import check_non_negative_number, check_type
+from tightfit._validate import check_choice, check_non_negative_number, check_type
 from tightfit.ops import _cpu_int8, _cpu_int8_rows
 from tightfit.ops._arg_checks import FLOAT_DTYPES, block_count
 from tightfit.quant import _checkpoint as checks
@@ -232,9 +232,14 @@ def _check_linear(linear: object) -> nn.Linear:
 
 
 class Linear4bit(QuantizedLinear):
-    """``nn.Linear`` with an NF4 or FP4 weight (4 bits per value plus one scale per block)."""
+    """``nn.Linear`` with an NF4 or FP4 weight (4 bits per value plus one scale per block).
+
+    ``compute`` (an attribute, not saved with the weights): ``"float"``, or ``"int8"`` to
+    quantize the activations to int8 per block of 32 and multiply in integers
+    (:func:`tightfit.ops.gemv_4bit_int8`: faster on CPUs, less exact)."""
 
     default_blocksize = 64
+    compute: str = "float"
 
     @classmethod
     def _nested_blocksize(cls, blocksize: int) -> int:
@@ -249,8 +254,10 @@ class Linear4bit(QuantizedLinear):
         blocksize: int = 64,
         compress_statistics: bool = False,
         quant_storage: torch.dtype = torch.uint8,
+        compute: str = "float",
     ) -> Linear4bit:
         _check_linear(linear)
+        check_choice("compute", compute, F.COMPUTE_4BIT)
         packed, state = F.quantize_4bit(
             linear.weight.detach(),
             blocksize=blocksize,
@@ -258,7 +265,9 @@ class Linear4bit(QuantizedLinear):
             quant_type=quant_type,
             quant_storage=quant_storage,
         )
-        return cls(linear.in_features, linear.out_features, packed, state, linear.bias)
+        layer = cls(linear.in_features, linear.out_features, packed, state, linear.bias)
+        layer.compute = compute
+        return layer
 
     def _decode(self) -> torch.Tensor:
         return F.dequantize_4bit(self.weight, self.quant_state)
@@ -274,7 +283,10 @@ class Linear4bit(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.in_features)
-        return F.matmul_4bit(x, self.weight, self.quant_state, bias=self.bias)
+        return F.matmul_4bit(x, self.weight, self.quant_state, bias=self.bias, compute=self.compute)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", compute={self.compute}" if self.compute != "float" else "")
 
 
 class Linear8bit(QuantizedLinear):

@@ -18,25 +18,10 @@
  */
 #include <stdlib.h>
 
+#include "block_scales.h"
 #include "vector.h"
 
 #define TOKENS 8
-
-/* Where a block's scale comes from: absmax[b], or code2[qabsmax[b]] * absmax2[b / nested] + offset. */
-typedef struct {
-    const float *absmax;
-    const uint8_t *qabsmax;
-    const float *code2;
-    const float *absmax2;
-    int64_t nested_blocksize;
-    float offset;
-} scales_t;
-
-ALWAYS_INLINE float block_scale(const scales_t *s, int64_t b) {
-    if (s->absmax) return s->absmax[b];
-    float decoded = s->code2[s->qabsmax[b]] * s->absmax2[b / s->nested_blocksize];
-    return decoded + s->offset;
-}
 
 ALWAYS_INLINE int code_4bit(const uint8_t *w, int64_t flat) {
     uint8_t byte = w[flat >> 1];

@@ -1,0 +1,351 @@
+/* 4-bit matmuls with int8 activations (the "int8" compute choice): each token's activations
+ * are quantized to int8 per block of 32 along K, the 4-bit table is rounded to int8 levels
+ * (table8 = round(127 * table), passed in), and codes meet activations in integer dot
+ * products, as llama.cpp's Q4_0 x Q8_0 does. Four to eight times fewer instructions per
+ * weight than the float32 kernels (gemv_blockwise.c), so two cores keep up with memory.
+ *
+ * What it computes (the op's reference, tightfit.ops.blockwise_gemv_int8, is the spec):
+ *   d[m, j]  = max |x[m, 32j : 32j + 32]| / 127,   q = rint(clamp(x * 127 / max, -127, 127))
+ *   out[m, n] = sum_k q[m, k] * table8[code[n, k]] * (d[m, k / 32] / 127) * absmax[block(n, k)]
+ * Integer sums are exact over each run of 8 weights; runs are scaled and summed in float32,
+ * so results agree with the reference to the rounding of the sum order.
+ *
+ * Layout: the weight is bitsandbytes' packed 4-bit (two codes a byte, the first element in
+ * the high nibble; block b covers flat elements [b * blocksize, (b + 1) * blocksize)). The
+ * vector loops take steps of S weights (S/2 bytes): the high nibbles of a step are its even
+ * elements, the low nibbles its odd ones, so x is quantized into the same order once per
+ * call (each S-run: its S/2 even elements, then its S/2 odd ones). A 32-bit lane of a dot
+ * product then covers 8 consecutive weights, and per-lane scales are indexed by k / 8.
+ *
+ * Paths: AVX-512 VNNI (S = 128; vpdpbusd multiplies unsigned by signed bytes, so the table is
+ * shifted to table8 + 128 and 128 * sum(q) over each lane is the accumulator's start);
+ * AVX2 (S = 64; maddubs with the sign moved from the weight onto the activation, |products|
+ * <= 2 * 127 * 127 never saturate), also taken by AVX-512 CPUs without VNNI; portable C
+ * (S = 64, per lane). The vector loops need K % S == 0 and a power-of-two blocksize >= 64;
+ * other shapes take the element-by-element loop. The caller (Python) has checked every
+ * length, dtype and stride (D9). */
+#include <math.h>
+#include <stdlib.h>
+
+#include "block_scales.h"
+#include "vector.h"
+
+#define TOKENS 8
+#define XBLOCK 32
+#define PREFETCH_BYTES 4096
+
+/* The activations as the dot products read them: q (M x K int8, each S-run's even elements
+ * then its odd ones), lane_scale (M x K/8: d / 127 of the 32-block the lane lies in) and,
+ * for VNNI, bias (M x K/8: -128 times the lane's sum of q). */
+typedef struct {
+    int8_t *q;
+    float *lane_scale;
+    int32_t *bias;
+} acts_t;
+
+static void free_acts(acts_t *a) {
+    free(a->q);
+    free(a->lane_scale);
+    free(a->bias);
+}
+
+/* Quantizes x per 32-block; S = 0 keeps the natural order (the element-by-element loop). */
+static int quantize_acts(const float *x, int64_t M, int64_t K, int S, acts_t *a) {
+    int64_t lanes = (K + 7) / 8;
+    a->q = (int8_t *)malloc((size_t)(M * K) + 1);
+    a->lane_scale = (float *)malloc((size_t)(M * lanes + 1) * sizeof(float));
+    a->bias = (int32_t *)malloc((size_t)(M * lanes + 1) * sizeof(int32_t));
+    if (!a->q || !a->lane_scale || !a->bias) return 0;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k0 = 0; k0 < K; k0 += XBLOCK) {
+            const float *xb = x + m * K + k0;
+            int n = K - k0 < XBLOCK ? (int)(K - k0) : XBLOCK;
+            float amax = 0.0f;
+            for (int i = 0; i < n; i++) {
+                float v = fabsf(xb[i]);
+                if (!(v <= amax) && amax == amax) amax = v; /* a NaN stays */
+            }
+            float inv = amax > 0.0f ? 127.0f / amax : 0.0f, scale = amax / 127.0f / 127.0f;
+            int32_t lane_sum = 0;
+            for (int i = 0; i < n; i++) {
+                float t = xb[i] * inv; /* clamped by comparisons: libm's fminf is an SSE call
+                                           * that costs microseconds after AVX-512 code */
+                t = t != t ? 0.0f : t < -127.0f ? -127.0f : t > 127.0f ? 127.0f : t;
+                int8_t q = (int8_t)rintf(t);
+                int64_t k = k0 + i, pos = k;
+                if (S) {
+                    int64_t e = k % S;
+                    pos = k - e + ((e & 1) ? S / 2 + e / 2 : e / 2);
+                }
+                a->q[m * K + pos] = q;
+                lane_sum += q;
+                if (k % 8 == 7 || i == n - 1) {
+                    a->lane_scale[m * lanes + k / 8] = scale;
+                    a->bias[m * lanes + k / 8] = -128 * lane_sum;
+                    lane_sum = 0;
+                }
+            }
+        }
+    return 1;
+}
+
+ALWAYS_INLINE int code_at(const uint8_t *w, int64_t flat) {
+    uint8_t byte = w[flat >> 1];
+    return (flat & 1) ? (byte & 15) : (byte >> 4);
+}
+
+/* Rows [n0, n1), any shape, element by element (acts in natural order). */
+static void rows_scalar(const acts_t *a, const uint8_t *w, const scales_t *s, const int8_t *table8, int64_t n0,
+                        int64_t n1, int64_t M, int64_t N, int64_t K, int64_t bs, float *out) {
+    int64_t lanes = (K + 7) / 8;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc = 0.0f;
+            for (int64_t k0 = 0; k0 < K; k0 += 8) {
+                int32_t dot = 0;
+                float wscale = 0.0f;
+                for (int64_t k = k0; k < K && k < k0 + 8; k++) {
+                    /* a run of 8 may span two weight blocks (blocksize 32 never splits one) */
+                    if (k == k0 || (n * K + k) % bs == 0) {
+                        if (k != k0) acc += (float)dot * (wscale * a->lane_scale[m * lanes + k0 / 8]);
+                        wscale = block_scale(s, (n * K + k) / bs);
+                        dot = 0;
+                    }
+                    dot += (int32_t)a->q[m * K + k] * table8[code_at(w, n * K + k)];
+                }
+                acc += (float)dot * (wscale * a->lane_scale[m * lanes + k0 / 8]);
+            }
+            out[m * N + n] = acc;
+        }
+}
+
+/* The prefetch every vector tile does: its share, per step, of the bytes a distance ahead. */
+#define PREFETCH_AHEAD(w, n0, R, K, S, k)                                                               \
+    do {                                                                                             \
+        const int64_t tile_bytes_ = (int64_t)(R) * (K) / 2, steps_ = (K) / (S);                      \
+        const int64_t per_step_ = (tile_bytes_ + steps_ - 1) / steps_;                               \
+        const uint8_t *ahead_ = (w) + (n0) * (K) / 2 + (tile_bytes_ > PREFETCH_BYTES ? tile_bytes_ : PREFETCH_BYTES); \
+        for (int64_t p_ = 0; p_ < per_step_; p_ += 64) __builtin_prefetch(ahead_ + ((k) / (S)) * per_step_ + p_, 0, 3); \
+    } while (0)
+
+#if defined(TF_AVX512) || defined(TF_AVX2)
+
+/* AVX2, S = 64: R rows x mc tokens, 8 lanes of 8 weights a step. */
+#define S2 64
+ALWAYS_INLINE __m256i lookup32(__m256i table, __m256i nibbles) { return _mm256_shuffle_epi8(table, nibbles); }
+ALWAYS_INLINE float sum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+ALWAYS_INLINE void tile_avx2(const acts_t *a, const uint8_t *w, const scales_t *s, __m256i table, int64_t n0,
+                             const int R, int64_t N, int64_t K, int shift, float *out, const int mc) {
+    __m256 acc[4][TOKENS];
+    const int64_t lanes = K / 8;
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mc; m++) acc[r][m] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int64_t k = 0; k < K; k += S2) {
+        PREFETCH_AHEAD(w, n0, R, K, S2, k);
+        __m256i H[4], L[4], Habs[4], Labs[4];
+        __m256 ws[4];
+        for (int r = 0; r < R; r++) {
+            int64_t flat = (n0 + r) * K + k;
+            __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + flat / 2));
+            H[r] = lookup32(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4));
+            L[r] = lookup32(table, _mm256_and_si256(bytes, low4));
+            Habs[r] = _mm256_abs_epi8(H[r]);
+            Labs[r] = _mm256_abs_epi8(L[r]);
+            ws[r] = _mm256_set1_ps(block_scale(s, flat >> shift));
+        }
+        for (int m = 0; m < mc; m++) {
+            __m256i xh = _mm256_loadu_si256((const __m256i *)(a->q + m * K + k));
+            __m256i xl = _mm256_loadu_si256((const __m256i *)(a->q + m * K + k + S2 / 2));
+            __m256 xs = _mm256_loadu_ps(a->lane_scale + m * lanes + k / 8);
+            for (int r = 0; r < R; r++) {
+                __m256i ph = _mm256_maddubs_epi16(Habs[r], _mm256_sign_epi8(xh, H[r]));
+                __m256i pl = _mm256_maddubs_epi16(Labs[r], _mm256_sign_epi8(xl, L[r]));
+                __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(ph, ones), _mm256_madd_epi16(pl, ones));
+                acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws[r], xs), acc[r][m]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mc; m++) out[m * N + n0 + r] = sum256(acc[r][m]);
+}
+#endif
+
+#if defined(TF_AVX512)
+#define VNNI __attribute__((target("avx512vnni,avx512bw,avx512f")))
+#define S5 128
+
+/* A step's weight scales per lane: one block, or (blocksize 64) lanes 0-7 and 8-15 in two. */
+ALWAYS_INLINE __m512 lane_wscale(const scales_t *s, int64_t flat, int shift) {
+    int64_t b = flat >> shift;
+    if (shift >= 7) return _mm512_set1_ps(block_scale(s, b));
+    return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(block_scale(s, b)), _mm512_set1_ps(block_scale(s, b + 1)));
+}
+
+VNNI ALWAYS_INLINE void tile_vnni(const acts_t *a, const uint8_t *w, const scales_t *s, __m512i table, int64_t n0,
+                                  const int R, int64_t N, int64_t K, int shift, float *out, const int mc) {
+    __m512 acc[4][TOKENS];
+    const int64_t lanes = K / 8;
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mc; m++) acc[r][m] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(15);
+    for (int64_t k = 0; k < K; k += S5) {
+        PREFETCH_AHEAD(w, n0, R, K, S5, k);
+        __m512i H[4], L[4];
+        __m512 ws[4];
+        for (int r = 0; r < R; r++) {
+            int64_t flat = (n0 + r) * K + k;
+            __m512i bytes = _mm512_loadu_si512((const void *)(w + flat / 2));
+            H[r] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4));
+            L[r] = _mm512_shuffle_epi8(table, _mm512_and_si512(bytes, low4));
+            ws[r] = lane_wscale(s, flat, shift);
+        }
+        for (int m = 0; m < mc; m++) {
+            __m512i xh = _mm512_loadu_si512((const void *)(a->q + m * K + k));
+            __m512i xl = _mm512_loadu_si512((const void *)(a->q + m * K + k + S5 / 2));
+            __m512i bias = _mm512_loadu_si512((const void *)(a->bias + m * lanes + k / 8));
+            __m512 xs = _mm512_loadu_ps(a->lane_scale + m * lanes + k / 8);
+            for (int r = 0; r < R; r++) {
+                __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(bias, H[r], xh), L[r], xl);
+                acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws[r], xs), acc[r][m]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mc; m++) out[m * N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+#define FOR_TOKEN_COUNTS(CASE) CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+VNNI static void rows_vnni(const acts_t *a, const uint8_t *w, const scales_t *s, __m512i table, int64_t n0,
+                           int64_t n1, int64_t N, int64_t K, int shift, float *out, int mc) {
+    switch (mc) {
+#define CASE(c)                                                                                  \
+    case c: {                                                                                    \
+        const int R = c <= 4 ? 4 : 2;                                                            \
+        int64_t n = n0;                                                                          \
+        for (; n + R <= n1; n += R) tile_vnni(a, w, s, table, n, R, N, K, shift, out, c);        \
+        for (; n < n1; n++) tile_vnni(a, w, s, table, n, 1, N, K, shift, out, c);                \
+        break;                                                                                   \
+    }
+        FOR_TOKEN_COUNTS(CASE)
+#undef CASE
+    }
+}
+static int has_vnni(void) { return __builtin_cpu_supports("avx512vnni"); }
+#endif
+
+#if defined(TF_AVX512) || defined(TF_AVX2)
+#ifndef FOR_TOKEN_COUNTS
+#define FOR_TOKEN_COUNTS(CASE) CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#endif
+static void rows_avx2(const acts_t *a, const uint8_t *w, const scales_t *s, __m256i table, int64_t n0, int64_t n1,
+                      int64_t N, int64_t K, int shift, float *out, int mc) {
+    switch (mc) {
+#define CASE(c)                                                                                  \
+    case c: {                                                                                    \
+        const int R = c <= 2 ? 2 : 1;                                                            \
+        int64_t n = n0;                                                                          \
+        for (; n + R <= n1; n += R) tile_avx2(a, w, s, table, n, R, N, K, shift, out, c);        \
+        for (; n < n1; n++) tile_avx2(a, w, s, table, n, 1, N, K, shift, out, c);                \
+        break;                                                                                   \
+    }
+        FOR_TOKEN_COUNTS(CASE)
+#undef CASE
+    }
+}
+#else
+/* portable, S = 64: per lane of 8 weights, integer dot then one scaled float add. */
+#define S2 64
+static void rows_portable(const acts_t *a, const uint8_t *w, const scales_t *s, const int8_t *table8, int64_t n0,
+                          int64_t n1, int64_t N, int64_t K, int shift, float *out, int mc) {
+    const int64_t lanes = K / 8;
+    for (int64_t n = n0; n < n1; n++) {
+        float acc[TOKENS] = {0};
+        for (int64_t k = 0; k < K; k += S2) {
+            int64_t flat = n * K + k;
+            PREFETCH_AHEAD(w, n, 1, K, S2, k);
+            float wscale = block_scale(s, flat >> shift);
+            int8_t hi[S2 / 2], lo[S2 / 2];
+            for (int i = 0; i < S2 / 2; i++) {
+                uint8_t byte = w[flat / 2 + i];
+                hi[i] = table8[byte >> 4];
+                lo[i] = table8[byte & 15];
+            }
+            for (int m = 0; m < mc; m++) {
+                const int8_t *xh = a->q + m * K + k, *xl = xh + S2 / 2;
+                for (int lane = 0; lane < S2 / 8; lane++) {
+                    int32_t dot = 0;
+                    for (int i = 4 * lane; i < 4 * lane + 4; i++) dot += hi[i] * xh[i] + lo[i] * xl[i];
+                    acc[m] += (float)dot * (wscale * a->lane_scale[m * lanes + k / 8 + lane]);
+                }
+            }
+        }
+        for (int m = 0; m < mc; m++) out[m * N + n] = acc[m];
+    }
+}
+#endif
+
+/* out[M x N] = quantized(x) @ table8-decoded(w).T in float32; vnni: take vpdpbusd where the
+ * CPU has it (the AVX-512 path); absmax is NULL where the scales are double-quantized. */
+void tf_gemv_4bit_int8(const float *x, const uint8_t *w, const float *absmax, const uint8_t *qabsmax,
+                       const float *code2, const float *absmax2, int64_t nested_blocksize, float offset,
+                       const int8_t *table8, int64_t M, int64_t N, int64_t K, int64_t blocksize, float *out,
+                       int64_t threads, int64_t vnni) {
+    if (M <= 0 || N <= 0) return;
+    scales_t s = {absmax, qabsmax, code2, absmax2, nested_blocksize, offset};
+    int shift = 0;
+    while ((INT64_C(1) << shift) < blocksize) shift++;
+    int S = 64;
+#if defined(TF_AVX512)
+    int use_vnni = vnni && has_vnni();
+    if (use_vnni) S = 128;
+#else
+    (void)vnni;
+#endif
+    int vector = K % S == 0 && blocksize >= 64 && (blocksize & (blocksize - 1)) == 0;
+    acts_t a = {NULL, NULL, NULL};
+    if (!quantize_acts(x, M, K, vector ? S : 0, &a)) {
+        free_acts(&a);
+        for (int64_t i = 0; i < M * N; i++) out[i] = NAN; /* no memory: the caller sees NaN, not stale data */
+        return;
+    }
+#if defined(TF_AVX512) || defined(TF_AVX2)
+    const __m256i table256 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table8));
+#endif
+#if defined(TF_AVX512)
+    uint8_t shifted[16];
+    for (int i = 0; i < 16; i++) shifted[i] = (uint8_t)(table8[i] + 128);
+    const __m512i table512 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)shifted));
+#endif
+    if (threads < 1) threads = 1;
+    if (threads > N) threads = N;
+#pragma omp parallel for num_threads((int)threads) schedule(static, 1)
+    for (int64_t part = 0; part < threads; part++) {
+        int64_t n0 = N * part / threads, n1 = N * (part + 1) / threads;
+        if (!vector) {
+            rows_scalar(&a, w, &s, table8, n0, n1, M, N, K, blocksize, out);
+            continue;
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += TOKENS) {
+            int mc = (int)(M - m0 < TOKENS ? M - m0 : TOKENS);
+            acts_t group = {a.q + m0 * K, a.lane_scale + m0 * (K / 8), a.bias + m0 * (K / 8)};
+#if defined(TF_AVX512)
+            if (use_vnni) {
+                rows_vnni(&group, w, &s, table512, n0, n1, N, K, shift, out + m0 * N, mc);
+                continue;
+            }
+#endif
+#if defined(TF_AVX512) || defined(TF_AVX2)
+            rows_avx2(&group, w, &s, table256, n0, n1, N, K, shift, out + m0 * N, mc);
+#else
+            rows_portable(&group, w, &s, table8, n0, n1, N, K, shift, out + m0 * N, mc);
+#endif
+        }
+    }
+    free_acts(&a);
+}
