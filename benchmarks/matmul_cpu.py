@@ -123,9 +123,9 @@ def _float8(linear: nn.Linear) -> nn.Module:
 
 
 def tightfit_rows() -> list[Row]:
-    def nf4(compress: bool, quant_type: str = "nf4") -> Callable[[nn.Linear], nn.Module]:
+    def nf4(compress: bool, quant_type: str = "nf4", compute: str = "float") -> Callable[[nn.Linear], nn.Module]:
         return lambda linear: Linear4bit.from_linear(
-            linear, quant_type=quant_type, blocksize=64, compress_statistics=compress
+            linear, quant_type=quant_type, blocksize=64, compress_statistics=compress, compute=compute
         )
 
     return [
@@ -137,6 +137,7 @@ def tightfit_rows() -> list[Row]:
         ),
         Row("tightfit nf4 bs64", nf4(False), _module_call, module_bytes),
         Row("tightfit nf4 bs64 compress_statistics", nf4(True), _module_call, module_bytes),
+        Row("tightfit nf4 bs64 int8 compute", nf4(False, compute="int8"), _module_call, module_bytes),
         Row("tightfit fp4 bs64", nf4(False, "fp4"), _module_call, module_bytes),
         Row(
             "tightfit 8bit bs4096",

@@ -1,7 +1,7 @@
 """Where NF4 loses quality on all-MiniLM-L6-v2, measured: the lowest and mean embedding
 cosine to full precision when one Linear layer, one kind of layer or one block of layers
-is in NF4 and the rest stays in float32; then blocksize, double quantization and compute
-dtype for the whole model; then rules that keep some layers in 8 bits or in float32, with
+is in NF4 and the rest stays in float32; then blocksize, double quantization, compute
+dtype and the int8 compute choice for the whole model; then rules that keep some layers in 8 bits or in float32, with
 the weights' bytes that ``tightfit run`` reports.
 
 Each cosine is measured on two sentence sets: the built-in sentences of ``tightfit run``
@@ -116,9 +116,11 @@ def main() -> None:
                 f"| {blocksize}, {nested} | {bench.only(bench.linears, blocksize=blocksize, compress_statistics=nested)} |",
                 flush=True,
             )
+    print(f"| 64, False, int8 compute (activations int8 per 32) | {bench.only(bench.linears, compute='int8')} |")
     bf16 = copy.deepcopy(bench.model).to(torch.bfloat16)
     print(f"| bfloat16 model, no quantization | {bench.cosines(bf16)} |")
-    print(f"| bfloat16 compute, 64, False | {bench.cosines(quantize_(bf16, NF4Config()))} |", flush=True)
+    print(f"| bfloat16 compute, 64, False | {bench.cosines(quantize_(copy.deepcopy(bf16), NF4Config()))} |")
+    print(f"| bfloat16, int8 compute, 64, False | {bench.cosines(quantize_(bf16, NF4Config(compute='int8')))} |")
 
     stack = layer_stack(bench.model)
     rules = {

@@ -49,6 +49,26 @@ static void free_acts(acts_t *a) {
     free(a->bias);
 }
 
+/* One block of n <= 32 activations to int8 levels (q), by the reference's arithmetic. */
+ALWAYS_INLINE float quantize_block(const float *xb, int n, int8_t *q) {
+    float amax = 0.0f;
+    int nan = 0;
+    for (int i = 0; i < n; i++) {
+        float v = fabsf(xb[i]);
+        amax = v > amax ? v : amax;
+        nan |= v != v;
+    }
+    if (nan) amax = NAN; /* a NaN's block scale is NaN, as torch's amax makes it */
+    float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int i = 0; i < n; i++) {
+        float t = xb[i] * inv; /* clamped by comparisons: libm's fminf is an SSE call
+                                * that costs microseconds after AVX-512 code */
+        t = t != t ? 0.0f : t < -127.0f ? -127.0f : t > 127.0f ? 127.0f : t;
+        q[i] = (int8_t)rintf(t);
+    }
+    return amax;
+}
+
 /* Quantizes x per 32-block; S = 0 keeps the natural order (the element-by-element loop). */
 static int quantize_acts(const float *x, int64_t M, int64_t K, int S, acts_t *a) {
     int64_t lanes = (K + 7) / 8;
@@ -58,32 +78,24 @@ static int quantize_acts(const float *x, int64_t M, int64_t K, int S, acts_t *a)
     if (!a->q || !a->lane_scale || !a->bias) return 0;
     for (int64_t m = 0; m < M; m++)
         for (int64_t k0 = 0; k0 < K; k0 += XBLOCK) {
-            const float *xb = x + m * K + k0;
+            int8_t q[XBLOCK];
             int n = K - k0 < XBLOCK ? (int)(K - k0) : XBLOCK;
-            float amax = 0.0f;
-            for (int i = 0; i < n; i++) {
-                float v = fabsf(xb[i]);
-                if (!(v <= amax) && amax == amax) amax = v; /* a NaN stays */
+            float scale = quantize_block(x + m * K + k0, n, q) / 127.0f / 127.0f;
+            int8_t *row = a->q + m * K;
+            if (S) { /* the vector loops' order: a 32-block lies in one S-run (S % 32 == 0) */
+                int64_t run = k0 - k0 % S, half = (k0 % S) / 2;
+                for (int i = 0; i < XBLOCK / 2; i++) {
+                    row[run + half + i] = q[2 * i];
+                    row[run + S / 2 + half + i] = q[2 * i + 1];
+                }
+            } else {
+                memcpy(row + k0, q, (size_t)n);
             }
-            float inv = amax > 0.0f ? 127.0f / amax : 0.0f, scale = amax / 127.0f / 127.0f;
-            int32_t lane_sum = 0;
-            for (int i = 0; i < n; i++) {
-                float t = xb[i] * inv; /* clamped by comparisons: libm's fminf is an SSE call
-                                           * that costs microseconds after AVX-512 code */
-                t = t != t ? 0.0f : t < -127.0f ? -127.0f : t > 127.0f ? 127.0f : t;
-                int8_t q = (int8_t)rintf(t);
-                int64_t k = k0 + i, pos = k;
-                if (S) {
-                    int64_t e = k % S;
-                    pos = k - e + ((e & 1) ? S / 2 + e / 2 : e / 2);
-                }
-                a->q[m * K + pos] = q;
-                lane_sum += q;
-                if (k % 8 == 7 || i == n - 1) {
-                    a->lane_scale[m * lanes + k / 8] = scale;
-                    a->bias[m * lanes + k / 8] = -128 * lane_sum;
-                    lane_sum = 0;
-                }
+            for (int lane = 0; lane < (n + 7) / 8; lane++) {
+                int32_t sum = 0;
+                for (int i = 8 * lane; i < n && i < 8 * lane + 8; i++) sum += q[i];
+                a->lane_scale[m * lanes + k0 / 8 + lane] = scale;
+                a->bias[m * lanes + k0 / 8 + lane] = -128 * sum;
             }
         }
     return 1;
