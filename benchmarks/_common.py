@@ -18,6 +18,7 @@ import torch
 
 __all__ = [
     "ReadRoof",
+    "home_relative",
     "as_tightfit_run_threads",
     "last_level_cache_bytes",
     "load_average",
@@ -193,6 +194,12 @@ def repository_state() -> str:
 def machine_lines(extra: dict[str, str]) -> list[str]:
     """Markdown bullet lines: :func:`machine`, the repository's state, then ``extra``."""
     return [f"- {key}: {value}" for key, value in {**machine(), "tightfit at": repository_state(), **extra}.items()]
+
+
+def home_relative(path: Path) -> str:
+    """``path`` with the home folder written ``~``: results name no machine's folders."""
+    home = str(Path.home())
+    return "~" + str(path)[len(home) :] if str(path).startswith(home) else str(path)
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]], align: str | None = None) -> str:

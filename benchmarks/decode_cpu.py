@@ -118,6 +118,7 @@ import torch
 from _common import (
     ReadRoof,
     add_quiet_load_option,
+    home_relative,
     as_tightfit_run_threads,
     load_average,
     machine_lines,
@@ -706,7 +707,7 @@ def main() -> None:
             "read roof": roof.describe(),
             "load average (1, 5, 15 min) before / after the rounds": f"{load_before} / {load_average()} ({quiet})",
             "llama-cpp-python": _llama_version() if llama else "not run",
-            "model": f"{folder} (Llama-style, 477M parameters, bfloat16, random weights seed {SEED})",
+            "model": f"{home_relative(folder)} (Llama-style, 477M parameters, bfloat16, random weights seed {SEED})",
             "prompt": f"{PROMPT_TOKENS} fixed token ids; {args.new_tokens} new tokens, greedy; "
             f"{args.rounds} interleaved rounds, medians",
             "wall time": f"{time.perf_counter() - started:.0f} s (models built and loaded included)",

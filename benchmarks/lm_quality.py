@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from _common import machine_lines, markdown_table
+from _common import home_relative, machine_lines, markdown_table
 from torch import nn
 
 from tightfit.app.run import STORAGE_DTYPE_CHOICES, quant_configs
@@ -79,7 +79,7 @@ def trained_model(cache: Path) -> tuple[nn.Module, str]:
     data = text_bytes()
     folder = cache / f"lm-quality-{_key(data)}"
     if (folder / "config.json").exists():
-        return LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), f"cached at {folder}"
+        return LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), f"cached at {home_relative(folder)}"
     train, _ = split(data)
     torch.manual_seed(TRAINING["seed"])
     model = LlamaForCausalLM(LlamaConfig(**CONFIG))
@@ -101,7 +101,7 @@ def trained_model(cache: Path) -> tuple[nn.Module, str]:
             print(f"  step {step}: training loss {loss.item():.3f}", flush=True)
     model.eval()
     model.save_pretrained(folder)
-    return model, f"trained now in {time.perf_counter() - start:.0f} s, cached at {folder}"
+    return model, f"trained now in {time.perf_counter() - start:.0f} s, cached at {home_relative(folder)}"
 
 
 def held_out_windows() -> torch.Tensor:
