@@ -118,8 +118,8 @@ import torch
 from _common import (
     ReadRoof,
     add_quiet_load_option,
-    home_relative,
     as_tightfit_run_threads,
+    home_relative,
     load_average,
     machine_lines,
     markdown_table,

@@ -79,7 +79,9 @@ def trained_model(cache: Path) -> tuple[nn.Module, str]:
     data = text_bytes()
     folder = cache / f"lm-quality-{_key(data)}"
     if (folder / "config.json").exists():
-        return LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), f"cached at {home_relative(folder)}"
+        return LlamaForCausalLM.from_pretrained(
+            folder, dtype=torch.float32
+        ).eval(), f"cached at {home_relative(folder)}"
     train, _ = split(data)
     torch.manual_seed(TRAINING["seed"])
     model = LlamaForCausalLM(LlamaConfig(**CONFIG))
