@@ -166,6 +166,24 @@ def test_native_kernel_on_every_instruction_set_is_exact(monkeypatch, kernel_pat
 
 
 @pytest.mark.parametrize(("kernel_path", "vnni"), KERNELS)
+@pytest.mark.parametrize("rows", [1, 8])
+def test_outlier_columns_taken_in_the_products_pass_keep_the_references_bits(monkeypatch, kernel_path, vnni, rows):
+    """LLM.int8() with outliers: the native kernel copies the weight's outlier columns while
+    it streams each row; the layer's result stays the reference's, bit for bit."""
+    monkeypatch.setenv(_cpu_int8.PATH_VARIABLE, "native")
+    monkeypatch.setenv(_native.PATH_VARIABLE, kernel_path)
+    monkeypatch.setattr(_native, "VNNI", vnni)
+    generator = torch.Generator().manual_seed(rows)
+    A = torch.randn(rows, 65, generator=generator).to(torch.bfloat16)
+    A[0, [0, 17, 64]] = torch.tensor([9.0, -7.5, 12.0], dtype=torch.bfloat16)  # columns past 6.0, the last one
+    weight = torch.randint(-127, 128, (37, 65), generator=generator, dtype=torch.int8)
+    SCB = torch.rand(37, generator=generator) + 0.5
+    got = ops.int8_linear(A, weight, SCB, None, 6.0)
+    want = ops.get_op("int8_linear").reference(A, weight, SCB, None, 6.0)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("kernel_path", "vnni"), KERNELS)
 def test_native_kernel_wraps_as_the_reference(monkeypatch, kernel_path, vnni):
     monkeypatch.setenv(_cpu_int8.PATH_VARIABLE, "native")
     monkeypatch.setenv(_native.PATH_VARIABLE, kernel_path)

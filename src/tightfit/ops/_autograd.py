@@ -14,6 +14,7 @@ import torch
 from tightfit._validate import check_non_negative_number, check_same_device, check_type
 from tightfit.ops import int8
 from tightfit.ops._arg_checks import FLOAT_DTYPES
+from tightfit.ops._cpu_int8 import linear_matmul_gathering
 from tightfit.ops._registry import Case, define_op, register_kernel
 from tightfit.ops.int8 import (
     int8_linear_matmul,
@@ -95,10 +96,15 @@ def _int8_linear_cpu(
     if rows.numel() and not int8._all_finite(rows):
         raise ValueError("A has NaN or inf values; int8 quantization needs finite values")
     q, row_scales, outlier_cols = int8._vectorwise_cpu(rows, threshold)
-    product = int8._linear_matmul_cpu(q, weight)
+    outliers = threshold > 0.0 and outlier_cols.numel() > 0
+    if outliers and q.numel() and weight.shape[0]:  # the outlier columns of the weight taken in the product's pass
+        product, gathered = linear_matmul_gathering(q, weight, outlier_cols)
+    else:
+        product, gathered = int8._linear_matmul_cpu(q, weight), None
     out = int8._mm_dequant_cpu(product, row_scales, SCB, A.dtype, None if bias is None else bias.to(A.dtype))
-    if threshold > 0.0 and outlier_cols.numel():
-        weight_cols = int8_vectorwise_dequant(weight[:, outlier_cols].contiguous(), SCB).to(A.dtype)
+    if outliers:
+        columns = gathered if gathered is not None else weight[:, outlier_cols].contiguous()
+        weight_cols = int8_vectorwise_dequant(columns, SCB).to(A.dtype)
         out = out.addmm(rows[:, outlier_cols], weight_cols.t())
     return out.reshape(*A.shape[:-1], weight.shape[0])
 

@@ -196,7 +196,7 @@ def linear_matmul_cpu(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     if path == "int_mm":
         return _int_mm(A, B)
     if path == "native":
-        return _native_matmul(A, B, library)
+        return _native_matmul(A, B, library)[0]
     if usable_numba("int8_linear_matmul", "few-row products use torch._int_mm where exact, else int32 torch.mm"):
         out = torch.empty(A.shape[0], B.shape[0], dtype=torch.int32)
         from tightfit.ops._kernels_int8 import few_rows
@@ -209,10 +209,27 @@ def linear_matmul_cpu(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     return A.to(torch.int32) @ B.to(torch.int32).t()
 
 
-def _native_matmul(A: torch.Tensor, B: torch.Tensor, library: ctypes.CDLL) -> torch.Tensor:
-    """The native kernel on contiguous copies, whose pointers are valid for the sizes it is given."""
+def linear_matmul_gathering(
+    A: torch.Tensor, B: torch.Tensor, cols: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``linear_matmul_cpu(A, B)``, and on the native path also ``B[:, cols]`` (int64
+    ``cols``, each in range), copied in the same pass over B while each row is cached;
+    elsewhere None (the caller gathers them later, as the reference does)."""
+    path, library = _choose(A.shape[0])
+    if path == "native":
+        return _native_matmul(A, B, library, cols)
+    return linear_matmul_cpu(A, B), None
+
+
+def _native_matmul(
+    A: torch.Tensor, B: torch.Tensor, library: ctypes.CDLL, cols: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The native kernel on contiguous copies, whose pointers are valid for the sizes it is
+    given; and, for ``cols``, B's bytes there (N x len(cols))."""
     a, b = A.contiguous(), B.contiguous()
     out = torch.empty(a.shape[0], b.shape[0], dtype=torch.int32)
+    index = None if cols is None else cols.to(torch.int64).contiguous()
+    gathered = None if index is None else torch.empty(b.shape[0], index.numel(), dtype=torch.int8)
     library.tf_int8_matmul_rows(
         a.data_ptr(),
         b.data_ptr(),
@@ -222,8 +239,11 @@ def _native_matmul(A: torch.Tensor, B: torch.Tensor, library: ctypes.CDLL) -> to
         a.shape[1],
         torch.get_num_threads(),
         int(_native.VNNI),
+        None if index is None else index.data_ptr(),
+        0 if index is None else index.numel(),
+        None if gathered is None else gathered.data_ptr(),
     )
-    return out
+    return out, gathered
 
 
 def _int_mm(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:

@@ -107,7 +107,7 @@ _SIGNATURES = {
         _I64,
     ],
     "tf_dequantize_blockwise": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64],
-    "tf_int8_matmul_rows": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64],
+    "tf_int8_matmul_rows": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR],
     "tf_gemv_float8": [_PTR, _PTR, _I64, _PTR, _I64, _F32, _PTR, _I64, _I64, _I64, _PTR, _I64],
 }
 

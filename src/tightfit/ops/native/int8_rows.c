@@ -31,6 +31,15 @@
  * prefetchers alone leave a third of the memory's bandwidth unused here. */
 #define PREFETCH(b, k, K) __builtin_prefetch((b) + (k) + 4 * (K), 0, 2)
 
+/* Copies the bytes at cols of rows [n0, n1) of B into gathered (N x ncols): the outlier
+ * columns LLM.int8() multiplies in float, taken while a chunk's rows are still cached
+ * instead of in a second pass over B (which cost as much as the product). */
+static void gather_rows(const int8_t *B, int64_t n0, int64_t n1, int64_t K, const int64_t *cols, int64_t ncols,
+                        int8_t *gathered) {
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t j = 0; j < ncols; j++) gathered[n * ncols + j] = B[n * K + cols[j]];
+}
+
 /* One output element, element by element (the path when the scratch could not be had). */
 static int32_t dot_scalar(const int8_t *a, const int8_t *b, int64_t K) {
     uint32_t acc = 0;
@@ -212,9 +221,10 @@ static void rows(const int16_t *a16, const int8_t *B, int32_t *out, int64_t n0, 
 
 /* out[M x N] = A[M x K] @ B[N x K].T in int32; vnni: take vpdpbusd where the CPU has it (the
  * AVX-512 path). Rows of B are split into contiguous ranges, one per thread, so each thread
- * streams its own bytes. */
+ * streams its own bytes. Where ncols > 0, B[:, cols] (each col in [0, K)) is also copied
+ * into gathered (N x ncols). */
 void tf_int8_matmul_rows(const int8_t *A, const int8_t *B, int32_t *out, int64_t M, int64_t N, int64_t K,
-                         int64_t threads, int64_t vnni) {
+                         int64_t threads, int64_t vnni, const int64_t *cols, int64_t ncols, int8_t *gathered) {
     if (M <= 0 || N <= 0) return;
 #if defined(TF_AVX512)
     uint8_t *au = vnni && K > 0 && has_vnni() ? (uint8_t *)malloc((size_t)(M * K)) : NULL;
@@ -232,6 +242,7 @@ void tf_int8_matmul_rows(const int8_t *A, const int8_t *B, int32_t *out, int64_t
                     int mc = (int)(M - m0 < TOKENS ? M - m0 : TOKENS);
                     rows_vnni(au + m0 * K, B, out + m0 * N, n0, n1, N, K, mc);
                 }
+                if (ncols) gather_rows(B, n0, n1, K, cols, ncols, gathered);
             }
         }
         free(au);
@@ -250,6 +261,7 @@ void tf_int8_matmul_rows(const int8_t *A, const int8_t *B, int32_t *out, int64_t
         int64_t first = N * part / threads, last = N * (part + 1) / threads;
         if (!a16) {
             rows_scalar(A, B, out, first, last, M, N, K);
+            if (ncols) gather_rows(B, first, last, K, cols, ncols, gathered);
             continue;
         }
         for (int64_t n0 = first; n0 < last; n0 += chunk) {
@@ -258,6 +270,7 @@ void tf_int8_matmul_rows(const int8_t *A, const int8_t *B, int32_t *out, int64_t
                 int mc = (int)(M - m0 < TOKENS ? M - m0 : TOKENS);
                 rows(a16 + m0 * K, B, out + m0 * N, n0, n1, N, K, mc);
             }
+            if (ncols) gather_rows(B, n0, n1, K, cols, ncols, gathered);
         }
     }
     free(a16);
