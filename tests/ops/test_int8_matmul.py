@@ -165,6 +165,32 @@ def test_native_kernel_on_every_instruction_set_is_exact(monkeypatch, kernel_pat
         assert torch.equal(ops.int8_linear_matmul(A, B), _reference(A, B)), kind
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16, torch.float16])
+def test_few_rows_in_one_native_call_keep_the_references_bits(monkeypatch, dtype, bias_dtype):
+    """Without outliers, up to 8 rows run quantize, product and dequantize in one native
+    call (_cpu_int8_rows.linear_rows); the result is the reference's, bit for bit."""
+    from tightfit.ops import _cpu_int8_rows
+
+    monkeypatch.setenv(_cpu_int8.PATH_VARIABLE, "native")
+    calls = []
+    fused = _cpu_int8_rows.linear_rows
+    monkeypatch.setattr(_cpu_int8_rows, "linear_rows", lambda *args: calls.append(fused(*args)) or calls[-1])
+    generator = torch.Generator().manual_seed(3)
+    for rows in (1, 8):
+        A = (torch.randn(rows, 70, generator=generator) * 2).clamp(-5.9, 5.9).to(dtype)  # no outliers
+        weight = torch.randint(-127, 128, (41, 70), generator=generator, dtype=torch.int8)
+        SCB = torch.rand(41, generator=generator) * 3 + 0.1
+        bias = None if bias_dtype is None else torch.randn(41, generator=generator).to(bias_dtype)
+        got = ops.int8_linear(A, weight, SCB, bias, 6.0)
+        want = ops.get_op("int8_linear").reference(A, weight, SCB, bias, 6.0)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert len(calls) == 2 and all(result is not None for result in calls)  # the one call ran
+    A[0, 5] = float("nan")
+    with pytest.raises(ValueError, match="A has NaN or inf values"):
+        ops.int8_linear(A, weight, SCB, bias, 6.0)
+
+
 @pytest.mark.parametrize(("kernel_path", "vnni"), KERNELS)
 @pytest.mark.parametrize("rows", [1, 8])
 def test_outlier_columns_taken_in_the_products_pass_keep_the_references_bits(monkeypatch, kernel_path, vnni, rows):

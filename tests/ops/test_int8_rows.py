@@ -15,10 +15,13 @@ from tightfit.ops import int8 as int8_ops
 from tightfit.quant import LinearInt8
 
 
-@pytest.fixture(params=["one thread", "parallel"])
+@pytest.fixture(params=["native", "numba, one thread", "numba, parallel"])
 def drivers(request, monkeypatch):
-    """Both drivers: one thread, or (where torch has two threads) one parallel region."""
-    monkeypatch.setattr(_cpu_int8_rows, "PARALLEL_MIN", 1 << 62 if request.param == "one thread" else 0)
+    """Every driver: the native port (small calls), numba's on one thread, or (where torch
+    has two threads) numba's in one parallel region."""
+    monkeypatch.setattr(_cpu_int8_rows, "PARALLEL_MIN", 0 if request.param == "numba, parallel" else 1 << 62)
+    if request.param != "native":
+        monkeypatch.setattr(_cpu_int8_rows, "_native_steps", lambda rows, cols: None)
 
 
 def _equal(ours, theirs) -> None:
@@ -48,7 +51,7 @@ def test_half_way_codes_round_as_the_reference_for_every_scale(drivers, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_every_finite_16_bit_value_is_widened_exactly(dtype):
+def test_every_finite_16_bit_value_is_widened_exactly(drivers, dtype):
     values = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
     A = values[torch.isfinite(values)].reshape(-1, 1)  # one value a row: row_stats is |value|
     _equal(int8_ops._vectorwise_cpu(A, 0.0), int8_ops._vectorwise_reference(A, 0.0))
@@ -78,7 +81,7 @@ def test_mm_dequant_is_the_reference(drivers, dtype, bias_dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_rounding_to_16_bits_is_torch_s(dtype):
+def test_rounding_to_16_bits_is_torch_s(drivers, dtype):
     """float32 values from random bit patterns, float16's edges (largest, halfway to inf,
     subnormals) and a dense range, each the product of 1 and scales of 1 and the value."""
     bits = torch.randint(-(1 << 31), (1 << 31) - 1, (1 << 16,), generator=torch.Generator().manual_seed(9))

@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 
 from tightfit._validate import check_non_negative_number, check_same_device, check_type
-from tightfit.ops import int8
+from tightfit.ops import _cpu_int8_rows, int8
 from tightfit.ops._arg_checks import FLOAT_DTYPES
 from tightfit.ops._cpu_int8 import linear_matmul_gathering
+from tightfit.ops._cpu_int8_rows import vectorwise_quant_cpu
 from tightfit.ops._registry import Case, define_op, register_kernel
 from tightfit.ops.int8 import (
     int8_linear_matmul,
@@ -93,9 +94,21 @@ def _int8_linear_cpu(
     if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack() or torch.compiler.is_compiling():
         return _int8_linear_reference(A, weight, SCB, bias, threshold)
     rows = A.reshape(-1, weight.shape[1])
-    if rows.numel() and not int8._all_finite(rows):
-        raise ValueError("A has NaN or inf values; int8 quantization needs finite values")
-    q, row_scales, outlier_cols = int8._vectorwise_cpu(rows, threshold)
+    fused = _cpu_int8_rows.linear_rows(rows, weight, SCB, bias, threshold, A.dtype)
+    if fused is not None:
+        return fused.reshape(*A.shape[:-1], weight.shape[0])
+
+    def checked_reference():
+        """Where the quantizer met NaN or inf (or cannot run): the finiteness check, a pass of
+        its own that finite input skips, then the reference."""
+        if not int8._all_finite(rows):
+            raise ValueError("A has NaN or inf values; int8 quantization needs finite values")
+        return int8._vectorwise_reference(rows, threshold)
+
+    if rows.numel():
+        q, row_scales, outlier_cols = vectorwise_quant_cpu(rows, threshold, checked_reference)
+    else:
+        q, row_scales, outlier_cols = int8._vectorwise_cpu(rows, threshold)
     outliers = threshold > 0.0 and outlier_cols.numel() > 0
     if outliers and q.numel() and weight.shape[0]:  # the outlier columns of the weight taken in the product's pass
         product, gathered = linear_matmul_gathering(q, weight, outlier_cols)

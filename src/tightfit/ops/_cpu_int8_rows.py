@@ -11,9 +11,12 @@ rounded bit by bit, as torch rounds: numba has no float16 type.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
+from tightfit.ops import _native
 from tightfit.ops._numba import kernel_lock, load_numba, usable_numba
 
 __all__: list[str] = []
@@ -63,22 +66,58 @@ def vectorwise_peak_bytes(rows: int, cols: int, outliers: int) -> int | None:
     return rows * cols + 5 * rows + cols + max(1, 8 * outliers)
 
 
+#: The dtype codes of native/int8_steps.c.
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _native_steps(rows: int, cols: int):
+    """The native library for a call this small (one thread's work: numba's dispatch costs
+    more than the call), or None: numba runs it."""
+    if rows * cols >= PARALLEL_MIN:
+        return None
+    library, _ = _native.library()
+    return library
+
+
+@functools.lru_cache(maxsize=64)
+def _limit(threshold: float, dtype: torch.dtype) -> float:
+    """The magnitude an outlier reaches: torch compares with the threshold in the input's
+    dtype; past its range (or at threshold 0) there are no outliers."""
+    return float(torch.tensor(threshold, dtype=dtype).float()) if threshold > 0.0 else float("inf")
+
+
 def vectorwise_quant_cpu(rows: torch.Tensor, threshold: float, reference):
     """``reference()``'s (q, row_stats, outlier_cols) for non-empty (rows, K) ``rows``; with
-    NaN or inf in it, or without numba, ``reference()`` itself."""
+    NaN or inf in it, or without numba, ``reference()`` itself. Small calls take the native
+    port of the numba kernel (``native/int8_steps.c``): the same bits and allocations."""
     numba = usable_numba("int8_vectorwise_quant", "running the reference kernel")
     if numba is None:
         return reference()
     rows = rows.contiguous()
-    # torch compares with the threshold in A's dtype; past its range there are no outliers
-    limit = float(torch.tensor(threshold, dtype=rows.dtype).float()) if threshold > 0.0 else float("inf")
+    limit = _limit(threshold, rows.dtype)
     q = torch.empty(rows.shape, dtype=torch.int8)
     row_stats = torch.empty(rows.shape[0], dtype=torch.float32)
     outlier = torch.zeros(rows.shape[1], dtype=torch.uint8)
     bad = torch.zeros(rows.shape[0], dtype=torch.uint8)
-    kernel, pieces = _kernel("quant", *rows.shape, numba)
-    with kernel_lock:
-        kernel(_as_bits(rows), np.float32(limit), q.numpy(), row_stats.numpy(), outlier.numpy(), bad.numpy(), pieces)
+    library = _native_steps(*rows.shape) if rows.dtype in _DTYPE_CODES else None
+    if library is not None:
+        library.tf_int8_quant_rows(
+            rows.data_ptr(),
+            _DTYPE_CODES[rows.dtype],
+            rows.shape[0],
+            rows.shape[1],
+            limit,
+            q.data_ptr(),
+            row_stats.data_ptr(),
+            outlier.data_ptr(),
+            bad.data_ptr(),
+        )
+    else:
+        kernel, pieces = _kernel("quant", *rows.shape, numba)
+        with kernel_lock:
+            kernel(
+                _as_bits(rows), np.float32(limit), q.numpy(), row_stats.numpy(), outlier.numpy(), bad.numpy(), pieces
+            )
     if bool(bad.any()):
         return reference()
     return q, row_stats, torch.argwhere(outlier).view(-1)
@@ -91,6 +130,25 @@ def mm_dequant_cpu(rows: torch.Tensor, row_stats, col_stats, scale: float, dtype
     if numba is None or (bias is not None and bias.dtype == torch.float64):
         return reference()
     out = torch.empty(rows.shape, dtype=dtype)
+    float32 = row_stats.dtype == col_stats.dtype == torch.float32 and rows.dtype == torch.int32
+    native = float32 and dtype in _DTYPE_CODES and (bias is None or bias.dtype in _DTYPE_CODES)
+    library = _native_steps(*rows.shape) if native else None
+    if library is not None:
+        rows, row_stats, col_stats = rows.contiguous(), row_stats.contiguous(), col_stats.contiguous()
+        bias = None if bias is None else bias.contiguous()
+        library.tf_int8_dequant_rows(
+            rows.data_ptr(),
+            rows.shape[0],
+            rows.shape[1],
+            row_stats.data_ptr(),
+            col_stats.data_ptr(),
+            scale,
+            None if bias is None else bias.data_ptr(),
+            -1 if bias is None else _DTYPE_CODES[bias.dtype],
+            out.data_ptr(),
+            _DTYPE_CODES[dtype],
+        )
+        return out
     bias_bits = np.empty(0, np.uint32) if bias is None else _as_bits(bias.contiguous())
     kernel, pieces = _kernel("dequant", *rows.shape, numba)
     with kernel_lock:
@@ -104,3 +162,61 @@ def mm_dequant_cpu(rows: torch.Tensor, row_stats, col_stats, scale: float, dtype
             pieces,
         )
     return out
+
+
+def linear_rows(rows: torch.Tensor, weight: torch.Tensor, SCB: torch.Tensor, bias, threshold: float, dtype):
+    """LLM.int8()'s whole forward for a few rows in one native call (quantize, the exact
+    product, dequantize: the steps' own kernels, so the reference's bits and the steps'
+    allocations), where the int8 product takes its native path; None where it does not,
+    or where a column holds an outlier (the steps then run one by one). NaN or inf raises."""
+    from tightfit.ops import _cpu_int8  # these import this module
+    from tightfit.ops.int8 import INV_127_SQUARED
+
+    M, K = rows.shape
+    if M == 0 or K == 0 or weight.shape[0] == 0 or M > _cpu_int8.NATIVE_ROWS:
+        return None
+    if (
+        rows.dtype not in _DTYPE_CODES
+        or SCB.dtype != torch.float32
+        or (bias is not None and bias.dtype not in _DTYPE_CODES)
+    ):
+        return None
+    if usable_numba("int8_vectorwise_quant", "running the reference kernel") is None:
+        return None  # the steps' reference kernels run, and the planner counts theirs
+    path, library = _cpu_int8._choose(M)
+    if path != "native":
+        return None
+    rows = rows.contiguous()
+    limit = _limit(threshold, rows.dtype)
+    q = torch.empty(rows.shape, dtype=torch.int8)
+    row_stats = torch.empty(M, dtype=torch.float32)
+    outlier = torch.zeros(K, dtype=torch.uint8)
+    bad = torch.zeros(M, dtype=torch.uint8)
+    product = torch.empty(M, weight.shape[0], dtype=torch.int32)
+    out = torch.empty(M, weight.shape[0], dtype=dtype)
+    bias = None if bias is None else bias.to(dtype).contiguous()
+    status = library.tf_int8_linear_rows(
+        rows.data_ptr(),
+        _DTYPE_CODES[rows.dtype],
+        M,
+        K,
+        limit,
+        weight.contiguous().data_ptr(),
+        weight.shape[0],
+        SCB.contiguous().data_ptr(),
+        INV_127_SQUARED,
+        None if bias is None else bias.data_ptr(),
+        -1 if bias is None else _DTYPE_CODES[bias.dtype],
+        out.data_ptr(),
+        _DTYPE_CODES[dtype],
+        torch.get_num_threads(),
+        int(_native.VNNI),
+        q.data_ptr(),
+        row_stats.data_ptr(),
+        outlier.data_ptr(),
+        bad.data_ptr(),
+        product.data_ptr(),
+    )
+    if status == 1:
+        raise ValueError("A has NaN or inf values; int8 quantization needs finite values")
+    return out if status == 0 else None

@@ -108,8 +108,35 @@ _SIGNATURES = {
     ],
     "tf_dequantize_blockwise": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64],
     "tf_int8_matmul_rows": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR],
+    "tf_int8_quant_rows": [_PTR, _I64, _I64, _I64, _F32, _PTR, _PTR, _PTR, _PTR],
+    "tf_int8_dequant_rows": [_PTR, _I64, _I64, _PTR, _PTR, _F32, _PTR, _I64, _PTR, _I64],
+    "tf_int8_linear_rows": [
+        _PTR,
+        _I64,
+        _I64,
+        _I64,
+        _F32,
+        _PTR,
+        _I64,
+        _PTR,
+        _F32,
+        _PTR,
+        _I64,
+        _PTR,
+        _I64,
+        _I64,
+        _I64,
+        _PTR,
+        _PTR,
+        _PTR,
+        _PTR,
+        _PTR,
+    ],
     "tf_gemv_float8": [_PTR, _PTR, _I64, _PTR, _I64, _F32, _PTR, _I64, _I64, _I64, _PTR, _I64],
 }
+
+#: Result types of the functions that return one (the others return nothing).
+_RESULTS = {"tf_int8_linear_rows": _I64}
 
 _build_lock = threading.Lock()
 
@@ -229,7 +256,7 @@ def _load(path: str) -> tuple[ctypes.CDLL | None, str | None]:
             library = ctypes.CDLL(str(_build(path)))
         for name, argtypes in _SIGNATURES.items():
             function = getattr(library, name)
-            function.argtypes, function.restype = argtypes, None
+            function.argtypes, function.restype = argtypes, _RESULTS.get(name)
     except (
         OSError,
         RuntimeError,
