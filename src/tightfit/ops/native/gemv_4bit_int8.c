@@ -140,6 +140,23 @@ static void rows_scalar(const acts_t *a, const uint8_t *w, const scales_t *s, co
         for (int64_t p_ = 0; p_ < per_step_; p_ += 64) __builtin_prefetch(ahead_ + ((k) / (S)) * per_step_ + p_, 0, 3); \
     } while (0)
 
+/* Rows [n0, n1) in tiles of ROWS(c) rows for each token count c, one unrolled copy of TILE
+ * per count so each keeps its accumulators in registers; the rows left over one by one. */
+#define TILES_BY_TOKEN_COUNT(TILE, ROWS)                                                      \
+    switch (mc) {                                                                             \
+        CASE_TILES(TILE, ROWS, 1) CASE_TILES(TILE, ROWS, 2) CASE_TILES(TILE, ROWS, 3)         \
+        CASE_TILES(TILE, ROWS, 4) CASE_TILES(TILE, ROWS, 5) CASE_TILES(TILE, ROWS, 6)         \
+        CASE_TILES(TILE, ROWS, 7) CASE_TILES(TILE, ROWS, 8)                                   \
+    }
+#define CASE_TILES(TILE, ROWS, count)                                                          \
+    case count: {                                                                             \
+        const int c = count, R = ROWS;                                                        \
+        int64_t n = n0;                                                                       \
+        for (; n + R <= n1; n += R) TILE(a, w, s, table, n, R, N, K, shift, out, c);          \
+        for (; n < n1; n++) TILE(a, w, s, table, n, 1, N, K, shift, out, c);                  \
+        break;                                                                                \
+    }
+
 #if defined(TF_AVX512) || defined(TF_AVX2)
 
 /* AVX2, S = 64: R rows x mc tokens, 8 lanes of 8 weights a step. */
@@ -232,43 +249,17 @@ VNNI ALWAYS_INLINE void tile_vnni(const acts_t *a, const uint8_t *w, const scale
         for (int m = 0; m < mc; m++) out[m * N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-#define FOR_TOKEN_COUNTS(CASE) CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 VNNI static void rows_vnni(const acts_t *a, const uint8_t *w, const scales_t *s, __m512i table, int64_t n0,
                            int64_t n1, int64_t N, int64_t K, int shift, float *out, int mc) {
-    switch (mc) {
-#define CASE(c)                                                                                  \
-    case c: {                                                                                    \
-        const int R = c <= 4 ? 4 : 2;                                                            \
-        int64_t n = n0;                                                                          \
-        for (; n + R <= n1; n += R) tile_vnni(a, w, s, table, n, R, N, K, shift, out, c);        \
-        for (; n < n1; n++) tile_vnni(a, w, s, table, n, 1, N, K, shift, out, c);                \
-        break;                                                                                   \
-    }
-        FOR_TOKEN_COUNTS(CASE)
-#undef CASE
-    }
+    TILES_BY_TOKEN_COUNT(tile_vnni, c <= 4 ? 4 : 2)
 }
 static int has_vnni(void) { return __builtin_cpu_supports("avx512vnni"); }
 #endif
 
 #if defined(TF_AVX512) || defined(TF_AVX2)
-#ifndef FOR_TOKEN_COUNTS
-#define FOR_TOKEN_COUNTS(CASE) CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-#endif
 static void rows_avx2(const acts_t *a, const uint8_t *w, const scales_t *s, __m256i table, int64_t n0, int64_t n1,
                       int64_t N, int64_t K, int shift, float *out, int mc) {
-    switch (mc) {
-#define CASE(c)                                                                                  \
-    case c: {                                                                                    \
-        const int R = c <= 2 ? 2 : 1;                                                            \
-        int64_t n = n0;                                                                          \
-        for (; n + R <= n1; n += R) tile_avx2(a, w, s, table, n, R, N, K, shift, out, c);        \
-        for (; n < n1; n++) tile_avx2(a, w, s, table, n, 1, N, K, shift, out, c);                \
-        break;                                                                                   \
-    }
-        FOR_TOKEN_COUNTS(CASE)
-#undef CASE
-    }
+    TILES_BY_TOKEN_COUNT(tile_avx2, c <= 2 ? 2 : 1)
 }
 #else
 /* portable, S = 64: per lane of 8 weights, integer dot then one scaled float add. */
