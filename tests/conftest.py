@@ -1,7 +1,8 @@
 """Shared fixtures: every test starts with fresh backend discovery and fresh fallback warnings;
-the fit planner's calibration cache lives in a folder of the session, not the user's. The
-report's header names the CPU and the paths its features select, so a run says what it
-covered (tests that need another path pin it themselves)."""
+the fit planner's calibration cache lives in a folder of the session, not the user's; the
+session's child processes may cache their bytecode. The report's header names the CPU and
+the paths its features select, so a run says what it covered (tests that need another path
+pin it themselves)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,14 @@ def _calibration_cache(tmp_path_factory):
         os.environ.pop("TIGHTFIT_CACHE_DIR", None)
     else:
         os.environ["TIGHTFIT_CACHE_DIR"] = before
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _children_cache_bytecode():
+    """Where the environment says PYTHONDONTWRITEBYTECODE, each ``python -O`` child the tests
+    start compiled torch and transformers from source again (their installed bytecode is
+    for plain ``python``): about 12 s a child. The first child now writes what the others read."""
+    before = os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    yield
+    if before is not None:
+        os.environ["PYTHONDONTWRITEBYTECODE"] = before
