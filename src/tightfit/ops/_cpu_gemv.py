@@ -44,11 +44,8 @@ def gemv_blockwise(
     if library is None:
         return None
     rows, cols = shape
-    x = A.reshape(-1, cols).float().contiguous()
-    w = codes.reshape(-1).view(torch.uint8).contiguous()
+    x, w, out, scale_args, _keep = _operands(A, codes, rows, cols, absmax, nested)
     table32 = table.float().contiguous()
-    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
-    scale_args, _keep = _scale_arguments(absmax, nested)
     library.tf_gemv_blockwise(
         x.data_ptr(),
         w.data_ptr(),
@@ -81,11 +78,8 @@ def gemv_4bit_int8(
     if library is None:
         return None
     rows, cols = shape
-    x = A.reshape(-1, cols).float().contiguous()
-    w = codes.reshape(-1).view(torch.uint8).contiguous()
+    x, w, out, scale_args, _keep = _operands(A, codes, rows, cols, absmax, nested)
     table = table8.to(torch.int8).contiguous()
-    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
-    scale_args, _keep = _scale_arguments(absmax, nested)
     library.tf_gemv_4bit_int8(
         x.data_ptr(),
         w.data_ptr(),
@@ -100,6 +94,16 @@ def gemv_4bit_int8(
         int(_native.VNNI),
     )
     return out
+
+
+def _operands(A, codes, rows: int, cols: int, absmax: torch.Tensor, nested: tuple) -> tuple:
+    """What both kernels read and write: x (A's rows in float32), the code bytes, the float32
+    output, the scale arguments and the tensors behind them (held until the call returns)."""
+    x = A.reshape(-1, cols).float().contiguous()
+    w = codes.reshape(-1).view(torch.uint8).contiguous()
+    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    scale_args, keep = _scale_arguments(absmax, nested)
+    return x, w, out, scale_args, keep
 
 
 def _scale_arguments(absmax: torch.Tensor, nested: tuple) -> tuple[tuple, list[torch.Tensor]]:
