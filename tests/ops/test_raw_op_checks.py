@@ -34,6 +34,10 @@ BAD_CALLS = [
     ("gemv_4bit", (torch.randn(1, 16), PACKED, [8, 16], ABSMAX, 0, "nf4"), ValueError, "blocksize"),
     ("gemv_4bit", (torch.randn(1, 16), PACKED[:10], [8, 16], ABSMAX, 64, "nf4"), ValueError, "packed bytes"),
     ("gemv_4bit", (torch.randn(1, 15), PACKED, [8, 16], ABSMAX, 64, "nf4"), ValueError, "in_features"),
+    ("gemv_4bit_int8", (torch.randn(1, 16), PACKED, [8, 16], ABSMAX, 0, "nf4"), ValueError, "blocksize"),
+    ("gemv_4bit_int8", (torch.randn(1, 16), PACKED[:10], [8, 16], ABSMAX, 64, "nf4"), ValueError, "packed bytes"),
+    ("gemv_4bit_int8", (torch.randn(1, 15), PACKED, [8, 16], ABSMAX, 64, "nf4"), ValueError, "in_features"),
+    ("gemv_4bit_int8", (torch.randn(1, 16), PACKED, [8, 16], ABSMAX[:0], 64, "nf4"), ValueError, "absmax"),
     (
         "dequantize_blockwise",
         (torch.zeros(100, dtype=torch.uint8), torch.ones(2), dynamic_map()[:16], 64, torch.float32),
