@@ -131,7 +131,7 @@ from torch import nn
 
 import tightfit
 from tightfit.app.generation import generate_greedy
-from tightfit.app.models import default_model_dir, load_causal_lm
+from tightfit.app.models import load_causal_lm, save_causal_lm
 from tightfit.app.run import STORAGE_DTYPE_CHOICES, quant_configs
 from tightfit.hooks import apply_layerwise_casting
 from tightfit.quant import LinearInt8, QuantizedLinear, quantize_
@@ -168,28 +168,9 @@ def model_folder(cache: Path) -> Path:
     folder = cache / MODEL_NAME
     if (folder / MARKER).is_file():
         return folder
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
     print(f"writing the model folder {folder} ...", flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.cls_token_id,
-        eos_token_id=tokenizer.sep_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        initializer_range=0.02,
-        **SIZES,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
-        model = LlamaForCausalLM(config).eval()
-    model = model.to(torch.bfloat16)
-    model.config.dtype = torch.bfloat16
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    parameters = sum(p.numel() for p in model.parameters())
+    save_causal_lm(folder, **SIZES, seed=SEED, dtype=torch.bfloat16)
+    parameters = sum(p.numel() for p in kept_skeleton(folder).parameters())
     (folder / MARKER).write_text(json.dumps({"parameters": parameters, "seed": SEED, **SIZES}))
     return folder
 

@@ -48,11 +48,26 @@ def test_builder_is_seeded_and_leaves_the_global_random_state(tmp_path):
         ({"num_hidden_layers": 1.5}, ValueError, "num_hidden_layers must be an int >= 1"),
         ({"seed": -1}, ValueError, "seed must be an int >= 0"),
         ({"hidden_size": 30}, ValueError, "must be a multiple of num_attention_heads"),
+        ({"dtype": torch.int8}, ValueError, "dtype=torch.int8 is not accepted; accepted: torch.float32"),
     ],
 )
 def test_builder_rejects_bad_sizes(tmp_path, kwargs, error, match):
     with pytest.raises(error, match=match):
         save_causal_lm(tmp_path, **{**TINY, **kwargs})
+
+
+def test_builder_stores_the_weights_in_the_dtype_asked(tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    folder = save_causal_lm(tmp_path / "lm", **TINY, seed=3, dtype=torch.bfloat16)
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(folder / "model.safetensors", "pt") as stored:
+        assert {stored.get_tensor(name).dtype for name in stored.keys()} == {torch.bfloat16}
+    full = save_causal_lm(tmp_path / "full", **TINY, seed=3)
+    with safe_open(full / "model.safetensors", "pt") as a, safe_open(folder / "model.safetensors", "pt") as b:
+        assert all(torch.equal(a.get_tensor(k).to(torch.bfloat16), b.get_tensor(k)) for k in a.keys())
 
 
 def test_builder_rejects_a_file_as_folder(tmp_path):

@@ -161,8 +161,10 @@ def save_causal_lm(
     num_key_value_heads: int = 4,
     max_position_embeddings: int = 512,
     seed: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Write a Llama-style causal LM with random weights (``seed``) and a tokenizer into ``path``.
+    """Write a Llama-style causal LM with random weights (``seed``), stored in ``dtype``
+    (float32, bfloat16 or float16), and a tokenizer into ``path``.
 
     The tokenizer is the default model's WordPiece one (30,522 tokens), so the folder loads
     offline; the vocabulary fixes the embedding and LM head sizes (not tied). The defaults
@@ -183,6 +185,8 @@ def save_causal_lm(
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype={dtype!r} is not accepted; accepted: torch.float32, torch.bfloat16, torch.float16")
     if hidden_size % num_attention_heads or num_attention_heads % num_key_value_heads:
         raise ValueError(
             f"hidden_size={hidden_size} must be a multiple of num_attention_heads={num_attention_heads}, "
@@ -206,6 +210,8 @@ def save_causal_lm(
     with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).eval()
+    model = model.to(dtype)
+    model.config.dtype = dtype
     folder.mkdir(parents=True, exist_ok=True)
 
     with transformers_bars():

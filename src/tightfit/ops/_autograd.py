@@ -102,8 +102,7 @@ def _int8_linear_cpu(
     def checked_reference():
         """Where the quantizer met NaN or inf (or cannot run): the finiteness check, a pass of
         its own that finite input skips, then the reference."""
-        if not int8._all_finite(rows):
-            raise ValueError("A has NaN or inf values; int8 quantization needs finite values")
+        int8._check_finite(rows)
         return int8._vectorwise_reference(rows, threshold)
 
     if rows.numel():

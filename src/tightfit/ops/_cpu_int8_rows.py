@@ -86,6 +86,17 @@ def _limit(threshold: float, dtype: torch.dtype) -> float:
     return float(torch.tensor(threshold, dtype=dtype).float()) if threshold > 0.0 else float("inf")
 
 
+def _quant_outputs(rows: int, cols: int) -> tuple[torch.Tensor, ...]:
+    """What the quantizer writes: the codes, the row scales, the column flags and the row
+    flags (the flags zeroed)."""
+    return (
+        torch.empty(rows, cols, dtype=torch.int8),
+        torch.empty(rows, dtype=torch.float32),
+        torch.zeros(cols, dtype=torch.uint8),
+        torch.zeros(rows, dtype=torch.uint8),
+    )
+
+
 def vectorwise_quant_cpu(rows: torch.Tensor, threshold: float, reference):
     """``reference()``'s (q, row_stats, outlier_cols) for non-empty (rows, K) ``rows``; with
     NaN or inf in it, or without numba, ``reference()`` itself. Small calls take the native
@@ -95,10 +106,7 @@ def vectorwise_quant_cpu(rows: torch.Tensor, threshold: float, reference):
         return reference()
     rows = rows.contiguous()
     limit = _limit(threshold, rows.dtype)
-    q = torch.empty(rows.shape, dtype=torch.int8)
-    row_stats = torch.empty(rows.shape[0], dtype=torch.float32)
-    outlier = torch.zeros(rows.shape[1], dtype=torch.uint8)
-    bad = torch.zeros(rows.shape[0], dtype=torch.uint8)
+    q, row_stats, outlier, bad = _quant_outputs(*rows.shape)
     library = _native_steps(*rows.shape) if rows.dtype in _DTYPE_CODES else None
     if library is not None:
         library.tf_int8_quant_rows(
@@ -170,16 +178,12 @@ def linear_rows(rows: torch.Tensor, weight: torch.Tensor, SCB: torch.Tensor, bia
     allocations), where the int8 product takes its native path; None where it does not,
     or where a column holds an outlier (the steps then run one by one). NaN or inf raises."""
     from tightfit.ops import _cpu_int8  # these import this module
-    from tightfit.ops.int8 import INV_127_SQUARED
+    from tightfit.ops.int8 import INV_127_SQUARED, NON_FINITE
 
     M, K = rows.shape
     if M == 0 or K == 0 or weight.shape[0] == 0 or M > _cpu_int8.NATIVE_ROWS:
         return None
-    if (
-        rows.dtype not in _DTYPE_CODES
-        or SCB.dtype != torch.float32
-        or (bias is not None and bias.dtype not in _DTYPE_CODES)
-    ):
+    if rows.dtype not in _DTYPE_CODES or SCB.dtype != torch.float32:
         return None
     if usable_numba("int8_vectorwise_quant", "running the reference kernel") is None:
         return None  # the steps' reference kernels run, and the planner counts theirs
@@ -188,13 +192,10 @@ def linear_rows(rows: torch.Tensor, weight: torch.Tensor, SCB: torch.Tensor, bia
         return None
     rows = rows.contiguous()
     limit = _limit(threshold, rows.dtype)
-    q = torch.empty(rows.shape, dtype=torch.int8)
-    row_stats = torch.empty(M, dtype=torch.float32)
-    outlier = torch.zeros(K, dtype=torch.uint8)
-    bad = torch.zeros(M, dtype=torch.uint8)
+    q, row_stats, outlier, bad = _quant_outputs(M, K)
     product = torch.empty(M, weight.shape[0], dtype=torch.int32)
     out = torch.empty(M, weight.shape[0], dtype=dtype)
-    bias = None if bias is None else bias.to(dtype).contiguous()
+    bias = None if bias is None else bias.to(dtype).contiguous()  # as the steps take it
     status = library.tf_int8_linear_rows(
         rows.data_ptr(),
         _DTYPE_CODES[rows.dtype],
@@ -218,5 +219,5 @@ def linear_rows(rows: torch.Tensor, weight: torch.Tensor, SCB: torch.Tensor, bia
         product.data_ptr(),
     )
     if status == 1:
-        raise ValueError("A has NaN or inf values; int8 quantization needs finite values")
+        raise ValueError(NON_FINITE)
     return out if status == 0 else None

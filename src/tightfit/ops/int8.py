@@ -259,6 +259,16 @@ register_kernel("int8_vectorwise_quant", "cpu", _vectorwise_cpu, label="numba, a
 register_kernel("int8_mm_dequant", "cpu", _mm_dequant_cpu, label="numba, a pass per row")
 
 
+#: What int8 quantization says of NaN or inf in its input.
+NON_FINITE = "A has NaN or inf values; int8 quantization needs finite values"
+
+
+def _check_finite(A: torch.Tensor) -> None:
+    """ValueError where ``A`` holds NaN or inf (a pass of its own over ``A``)."""
+    if A.numel() and not _all_finite(A):
+        raise ValueError(NON_FINITE)
+
+
 def _all_finite(A: torch.Tensor) -> bool:
     """Whether ``A`` holds no NaN or inf: its min and max in one pass (NaN propagates into
     both), without the full-size boolean mask ``isfinite`` builds, which cost more than the op."""
@@ -274,8 +284,8 @@ def int8_vectorwise_quant(
     (``outlier_cols`` lists them; None when ``threshold`` is 0). ``A`` is not modified."""
     threshold = check_non_negative_number("threshold", threshold)
     _check_vectorwise(A, threshold)
-    if not torch.compiler.is_compiling() and A.numel() and not _all_finite(A):
-        raise ValueError("A has NaN or inf values; int8 quantization needs finite values")
+    if not torch.compiler.is_compiling():
+        _check_finite(A)
     q, row_stats, cols = _VECTORWISE(A, float(threshold))
     return q, row_stats, (cols if threshold > 0.0 else None)
 

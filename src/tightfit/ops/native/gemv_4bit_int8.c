@@ -32,7 +32,6 @@
 
 #define TOKENS 8
 #define XBLOCK 32
-#define PREFETCH_BYTES 4096
 
 /* The activations as the dot products read them: q (M x K int8, each S-run's even elements
  * then its odd ones), lane_scale (M x K/8: d / 127 of the 32-block the lane lies in) and,
@@ -131,14 +130,6 @@ static void rows_scalar(const acts_t *a, const uint8_t *w, const scales_t *s, co
         }
 }
 
-/* The prefetch every vector tile does: its share, per step, of the bytes a distance ahead. */
-#define PREFETCH_AHEAD(w, n0, R, K, S, k)                                                               \
-    do {                                                                                             \
-        const int64_t tile_bytes_ = (int64_t)(R) * (K) / 2, steps_ = (K) / (S);                      \
-        const int64_t per_step_ = (tile_bytes_ + steps_ - 1) / steps_;                               \
-        const uint8_t *ahead_ = (w) + (n0) * (K) / 2 + (tile_bytes_ > PREFETCH_BYTES ? tile_bytes_ : PREFETCH_BYTES); \
-        for (int64_t p_ = 0; p_ < per_step_; p_ += 64) __builtin_prefetch(ahead_ + ((k) / (S)) * per_step_ + p_, 0, 3); \
-    } while (0)
 
 /* Rows [n0, n1) in tiles of ROWS(c) rows for each token count c, one unrolled copy of TILE
  * per count so each keeps its accumulators in registers; the rows left over one by one. */
@@ -175,8 +166,9 @@ ALWAYS_INLINE void tile_avx2(const acts_t *a, const uint8_t *w, const scales_t *
     for (int r = 0; r < R; r++)
         for (int m = 0; m < mc; m++) acc[r][m] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const prefetch_t prefetch = prefetch_plan(w + n0 * K / 2, (int64_t)R * K / 2, K / S2);
     for (int64_t k = 0; k < K; k += S2) {
-        PREFETCH_AHEAD(w, n0, R, K, S2, k);
+        prefetch_step(&prefetch, k / S2);
         __m256i H[4], L[4], Habs[4], Labs[4];
         __m256 ws[4];
         for (int r = 0; r < R; r++) {
@@ -223,8 +215,9 @@ VNNI ALWAYS_INLINE void tile_vnni(const acts_t *a, const uint8_t *w, const scale
     for (int r = 0; r < R; r++)
         for (int m = 0; m < mc; m++) acc[r][m] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(15);
+    const prefetch_t prefetch = prefetch_plan(w + n0 * K / 2, (int64_t)R * K / 2, K / S5);
     for (int64_t k = 0; k < K; k += S5) {
-        PREFETCH_AHEAD(w, n0, R, K, S5, k);
+        prefetch_step(&prefetch, k / S5);
         __m512i H[4], L[4];
         __m512 ws[4];
         for (int r = 0; r < R; r++) {
@@ -269,9 +262,10 @@ static void rows_portable(const acts_t *a, const uint8_t *w, const scales_t *s, 
     const int64_t lanes = K / 8;
     for (int64_t n = n0; n < n1; n++) {
         float acc[TOKENS] = {0};
+        const prefetch_t prefetch = prefetch_plan(w + n * K / 2, K / 2, K / S2);
         for (int64_t k = 0; k < K; k += S2) {
             int64_t flat = n * K + k;
-            PREFETCH_AHEAD(w, n, 1, K, S2, k);
+            prefetch_step(&prefetch, k / S2);
             float wscale = block_scale(s, flat >> shift);
             int8_t hi[S2 / 2], lo[S2 / 2];
             for (int i = 0; i < S2 / 2; i++) {

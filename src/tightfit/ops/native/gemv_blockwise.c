@@ -210,7 +210,6 @@ static const int X_OFFSET_4BIT[] = {0, 8, 16, 24}, X_OFFSET_8BIT[] = {0, 8, 16, 
 #define STEP_8BIT STEP
 #endif
 #define MAX_VECS 4
-#define PREFETCH_BYTES 4096
 
 /* R rows from n0, tokens [0, mc) of x (already offset), into out (already offset). */
 ALWAYS_INLINE void tile(const float *x, const uint8_t *w, const int bits, const scales_t *s, const float *table,
@@ -225,15 +224,10 @@ ALWAYS_INLINE void tile(const float *x, const uint8_t *w, const int bits, const 
         for (int m = 0; m < mc; m++) acc[r][m] = VZERO;
     const int step = bits == 4 ? STEP : STEP_8BIT, vecs = bits == 4 ? VECS_4BIT : VECS_8BIT;
     const int *x_offset = bits == 4 ? X_OFFSET_4BIT : X_OFFSET_8BIT;
-    /* The hardware prefetchers leave about a third of the read bandwidth unused on R
-     * interleaved row streams: each step also prefetches its share of the bytes a
-     * prefetch distance ahead (at least the next tile), so by the tile's end they are cached. */
-    const int64_t steps = K / step, tile_bytes = (int64_t)R * K * bits / 8;
-    const int64_t per_step = (tile_bytes + steps - 1) / steps;
-    const uint8_t *ahead = w + n0 * K * bits / 8 + (tile_bytes > PREFETCH_BYTES ? tile_bytes : PREFETCH_BYTES);
+    const prefetch_t prefetch = prefetch_plan(w + n0 * K * bits / 8, (int64_t)R * K * bits / 8, K / step);
     for (int64_t k = 0; k < K; k += step) {
         vec v[4][MAX_VECS];
-        for (int64_t p = 0; p < per_step; p += 64) __builtin_prefetch(ahead + (k / step) * per_step + p, 0, 3);
+        prefetch_step(&prefetch, k / step);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             int64_t flat = (n0 + r) * K + k;

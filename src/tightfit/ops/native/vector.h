@@ -56,4 +56,24 @@ ALWAYS_INLINE float VSUM(vec v) {
 }
 #endif
 
+/* The hardware prefetchers leave about a third of the read bandwidth unused on a tile's R
+ * interleaved row streams: each of a tile's steps also prefetches its share of the bytes a
+ * distance ahead (at least the next tile), so by the tile's end they are cached. */
+#define PREFETCH_BYTES 4096
+typedef struct {
+    const uint8_t *ahead;
+    int64_t per_step;
+} prefetch_t;
+
+/* For a tile of tile_bytes bytes from tile, read in steps steps. */
+ALWAYS_INLINE prefetch_t prefetch_plan(const uint8_t *tile, int64_t tile_bytes, int64_t steps) {
+    prefetch_t plan = {tile + (tile_bytes > PREFETCH_BYTES ? tile_bytes : PREFETCH_BYTES),
+                       (tile_bytes + steps - 1) / steps};
+    return plan;
+}
+
+ALWAYS_INLINE void prefetch_step(const prefetch_t *plan, int64_t step) {
+    for (int64_t p = 0; p < plan->per_step; p += 64) __builtin_prefetch(plan->ahead + step * plan->per_step + p, 0, 3);
+}
+
 #endif
