@@ -9,10 +9,13 @@ falls back to its numba or reference kernel, which reports it).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from tightfit._strict import report_fallback
 from tightfit.ops import _native
+from tightfit.ops._direct import not_held
 
 __all__: list[str] = []
 
@@ -26,8 +29,38 @@ def native_library(op: str):
     return library
 
 
-def gemv_blockwise(
-    A: torch.Tensor,
+class BoundKernel:
+    """A few-token kernel with one weight's arguments bound (its pointers, scales and shape),
+    called with contiguous rows of activations in a float dtype the kernels read
+    (``_native.DTYPE_CODES``); returns the product in that dtype. Holds the tensors behind
+    its pointers except those the binder said it holds itself (``held``: a quantized layer's
+    weight and scales, which it may drop, :mod:`tightfit.ops._direct`)."""
+
+    __slots__ = ("_function", "_before", "_shape", "_vnni", "_keep")
+
+    def __init__(self, function, before: tuple, shape: tuple, vnni: bool, keep: list[torch.Tensor]) -> None:
+        self._function, self._before, self._shape, self._vnni, self._keep = function, before, shape, vnni, keep
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out_features, in_features, blocksize = self._shape
+        out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device="cpu")
+        after = (int(_native.VNNI),) if self._vnni else ()  # read per call: tests switch it
+        self._function(
+            x.data_ptr(),
+            *self._before,
+            x.shape[0],
+            out_features,
+            in_features,
+            blocksize,
+            out.data_ptr(),
+            torch.get_num_threads(),
+            *after,
+            _native.DTYPE_CODES[x.dtype],
+        )
+        return out
+
+
+def bind_gemv_blockwise(
     codes: torch.Tensor,
     bits: int,
     shape: list[int] | tuple[int, int],
@@ -36,74 +69,50 @@ def gemv_blockwise(
     blocksize: int,
     op: str,
     nested: tuple[torch.Tensor | None, torch.Tensor | None, int, torch.Tensor | None],
-) -> torch.Tensor | None:
-    """``A @ decode(codes).T`` in float32 (``A``'s rows flattened), or None where no native
-    library could be built. ``absmax`` holds one scale per block of the flattened weight,
-    or, with ``nested`` = (absmax2, code2, nested_blocksize, offset), their uint8 codes."""
+    held: Sequence[torch.Tensor] = (),
+) -> BoundKernel | None:
+    """``x @ decode(codes).T`` for ``codes`` of ``shape`` (out x in) as a bound kernel
+    (``native/gemv_blockwise.c``), or None where no native library could be built.
+    ``absmax`` holds one scale per block of the flattened weight, or, with ``nested`` =
+    (absmax2, code2, nested_blocksize, offset), their uint8 codes. ``held``: tensors among
+    these that the caller keeps alive while it uses the kernel (:class:`BoundKernel`)."""
     library = native_library(op)
     if library is None:
         return None
-    rows, cols = shape
-    x, w, out, scale_args, _keep = _operands(A, codes, rows, cols, absmax, nested)
+    w = codes.reshape(-1).view(torch.uint8).contiguous()
+    scale_args, keep = _scale_arguments(absmax, nested)
     table32 = table.float().contiguous()
-    library.tf_gemv_blockwise(
-        x.data_ptr(),
-        w.data_ptr(),
-        bits,
-        *scale_args,
-        table32.data_ptr(),
-        x.shape[0],
-        rows,
-        cols,
-        blocksize,
-        out.data_ptr(),
-        torch.get_num_threads(),
-    )
-    return out
+    before = (w.data_ptr(), bits, *scale_args, table32.data_ptr())
+    kept = not_held([w, table32, *keep], held)
+    return BoundKernel(library.tf_gemv_blockwise, before, (*shape, blocksize), False, kept)
 
 
-def gemv_4bit_int8(
-    A: torch.Tensor,
+def bind_gemv_4bit_int8(
     codes: torch.Tensor,
     shape: list[int] | tuple[int, int],
     absmax: torch.Tensor,
     table8: torch.Tensor,
     blocksize: int,
     nested: tuple[torch.Tensor | None, torch.Tensor | None, int, torch.Tensor | None],
-) -> torch.Tensor | None:
-    """``A`` quantized to int8 per 32, times 4-bit ``codes`` decoded through the int8 table
-    ``table8`` (``native/gemv_4bit_int8.c``), in float32; or None where no native library
-    could be built. Scales as for :func:`gemv_blockwise`."""
+    held: Sequence[torch.Tensor] = (),
+) -> BoundKernel | None:
+    """``x`` quantized to int8 per 32, times 4-bit ``codes`` decoded through the int8 table
+    ``table8`` (``native/gemv_4bit_int8.c``), as a bound kernel; or None where no native
+    library could be built. Scales as for :func:`bind_gemv_blockwise`."""
     library = native_library("gemv_4bit_int8")
     if library is None:
         return None
-    rows, cols = shape
-    x, w, out, scale_args, _keep = _operands(A, codes, rows, cols, absmax, nested)
-    table = table8.to(torch.int8).contiguous()
-    library.tf_gemv_4bit_int8(
-        x.data_ptr(),
-        w.data_ptr(),
-        *scale_args,
-        table.data_ptr(),
-        x.shape[0],
-        rows,
-        cols,
-        blocksize,
-        out.data_ptr(),
-        torch.get_num_threads(),
-        int(_native.VNNI),
-    )
-    return out
-
-
-def _operands(A, codes, rows: int, cols: int, absmax: torch.Tensor, nested: tuple) -> tuple:
-    """What both kernels read and write: x (A's rows in float32), the code bytes, the float32
-    output, the scale arguments and the tensors behind them (held until the call returns)."""
-    x = A.reshape(-1, cols).float().contiguous()
     w = codes.reshape(-1).view(torch.uint8).contiguous()
-    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
     scale_args, keep = _scale_arguments(absmax, nested)
-    return x, w, out, scale_args, keep
+    table = table8.to(torch.int8).contiguous()
+    before = (w.data_ptr(), *scale_args, table.data_ptr())
+    kept = not_held([w, table, *keep], held)
+    return BoundKernel(library.tf_gemv_4bit_int8, before, (*shape, blocksize), True, kept)
+
+
+def rows_of(A: torch.Tensor, in_features: int) -> torch.Tensor:
+    """``A``'s rows as a contiguous 2-D tensor, in its own dtype (the kernels convert it)."""
+    return A.reshape(-1, in_features).contiguous()
 
 
 def _scale_arguments(absmax: torch.Tensor, nested: tuple) -> tuple[tuple, list[torch.Tensor]]:

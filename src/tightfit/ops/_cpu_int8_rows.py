@@ -66,10 +66,6 @@ def vectorwise_peak_bytes(rows: int, cols: int, outliers: int) -> int | None:
     return rows * cols + 5 * rows + cols + max(1, 8 * outliers)
 
 
-#: The dtype codes of native/int8_steps.c.
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
 def _native_steps(rows: int, cols: int):
     """The native library for a call this small (one thread's work: numba's dispatch costs
     more than the call), or None: numba runs it."""
@@ -107,11 +103,11 @@ def vectorwise_quant_cpu(rows: torch.Tensor, threshold: float, reference):
     rows = rows.contiguous()
     limit = _limit(threshold, rows.dtype)
     q, row_stats, outlier, bad = _quant_outputs(*rows.shape)
-    library = _native_steps(*rows.shape) if rows.dtype in _DTYPE_CODES else None
+    library = _native_steps(*rows.shape) if rows.dtype in _native.DTYPE_CODES else None
     if library is not None:
         library.tf_int8_quant_rows(
             rows.data_ptr(),
-            _DTYPE_CODES[rows.dtype],
+            _native.DTYPE_CODES[rows.dtype],
             rows.shape[0],
             rows.shape[1],
             limit,
@@ -139,7 +135,7 @@ def mm_dequant_cpu(rows: torch.Tensor, row_stats, col_stats, scale: float, dtype
         return reference()
     out = torch.empty(rows.shape, dtype=dtype)
     float32 = row_stats.dtype == col_stats.dtype == torch.float32 and rows.dtype == torch.int32
-    native = float32 and dtype in _DTYPE_CODES and (bias is None or bias.dtype in _DTYPE_CODES)
+    native = float32 and dtype in _native.DTYPE_CODES and (bias is None or bias.dtype in _native.DTYPE_CODES)
     library = _native_steps(*rows.shape) if native else None
     if library is not None:
         rows, row_stats, col_stats = rows.contiguous(), row_stats.contiguous(), col_stats.contiguous()
@@ -152,9 +148,9 @@ def mm_dequant_cpu(rows: torch.Tensor, row_stats, col_stats, scale: float, dtype
             col_stats.data_ptr(),
             scale,
             None if bias is None else bias.data_ptr(),
-            -1 if bias is None else _DTYPE_CODES[bias.dtype],
+            -1 if bias is None else _native.DTYPE_CODES[bias.dtype],
             out.data_ptr(),
-            _DTYPE_CODES[dtype],
+            _native.DTYPE_CODES[dtype],
         )
         return out
     bias_bits = np.empty(0, np.uint32) if bias is None else _as_bits(bias.contiguous())
@@ -183,7 +179,7 @@ def linear_rows(rows: torch.Tensor, weight: torch.Tensor, SCB: torch.Tensor, bia
     M, K = rows.shape
     if M == 0 or K == 0 or weight.shape[0] == 0 or M > _cpu_int8.NATIVE_ROWS:
         return None
-    if rows.dtype not in _DTYPE_CODES or SCB.dtype != torch.float32:
+    if rows.dtype not in _native.DTYPE_CODES or SCB.dtype != torch.float32:
         return None
     if usable_numba("int8_vectorwise_quant", "running the reference kernel") is None:
         return None  # the steps' reference kernels run, and the planner counts theirs
@@ -198,7 +194,7 @@ def linear_rows(rows: torch.Tensor, weight: torch.Tensor, SCB: torch.Tensor, bia
     bias = None if bias is None else bias.to(dtype).contiguous()  # as the steps take it
     status = library.tf_int8_linear_rows(
         rows.data_ptr(),
-        _DTYPE_CODES[rows.dtype],
+        _native.DTYPE_CODES[rows.dtype],
         M,
         K,
         limit,
@@ -207,9 +203,9 @@ def linear_rows(rows: torch.Tensor, weight: torch.Tensor, SCB: torch.Tensor, bia
         SCB.contiguous().data_ptr(),
         INV_127_SQUARED,
         None if bias is None else bias.data_ptr(),
-        -1 if bias is None else _DTYPE_CODES[bias.dtype],
+        -1 if bias is None else _native.DTYPE_CODES[bias.dtype],
         out.data_ptr(),
-        _DTYPE_CODES[dtype],
+        _native.DTYPE_CODES[dtype],
         torch.get_num_threads(),
         int(_native.VNNI),
         q.data_ptr(),

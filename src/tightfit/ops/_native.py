@@ -87,6 +87,7 @@ _SIGNATURES = {
         _I64,
         _PTR,
         _I64,
+        _I64,
     ],
     "tf_gemv_4bit_int8": [
         _PTR,
@@ -103,6 +104,7 @@ _SIGNATURES = {
         _I64,
         _I64,
         _PTR,
+        _I64,
         _I64,
         _I64,
     ],
@@ -132,8 +134,11 @@ _SIGNATURES = {
         _PTR,
         _PTR,
     ],
-    "tf_gemv_float8": [_PTR, _PTR, _I64, _PTR, _I64, _F32, _PTR, _I64, _I64, _I64, _PTR, _I64],
+    "tf_gemv_float8": [_PTR, _PTR, _I64, _PTR, _I64, _F32, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64],
 }
+
+#: The kernels' codes for the float dtypes they read and write as torch rounds (native/dtypes.h).
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 #: Result types of the functions that return one (the others return nothing).
 _RESULTS = {"tf_int8_linear_rows": _I64}

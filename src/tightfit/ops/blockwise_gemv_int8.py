@@ -26,7 +26,7 @@ import torch
 
 from tightfit.ops import _arg_checks as checks
 from tightfit.ops._arg_checks import FLOAT_DTYPES
-from tightfit.ops._cpu_gemv import gemv_4bit_int8 as native_gemv_4bit_int8
+from tightfit.ops._cpu_gemv import bind_gemv_4bit_int8, rows_of
 from tightfit.ops._registry import Case, define_op, register_kernel
 from tightfit.ops.blockwise import _quantize_4bit_reference, _unpack
 from tightfit.ops.blockwise_gemv import _gemv_4bit_fake, _nested, _scales
@@ -84,10 +84,10 @@ def _gemv_4bit_int8_cpu(
     A, B, shape, absmax, blocksize, quant_type, absmax2=None, code2=None, nested_blocksize=256, offset=None
 ):
     nested = (absmax2, code2, nested_blocksize, offset)
-    out = native_gemv_4bit_int8(A, B, shape, absmax, int8_table(quant_type), blocksize, nested)
-    if out is None:  # no native build (reported once): the reference
+    bound = bind_gemv_4bit_int8(B, shape, absmax, int8_table(quant_type), blocksize, nested)
+    if bound is None:  # no native build (reported once): the reference
         return _gemv_4bit_int8_reference(A, B, shape, absmax, blocksize, quant_type, *nested)
-    return out.to(A.dtype).reshape(*A.shape[:-1], shape[0])
+    return bound(rows_of(A, shape[1])).reshape(*A.shape[:-1], shape[0])
 
 
 def _gemv_4bit_int8_cases() -> list[Case]:

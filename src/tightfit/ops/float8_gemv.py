@@ -108,11 +108,11 @@ def _cpu(A, weight, scale, bias):
     library = _native_library()
     if library is None:
         return _reference(A, weight, scale, bias)
-    x = A.reshape(rows, in_features).float().contiguous()
+    x = A.reshape(rows, in_features).contiguous()  # in A's dtype: the kernel converts it, and bias
     # the scale as the reference applies it: rounded to A's dtype first
     scales = None if scale is None else scale.to(A.dtype).float().reshape(-1).contiguous()
-    shift = None if bias is None else bias.float().contiguous()
-    out = torch.empty(rows, out_features, dtype=torch.float32)
+    shift = None if bias is None else bias.contiguous()
+    out = torch.empty(rows, out_features, dtype=A.dtype)
     library.tf_gemv_float8(
         x.data_ptr(),
         weight.data_ptr(),
@@ -126,8 +126,9 @@ def _cpu(A, weight, scale, bias):
         in_features,
         out.data_ptr(),
         torch.get_num_threads(),
+        _native.DTYPE_CODES[A.dtype],
     )
-    return out.to(A.dtype).reshape(*A.shape[:-1], out_features)
+    return out.reshape(*A.shape[:-1], out_features)
 
 
 def _cases() -> list[Case]:

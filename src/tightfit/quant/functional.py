@@ -14,6 +14,7 @@ import torch
 
 from tightfit import ops
 from tightfit._validate import check_choice, check_type
+from tightfit.ops._direct import with_bias
 from tightfit.quant import _tiled
 from tightfit.quant.state import QuantState
 
@@ -357,8 +358,7 @@ def _decoded_linear(
     for the backward. Up to ``FEW_TOKENS`` rows, 8-bit codes go through the few-token kernel."""
     if state.quant_type is None and _few_tokens(A, bias) and B.dim() == 2:
         absmax, *nested = _stored_scales(state)
-        result = ops.gemv_blockwise(A, B, absmax, state.code, state.blocksize, *nested)
-        return result if bias is None else (result + bias).to(A.dtype)  # the bias rounded once, as for 4-bit
+        return with_bias(ops.gemv_blockwise(A, B, absmax, state.code, state.blocksize, *nested), bias, A.dtype)
     if torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad)):
         return _LinearDecodedTwice.apply(A, B, bias, state)
     return _linear(A, B, state, bias)
@@ -384,8 +384,7 @@ def matmul_4bit(
         absmax, *nested = _stored_scales(state)
         gemv = ops.gemv_4bit_int8 if compute == "int8" else ops.gemv_4bit
         result = gemv(A, B, list(state.shape), absmax, state.blocksize, state.quant_type, *nested)
-        if bias is not None:  # rounded once, as torch.compile computes it (it fuses a cast of the bias into the add)
-            result = (result + bias).to(A.dtype)
+        result = with_bias(result, bias, A.dtype)
     else:
         result = _decoded_linear(A, B, state, bias)
     return _copy_into("out", out, result)

@@ -20,6 +20,10 @@ from tightfit import ops
 from tightfit._validate import check_choice, check_non_negative_number, check_type
 from tightfit.ops import _cpu_int8, _cpu_int8_rows
 from tightfit.ops._arg_checks import FLOAT_DTYPES, block_count
+from tightfit.ops._cpu_gemv import bind_gemv_4bit_int8, bind_gemv_blockwise
+from tightfit.ops._direct import binding_of, direct_rows, with_bias
+from tightfit.ops.blockwise_gemv_int8 import int8_table
+from tightfit.ops.codes import code_4bit
 from tightfit.quant import _checkpoint as checks
 from tightfit.quant import _tiled
 from tightfit.quant import functional as F
@@ -140,7 +144,35 @@ class QuantizedLinear(_CheckedLoading):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.in_features)
+        direct = self._direct(x)
+        if direct is not None:
+            return direct
         return F._decoded_linear(x, self.weight, self.quant_state, self.bias)
+
+    def _direct(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The few-token forward through the kernel bound to this layer's weight, past the
+        dispatcher (:mod:`tightfit.ops._direct`), or None where the op must run."""
+        rows = direct_rows(x, self.in_features, self.bias)
+        if rows is None:
+            return None
+        state = self.quant_state
+        absmax, *nested = F._stored_scales(state)
+        held = [self.weight, *[tensor for tensor in (absmax, state.code, *nested) if isinstance(tensor, torch.Tensor)]]
+        kernel = binding_of(self).kernel(held, self._settings(), lambda: self._bind(absmax, tuple(nested), held))
+        if kernel is None:
+            return None
+        return with_bias(kernel(rows), self.bias, x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def _settings(self) -> tuple:
+        """What a bound kernel depends on besides the layer's tensors."""
+        return ()
+
+    def _bind(self, absmax: torch.Tensor, nested: tuple, held: list[torch.Tensor]):
+        state = self.quant_state
+        shape = (self.out_features, self.in_features)
+        return bind_gemv_blockwise(
+            self.weight, 8, shape, absmax, state.code, state.blocksize, "gemv_blockwise", nested, held
+        )
 
     #: The blocksize :meth:`transient_bytes` assumes unless told (the format's default config).
     default_blocksize: int = 64
@@ -283,7 +315,23 @@ class Linear4bit(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.in_features)
+        direct = self._direct(x)
+        if direct is not None:
+            return direct
         return F.matmul_4bit(x, self.weight, self.quant_state, bias=self.bias, compute=self.compute)
+
+    def _settings(self) -> tuple:
+        return (self.compute,)
+
+    def _bind(self, absmax: torch.Tensor, nested: tuple, held: list[torch.Tensor]):
+        state = self.quant_state
+        if self.compute == "int8":
+            table8 = int8_table(state.quant_type)
+            return bind_gemv_4bit_int8(self.weight, state.shape, absmax, table8, state.blocksize, nested, held)
+        table = code_4bit(state.quant_type)
+        return bind_gemv_blockwise(
+            self.weight, 4, state.shape, absmax, table, state.blocksize, "gemv_4bit", nested, held
+        )
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", compute={self.compute}" if self.compute != "float" else "")
@@ -419,6 +467,11 @@ class LinearInt8(_CheckedLoading):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.in_features)
+        rows = direct_rows(x, self.in_features, self.bias)
+        if rows is not None:  # past the dispatcher (tightfit.ops._direct); None: an outlier column
+            direct = _cpu_int8_rows.linear_rows(rows, self.weight, self.SCB, self.bias, self.threshold, x.dtype)
+            if direct is not None:
+                return direct.view(*x.shape[:-1], self.out_features)
         return ops.int8_linear(x, self.weight, self.SCB, self.bias, self.threshold)
 
     def extra_repr(self) -> str:

@@ -28,6 +28,7 @@
 #include <stdlib.h>
 
 #include "block_scales.h"
+#include "dtypes.h"
 #include "vector.h"
 
 #define TOKENS 8
@@ -68,8 +69,93 @@ ALWAYS_INLINE float quantize_block(const float *xb, int n, int8_t *q) {
     return amax;
 }
 
-/* Quantizes x per 32-block; S = 0 keeps the natural order (the element-by-element loop). */
-static int quantize_acts(const float *x, int64_t M, int64_t K, int S, acts_t *a) {
+#if defined(TF_AVX512)
+/* A whole block of 32, the same arithmetic in two vectors: the largest |x| (NaN if any is),
+ * then x * (127 / largest), NaN to 0, clamped to +-127 and rounded half to even (the
+ * conversion's default mode, as rintf's). */
+ALWAYS_INLINE float quantize_block32(const float *xb, int8_t *q) {
+    const __m512 sign = _mm512_set1_ps(-0.0f), limit = _mm512_set1_ps(127.0f);
+    __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
+    if (nan) amax = NAN;
+    float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    __m512 scale = _mm512_set1_ps(inv), bound = _mm512_set1_ps(-127.0f);
+    for (int half = 0; half < 2; half++) {
+        __m512 t = _mm512_mul_ps(half ? hi : lo, scale);
+        t = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(t, t, _CMP_ORD_Q), t);
+        t = _mm512_min_ps(_mm512_max_ps(t, bound), limit);
+        _mm_storeu_si128((__m128i *)(q + 16 * half), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(t)));
+    }
+    return amax;
+}
+#elif defined(TF_AVX2)
+/* The same in four vectors of 8; the packs interleave 128-bit lanes, the permute restores order. */
+ALWAYS_INLINE float quantize_block32(const float *xb, int8_t *q) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], largest = _mm256_setzero_ps();
+    int nan = 0;
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        nan |= _mm256_movemask_ps(_mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+        largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    float amax = nan ? NAN : _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m256 scale = _mm256_set1_ps(inv), low = _mm256_set1_ps(-127.0f), high = _mm256_set1_ps(127.0f);
+    __m256i r[4];
+    for (int i = 0; i < 4; i++) {
+        __m256 t = _mm256_mul_ps(v[i], scale);
+        t = _mm256_and_ps(t, _mm256_cmp_ps(t, t, _CMP_ORD_Q));
+        r[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(t, low), high));
+    }
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, bytes);
+    return amax;
+}
+#else
+ALWAYS_INLINE float quantize_block32(const float *xb, int8_t *q) { return quantize_block(xb, XBLOCK, q); }
+#endif
+
+/* The sums of q over each lane (8 consecutive values) of a block of n <= 32. */
+ALWAYS_INLINE void lane_sums(const int8_t *q, int n, int32_t *sums) {
+    for (int lane = 0; lane < (n + 7) / 8; lane++) {
+        sums[lane] = 0;
+        for (int i = 8 * lane; i < n && i < 8 * lane + 8; i++) sums[lane] += q[i];
+    }
+}
+
+/* A full block's codes in the vector loops' order (its even elements to evens, its odd ones
+ * to odds) and its four lanes' sums of q. */
+#if defined(TF_AVX512) || defined(TF_AVX2)
+ALWAYS_INLINE void place_block32(const int8_t *q, int8_t *evens, int8_t *odds, int32_t *sums) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)q);
+    const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10,
+                                           12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m256i parts = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, split), 0xD8); /* evens | odds */
+    _mm_storeu_si128((__m128i *)evens, _mm256_castsi256_si128(parts));
+    _mm_storeu_si128((__m128i *)odds, _mm256_extracti128_si256(parts, 1));
+    /* q + 128 as unsigned bytes, summed per 8 by sad against zero */
+    int64_t shifted[4];
+    _mm256_storeu_si256((__m256i *)shifted,
+                        _mm256_sad_epu8(_mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)), _mm256_setzero_si256()));
+    for (int lane = 0; lane < 4; lane++) sums[lane] = (int32_t)shifted[lane] - 8 * 128;
+}
+#else
+ALWAYS_INLINE void place_block32(const int8_t *q, int8_t *evens, int8_t *odds, int32_t *sums) {
+    for (int i = 0; i < XBLOCK / 2; i++) {
+        evens[i] = q[2 * i];
+        odds[i] = q[2 * i + 1];
+    }
+    lane_sums(q, XBLOCK, sums);
+}
+#endif
+
+/* Quantizes x (dtype) per 32-block; S = 0 keeps the natural order (the element-by-element loop). */
+static int quantize_acts(const void *x, int dtype, int64_t M, int64_t K, int S, acts_t *a) {
     int64_t lanes = (K + 7) / 8;
     a->q = (int8_t *)malloc((size_t)(M * K) + 1);
     a->lane_scale = (float *)malloc((size_t)(M * lanes + 1) * sizeof(float));
@@ -77,24 +163,27 @@ static int quantize_acts(const float *x, int64_t M, int64_t K, int S, acts_t *a)
     if (!a->q || !a->lane_scale || !a->bias) return 0;
     for (int64_t m = 0; m < M; m++)
         for (int64_t k0 = 0; k0 < K; k0 += XBLOCK) {
+            float widened[XBLOCK];
             int8_t q[XBLOCK];
+            int32_t sums[XBLOCK / 8];
             int n = K - k0 < XBLOCK ? (int)(K - k0) : XBLOCK;
-            float scale = quantize_block(x + m * K + k0, n, q) / 127.0f / 127.0f;
+            const float *xb = (const float *)x + m * K + k0;
+            if (dtype != F32) {
+                for (int i = 0; i < n; i++) widened[i] = widen(x, dtype, m * K + k0 + i);
+                xb = widened;
+            }
+            float scale = (n == XBLOCK ? quantize_block32(xb, q) : quantize_block(xb, n, q)) / 127.0f / 127.0f;
             int8_t *row = a->q + m * K;
-            if (S) { /* the vector loops' order: a 32-block lies in one S-run (S % 32 == 0) */
+            if (S) { /* the vector loops' order: a full 32-block lies in one S-run (S % 32 == 0) */
                 int64_t run = k0 - k0 % S, half = (k0 % S) / 2;
-                for (int i = 0; i < XBLOCK / 2; i++) {
-                    row[run + half + i] = q[2 * i];
-                    row[run + S / 2 + half + i] = q[2 * i + 1];
-                }
+                place_block32(q, row + run + half, row + run + S / 2 + half, sums);
             } else {
                 memcpy(row + k0, q, (size_t)n);
+                lane_sums(q, n, sums);
             }
             for (int lane = 0; lane < (n + 7) / 8; lane++) {
-                int32_t sum = 0;
-                for (int i = 8 * lane; i < n && i < 8 * lane + 8; i++) sum += q[i];
                 a->lane_scale[m * lanes + k0 / 8 + lane] = scale;
-                a->bias[m * lanes + k0 / 8 + lane] = -128 * sum;
+                a->bias[m * lanes + k0 / 8 + lane] = -128 * sums[lane];
             }
         }
     return 1;
@@ -287,13 +376,15 @@ static void rows_portable(const acts_t *a, const uint8_t *w, const scales_t *s, 
 }
 #endif
 
-/* out[M x N] = quantized(x) @ table8-decoded(w).T in float32; vnni: take vpdpbusd where the
- * CPU has it (the AVX-512 path); absmax is NULL where the scales are double-quantized. */
-void tf_gemv_4bit_int8(const float *x, const uint8_t *w, const float *absmax, const uint8_t *qabsmax,
+/* out[M x N] = quantized(x) @ table8-decoded(w).T, x and out in dtype (dtypes.h); vnni: take
+ * vpdpbusd where the CPU has it (the AVX-512 path); absmax is NULL where the scales are
+ * double-quantized. */
+void tf_gemv_4bit_int8(const void *x, const uint8_t *w, const float *absmax, const uint8_t *qabsmax,
                        const float *code2, const float *absmax2, int64_t nested_blocksize, float offset,
-                       const int8_t *table8, int64_t M, int64_t N, int64_t K, int64_t blocksize, float *out,
-                       int64_t threads, int64_t vnni) {
+                       const int8_t *table8, int64_t M, int64_t N, int64_t K, int64_t blocksize, void *out_raw,
+                       int64_t threads, int64_t vnni, int64_t dtype) {
     if (M <= 0 || N <= 0) return;
+    float *out = floats_for(out_raw, dtype, M * N);
     scales_t s = {absmax, qabsmax, code2, absmax2, nested_blocksize, offset};
     int shift = 0;
     while ((INT64_C(1) << shift) < blocksize) shift++;
@@ -306,9 +397,10 @@ void tf_gemv_4bit_int8(const float *x, const uint8_t *w, const float *absmax, co
 #endif
     int vector = K % S == 0 && blocksize >= 64 && (blocksize & (blocksize - 1)) == 0;
     acts_t a = {NULL, NULL, NULL};
-    if (!quantize_acts(x, M, K, vector ? S : 0, &a)) {
+    if (!out || !quantize_acts(x, (int)dtype, M, K, vector ? S : 0, &a)) {
         free_acts(&a);
-        for (int64_t i = 0; i < M * N; i++) out[i] = NAN; /* no memory: the caller sees NaN, not stale data */
+        release_floats(out, out_raw);
+        fill_nan(out_raw, dtype, M * N); /* no memory: the caller sees NaN, not stale data */
         return;
     }
 #if defined(TF_AVX512) || defined(TF_AVX2)
@@ -345,4 +437,5 @@ void tf_gemv_4bit_int8(const float *x, const uint8_t *w, const float *absmax, co
         }
     }
     free_acts(&a);
+    floats_out(out, out_raw, dtype, M * N);
 }

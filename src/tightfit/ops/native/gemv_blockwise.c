@@ -14,11 +14,13 @@
  * double-quantized (uint8 codes into a 256-entry map, times a float32 per `nested_blocksize`
  * scales, plus an offset), decoded here per block in the reference's float32 order.
  *
- * x is M x K float32, out is M x N float32; tokens come in groups of TOKENS.
+ * x is M x K, out M x N, in float32, bfloat16 or float16 (dtypes.h: converted once at the
+ * entry); tokens come in groups of TOKENS.
  */
 #include <stdlib.h>
 
 #include "block_scales.h"
+#include "dtypes.h"
 #include "vector.h"
 
 #define TOKENS 8
@@ -322,11 +324,19 @@ static void gemv(const float *x, const uint8_t *w, int bits, const scales_t *s, 
 }
 
 /* out[M x N] = x[M x K] @ decode(w).T; bits is 4 or 8; absmax is NULL where the scales are
- * double-quantized (qabsmax, code2, absmax2, nested_blocksize, offset). */
-void tf_gemv_blockwise(const float *x, const uint8_t *w, int64_t bits, const float *absmax, const uint8_t *qabsmax,
+ * double-quantized (qabsmax, code2, absmax2, nested_blocksize, offset); x and out in dtype. */
+void tf_gemv_blockwise(const void *x, const uint8_t *w, int64_t bits, const float *absmax, const uint8_t *qabsmax,
                        const float *code2, const float *absmax2, int64_t nested_blocksize, float offset,
-                       const float *table, int64_t M, int64_t N, int64_t K, int64_t blocksize, float *out,
-                       int64_t threads) {
+                       const float *table, int64_t M, int64_t N, int64_t K, int64_t blocksize, void *out,
+                       int64_t threads, int64_t dtype) {
     scales_t s = {absmax, qabsmax, code2, absmax2, nested_blocksize, offset};
-    gemv(x, w, (int)bits, &s, table, M, N, K, blocksize, out, (int)threads);
+    float *x32 = floats_in(x, dtype, M * K), *out32 = floats_for(out, dtype, M * N);
+    if (x32 && out32) {
+        gemv(x32, w, (int)bits, &s, table, M, N, K, blocksize, out32, (int)threads);
+        floats_out(out32, out, dtype, M * N);
+    } else {
+        release_floats(out32, out);
+        fill_nan(out, dtype, M * N);
+    }
+    release_floats(x32, x);
 }

@@ -18,11 +18,12 @@
  *
  * Compiled once per instruction-set path (TF_AVX512, TF_AVX2, or neither); see
  * tightfit.ops._native. The caller (Python) has checked dtypes, shapes and contiguity (D9):
- * x is M x K float32, w is N x K bytes, scale is NULL, one float32 or N of them, bias is
- * NULL or N float32, out is M x N float32.
+ * x is M x K, w is N x K bytes, scale is NULL, one float32 or N of them, bias is NULL or N
+ * values, out is M x N; x, bias and out in float32, bfloat16 or float16 (dtypes.h).
  */
 #include <math.h>
 
+#include "dtypes.h"
 #include "vector.h"
 
 #define TOKENS 8
@@ -215,24 +216,34 @@ static void rows_vec(const job_t *j, int64_t n0, int64_t n1, int64_t m0, int mc)
 
 /* out[M x N] = x[M x K] @ (decode(w) * scale).T + bias. format: 0 e4m3fn, 1 e5m2; scale NULL
  * (none), or scale_count 1 (the tensor's) or N (a row's); scaled weights of magnitude
- * `ceiling` and more are infinite; bias NULL or N values. Rows are split into contiguous
- * ranges, one per thread, so each thread streams its own bytes. */
-void tf_gemv_float8(const float *x, const uint8_t *w, int64_t format, const float *scale, int64_t scale_count,
-                    float ceiling, const float *bias, int64_t M, int64_t N, int64_t K, float *out,
-                    int64_t threads) {
+ * `ceiling` and more are infinite; bias NULL or N values; x, bias and out in dtype. Rows are
+ * split into contiguous ranges, one per thread, so each thread streams its own bytes. */
+void tf_gemv_float8(const void *x, const uint8_t *w, int64_t format, const float *scale, int64_t scale_count,
+                    float ceiling, const void *bias, int64_t M, int64_t N, int64_t K, void *out, int64_t threads,
+                    int64_t dtype) {
     if (M <= 0 || N <= 0) return;
-    float table[256];
-    build_table((int)format, table);
-    float largest = format == E4M3FN ? 448.0f : 57344.0f;
-    job_t j = {x, w, (int)format, largest, ceiling, scale, scale_count > 1 ? 1 : 0, bias, table, N, K, out};
-    if (threads < 1) threads = 1;
-    if (threads > N) threads = N;
+    float *x32 = floats_in(x, dtype, M * K), *out32 = floats_for(out, dtype, M * N);
+    float *bias32 = bias ? floats_in(bias, dtype, N) : NULL;
+    if (!x32 || !out32 || (bias && !bias32)) {
+        release_floats(out32, out);
+        fill_nan(out, dtype, M * N);
+    } else {
+        float table[256];
+        build_table((int)format, table);
+        float largest = format == E4M3FN ? 448.0f : 57344.0f;
+        job_t j = {x32, w, (int)format, largest, ceiling, scale, scale_count > 1 ? 1 : 0, bias32, table, N, K, out32};
+        if (threads < 1) threads = 1;
+        if (threads > N) threads = N;
 #pragma omp parallel for num_threads((int)threads) schedule(static, 1)
-    for (int64_t part = 0; part < threads; part++) {
-        int64_t n0 = N * part / threads, n1 = N * (part + 1) / threads;
-        for (int64_t m0 = 0; m0 < M; m0 += TOKENS) {
-            int mc = (int)(M - m0 < TOKENS ? M - m0 : TOKENS);
-            rows_vec(&j, n0, n1, m0, mc);
+        for (int64_t part = 0; part < threads; part++) {
+            int64_t n0 = N * part / threads, n1 = N * (part + 1) / threads;
+            for (int64_t m0 = 0; m0 < M; m0 += TOKENS) {
+                int mc = (int)(M - m0 < TOKENS ? M - m0 : TOKENS);
+                rows_vec(&j, n0, n1, m0, mc);
+            }
         }
+        floats_out(out32, out, dtype, M * N);
     }
+    release_floats(x32, x);
+    release_floats(bias32, bias);
 }

@@ -4,58 +4,10 @@
  * numba's dispatch cost per call (tens of microseconds, hundreds in a decoding model) was
  * more than the work. Plain C: the same on every instruction-set path.
  *
- * Floats are widened from and rounded to their bits by hand, as torch rounds: dtype 0 is
- * float32, 1 bfloat16, 2 float16. Built with -ffp-contract=off, so each product and sum
- * rounds to float32 as the reference's do. The caller (Python) has checked every length,
+ * Floats are widened and rounded as torch does (dtypes.h). Built with -ffp-contract=off, so
+ * each product and sum rounds to float32 as the reference's do. The caller (Python) has checked every length,
  * dtype and stride (D9). */
-#include <stdint.h>
-#include <string.h>
-
-#define F32 0
-#define BF16 1
-#define F16 2
-
-static inline float as_float(uint32_t bits) {
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
-static inline uint32_t bits_of(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    return bits;
-}
-
-static inline float half_to_float(uint16_t half) {
-    uint32_t word = half, exponent = (word >> 10) & 0x1F, mantissa = word & 0x3FF, size;
-    if (exponent == 0) size = bits_of((float)mantissa * 5.9604644775390625e-08f); /* mantissa * 2**-24, exact */
-    else if (exponent == 0x1F) size = 0x7F800000u | (mantissa << 13);          /* inf, NaN */
-    else size = ((exponent + 112) << 23) | (mantissa << 13);
-    return as_float(size | ((word & 0x8000u) << 16));
-}
-
-static inline float widen(const void *data, int dtype, int64_t i) {
-    if (dtype == F32) return ((const float *)data)[i];
-    if (dtype == BF16) return as_float((uint32_t)((const uint16_t *)data)[i] << 16);
-    return half_to_float(((const uint16_t *)data)[i]);
-}
-
-static inline void store(void *data, int dtype, int64_t i, float value) {
-    uint32_t word = bits_of(value);
-    if (dtype == F32) {
-        ((float *)data)[i] = value;
-    } else if (dtype == BF16) {
-        uint32_t rounded = (uint32_t)(word + 0x7FFFu + ((word >> 16) & 1u)) >> 16;
-        ((uint16_t *)data)[i] = (uint16_t)(value != value ? 0x7FC0u : rounded);
-    } else {
-        uint32_t size = word & 0x7FFFFFFFu, half;
-        if (size >= 0x47800000u) half = size > 0x7F800000u ? 0x7E00u : 0x7C00u; /* NaN, or 2**16 and past */
-        else if (size < 0x38800000u) half = bits_of(as_float(size) + 0.5f) - 0x3F000000u; /* subnormal */
-        else half = (uint32_t)(size + 0xC8000FFFu + ((size >> 13) & 1u)) >> 13; /* a carry rounds up to inf */
-        ((uint16_t *)data)[i] = (uint16_t)(half | ((word >> 16) & 0x8000u));
-    }
-}
+#include "dtypes.h"
 
 /* Rows of x (M x K, dtype) to int8 codes q, each row's scale (its largest |value| below
  * limit) in row_stats; columns holding a value at or past the limit are flagged in outlier
