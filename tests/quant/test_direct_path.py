@@ -1,0 +1,121 @@
+"""The quantized layers' few-token forward past the dispatcher (``tightfit.ops._direct``):
+the same bits as the op it stands in for, taken only where the op would add nothing, bound
+again whenever the layer's tensors change, and never keeping a dropped weight alive."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tightfit import ops
+from tightfit.ops._direct import binding_of
+from tightfit.quant import functional as QF
+from tightfit.quant.modules import Linear4bit, Linear8bit, LinearInt8
+
+
+def _linear(out_features: int, in_features: int, bias: bool, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def _layers(bias: bool) -> dict[str, nn.Module]:
+    base = _linear(96, 256, bias)
+    return {
+        "nf4": Linear4bit.from_linear(base),
+        "fp4 nested": Linear4bit.from_linear(base, quant_type="fp4", compress_statistics=True),
+        "nf4 int8": Linear4bit.from_linear(base, compute="int8"),
+        "nf4 int8 nested": Linear4bit.from_linear(base, compute="int8", compress_statistics=True),
+        "8bit": Linear8bit.from_linear(base, blocksize=256),
+        "8bit nested": Linear8bit.from_linear(base, blocksize=256, nested=True),
+        "int8": LinearInt8.from_linear(base, threshold=6.0),
+    }
+
+
+def _op(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The layer's forward through its op (what the layer ran before the direct path)."""
+    if isinstance(layer, Linear4bit):
+        return QF.matmul_4bit(x, layer.weight, layer.quant_state, bias=layer.bias, compute=layer.compute)
+    if isinstance(layer, Linear8bit):
+        return QF._decoded_linear(x, layer.weight, layer.quant_state, layer.bias)
+    return ops.int8_linear(x, layer.weight, layer.SCB, layer.bias, layer.threshold)
+
+
+class _Passing(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_direct_forward_is_the_ops_bits(dtype, bias):
+    for name, layer in _layers(bias).items():
+        if bias:  # in the compute dtype, as a model holds it
+            layer.bias = nn.Parameter(layer.bias.detach().to(dtype), requires_grad=False)
+        for shape in [(1, 256), (1, 1, 256), (3, 256), (2, 4, 256)]:
+            x = torch.randn(shape).clamp(-3, 3).to(dtype)  # LLM.int8(): no outlier column
+            with torch.inference_mode():
+                direct = layer(x)
+                assert binding_of(layer)._kernel is not None or isinstance(layer, LinearInt8), name
+                expected = _op(layer, x)
+            assert direct.dtype == dtype and direct.shape == (*shape[:-1], 96), name
+            assert torch.equal(direct, expected), f"{name} {dtype} {shape}: differs from the op"
+
+
+def test_direct_path_left_where_the_op_must_run():
+    layer = Linear4bit.from_linear(_linear(32, 64, bias=True))
+    x = torch.randn(2, 64, requires_grad=True)
+    y = layer(x)
+    assert y.grad_fn is not None  # a gradient to record: the op, with its backward
+    y.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+    with _Passing():  # a dispatch mode (memory measurement, fake tensors) sees every op
+        layer(torch.randn(2, 64))
+    assert binding_of(layer)._kernel is None
+    with torch.no_grad():
+        layer(torch.randn(9, 64))  # more rows than the few-token kernels take
+        layer(torch.randn(64, 2).t())  # not contiguous
+    assert binding_of(layer)._kernel is None
+
+
+def test_binding_follows_the_layers_tensors_and_settings():
+    layer = Linear4bit.from_linear(_linear(48, 128, bias=False, seed=1))
+    other = Linear4bit.from_linear(_linear(48, 128, bias=False, seed=2))
+    x = torch.randn(1, 128)
+    with torch.no_grad():
+        first = layer(x)
+        layer.load_state_dict(other.state_dict())
+        assert torch.equal(layer(x), other(x)) and not torch.equal(layer(x), first)
+        layer.compute = "int8"
+        assert torch.equal(layer(x), _op(layer, x))
+        layer.compute = "float"
+        layer.to(torch.float16)  # the scales keep their dtype, the binding is made again
+        assert torch.equal(layer(x), other(x))
+
+
+def test_binding_keeps_no_dropped_weight_alive():
+    layer = Linear8bit.from_linear(_linear(64, 256, bias=False), blocksize=256)
+    with torch.no_grad():
+        layer(torch.randn(1, 256))
+        dropped = weakref.ref(layer.weight)
+        layer.weight = torch.full_like(layer.weight, 3)  # as an offloading hook swaps it out
+        gc.collect()
+        assert dropped() is None
+        x = torch.randn(1, 256)
+        assert torch.equal(layer(x), _op(layer, x))  # bound again, to the new weight
+
+
+def test_bound_layers_copy_and_pickle():
+    layer = Linear4bit.from_linear(_linear(32, 64, bias=True), compute="int8")
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        expected = layer(x)
+        for copied in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+            assert torch.equal(copied(x), expected)
+            assert binding_of(copied) is not binding_of(layer)
