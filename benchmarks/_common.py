@@ -97,10 +97,10 @@ class ReadRoof:
 
 def as_tightfit_run_threads() -> str:
     """Run this script under the threading policy the ``tightfit`` command sets before
-    torch loads (``tightfit_launcher.THREAD_DEFAULTS``: OpenMP's waiting threads sleep
-    instead of spinning). The OpenMP runtime reads it once, when it loads, so where a
-    variable is missing the script starts again (``os.execv``) with it set; a value the
-    user set is kept. Returns the policy, for the report.
+    torch loads (``tightfit_launcher.THREAD_DEFAULTS``: OpenMP's waiting threads spin
+    briefly, then sleep). The OpenMP runtime reads them once, when it loads, so where they
+    are missing the script starts again (``os.execv``) with them set; where the user set
+    one, theirs is kept. Returns the policy, for the report.
 
     On a machine other work shares it decides the figures: spinning threads and the other
     processes slow each other down, and every 2-thread call waits for a descheduled
@@ -108,13 +108,13 @@ def as_tightfit_run_threads() -> str:
     1.5 ms passive, 16 ms spinning; bf16 2.5 ms against 16 ms)."""
     import sys
 
-    from tightfit_launcher import THREAD_DEFAULTS
+    from tightfit_launcher import THREAD_DEFAULTS, thread_defaults
 
-    missing = {name: value for name, value in THREAD_DEFAULTS.items() if name not in os.environ}
+    missing = thread_defaults(os.environ)
     if missing:
         os.environ.update(missing)
         os.execv(sys.executable, [sys.executable, *sys.argv])
-    return ", ".join(f"{name}={os.environ[name]}" for name in THREAD_DEFAULTS)
+    return ", ".join(f"{name}={os.environ[name]}" for name in THREAD_DEFAULTS if name in os.environ)
 
 
 def spread(values: Sequence[float]) -> tuple[float, float, float]:

@@ -65,7 +65,7 @@ from tightfit.app.models import default_model_dir
 from tightfit.backends.cpu import _read_kib_fields, read_process_memory, reset_process_peak
 from tightfit.loading.folder import CAUSAL_LM, skeleton
 from tightfit.memory import LiveTensorBytes
-from tightfit_launcher import THREAD_DEFAULTS
+from tightfit_launcher import thread_defaults
 
 REPO = Path(__file__).resolve().parent.parent
 TIGHTFIT = Path(sys.executable).parent / "tightfit"
@@ -222,10 +222,7 @@ def build_prompt(folder: Path) -> str:
 
 def _env() -> dict[str, str]:
     """The environment of both subprocesses: the thread defaults that the tightfit command sets for itself."""
-    env = dict(os.environ)
-    for name, value in THREAD_DEFAULTS.items():
-        env.setdefault(name, value)
-    return env
+    return {**os.environ, **thread_defaults(os.environ)}
 
 
 #: What the parent samples from a child's /proc/PID/status: its RSS, split into anonymous

@@ -46,8 +46,8 @@ Rows (``--rows`` picks some by name):
 
 Every row decodes the same 32 fixed prompt ids into 64 new tokens (``--new-tokens``),
 greedily and without stopping at an end token, on ``--threads`` threads (2), under the
-threading policy the ``tightfit`` command sets (``OMP_WAIT_POLICY=PASSIVE``, which
-llama.cpp's OpenMP build reads too; the script restarts itself with it where it is unset). Prefill: from
+threading policy the ``tightfit`` command sets (``OMP_WAIT_POLICY=PASSIVE``,
+``GOMP_SPINCOUNT=3000``, which llama.cpp's OpenMP build reads too; the script restarts itself with it where it is unset). Prefill: from
 the call to the first new token (the prompt's forward). Decode tok/s: the other new tokens
 over the time they took. One warm-up generation of 4 tokens per row first; then
 ``--rounds`` rounds each run every row once in an order rotating from round to round (a

@@ -38,8 +38,9 @@ scales, maps, as held) over the time per call; ``of roof``: that over the read b
 low by nature); ``x bf16``: bf16's time over the row's (above 1: faster than bf16).
 
 Threads: 2 by default, under the policy the ``tightfit`` command sets
-(``OMP_WAIT_POLICY=PASSIVE``; the script restarts itself with it where it is unset); on a
-busy machine spinning OpenMP threads turn every call into a scheduler time slice.
+(``OMP_WAIT_POLICY=PASSIVE``, ``GOMP_SPINCOUNT=3000``; the script restarts itself with them
+where neither is set); on a busy machine long-spinning OpenMP threads turn every call into a
+scheduler time slice.
 ``--quiet-load L`` first waits (at most 30 minutes) for a 1-minute load average <= L.
 
 Run (2 threads by default, as a small decode box has):
