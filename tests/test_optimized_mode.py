@@ -65,6 +65,8 @@ checks = [
     (lambda: torch.ops.tightfit.dequantize_4bit(torch.zeros(8, dtype=torch.uint8), torch.ones(1), 64, "nf4", [1000, 1000], torch.float32), ValueError),
     (lambda: tightfit.ops.get_op("gemv_4bit")(torch.ones(1, 4), torch.zeros(2, dtype=torch.uint8), [1, 4], torch.ones(1), 0, "nf4"), ValueError),
     (lambda: tightfit.ops.get_op("gemv_4bit_int8")(torch.ones(1, 4), torch.zeros(1, dtype=torch.uint8), [1, 4], torch.ones(1), 64, "nf4"), ValueError),
+    (lambda: tightfit.ops.get_op("gemv_blockwise_int8")(torch.ones(1, 4), torch.zeros(1, 4, dtype=torch.uint8), torch.ones(1), tightfit.ops.dynamic_map(), 0), ValueError),
+    (lambda: quant.Blockwise8Config(compute="int4"), ValueError),
     (lambda: torch.ops.tightfit.quantize_blockwise(torch.ones(4), tightfit.ops.dynamic_map()[:16], 64), ValueError),
     (lambda: quant.NF4Config(blocksize=48), ValueError),
     (lambda: quant.NF4Config(compute="int4"), ValueError),
@@ -156,4 +158,4 @@ print(f"{len(checks)} checks raised as documented")
 def test_bad_inputs_raise_under_python_O():
     done = subprocess.run([sys.executable, "-O", "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "96 checks raised as documented" in done.stdout
+    assert "98 checks raised as documented" in done.stdout

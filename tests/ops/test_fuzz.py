@@ -31,7 +31,7 @@ def test_int8_linear_cases_end_in_the_reference_or_a_clean_error():
     assert len(outcomes) == 40 and set(outcomes) == {"equal", "clean"}
 
 
-@pytest.mark.parametrize("op", ["gemv_float8", "gemv_blockwise", "gemv_4bit_int8"])
+@pytest.mark.parametrize("op", ["gemv_float8", "gemv_blockwise", "gemv_4bit_int8", "gemv_blockwise_int8"])
 def test_native_gemv_cases_end_in_the_reference_or_a_clean_error(op):
     """The ops whose CPU kernels are native C, in this process: hostile arguments must be
     refused before the kernel, valid ones must agree with the reference."""

@@ -166,8 +166,8 @@ def test_quantize_with_int8_compute_sets_every_4bit_layer_and_adds_little_loss()
     [
         (lambda: NF4Config(compute="int4"), "compute='int4' is not accepted; accepted: float, int8"),
         (lambda: Linear4bit.from_linear(nn.Linear(64, 8), compute=8), "compute=8 is not accepted"),
-        (lambda: RunOptions(compute="int8"), "compute='int8' needs a 4-bit quant"),
-        (lambda: RunOptions(quant="int8", compute="int8"), "compute='int8' needs a 4-bit quant"),
+        (lambda: RunOptions(compute="int8"), "compute='int8' needs a blockwise quant (nf4, fp4 or 8bit)"),
+        (lambda: RunOptions(quant="int8", compute="int8"), "compute='int8' needs a blockwise quant"),
     ],
 )
 def test_a_wrong_compute_choice_is_named(build, message):

@@ -111,6 +111,8 @@ BAD_CALLS = [
     ("gemv_float8", (torch.randn(1, 16), W8, None, torch.ones(4)), ValueError, "bias must be"),
     ("gemv_float8", (torch.randn(1, 16), W8, None, torch.ones(8, dtype=torch.float16)), ValueError, "bias must be"),
 ]
+# gemv_blockwise_int8 takes gemv_blockwise's arguments and check: the same bad calls
+BAD_CALLS += [("gemv_blockwise_int8", *rest) for name, *rest in BAD_CALLS if name == "gemv_blockwise"]
 
 
 @pytest.mark.parametrize("path", PATHS)

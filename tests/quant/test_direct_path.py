@@ -34,6 +34,8 @@ def _layers(bias: bool) -> dict[str, nn.Module]:
         "nf4 int8 nested": Linear4bit.from_linear(base, compute="int8", compress_statistics=True),
         "8bit": Linear8bit.from_linear(base, blocksize=256),
         "8bit nested": Linear8bit.from_linear(base, blocksize=256, nested=True),
+        "8bit int8": Linear8bit.from_linear(base, blocksize=256, compute="int8"),
+        "8bit int8 nested": Linear8bit.from_linear(base, blocksize=256, nested=True, compute="int8"),
         "int8": LinearInt8.from_linear(base, threshold=6.0),
     }
 
@@ -42,6 +44,11 @@ def _op(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The layer's forward through its op (what the layer ran before the direct path)."""
     if isinstance(layer, Linear4bit):
         return QF.matmul_4bit(x, layer.weight, layer.quant_state, bias=layer.bias, compute=layer.compute)
+    if isinstance(layer, Linear8bit) and layer.compute == "int8":
+        state = layer.quant_state
+        absmax, *nested = QF._stored_scales(state)
+        result = ops.gemv_blockwise_int8(x, layer.weight, absmax, state.code, state.blocksize, *nested)
+        return result if layer.bias is None else (result + layer.bias).to(x.dtype)
     if isinstance(layer, Linear8bit):
         return QF._decoded_linear(x, layer.weight, layer.quant_state, layer.bias)
     return ops.int8_linear(x, layer.weight, layer.SCB, layer.bias, layer.threshold)

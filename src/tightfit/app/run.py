@@ -39,7 +39,8 @@ from tightfit.loading.stored import holds_quantized
 from tightfit.memory import Measurement, measure, tensor_bytes
 from tightfit.memory.plot import check_png_path
 from tightfit.quant import (
-    COMPUTE_4BIT,
+    COMPUTE_CHOICES,
+    Blockwise8Config,
     Linear8bit,
     NF4Config,
     QuantConfig,
@@ -71,6 +72,9 @@ def quant_configs() -> dict[str, QuantConfig]:
     time, so a format registered later is a choice."""
     return {storage.name: storage.config for storage in storage_formats() if storage.config is not None}
 
+
+#: The quant configs ``--compute`` applies to (their ``compute`` field).
+COMPUTE_CONFIGS = (NF4Config, Blockwise8Config)
 
 #: ``--storage-dtype`` choices: layerwise casting stores weights so and computes in the model's dtype.
 STORAGE_DTYPE_CHOICES: dict[str, torch.dtype] = {
@@ -160,10 +164,10 @@ class RunOptions:
                 raise ValueError(f"{option(name)} must be an int >= 1, got {value!r}")
         if not isinstance(self.keep_8bit, bool):
             raise TypeError(f"keep_8bit must be a bool, got {type(self.keep_8bit).__name__}: {self.keep_8bit!r}")
-        check_choice(option("compute"), self.compute, COMPUTE_4BIT)
-        if self.compute != "float" and not isinstance(quant_configs().get(self.quant), NF4Config):
+        check_choice(option("compute"), self.compute, COMPUTE_CHOICES)
+        if self.compute != "float" and not isinstance(quant_configs().get(self.quant), COMPUTE_CONFIGS):
             raise ValueError(
-                f"{assigned('compute', self.compute)} needs a 4-bit quant (nf4 or fp4), got quant={self.quant!r}"
+                f"{assigned('compute', self.compute)} needs a blockwise quant (nf4, fp4 or 8bit), got quant={self.quant!r}"
             )
         if (
             not isinstance(self.sentences, tuple)
@@ -471,7 +475,7 @@ def _convert(model: torch.nn.Module, options: RunOptions, device: torch.device) 
             stack = layer_stack(model)
             kept = stack[len(stack) // 2 :]
             config = replace(config, keep_8bit=kept)
-        if isinstance(config, NF4Config):
+        if isinstance(config, COMPUTE_CONFIGS):
             config = replace(config, compute=options.compute)
         quantize_(model, config)
     if options.storage_dtype is not None:

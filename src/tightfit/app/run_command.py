@@ -77,8 +77,8 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
         "--compute",
         choices=["float", "int8"],
         default="float",
-        help="with nf4 or fp4: how the 4-bit layers multiply; int8 quantizes activations to int8 per block of 32 "
-        "and multiplies in integers (faster on CPUs, less exact; default: float)",
+        help="with nf4, fp4 or 8bit: how the quantized layers multiply; int8 quantizes activations to int8 per "
+        "block of 32 and multiplies in integers (faster on CPUs, less exact; default: float)",
     )
     run.add_argument(
         "--storage-dtype",

@@ -9,7 +9,7 @@ from tightfit.ops._autograd import int8_linear
 from tightfit.ops._registry import Case, KernelInfo, OpDef, get_op, register_kernel, registered_ops
 from tightfit.ops.blockwise import dequantize_4bit, dequantize_blockwise, quantize_4bit, quantize_blockwise
 from tightfit.ops.blockwise_gemv import FEW_TOKENS, gemv_4bit, gemv_blockwise
-from tightfit.ops.blockwise_gemv_int8 import gemv_4bit_int8
+from tightfit.ops.blockwise_gemv_int8 import gemv_4bit_int8, gemv_blockwise_int8
 from tightfit.ops.cast import CAST_DTYPES, cast
 from tightfit.ops.codes import code_4bit, dynamic_map
 from tightfit.ops.float8_gemv import gemv_float8
@@ -29,6 +29,7 @@ __all__ = [
     "gemv_4bit",
     "gemv_4bit_int8",
     "gemv_blockwise",
+    "gemv_blockwise_int8",
     "gemv_float8",
     "get_op",
     "int8_linear",

@@ -110,6 +110,30 @@ def bind_gemv_4bit_int8(
     return BoundKernel(library.tf_gemv_4bit_int8, before, (*shape, blocksize), True, kept)
 
 
+def bind_gemv_8bit_int8(
+    codes: torch.Tensor,
+    shape: list[int] | tuple[int, int],
+    absmax: torch.Tensor,
+    table16: torch.Tensor,
+    unit: float,
+    blocksize: int,
+    nested: tuple[torch.Tensor | None, torch.Tensor | None, int, torch.Tensor | None],
+    held: Sequence[torch.Tensor] = (),
+) -> BoundKernel | None:
+    """``x`` quantized to int8 per 32, times 8-bit ``codes`` decoded through the int16 table
+    ``table16`` times ``unit`` (``native/gemv_8bit_int8.c``), as a bound kernel; or None
+    where no native library could be built. Scales as for :func:`bind_gemv_blockwise`."""
+    library = native_library("gemv_blockwise_int8")
+    if library is None:
+        return None
+    w = codes.reshape(-1).view(torch.uint8).contiguous()
+    scale_args, keep = _scale_arguments(absmax, nested)
+    table = table16.to(torch.int16).contiguous()
+    before = (w.data_ptr(), *scale_args, table.data_ptr(), unit)
+    kept = not_held([w, table, *keep], held)
+    return BoundKernel(library.tf_gemv_8bit_int8, before, (*shape, blocksize), True, kept)
+
+
 def rows_of(A: torch.Tensor, in_features: int) -> torch.Tensor:
     """``A``'s rows as a contiguous 2-D tensor, in its own dtype (the kernels convert it)."""
     return A.reshape(-1, in_features).contiguous()

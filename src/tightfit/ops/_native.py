@@ -108,6 +108,16 @@ _SIGNATURES = {
         _I64,
         _I64,
     ],
+    "tf_gemv_8bit_int8": [
+        *[_PTR] * 6,  # x, w, absmax, qabsmax, code2, absmax2
+        _I64,
+        _F32,
+        _PTR,  # table16
+        _F32,  # unit
+        *[_I64] * 4,  # M, N, K, blocksize
+        _PTR,
+        *[_I64] * 3,  # threads, vnni, dtype
+    ],
     "tf_dequantize_blockwise": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64],
     "tf_int8_matmul_rows": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR],
     "tf_int8_quant_rows": [_PTR, _I64, _I64, _I64, _F32, _PTR, _PTR, _PTR, _PTR],

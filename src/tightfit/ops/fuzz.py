@@ -616,6 +616,7 @@ _GENERATORS: dict[str, Callable[[_Builder], list[Any]]] = {
     "gemv_4bit": _gemv_4bit,
     "gemv_4bit_int8": _gemv_4bit,  # the same arguments
     "gemv_blockwise": _gemv_blockwise,
+    "gemv_blockwise_int8": _gemv_blockwise,  # the same arguments
     "gemv_float8": _gemv_float8,
     "int8_vectorwise_quant": _int8_vectorwise_quant,
     "int8_linear_matmul": _int8_linear_matmul,

@@ -10,6 +10,7 @@ storing a weight, which the fit planner, calibration and ``tightfit run`` iterat
 ``register_format`` adds one.
 """
 
+from tightfit._deprecation import renamed
 from tightfit.quant import functional
 from tightfit.quant.catalogue import (
     FLOAT8_DTYPE,
@@ -29,7 +30,7 @@ from tightfit.quant.config import (
     quantize_,
     register_handler,
 )
-from tightfit.quant.functional import COMPUTE_4BIT
+from tightfit.quant.functional import COMPUTE_CHOICES
 from tightfit.quant.layers import layer_stack
 from tightfit.quant.modules import (
     Linear4bit,
@@ -42,7 +43,7 @@ from tightfit.quant.modules import (
 from tightfit.quant.state import QuantState
 
 __all__ = [
-    "COMPUTE_4BIT",
+    "COMPUTE_CHOICES",
     "FLOAT8_DTYPE",
     "Blockwise8Config",
     "FP4Config",
@@ -67,3 +68,5 @@ __all__ = [
     "unregister_format",
     "unregistered_tensors",
 ]
+
+__getattr__ = renamed(__name__, COMPUTE_4BIT=("COMPUTE_CHOICES", lambda: COMPUTE_CHOICES))

@@ -17,7 +17,7 @@ from torch import nn
 from tightfit._progress import task
 from tightfit._validate import check_choice, check_non_negative_number, check_type
 from tightfit.ops.blockwise import BLOCKSIZES_4BIT, BLOCKSIZES_8BIT
-from tightfit.quant.functional import COMPUTE_4BIT
+from tightfit.quant.functional import COMPUTE_CHOICES
 from tightfit.quant.modules import Linear4bit, Linear8bit, LinearInt8
 
 __all__ = [
@@ -66,8 +66,8 @@ class NF4Config(QuantConfig):
     """4-bit NormalFloat weights, the QLoRA format.
 
     ``keep_8bit`` holds module-name patterns (fnmatch) whose layers are stored in
-    blockwise 8-bit (``Blockwise8Config()``: one byte per weight) instead of 4 bits: the
-    few that lose most at 4 bits. A pattern may name a container (``"encoder.layer.5"``)
+    blockwise 8-bit (``Blockwise8Config(compute=compute)``: one byte per weight) instead
+    of 4 bits: the few that lose most at 4 bits. A pattern may name a container (``"encoder.layer.5"``)
     to keep every layer in it; ``skip`` wins over ``keep_8bit``.
 
     ``compute`` is how the layers multiply: ``"float"`` (the activations as they come,
@@ -88,12 +88,12 @@ class NF4Config(QuantConfig):
         check_type("double_quant", self.double_quant, bool)
         check_type("quant_storage", self.quant_storage, torch.dtype)
         _check_patterns("keep_8bit", self.keep_8bit)
-        check_choice("compute", self.compute, COMPUTE_4BIT)
+        check_choice("compute", self.compute, COMPUTE_CHOICES)
 
     def config_for(self, name: str) -> QuantConfig | None:
         config = super().config_for(name)
         if config is not None and _matches(name, self.keep_8bit):
-            return Blockwise8Config(skip=self.skip)
+            return Blockwise8Config(skip=self.skip, compute=self.compute)
         return config
 
 
@@ -104,15 +104,22 @@ class FP4Config(NF4Config):
 
 @dataclass(frozen=True)
 class Blockwise8Config(QuantConfig):
-    """8-bit weights on the dynamic map, one scale per block."""
+    """8-bit weights on the dynamic map, one scale per block.
+
+    ``compute``: ``"float"``, or ``"int8"`` (activations quantized to int8 per block of 32,
+    the map at int16 levels, integer dot products: faster on CPUs, less exact;
+    :func:`tightfit.ops.gemv_blockwise_int8`, measured in docs/kernels.md).
+    """
 
     blocksize: int = 4096
     double_quant: bool = False
+    compute: str = "float"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_blocksize(self.blocksize, BLOCKSIZES_8BIT)
         check_type("double_quant", self.double_quant, bool)
+        check_choice("compute", self.compute, COMPUTE_CHOICES)
 
 
 @dataclass(frozen=True)
@@ -167,7 +174,9 @@ def _fp4(linear: nn.Linear, config: FP4Config) -> nn.Module:
 
 @register_handler(Blockwise8Config)
 def _blockwise8(linear: nn.Linear, config: Blockwise8Config) -> nn.Module:
-    return Linear8bit.from_linear(linear, blocksize=config.blocksize, nested=config.double_quant)
+    return Linear8bit.from_linear(
+        linear, blocksize=config.blocksize, nested=config.double_quant, compute=config.compute
+    )
 
 
 @register_handler(Int8Config)

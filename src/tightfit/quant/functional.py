@@ -65,8 +65,9 @@ def _stored_scales(state: QuantState) -> tuple[Any, ...]:
     return state.absmax, state.state2.absmax, state.state2.code, state.state2.blocksize, state.offset
 
 
-#: How a 4-bit matmul multiplies: in float, or with int8 activations (``matmul_4bit(compute=...)``).
-COMPUTE_4BIT = ("float", "int8")
+#: How a blockwise layer multiplies: in float, or with int8 activations (``matmul_4bit(compute=...)``,
+#: ``Linear8bit.from_linear(compute=...)``).
+COMPUTE_CHOICES = ("float", "int8")
 
 
 def _few_tokens(A: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -379,7 +380,7 @@ def matmul_4bit(
     block of 32 and multiplies in integers at every row count (:func:`tightfit.ops.gemv_4bit_int8`)."""
     state = _check_4bit_weight_state(quant_state)
     check_type("A", A, torch.Tensor)
-    check_choice("compute", compute, COMPUTE_4BIT)
+    check_choice("compute", compute, COMPUTE_CHOICES)
     if compute == "int8" or _few_tokens(A, bias):
         absmax, *nested = _stored_scales(state)
         gemv = ops.gemv_4bit_int8 if compute == "int8" else ops.gemv_4bit

@@ -20,9 +20,9 @@ from tightfit import ops
 from tightfit._validate import check_choice, check_non_negative_number, check_type
 from tightfit.ops import _cpu_int8, _cpu_int8_rows
 from tightfit.ops._arg_checks import FLOAT_DTYPES, block_count
-from tightfit.ops._cpu_gemv import bind_gemv_4bit_int8, bind_gemv_blockwise
+from tightfit.ops._cpu_gemv import bind_gemv_4bit_int8, bind_gemv_8bit_int8, bind_gemv_blockwise
 from tightfit.ops._direct import binding_of, direct_rows, with_bias
-from tightfit.ops.blockwise_gemv_int8 import int8_table
+from tightfit.ops.blockwise_gemv_int8 import int8_table, int16_table
 from tightfit.ops.codes import code_4bit
 from tightfit.quant import _checkpoint as checks
 from tightfit.quant import _tiled
@@ -122,7 +122,13 @@ class _CheckedLoading(nn.Module, abc.ABC):
 
 
 class QuantizedLinear(_CheckedLoading):
-    """Shared machinery: a packed weight buffer, its QuantState, an optional bias."""
+    """Shared machinery: a packed weight buffer, its QuantState, an optional bias.
+
+    ``compute`` (an attribute, not saved with the weights): ``"float"``, or ``"int8"`` to
+    quantize the activations to int8 per block of 32 and multiply in integers (faster on
+    CPUs, less exact: :func:`tightfit.ops.gemv_4bit_int8`, :func:`tightfit.ops.gemv_blockwise_int8`)."""
+
+    compute: str = "float"
 
     def __init__(
         self, in_features: int, out_features: int, packed: torch.Tensor, state: QuantState, bias: torch.Tensor | None
@@ -165,14 +171,11 @@ class QuantizedLinear(_CheckedLoading):
 
     def _settings(self) -> tuple:
         """What a bound kernel depends on besides the layer's tensors."""
-        return ()
+        return (self.compute,)
 
+    @abc.abstractmethod
     def _bind(self, absmax: torch.Tensor, nested: tuple, held: list[torch.Tensor]):
-        state = self.quant_state
-        shape = (self.out_features, self.in_features)
-        return bind_gemv_blockwise(
-            self.weight, 8, shape, absmax, state.code, state.blocksize, "gemv_blockwise", nested, held
-        )
+        """The few-token kernel bound to this layer's weight (None: no native build)."""
 
     #: The blocksize :meth:`transient_bytes` assumes unless told (the format's default config).
     default_blocksize: int = 64
@@ -253,7 +256,8 @@ class QuantizedLinear(_CheckedLoading):
     def extra_repr(self) -> str:
         state = self.quant_state
         kind = state.quant_type or "8-bit blockwise"
-        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}, blocksize={state.blocksize}, nested={state.nested}, bias={self.bias is not None}"
+        compute = f", compute={self.compute}" if self.compute != "float" else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}, blocksize={state.blocksize}, nested={state.nested}, bias={self.bias is not None}{compute}"
 
 
 def _check_linear(linear: object) -> nn.Linear:
@@ -264,14 +268,9 @@ def _check_linear(linear: object) -> nn.Linear:
 
 
 class Linear4bit(QuantizedLinear):
-    """``nn.Linear`` with an NF4 or FP4 weight (4 bits per value plus one scale per block).
-
-    ``compute`` (an attribute, not saved with the weights): ``"float"``, or ``"int8"`` to
-    quantize the activations to int8 per block of 32 and multiply in integers
-    (:func:`tightfit.ops.gemv_4bit_int8`: faster on CPUs, less exact)."""
+    """``nn.Linear`` with an NF4 or FP4 weight (4 bits per value plus one scale per block)."""
 
     default_blocksize = 64
-    compute: str = "float"
 
     @classmethod
     def _nested_blocksize(cls, blocksize: int) -> int:
@@ -289,7 +288,7 @@ class Linear4bit(QuantizedLinear):
         compute: str = "float",
     ) -> Linear4bit:
         _check_linear(linear)
-        check_choice("compute", compute, F.COMPUTE_4BIT)
+        check_choice("compute", compute, F.COMPUTE_CHOICES)
         packed, state = F.quantize_4bit(
             linear.weight.detach(),
             blocksize=blocksize,
@@ -320,9 +319,6 @@ class Linear4bit(QuantizedLinear):
             return direct
         return F.matmul_4bit(x, self.weight, self.quant_state, bias=self.bias, compute=self.compute)
 
-    def _settings(self) -> tuple:
-        return (self.compute,)
-
     def _bind(self, absmax: torch.Tensor, nested: tuple, held: list[torch.Tensor]):
         state = self.quant_state
         if self.compute == "int8":
@@ -333,9 +329,6 @@ class Linear4bit(QuantizedLinear):
             self.weight, 4, state.shape, absmax, table, state.blocksize, "gemv_4bit", nested, held
         )
 
-    def extra_repr(self) -> str:
-        return super().extra_repr() + (f", compute={self.compute}" if self.compute != "float" else "")
-
 
 class Linear8bit(QuantizedLinear):
     """``nn.Linear`` with a blockwise 8-bit weight (dynamic map, one scale per block)."""
@@ -343,10 +336,38 @@ class Linear8bit(QuantizedLinear):
     default_blocksize = 4096
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, blocksize: int = 4096, nested: bool = False) -> Linear8bit:
+    def from_linear(
+        cls, linear: nn.Linear, *, blocksize: int = 4096, nested: bool = False, compute: str = "float"
+    ) -> Linear8bit:
         _check_linear(linear)
+        check_choice("compute", compute, F.COMPUTE_CHOICES)
         q, state = F.quantize_blockwise(linear.weight.detach(), blocksize=blocksize, nested=nested)
-        return cls(linear.in_features, linear.out_features, q, state, linear.bias)
+        layer = cls(linear.in_features, linear.out_features, q, state, linear.bias)
+        layer.compute = compute
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compute == "float":
+            return super().forward(x)
+        _check_input(x, self.in_features)
+        direct = self._direct(x)
+        if direct is not None:
+            return direct
+        state = self.quant_state
+        absmax, *nested = F._stored_scales(state)
+        return with_bias(
+            ops.gemv_blockwise_int8(x, self.weight, absmax, state.code, state.blocksize, *nested), self.bias, x.dtype
+        )
+
+    def _bind(self, absmax: torch.Tensor, nested: tuple, held: list[torch.Tensor]):
+        state = self.quant_state
+        shape = (self.out_features, self.in_features)
+        if self.compute == "int8":
+            table16, unit = int16_table(state.code)
+            return bind_gemv_8bit_int8(self.weight, shape, absmax, table16, unit, state.blocksize, nested, held)
+        return bind_gemv_blockwise(
+            self.weight, 8, shape, absmax, state.code, state.blocksize, "gemv_blockwise", nested, held
+        )
 
     def _decode(self) -> torch.Tensor:
         return F.dequantize_blockwise(self.weight, self.quant_state)

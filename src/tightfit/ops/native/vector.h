@@ -13,6 +13,15 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+#if defined(TF_AVX512) || defined(TF_AVX2)
+/* The sum of 8 floats (AVX2 loops, on AVX-512 builds too). */
+ALWAYS_INLINE float sum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 #if defined(TF_AVX512)
 #define LANES 16
 typedef __m512 vec;
@@ -27,12 +36,7 @@ typedef __m256 vec;
 #define VZERO _mm256_setzero_ps()
 #define VLOAD _mm256_loadu_ps
 #define VFMA _mm256_fmadd_ps
-ALWAYS_INLINE float VSUM(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#define VSUM sum256
 
 #else
 #define LANES 8
