@@ -32,6 +32,9 @@ Rows (``--rows`` picks some by name):
 - ``tightfit nf4 int8-compute``: the nf4 row with ``--compute int8`` (``NF4Config(compute="int8")``):
   activations quantized to int8 per block of 32, the NF4 table at int8 levels, integer dot
   products (``tightfit.ops.gemv_4bit_int8``), as llama.cpp multiplies its 4-bit formats;
+- ``tightfit 8bit int8-compute``: the 8bit row with ``--compute int8``
+  (``Blockwise8Config(compute="int8")``): the same activations, the 8-bit map at int16
+  levels (``tightfit.ops.gemv_blockwise_int8``), as llama.cpp's Q8_0 multiplies;
 - ``tightfit float8``: ``tightfit run --storage-dtype float8_e4m3fn``: layerwise casting,
   every Linear's weight stored in float8 e4m3 (a scale per output channel), computed in
   bfloat16;
@@ -477,6 +480,7 @@ def make_rows(
         Row("tightfit float8", float8),
         Row("tightfit nf4", quantized("nf4")),
         Row("tightfit nf4 int8-compute", quantized("nf4", "int8")),
+        Row("tightfit 8bit int8-compute", quantized("8bit", "int8")),
         Row("tightfit fp4", quantized("fp4")),
         Row("tightfit budget 50%", budgeted(0.5)),
         Row("tightfit budget 25%", budgeted(0.25)),
@@ -542,12 +546,13 @@ DEFAULT_ROWS = (
     "tightfit float8",
     "tightfit nf4",
     "tightfit nf4 int8-compute",
+    "tightfit 8bit int8-compute",
     "tightfit budget 50%",
     "tightfit budget 25%",
     "transformers bf16",
     *(f"llama.cpp {kind}" for kind in GGUF_TYPES),
 )
-ALL_ROWS = (*DEFAULT_ROWS[:6], "tightfit fp4", *DEFAULT_ROWS[6:])
+ALL_ROWS = (*DEFAULT_ROWS[:7], "tightfit fp4", *DEFAULT_ROWS[7:])
 
 
 # --- the run -----------------------------------------------------------------------------

@@ -149,6 +149,7 @@ def variants() -> list[tuple[str, Callable[[nn.Module], nn.Module]]]:
         ("bf16", lambda model: model.to(torch.bfloat16)),
         ("int8 (LLM.int8, threshold 6)", quantized("int8")),
         ("8-bit blockwise", quantized("8bit")),
+        ("8-bit blockwise, int8 compute", quantized("8bit", "int8")),
         ("float8 e4m3 (layerwise casting, bf16 compute)", cast("float8_e4m3fn")),
         ("nf4", quantized("nf4")),
         ("nf4, int8 compute", quantized("nf4", "int8")),

@@ -7,8 +7,9 @@ and each number of tokens (1, 8, 128; input bfloat16, 4 of the input columns hol
 activations of magnitude 8, so that LLM.int8()'s outlier path runs at threshold 6.0):
 
 - ``bf16 F.linear``: the bfloat16 weight, ``torch.nn.functional.linear``;
-- tightfit ``Linear4bit`` nf4 (blocksize 64, with and without ``compress_statistics``),
-  fp4 (blocksize 64); ``Linear8bit`` (8-bit blockwise, blocksize 4096 and 256);
+- tightfit ``Linear4bit`` nf4 (blocksize 64, with and without ``compress_statistics``,
+  and with ``compute="int8"``), fp4 (blocksize 64); ``Linear8bit`` (8-bit blockwise,
+  blocksize 4096 and 256, and 4096 with ``compute="int8"``);
   ``LinearInt8`` (LLM.int8(), threshold 6.0 and 0.0); and a bfloat16 ``nn.Linear`` stored
   in float8 e4m3 by ``tightfit.hooks.apply_layerwise_casting`` (computed in bfloat16);
 - bitsandbytes (when installed): ``bnb.matmul_4bit`` (nf4, blocksize 64; it takes
@@ -143,6 +144,12 @@ def tightfit_rows() -> list[Row]:
         Row(
             "tightfit 8bit bs4096",
             lambda linear: Linear8bit.from_linear(linear, blocksize=4096),
+            _module_call,
+            module_bytes,
+        ),
+        Row(
+            "tightfit 8bit bs4096 int8 compute",
+            lambda linear: Linear8bit.from_linear(linear, blocksize=4096, compute="int8"),
             _module_call,
             module_bytes,
         ),
