@@ -14,35 +14,15 @@ from torch import nn
 
 import tightfit.ops as ops
 from tightfit.app.run import RunOptions
-from tightfit.ops import _native
 from tightfit.ops.blockwise import _quantize_4bit_reference
 from tightfit.ops.blockwise_gemv import _nested
 from tightfit.ops.blockwise_gemv_int8 import _gemv_4bit_int8_reference, _int8_weight, int8_table
 from tightfit.quant import Linear4bit, NF4Config, quantize_
-
-#: (path, VNNI): each native path, the AVX-512 ones with and without VNNI, and none.
-KERNELS = [(path, vnni) for path in (*_native.PATHS, "none") for vnni in ((True, False) if "512" in path else (True,))]
+from zoo.kernels import sum_order_bound
 
 #: (out, in, blocksize, tokens): the vector loops (in a multiple of 128; blocks of 64, 128,
 #: larger than a row), the element-by-element loop (odd in, blocks of 32), 8 tokens and 9.
 SHAPES = [(37, 256, 64, 1), (24, 128, 128, 9), (8, 512, 4096, 8), (33, 65, 32, 2), (5, 192, 64, 3)]
-
-
-@pytest.fixture(params=KERNELS, ids=lambda kernel: f"{kernel[0]}{'' if kernel[1] else '-no-vnni'}")
-def kernel(request, monkeypatch):
-    path, vnni = request.param
-    if path != "none" and not _native.runnable(path):
-        pytest.skip(f"this CPU lacks {path}")
-    monkeypatch.setenv(_native.PATH_VARIABLE, path)
-    monkeypatch.setattr(_native, "VNNI", vnni)
-    return request.param
-
-
-def _bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Largest |got - reference| two float32 sums of the same K scaled products may differ
-    by in any order, each product's two scalings rounded too: (2K + 4) 2**-24 sum |w x|."""
-    magnitude = x.double().abs() @ weight.double().abs().t()
-    return magnitude * (2 * weight.shape[1] + 4) * 2.0**-24 + 1e-30
 
 
 @pytest.mark.parametrize("quant_type, nested", [("nf4", False), ("fp4", True)])
@@ -59,7 +39,7 @@ def test_every_path_agrees_with_the_reference(kernel, quant_type, rows, cols, bl
         packed, [rows, cols], absmax.float() if not nested else _scales_of(scales), blocksize, quant_type
     )
     error = (got.double() - want.double()).abs()
-    bound = _bound(x, decoded)
+    bound = sum_order_bound(x, decoded)
     assert got.shape == want.shape == (tokens, rows) and got.dtype == torch.float32
     assert bool((error <= bound).all()), (
         f"max error {error.max():.3g}, bound there {bound.flatten()[error.argmax()]:.3g}"

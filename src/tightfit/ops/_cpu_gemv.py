@@ -60,6 +60,34 @@ class BoundKernel:
         return out
 
 
+#: What the binders take for a weight's block scales: (absmax2, code2, nested_blocksize, offset).
+Nested = tuple[torch.Tensor | None, torch.Tensor | None, int, torch.Tensor | None]
+
+
+def _bind(
+    op: str,
+    function: str,
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    nested: Nested,
+    table: torch.Tensor,
+    geometry: tuple[int, int, int],
+    held: Sequence[torch.Tensor],
+    lead: tuple = (),
+    trail: tuple = (),
+    vnni: bool = False,
+) -> BoundKernel | None:
+    """The library's ``function`` bound to a weight (its arguments: x, the code bytes,
+    ``lead``, the six scale arguments, the table, ``trail``), or None without a native build."""
+    library = native_library(op)
+    if library is None:
+        return None
+    w = codes.reshape(-1).view(torch.uint8).contiguous()
+    scale_args, keep = _scale_arguments(absmax, nested)
+    before = (w.data_ptr(), *lead, *scale_args, table.data_ptr(), *trail)
+    return BoundKernel(getattr(library, function), before, geometry, vnni, not_held([w, table, *keep], held))
+
+
 def bind_gemv_blockwise(
     codes: torch.Tensor,
     bits: int,
@@ -68,7 +96,7 @@ def bind_gemv_blockwise(
     table: torch.Tensor,
     blocksize: int,
     op: str,
-    nested: tuple[torch.Tensor | None, torch.Tensor | None, int, torch.Tensor | None],
+    nested: Nested,
     held: Sequence[torch.Tensor] = (),
 ) -> BoundKernel | None:
     """``x @ decode(codes).T`` for ``codes`` of ``shape`` (out x in) as a bound kernel
@@ -76,15 +104,9 @@ def bind_gemv_blockwise(
     ``absmax`` holds one scale per block of the flattened weight, or, with ``nested`` =
     (absmax2, code2, nested_blocksize, offset), their uint8 codes. ``held``: tensors among
     these that the caller keeps alive while it uses the kernel (:class:`BoundKernel`)."""
-    library = native_library(op)
-    if library is None:
-        return None
-    w = codes.reshape(-1).view(torch.uint8).contiguous()
-    scale_args, keep = _scale_arguments(absmax, nested)
     table32 = table.float().contiguous()
-    before = (w.data_ptr(), bits, *scale_args, table32.data_ptr())
-    kept = not_held([w, table32, *keep], held)
-    return BoundKernel(library.tf_gemv_blockwise, before, (*shape, blocksize), False, kept)
+    geometry = (*shape, blocksize)
+    return _bind(op, "tf_gemv_blockwise", codes, absmax, nested, table32, geometry, held, lead=(bits,))
 
 
 def bind_gemv_4bit_int8(
@@ -93,21 +115,15 @@ def bind_gemv_4bit_int8(
     absmax: torch.Tensor,
     table8: torch.Tensor,
     blocksize: int,
-    nested: tuple[torch.Tensor | None, torch.Tensor | None, int, torch.Tensor | None],
+    nested: Nested,
     held: Sequence[torch.Tensor] = (),
 ) -> BoundKernel | None:
     """``x`` quantized to int8 per 32, times 4-bit ``codes`` decoded through the int8 table
     ``table8`` (``native/gemv_4bit_int8.c``), as a bound kernel; or None where no native
     library could be built. Scales as for :func:`bind_gemv_blockwise`."""
-    library = native_library("gemv_4bit_int8")
-    if library is None:
-        return None
-    w = codes.reshape(-1).view(torch.uint8).contiguous()
-    scale_args, keep = _scale_arguments(absmax, nested)
     table = table8.to(torch.int8).contiguous()
-    before = (w.data_ptr(), *scale_args, table.data_ptr())
-    kept = not_held([w, table, *keep], held)
-    return BoundKernel(library.tf_gemv_4bit_int8, before, (*shape, blocksize), True, kept)
+    geometry = (*shape, blocksize)
+    return _bind("gemv_4bit_int8", "tf_gemv_4bit_int8", codes, absmax, nested, table, geometry, held, vnni=True)
 
 
 def bind_gemv_8bit_int8(
@@ -117,21 +133,26 @@ def bind_gemv_8bit_int8(
     table16: torch.Tensor,
     unit: float,
     blocksize: int,
-    nested: tuple[torch.Tensor | None, torch.Tensor | None, int, torch.Tensor | None],
+    nested: Nested,
     held: Sequence[torch.Tensor] = (),
 ) -> BoundKernel | None:
     """``x`` quantized to int8 per 32, times 8-bit ``codes`` decoded through the int16 table
     ``table16`` times ``unit`` (``native/gemv_8bit_int8.c``), as a bound kernel; or None
     where no native library could be built. Scales as for :func:`bind_gemv_blockwise`."""
-    library = native_library("gemv_blockwise_int8")
-    if library is None:
-        return None
-    w = codes.reshape(-1).view(torch.uint8).contiguous()
-    scale_args, keep = _scale_arguments(absmax, nested)
     table = table16.to(torch.int16).contiguous()
-    before = (w.data_ptr(), *scale_args, table.data_ptr(), unit)
-    kept = not_held([w, table, *keep], held)
-    return BoundKernel(library.tf_gemv_8bit_int8, before, (*shape, blocksize), True, kept)
+    geometry = (*shape, blocksize)
+    return _bind(
+        "gemv_blockwise_int8",
+        "tf_gemv_8bit_int8",
+        codes,
+        absmax,
+        nested,
+        table,
+        geometry,
+        held,
+        trail=(unit,),
+        vnni=True,
+    )
 
 
 def rows_of(A: torch.Tensor, in_features: int) -> torch.Tensor:

@@ -32,9 +32,16 @@ from tightfit.ops import _arg_checks as checks
 from tightfit.ops._arg_checks import FLOAT_DTYPES
 from tightfit.ops._cpu_gemv import bind_gemv_4bit_int8, bind_gemv_8bit_int8, rows_of
 from tightfit.ops._registry import Case, define_op, register_kernel
-from tightfit.ops.blockwise import _code_for, _quantize_4bit_reference, _quantize_blockwise_reference, _unpack
-from tightfit.ops.blockwise_gemv import _gemv_4bit_fake, _gemv_blockwise_fake, _nested, _scales
-from tightfit.ops.codes import QUANT_TYPES_4BIT, code_4bit, dynamic_map
+from tightfit.ops.blockwise import _code_for, _quantize_4bit_reference, _unpack
+from tightfit.ops.blockwise_gemv import (
+    _gemv_4bit_fake,
+    _gemv_blockwise_cases,
+    _gemv_blockwise_fake,
+    _gemv_blockwise_setup_context,
+    _nested,
+    _scales,
+)
+from tightfit.ops.codes import QUANT_TYPES_4BIT, code_4bit
 
 __all__ = ["ACTIVATION_BLOCK", "gemv_4bit_int8", "gemv_blockwise_int8", "int16_table", "int8_table"]
 
@@ -211,47 +218,26 @@ def _gemv_blockwise_int8_cpu(
     return bound(rows_of(A, B.shape[1])).reshape(*A.shape[:-1], B.shape[0])
 
 
-def _gemv_blockwise_int8_cases() -> list[Case]:
-    generator = torch.Generator().manual_seed(9)
-    cases = []
-    shapes = ((96, 128, 1, 64, False), (33, 65, 2, 32, False), (40, 256, 9, 4096, True), (8, 512, 3, 128, True))
-    for dtype in FLOAT_DTYPES:
-        for rows, cols, tokens, blocksize, nested in shapes:
-            weight = torch.randn(rows, cols, generator=generator)
-            codes, absmax = _quantize_blockwise_reference(weight, dynamic_map(), blocksize)
-            x = torch.randn(tokens, cols, generator=generator).to(dtype)
-            scales = _nested(absmax, 16) if nested else (absmax,)
-            name = f"{dtype} {tokens}x{cols} @ {rows}x{cols} bs{blocksize}{' nested' if nested else ''}"
-            cases.append(Case(name, (x, codes, scales[0], dynamic_map(), blocksize, *scales[1:])))
-    return cases
-
-
 _GEMV_BLOCKWISE_INT8 = define_op(
     "gemv_blockwise_int8",
     _gemv_blockwise_int8_reference,
     fake=_gemv_blockwise_fake,
-    cases=_gemv_blockwise_int8_cases,
+    cases=_gemv_blockwise_cases,  # the float op's cases: the same arguments
     metric=1e-4,
     check=checks.gemv_blockwise,
 )
 
 
-def _blockwise_setup_context(ctx, inputs, output):
-    A, B, absmax, code, blocksize, absmax2, code2, nested_blocksize, offset = inputs
-    ctx.save_for_backward(B, absmax, code, absmax2, code2)
-    ctx.decode = (blocksize, nested_blocksize, offset)
-
-
 def _blockwise_backward(ctx, grad):
     """Gradient for ``A`` only: ``grad @ W`` with W the int16-level weight the forward used
-    (the activations' rounding passed straight through)."""
+    (the activations' rounding passed straight through); saved as ``gemv_blockwise`` saves."""
     B, absmax, code, absmax2, code2 = ctx.saved_tensors
     blocksize, nested_blocksize, offset = ctx.decode
     scales = _scales(absmax, absmax2, code2, nested_blocksize, offset)
     return grad @ _int16_weight(B, scales, code, blocksize).to(grad.dtype), *([None] * 8)
 
 
-_GEMV_BLOCKWISE_INT8.custom_op.register_autograd(_blockwise_backward, setup_context=_blockwise_setup_context)
+_GEMV_BLOCKWISE_INT8.custom_op.register_autograd(_blockwise_backward, setup_context=_gemv_blockwise_setup_context)
 register_kernel(
     "gemv_blockwise_int8", "cpu", _gemv_blockwise_int8_cpu, label="int8 x int16 dot products (native C, else reference)"
 )

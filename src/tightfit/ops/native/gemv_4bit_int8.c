@@ -149,22 +149,6 @@ static void rows_scalar(const acts_t *a, const uint8_t *w, const scales_t *s, co
 }
 
 
-/* Rows [n0, n1) in tiles of ROWS(c) rows for each token count c, one unrolled copy of TILE
- * per count so each keeps its accumulators in registers; the rows left over one by one. */
-#define TILES_BY_TOKEN_COUNT(TILE, ROWS)                                                      \
-    switch (mc) {                                                                             \
-        CASE_TILES(TILE, ROWS, 1) CASE_TILES(TILE, ROWS, 2) CASE_TILES(TILE, ROWS, 3)         \
-        CASE_TILES(TILE, ROWS, 4) CASE_TILES(TILE, ROWS, 5) CASE_TILES(TILE, ROWS, 6)         \
-        CASE_TILES(TILE, ROWS, 7) CASE_TILES(TILE, ROWS, 8)                                   \
-    }
-#define CASE_TILES(TILE, ROWS, count)                                                          \
-    case count: {                                                                             \
-        const int c = count, R = ROWS;                                                        \
-        int64_t n = n0;                                                                       \
-        for (; n + R <= n1; n += R) TILE(a, w, s, table, n, R, N, K, shift, out, c);          \
-        for (; n < n1; n++) TILE(a, w, s, table, n, 1, N, K, shift, out, c);                  \
-        break;                                                                                \
-    }
 
 #if defined(TF_AVX512) || defined(TF_AVX2)
 
@@ -257,7 +241,7 @@ VNNI ALWAYS_INLINE void tile_vnni(const acts_t *a, const uint8_t *w, const scale
 
 VNNI static void rows_vnni(const acts_t *a, const uint8_t *w, const scales_t *s, __m512i table, int64_t n0,
                            int64_t n1, int64_t N, int64_t K, int shift, float *out, int mc) {
-    TILES_BY_TOKEN_COUNT(tile_vnni, c <= 4 ? 4 : 2)
+    TILES_BY_TOKEN_COUNT(tile_vnni, c <= 4 ? 4 : 2, a, w, s, table)
 }
 static int has_vnni(void) { return __builtin_cpu_supports("avx512vnni"); }
 #endif
@@ -265,7 +249,7 @@ static int has_vnni(void) { return __builtin_cpu_supports("avx512vnni"); }
 #if defined(TF_AVX512) || defined(TF_AVX2)
 static void rows_avx2(const acts_t *a, const uint8_t *w, const scales_t *s, __m256i table, int64_t n0, int64_t n1,
                       int64_t N, int64_t K, int shift, float *out, int mc) {
-    TILES_BY_TOKEN_COUNT(tile_avx2, c <= 2 ? 2 : 1)
+    TILES_BY_TOKEN_COUNT(tile_avx2, c <= 2 ? 2 : 1, a, w, s, table)
 }
 #else
 /* portable, S = 64: per lane of 8 weights, integer dot then one scaled float add. */

@@ -103,23 +103,6 @@ static void rows_scalar(const acts8_t *a, const uint8_t *w, const scales_t *s, c
         }
 }
 
-/* Rows [n0, n1) in tiles of ROWS(c) rows for each token count c, one unrolled copy of TILE
- * per count so each keeps its accumulators in registers; the rows left over one by one. */
-#define TILES_BY_TOKEN_COUNT(TILE, ROWS)                                                      \
-    switch (mc) {                                                                             \
-        CASE_TILES(TILE, ROWS, 1) CASE_TILES(TILE, ROWS, 2) CASE_TILES(TILE, ROWS, 3)         \
-        CASE_TILES(TILE, ROWS, 4) CASE_TILES(TILE, ROWS, 5) CASE_TILES(TILE, ROWS, 6)         \
-        CASE_TILES(TILE, ROWS, 7) CASE_TILES(TILE, ROWS, 8)                                   \
-    }
-#define CASE_TILES(TILE, ROWS, count)                                                          \
-    case count: {                                                                             \
-        const int c = count, R = ROWS;                                                        \
-        int64_t n = n0;                                                                       \
-        for (; n + R <= n1; n += R) TILE(a, w, s, table, unit, n, R, N, K, shift, out, c);    \
-        for (; n < n1; n++) TILE(a, w, s, table, unit, n, 1, N, K, shift, out, c);            \
-        break;                                                                                \
-    }
-
 #if defined(TF_AVX512) || defined(TF_AVX2)
 #define S_PACKS 32
 
@@ -162,7 +145,7 @@ ALWAYS_INLINE void tile_avx2(const acts8_t *a, const uint8_t *w, const scales_t 
 
 static void rows_avx2(const acts8_t *a, const uint8_t *w, const scales_t *s, const int32_t *table, float unit,
                       int64_t n0, int64_t n1, int64_t N, int64_t K, int shift, float *out, int mc) {
-    TILES_BY_TOKEN_COUNT(tile_avx2, c <= 2 ? 2 : 1)
+    TILES_BY_TOKEN_COUNT(tile_avx2, c <= 2 ? 2 : 1, a, w, s, table, unit)
 }
 #endif
 
@@ -213,7 +196,7 @@ VNNI8 ALWAYS_INLINE void tile_vnni(const acts8_t *a, const uint8_t *w, const sca
 
 VNNI8 static void rows_vnni(const acts8_t *a, const uint8_t *w, const scales_t *s, const __m512i *table, float unit,
                             int64_t n0, int64_t n1, int64_t N, int64_t K, int shift, float *out, int mc) {
-    TILES_BY_TOKEN_COUNT(tile_vnni, c <= 4 ? 4 : 2)
+    TILES_BY_TOKEN_COUNT(tile_vnni, c <= 4 ? 4 : 2, a, w, s, table, unit)
 }
 #endif
 

@@ -80,4 +80,23 @@ ALWAYS_INLINE void prefetch_step(const prefetch_t *plan, int64_t step) {
     for (int64_t p = 0; p < plan->per_step; p += 64) __builtin_prefetch(plan->ahead + step * plan->per_step + p, 0, 3);
 }
 
+/* Rows [n0, n1) in tiles of ROWS(c) rows for each token count c (1 to 8, in mc), one unrolled
+ * copy of TILE per count so each keeps its accumulators in registers; the rows left over one
+ * by one. TILE takes the leading arguments given, then n, R, N, K, shift, out and c. */
+#define TILES_BY_TOKEN_COUNT(TILE, ROWS, ...)                                                 \
+    switch (mc) {                                                                             \
+        CASE_TILES(TILE, ROWS, 1, __VA_ARGS__) CASE_TILES(TILE, ROWS, 2, __VA_ARGS__)         \
+        CASE_TILES(TILE, ROWS, 3, __VA_ARGS__) CASE_TILES(TILE, ROWS, 4, __VA_ARGS__)         \
+        CASE_TILES(TILE, ROWS, 5, __VA_ARGS__) CASE_TILES(TILE, ROWS, 6, __VA_ARGS__)         \
+        CASE_TILES(TILE, ROWS, 7, __VA_ARGS__) CASE_TILES(TILE, ROWS, 8, __VA_ARGS__)         \
+    }
+#define CASE_TILES(TILE, ROWS, count, ...)                                                     \
+    case count: {                                                                             \
+        const int c = count, R = ROWS;                                                        \
+        int64_t n = n0;                                                                       \
+        for (; n + R <= n1; n += R) TILE(__VA_ARGS__, n, R, N, K, shift, out, c);             \
+        for (; n < n1; n++) TILE(__VA_ARGS__, n, 1, N, K, shift, out, c);                     \
+        break;                                                                                \
+    }
+
 #endif
