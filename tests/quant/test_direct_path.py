@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import gc
 import pickle
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -126,3 +128,29 @@ def test_bound_layers_copy_and_pickle():
         for copied in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
             assert torch.equal(copied(x), expected)
             assert binding_of(copied) is not binding_of(layer)
+
+
+_ELSEWHERE = """
+import torch
+from tightfit.quant.modules import Linear4bit, Linear8bit, LinearInt8
+base = torch.nn.Linear(64, 32)
+for layer in (Linear4bit.from_linear(base), Linear4bit.from_linear(base, compute="int8"),
+              Linear8bit.from_linear(base, blocksize=64), LinearInt8.from_linear(base)):
+    for device in ("meta",):
+        moved = layer.to(device)
+        try:
+            with torch.no_grad():
+                moved(torch.randn(1, 64))
+            print("ran")
+        except (RuntimeError, ValueError, NotImplementedError) as error:
+            print("refused")
+"""
+
+
+def test_a_weight_off_the_cpu_takes_the_op_and_is_refused_not_read():
+    """A layer whose weight is on meta (or another device) with a CPU input: the bound kernel
+    would read a pointer that is not CPU memory; the op refuses the call instead. In a
+    subprocess, so that a crash fails this test, not the run."""
+    done = subprocess.run([sys.executable, "-c", _ELSEWHERE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["refused"] * 4

@@ -164,7 +164,7 @@ class QuantizedLinear(_CheckedLoading):
         state = self.quant_state
         absmax, *nested = F._stored_scales(state)
         held = [self.weight, *[tensor for tensor in (absmax, state.code, *nested) if isinstance(tensor, torch.Tensor)]]
-        kernel = binding_of(self).kernel(held, self._settings(), lambda: self._bind(absmax, tuple(nested), held))
+        kernel = binding_of(self).kernel(held, self._settings(), lambda: self._bind_on_cpu(absmax, tuple(nested), held))
         if kernel is None:
             return None
         return with_bias(kernel(rows), self.bias, x.dtype).view(*x.shape[:-1], self.out_features)
@@ -172,6 +172,11 @@ class QuantizedLinear(_CheckedLoading):
     def _settings(self) -> tuple:
         """What a bound kernel depends on besides the layer's tensors."""
         return (self.compute,)
+
+    def _bind_on_cpu(self, absmax: torch.Tensor, nested: tuple, held: list[torch.Tensor]):
+        """:meth:`_bind`, where every tensor the kernel reads is in CPU memory (else None:
+        the op runs, and refuses a weight on another device or on meta with a clear error)."""
+        return self._bind(absmax, nested, held) if all(t.device.type == "cpu" for t in held) else None
 
     @abc.abstractmethod
     def _bind(self, absmax: torch.Tensor, nested: tuple, held: list[torch.Tensor]):
@@ -489,7 +494,10 @@ class LinearInt8(_CheckedLoading):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.in_features)
         rows = direct_rows(x, self.in_features, self.bias)
-        if rows is not None:  # past the dispatcher (tightfit.ops._direct); None: an outlier column
+        on_cpu = all(
+            t.device.type == "cpu" for t in (self.weight, self.SCB, *([self.bias] if self.bias is not None else []))
+        )
+        if rows is not None and on_cpu:  # past the dispatcher (tightfit.ops._direct); None: an outlier column
             direct = _cpu_int8_rows.linear_rows(rows, self.weight, self.SCB, self.bias, self.threshold, x.dtype)
             if direct is not None:
                 return direct.view(*x.shape[:-1], self.out_features)
