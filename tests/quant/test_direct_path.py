@@ -5,6 +5,7 @@ again whenever the layer's tensors change, and never keeping a dropped weight al
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import pickle
 import subprocess
@@ -71,7 +72,7 @@ def test_direct_forward_is_the_ops_bits(dtype, bias):
             x = torch.randn(shape).clamp(-3, 3).to(dtype)  # LLM.int8(): no outlier column
             with torch.inference_mode():
                 direct = layer(x)
-                assert binding_of(layer)._kernel is not None or isinstance(layer, LinearInt8), name
+                assert binding_of(layer).bound is not None, name
                 expected = _op(layer, x)
             assert direct.dtype == dtype and direct.shape == (*shape[:-1], 96), name
             assert torch.equal(direct, expected), f"{name} {dtype} {shape}: differs from the op"
@@ -86,11 +87,11 @@ def test_direct_path_left_where_the_op_must_run():
     assert x.grad is not None and x.grad.shape == x.shape
     with _Passing():  # a dispatch mode (memory measurement, fake tensors) sees every op
         layer(torch.randn(2, 64))
-    assert binding_of(layer)._kernel is None
+    assert binding_of(layer).bound is None
     with torch.no_grad():
         layer(torch.randn(9, 64))  # more rows than the few-token kernels take
         layer(torch.randn(64, 2).t())  # not contiguous
-    assert binding_of(layer)._kernel is None
+    assert binding_of(layer).bound is None
 
 
 def test_binding_follows_the_layers_tensors_and_settings():
@@ -130,27 +131,59 @@ def test_bound_layers_copy_and_pickle():
             assert binding_of(copied) is not binding_of(layer)
 
 
-_ELSEWHERE = """
-import torch
+_SWAPPED = """
+import dataclasses, torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from tightfit.quant.modules import Linear4bit, Linear8bit, LinearInt8
-base = torch.nn.Linear(64, 32)
-for layer in (Linear4bit.from_linear(base), Linear4bit.from_linear(base, compute="int8"),
-              Linear8bit.from_linear(base, blocksize=64), LinearInt8.from_linear(base)):
-    for device in ("meta",):
-        moved = layer.to(device)
+base, small = torch.nn.Linear(256, 128), torch.nn.Linear(64, 64)
+def nf4(): return Linear4bit.from_linear(base, compute="int8")
+def byte8(): return Linear8bit.from_linear(base, blocksize=64, compute="int8")
+def int8(): return LinearInt8.from_linear(base)
+def fake(layer):
+    with FakeTensorMode():
+        return torch.empty(layer.weight.shape, dtype=layer.weight.dtype)
+swaps = [
+    (lambda: nf4().to("meta"), None),
+    (lambda: byte8().to("meta"), None),
+    (lambda: int8().to("meta"), None),
+    (nf4, lambda l: setattr(l, "weight", l.weight[:8].clone())),
+    (byte8, lambda l: setattr(l, "weight", l.weight[:, :16].clone())),
+    (int8, lambda l: setattr(l, "weight", l.weight[:, :16].clone())),
+    (int8, lambda l: setattr(l, "SCB", l.SCB[:3].clone())),
+    (int8, lambda l: setattr(l, "bias", torch.nn.Parameter(torch.zeros(3), requires_grad=False))),
+    (nf4, lambda l: setattr(l, "quant_state", Linear4bit.from_linear(small).quant_state)),
+    (byte8, lambda l: setattr(l, "quant_state", Linear8bit.from_linear(small, blocksize=64).quant_state)),
+    (nf4, lambda l: setattr(l, "weight", fake(l))),
+]
+for make, swap in swaps:
+    layer = make()
+    with torch.no_grad():
+        if layer.weight.device.type == "cpu":
+            layer(torch.randn(1, 256))  # bound to the layer's own tensors first
+        if swap is not None:
+            swap(layer)
         try:
-            with torch.no_grad():
-                moved(torch.randn(1, 64))
+            layer(torch.randn(1, 256))
             print("ran")
-        except (RuntimeError, ValueError, NotImplementedError) as error:
+        except Exception:
             print("refused")
 """
 
 
-def test_a_weight_off_the_cpu_takes_the_op_and_is_refused_not_read():
-    """A layer whose weight is on meta (or another device) with a CPU input: the bound kernel
-    would read a pointer that is not CPU memory; the op refuses the call instead. In a
-    subprocess, so that a crash fails this test, not the run."""
-    done = subprocess.run([sys.executable, "-c", _ELSEWHERE], capture_output=True, text=True, timeout=120)
+def test_a_layer_whose_tensors_the_op_would_refuse_takes_the_op_and_is_refused_not_read():
+    """Tensors the kernel must not read (on meta, of the wrong size, a quant state of
+    another shape, a fake tensor), set as a hook or a user sets a layer's attributes after
+    it was bound: the binding is made again only past the op's own check, so each call takes
+    the op, which refuses it. In a subprocess, so that a crash fails this test, not the run."""
+    done = subprocess.run([sys.executable, "-c", _SWAPPED], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["refused"] * 4
+    assert done.stdout.split() == ["refused"] * 11
+
+
+def test_a_changed_quant_state_field_binds_again():
+    layer = Linear4bit.from_linear(_linear(32, 128, bias=False, seed=3))
+    x = torch.randn(1, 128)
+    with torch.no_grad():
+        layer(x)
+        layer.quant_state = dataclasses.replace(layer.quant_state, quant_type="fp4")  # the same tensors
+        assert torch.equal(layer(x), _op(layer, x))

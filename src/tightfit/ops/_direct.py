@@ -10,10 +10,12 @@ gradient to record, no dispatch or function mode active (memory measurement, fak
 not tracing (torch.compile, export). Everywhere else the op runs; both call the same kernel
 with the same arguments, so the bits are the same.
 
-The layer's own checks (its input's width; its weight and scales, checked when they were
-made or loaded) stand for the op's: a binding is used only while every tensor it was bound
-from is still the layer's, at the same address, shape, stride and dtype. It holds them
-weakly, so a weight that an offloading hook drops is freed as before.
+A binding is made only after the op's own check of the layer's tensors (a layer's attributes
+can be set to anything: a hook's swap, a user's assignment) and only for plain tensors in
+CPU memory; where either fails the op runs and raises its error. It is used only while
+every tensor it was bound from is still the layer's, at the same address, shape, stride and
+dtype, and the layer's settings are the same. It holds the tensors weakly, so a weight that
+an offloading hook drops is freed as before.
 """
 
 from __future__ import annotations
@@ -54,17 +56,32 @@ def _fingerprint(tensor: torch.Tensor) -> tuple:
     return tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype
 
 
+def plain_cpu(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s data pointer is CPU memory a kernel may read: a plain tensor (or
+    parameter) on the CPU, not a fake or other subclass whose pointer is not its data."""
+    return (
+        type(tensor) in (torch.Tensor, torch.nn.Parameter)
+        and tensor.device.type == "cpu"
+        and not torch._subclasses.fake_tensor.is_fake(tensor)
+    )
+
+
 class LayerBinding:
     """One layer's bound kernel, bound again when a tensor it came from is no longer the
     layer's (a weight loaded or replaced, the layer moved or offloaded) or has changed, or
-    when a setting it was bound with has. Copies of a layer start unbound."""
+    when a setting it was bound with has. Copies of a layer start unbound. The settings,
+    sources and kernel are one tuple, replaced whole, so a thread reads a consistent one."""
 
-    __slots__ = ("_sources", "_settings", "_kernel")
+    __slots__ = ("_bound",)
 
     def __init__(self) -> None:
-        self._sources: tuple = ()
-        self._settings: tuple = ()
-        self._kernel = None
+        self._bound: tuple = ((), (), None)  # settings, (weakref, fingerprint) per source, kernel
+
+    @property
+    def bound(self) -> object:
+        """What the last binding gave: the kernel (a layer's own marker, for LLM.int8()'s
+        one native call), or None (not bound yet, or the op runs)."""
+        return self._bound[2]
 
     def __reduce__(self) -> tuple:
         return LayerBinding, ()
@@ -76,19 +93,19 @@ class LayerBinding:
         """The kernel bound from ``sources`` with ``settings`` (calling ``bind`` where it is
         not current), or None where ``bind`` gave none (no native build: the op runs, and
         reports it)."""
+        bound_settings, bound_sources, kernel = self._bound
         current = (
-            settings == self._settings
-            and len(sources) == len(self._sources)
+            settings == bound_settings
+            and len(sources) == len(bound_sources)
             and all(
                 ref() is tensor and fingerprint == _fingerprint(tensor)
-                for (ref, fingerprint), tensor in zip(self._sources, sources)
+                for (ref, fingerprint), tensor in zip(bound_sources, sources)
             )
         )
         if not current:
-            self._kernel = bind()
-            self._sources = tuple((weakref.ref(tensor), _fingerprint(tensor)) for tensor in sources)
-            self._settings = settings
-        return self._kernel
+            kernel = bind()
+            self._bound = (settings, tuple((weakref.ref(t), _fingerprint(t)) for t in sources), kernel)
+        return kernel
 
 
 def binding_of(module: torch.nn.Module) -> LayerBinding:

@@ -18,10 +18,12 @@ from torch import nn
 
 from tightfit import ops
 from tightfit._validate import check_choice, check_non_negative_number, check_type
+from tightfit.ops import _arg_checks as op_checks
 from tightfit.ops import _cpu_int8, _cpu_int8_rows
 from tightfit.ops._arg_checks import FLOAT_DTYPES, block_count
+from tightfit.ops._autograd import _check_int8_linear as check_int8_linear
 from tightfit.ops._cpu_gemv import bind_gemv_4bit_int8, bind_gemv_8bit_int8, bind_gemv_blockwise
-from tightfit.ops._direct import binding_of, direct_rows, with_bias
+from tightfit.ops._direct import binding_of, direct_rows, plain_cpu, with_bias
 from tightfit.ops.blockwise_gemv_int8 import int8_table, int16_table
 from tightfit.ops.codes import code_4bit
 from tightfit.quant import _checkpoint as checks
@@ -164,19 +166,27 @@ class QuantizedLinear(_CheckedLoading):
         state = self.quant_state
         absmax, *nested = F._stored_scales(state)
         held = [self.weight, *[tensor for tensor in (absmax, state.code, *nested) if isinstance(tensor, torch.Tensor)]]
-        kernel = binding_of(self).kernel(held, self._settings(), lambda: self._bind_on_cpu(absmax, tuple(nested), held))
+        settings = (self.compute, state.quant_type, state.blocksize, state.shape, nested[2])
+        kernel = binding_of(self).kernel(held, settings, lambda: self._bind_checked(absmax, tuple(nested), held))
         if kernel is None:
             return None
         return with_bias(kernel(rows), self.bias, x.dtype).view(*x.shape[:-1], self.out_features)
 
-    def _settings(self) -> tuple:
-        """What a bound kernel depends on besides the layer's tensors."""
-        return (self.compute,)
+    def _bind_checked(self, absmax: torch.Tensor, nested: tuple, held: list[torch.Tensor]):
+        """:meth:`_bind` after the op's own check of this layer's tensors, all plain and in
+        CPU memory; else None: the op runs, and raises its error (a weight of the wrong size,
+        on meta or another device, a fake tensor)."""
+        if not all(plain_cpu(tensor) for tensor in held):
+            return None
+        try:
+            self._check_op_arguments(absmax, nested)
+        except (TypeError, ValueError):
+            return None
+        return self._bind(absmax, nested, held)
 
-    def _bind_on_cpu(self, absmax: torch.Tensor, nested: tuple, held: list[torch.Tensor]):
-        """:meth:`_bind`, where every tensor the kernel reads is in CPU memory (else None:
-        the op runs, and refuses a weight on another device or on meta with a clear error)."""
-        return self._bind(absmax, nested, held) if all(t.device.type == "cpu" for t in held) else None
+    @abc.abstractmethod
+    def _check_op_arguments(self, absmax: torch.Tensor, nested: tuple) -> None:
+        """The op's check (D9) of the arguments this layer's forward passes it, for one row."""
 
     @abc.abstractmethod
     def _bind(self, absmax: torch.Tensor, nested: tuple, held: list[torch.Tensor]):
@@ -324,6 +334,13 @@ class Linear4bit(QuantizedLinear):
             return direct
         return F.matmul_4bit(x, self.weight, self.quant_state, bias=self.bias, compute=self.compute)
 
+    def _check_op_arguments(self, absmax: torch.Tensor, nested: tuple) -> None:
+        state = self.quant_state
+        one_row = torch.empty(1, self.in_features)
+        op_checks.gemv_4bit(one_row, self.weight, list(state.shape), absmax, state.blocksize, state.quant_type, *nested)
+        if tuple(state.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"quant_state.shape {tuple(state.shape)} is not the layer's")
+
     def _bind(self, absmax: torch.Tensor, nested: tuple, held: list[torch.Tensor]):
         state = self.quant_state
         if self.compute == "int8":
@@ -363,6 +380,13 @@ class Linear8bit(QuantizedLinear):
         return with_bias(
             ops.gemv_blockwise_int8(x, self.weight, absmax, state.code, state.blocksize, *nested), self.bias, x.dtype
         )
+
+    def _check_op_arguments(self, absmax: torch.Tensor, nested: tuple) -> None:
+        state = self.quant_state
+        one_row = torch.empty(1, self.in_features)
+        op_checks.gemv_blockwise(one_row, self.weight, absmax, state.code, state.blocksize, *nested)
+        if tuple(self.weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"weight of shape {tuple(self.weight.shape)} is not the layer's")
 
     def _bind(self, absmax: torch.Tensor, nested: tuple, held: list[torch.Tensor]):
         state = self.quant_state
@@ -494,14 +518,27 @@ class LinearInt8(_CheckedLoading):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.in_features)
         rows = direct_rows(x, self.in_features, self.bias)
-        on_cpu = all(
-            t.device.type == "cpu" for t in (self.weight, self.SCB, *([self.bias] if self.bias is not None else []))
-        )
-        if rows is not None and on_cpu:  # past the dispatcher (tightfit.ops._direct); None: an outlier column
+        if rows is not None and self._direct_allowed():  # past the dispatcher (tightfit.ops._direct)
             direct = _cpu_int8_rows.linear_rows(rows, self.weight, self.SCB, self.bias, self.threshold, x.dtype)
-            if direct is not None:
+            if direct is not None:  # None: an outlier column, which the op's steps take
                 return direct.view(*x.shape[:-1], self.out_features)
         return ops.int8_linear(x, self.weight, self.SCB, self.bias, self.threshold)
+
+    def _direct_allowed(self) -> bool:
+        """Whether the one native call may read this layer's tensors: plain, in CPU memory,
+        and passing the op's own check (made once per set of tensors, :mod:`tightfit.ops._direct`)."""
+        tensors = [self.weight, self.SCB, *([self.bias] if self.bias is not None else [])]
+
+        def check() -> bool | None:
+            if not all(plain_cpu(tensor) for tensor in tensors):
+                return None
+            try:
+                check_int8_linear(torch.empty(1, self.in_features), self.weight, self.SCB, self.bias, self.threshold)
+            except (TypeError, ValueError):
+                return None
+            return True
+
+        return bool(binding_of(self).kernel(tensors, (self.threshold,), check))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8, threshold={self.threshold}, bias={self.bias is not None}"
