@@ -59,6 +59,11 @@ class BoundKernel:
         )
         return out
 
+    def matmul(self, A: torch.Tensor) -> torch.Tensor:
+        """``A @ W.T`` for ``A`` of any leading shape (the last its in_features), in ``A``'s dtype."""
+        out_features, in_features, _ = self._shape
+        return self(A.reshape(-1, in_features).contiguous()).reshape(*A.shape[:-1], out_features)
+
 
 #: What the binders take for a weight's block scales: (absmax2, code2, nested_blocksize, offset).
 Nested = tuple[torch.Tensor | None, torch.Tensor | None, int, torch.Tensor | None]
@@ -153,11 +158,6 @@ def bind_gemv_8bit_int8(
         trail=(unit,),
         vnni=True,
     )
-
-
-def rows_of(A: torch.Tensor, in_features: int) -> torch.Tensor:
-    """``A``'s rows as a contiguous 2-D tensor, in its own dtype (the kernels convert it)."""
-    return A.reshape(-1, in_features).contiguous()
 
 
 def _scale_arguments(absmax: torch.Tensor, nested: tuple) -> tuple[tuple, list[torch.Tensor]]:

@@ -66,6 +66,18 @@ def plain_cpu(tensor: torch.Tensor) -> bool:
     )
 
 
+def passes_op_check(tensors: Sequence[torch.Tensor], check: Callable[[], object]) -> bool:
+    """Whether a kernel may be bound to ``tensors``: all :func:`plain_cpu`, and the op's own
+    argument ``check`` raises nothing (where it would, the op runs and raises it)."""
+    if not all(plain_cpu(tensor) for tensor in tensors):
+        return False
+    try:
+        check()
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 class LayerBinding:
     """One layer's bound kernel, bound again when a tensor it came from is no longer the
     layer's (a weight loaded or replaced, the layer moved or offloaded) or has changed, or

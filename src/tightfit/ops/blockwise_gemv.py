@@ -24,7 +24,7 @@ import torch
 from tightfit.ops import _arg_checks as checks
 from tightfit.ops import _cpu_blockwise as cpu
 from tightfit.ops._arg_checks import FLOAT_DTYPES
-from tightfit.ops._cpu_gemv import bind_gemv_blockwise, rows_of
+from tightfit.ops._cpu_gemv import bind_gemv_blockwise
 from tightfit.ops._registry import Case, define_op, register_kernel
 from tightfit.ops.blockwise import (
     _DEQUANTIZE_4BIT,
@@ -85,7 +85,7 @@ def _gemv_4bit_cpu(
     nested = (absmax2, code2, nested_blocksize, offset)
     bound = bind_gemv_blockwise(B, 4, shape, absmax, code_4bit(quant_type), blocksize, "gemv_4bit", nested)
     if bound is not None:
-        return bound(rows_of(A, shape[1])).reshape(*A.shape[:-1], shape[0])
+        return bound.matmul(A)
     scales = _scales(absmax, *nested)
     return cpu.gemv_4bit_cpu(
         A,
@@ -187,7 +187,7 @@ def _gemv_blockwise_cpu(A, B, absmax, code, blocksize, absmax2=None, code2=None,
     if bound is None:  # no native build: decode with the numba kernel, then one GEMM
         weight = dequantize_blockwise(B, _scales(absmax, *nested), code, blocksize, A.dtype)
         return torch.nn.functional.linear(A, weight)
-    return bound(rows_of(A, B.shape[1])).reshape(*A.shape[:-1], B.shape[0])
+    return bound.matmul(A)
 
 
 def _gemv_blockwise_cases() -> list[Case]:

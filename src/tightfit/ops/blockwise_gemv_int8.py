@@ -30,7 +30,7 @@ import torch
 
 from tightfit.ops import _arg_checks as checks
 from tightfit.ops._arg_checks import FLOAT_DTYPES
-from tightfit.ops._cpu_gemv import bind_gemv_4bit_int8, bind_gemv_8bit_int8, rows_of
+from tightfit.ops._cpu_gemv import bind_gemv_4bit_int8, bind_gemv_8bit_int8
 from tightfit.ops._registry import Case, define_op, register_kernel
 from tightfit.ops.blockwise import _code_for, _quantize_4bit_reference, _unpack
 from tightfit.ops.blockwise_gemv import (
@@ -65,6 +65,13 @@ def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
     return (levels * (amax / 127)).reshape(rows, -1)[:, :cols]
 
 
+def _int8_product(A: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The references' product: ``A``'s rows at their int8 levels times the decoded
+    ``weight`` (out x in, float32), in float32, then in ``A``'s dtype and leading shape."""
+    x = _quantized_activations(A.reshape(-1, weight.shape[1]).float())
+    return (x @ weight.T).to(A.dtype).reshape(*A.shape[:-1], weight.shape[0])
+
+
 def _int8_weight(B, shape, scales, blocksize, quant_type) -> torch.Tensor:
     """The weight decoded through the int8 table, float32: ``table8[code] * (absmax / 127)``."""
     rows, cols = shape
@@ -86,9 +93,7 @@ def _gemv_4bit_int8_reference(
     offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     scales = _scales(absmax, absmax2, code2, nested_blocksize, offset)
-    weight = _int8_weight(B, shape, scales, blocksize, quant_type)
-    x = _quantized_activations(A.reshape(-1, shape[1]).float())
-    return (x @ weight.T).to(A.dtype).reshape(*A.shape[:-1], shape[0])
+    return _int8_product(A, _int8_weight(B, shape, scales, blocksize, quant_type))
 
 
 def _gemv_4bit_int8_cpu(
@@ -98,7 +103,7 @@ def _gemv_4bit_int8_cpu(
     bound = bind_gemv_4bit_int8(B, shape, absmax, int8_table(quant_type), blocksize, nested)
     if bound is None:  # no native build (reported once): the reference
         return _gemv_4bit_int8_reference(A, B, shape, absmax, blocksize, quant_type, *nested)
-    return bound(rows_of(A, shape[1])).reshape(*A.shape[:-1], shape[0])
+    return bound.matmul(A)
 
 
 def _gemv_4bit_int8_cases() -> list[Case]:
@@ -203,9 +208,7 @@ def _gemv_blockwise_int8_reference(
     offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     scales = _scales(absmax, absmax2, code2, nested_blocksize, offset)
-    weight = _int16_weight(B, scales, code, blocksize)
-    x = _quantized_activations(A.reshape(-1, B.shape[1]).float())
-    return (x @ weight.T).to(A.dtype).reshape(*A.shape[:-1], B.shape[0])
+    return _int8_product(A, _int16_weight(B, scales, code, blocksize))
 
 
 def _gemv_blockwise_int8_cpu(
@@ -215,7 +218,7 @@ def _gemv_blockwise_int8_cpu(
     bound = bind_gemv_8bit_int8(B, B.shape, absmax, *int16_table(code), blocksize, nested)
     if bound is None:  # no native build (reported once): the reference
         return _gemv_blockwise_int8_reference(A, B, absmax, code, blocksize, *nested)
-    return bound(rows_of(A, B.shape[1])).reshape(*A.shape[:-1], B.shape[0])
+    return bound.matmul(A)
 
 
 _GEMV_BLOCKWISE_INT8 = define_op(

@@ -23,7 +23,7 @@ from tightfit.ops import _cpu_int8, _cpu_int8_rows
 from tightfit.ops._arg_checks import FLOAT_DTYPES, block_count
 from tightfit.ops._autograd import _check_int8_linear as check_int8_linear
 from tightfit.ops._cpu_gemv import bind_gemv_4bit_int8, bind_gemv_8bit_int8, bind_gemv_blockwise
-from tightfit.ops._direct import binding_of, direct_rows, plain_cpu, with_bias
+from tightfit.ops._direct import binding_of, direct_rows, passes_op_check, with_bias
 from tightfit.ops.blockwise_gemv_int8 import int8_table, int16_table
 from tightfit.ops.codes import code_4bit
 from tightfit.quant import _checkpoint as checks
@@ -153,9 +153,11 @@ class QuantizedLinear(_CheckedLoading):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.in_features)
         direct = self._direct(x)
-        if direct is not None:
-            return direct
-        return F._decoded_linear(x, self.weight, self.quant_state, self.bias)
+        return direct if direct is not None else self._through_op(x)
+
+    @abc.abstractmethod
+    def _through_op(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward through the ops (with their checks, dispatch and autograd)."""
 
     def _direct(self, x: torch.Tensor) -> torch.Tensor | None:
         """The few-token forward through the kernel bound to this layer's weight, past the
@@ -176,11 +178,7 @@ class QuantizedLinear(_CheckedLoading):
         """:meth:`_bind` after the op's own check of this layer's tensors, all plain and in
         CPU memory; else None: the op runs, and raises its error (a weight of the wrong size,
         on meta or another device, a fake tensor)."""
-        if not all(plain_cpu(tensor) for tensor in held):
-            return None
-        try:
-            self._check_op_arguments(absmax, nested)
-        except (TypeError, ValueError):
+        if not passes_op_check(held, lambda: self._check_op_arguments(absmax, nested)):
             return None
         return self._bind(absmax, nested, held)
 
@@ -327,11 +325,7 @@ class Linear4bit(QuantizedLinear):
             )
         return checks.packed_4bit(name, weight, shape)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_input(x, self.in_features)
-        direct = self._direct(x)
-        if direct is not None:
-            return direct
+    def _through_op(self, x: torch.Tensor) -> torch.Tensor:
         return F.matmul_4bit(x, self.weight, self.quant_state, bias=self.bias, compute=self.compute)
 
     def _check_op_arguments(self, absmax: torch.Tensor, nested: tuple) -> None:
@@ -368,13 +362,9 @@ class Linear8bit(QuantizedLinear):
         layer.compute = compute
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _through_op(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute == "float":
-            return super().forward(x)
-        _check_input(x, self.in_features)
-        direct = self._direct(x)
-        if direct is not None:
-            return direct
+            return F._decoded_linear(x, self.weight, self.quant_state, self.bias)
         state = self.quant_state
         absmax, *nested = F._stored_scales(state)
         return with_bias(
@@ -529,16 +519,10 @@ class LinearInt8(_CheckedLoading):
         and passing the op's own check (made once per set of tensors, :mod:`tightfit.ops._direct`)."""
         tensors = [self.weight, self.SCB, *([self.bias] if self.bias is not None else [])]
 
-        def check() -> bool | None:
-            if not all(plain_cpu(tensor) for tensor in tensors):
-                return None
-            try:
-                check_int8_linear(torch.empty(1, self.in_features), self.weight, self.SCB, self.bias, self.threshold)
-            except (TypeError, ValueError):
-                return None
-            return True
+        def check() -> None:
+            check_int8_linear(torch.empty(1, self.in_features), self.weight, self.SCB, self.bias, self.threshold)
 
-        return bool(binding_of(self).kernel(tensors, (self.threshold,), check))
+        return bool(binding_of(self).kernel(tensors, (self.threshold,), lambda: passes_op_check(tensors, check)))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8, threshold={self.threshold}, bias={self.bias is not None}"
