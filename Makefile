@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test lint check backends bench fuzz clean
+.PHONY: run test lint check backends bench fuzz gpu-check clean
 
 # make run's extras: the model (hf) and the PNG timelines of --timeline and plan --plot (plot).
 $(VENV)/.installed-run: pyproject.toml scripts/setup-env.sh
@@ -47,6 +47,16 @@ fuzz: $(VENV)/.installed-test
 	$(PY) -m tightfit.quant.fuzz --count 10000 --seed $${SEED:-0}; quant=$$?; \
 	$(PY) -m tightfit.loading.fuzz --count 2000 --seed $${SEED:-0}; loading=$$?; \
 	[ $$ops -eq 0 ] && [ $$quant -eq 0 ] && [ $$loading -eq 0 ]
+
+# The GPU check (scripts/gpu_check.py): the tests that skip without a GPU, then the per-op and decode
+# benchmarks on the device, every figure as JSON and markdown into OUT. It runs on the machine's own
+# Python, which keeps its own torch (a GPU machine may have no network: `scripts/gpu_bundle.py` gathers
+# the rest into gpu-bundle/); DEVICE=cpu proves it end to end on the CPU at small sizes.
+OUT ?= gpu-check-results
+DEVICE ?= cuda
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py --out $(OUT) --device $(DEVICE)
 
 clean:
 	rm -rf $(VENV)

@@ -126,18 +126,17 @@ from _common import (
     load_average,
     machine_lines,
     markdown_table,
-    module_bytes,
     spread,
     wait_for_quiet,
 )
+from _decoding import Generated, TorchRunner, TransformersRunner
 from torch import nn
 
 import tightfit
-from tightfit.app.generation import generate_greedy
 from tightfit.app.models import load_causal_lm, save_causal_lm
 from tightfit.app.run import STORAGE_DTYPE_CHOICES, quant_configs
 from tightfit.hooks import apply_layerwise_casting
-from tightfit.quant import LinearInt8, QuantizedLinear, quantize_
+from tightfit.quant import quantize_
 
 RESULTS = Path(__file__).resolve().parent / "results" / "decode_cpu.md"
 CACHE = Path.home() / ".cache" / "tightfit-bench"
@@ -287,89 +286,6 @@ def gguf_bytes_per_token(path: Path) -> tuple[int, str]:
 
 
 # --- the rows ----------------------------------------------------------------------------
-
-
-@dataclass
-class Generated:
-    """One generation: its new tokens, the prefill's and the decode's seconds, and the
-    seconds of each one-token forward of the decode (``step_seconds``)."""
-
-    tokens: list[int]
-    prefill_seconds: float
-    decode_seconds: float
-    step_seconds: list[float] = field(default_factory=list)
-
-
-def _linear_bytes(model: nn.Module) -> int:
-    """Stored bytes of every Linear layer (quantized or cast ones as stored), LM head included."""
-    return sum(
-        module_bytes(module)
-        for module in model.modules()
-        if isinstance(module, (nn.Linear, QuantizedLinear, LinearInt8))
-    )
-
-
-class TorchRunner:
-    """A causal LM in this process, generated with ``tightfit.app.generation.generate_greedy``
-    (what ``tightfit run`` times)."""
-
-    def __init__(self, model: nn.Module, note: str = "") -> None:
-        self.model = model
-        self.bytes_per_token = _linear_bytes(model)
-        self.note = note
-        self.spans: list[list[float]] = []  # [start, end] of each forward, from two hooks on the model
-        model.register_forward_pre_hook(lambda *_: self.spans.append([time.perf_counter()]))
-        model.register_forward_hook(lambda *_: self.spans[-1].append(time.perf_counter()))
-
-    def _steps(self) -> list[float]:
-        """Seconds of each forward after the first (the prefill) since the last call."""
-        steps = [end - start for start, end in self.spans[1:]]
-        self.spans.clear()
-        return steps
-
-    def generate(self, ids: list[int], new_tokens: int) -> Generated:
-        self.spans.clear()
-        result = generate_greedy(self.model, torch.tensor([ids]), new_tokens)
-        return Generated(list(result.tokens), result.prefill_seconds, result.decode_seconds, self._steps())
-
-    def close(self) -> None:
-        self.model = None
-
-
-class TransformersRunner(TorchRunner):
-    """``model.generate`` (greedy), timed by a streamer at each new token."""
-
-    def generate(self, ids: list[int], new_tokens: int) -> Generated:
-        from transformers.generation.streamers import BaseStreamer
-
-        class Clock(BaseStreamer):
-            def __init__(self) -> None:
-                self.times: list[float] = []
-
-            def put(self, value) -> None:  # first the prompt, then each new token
-                self.times.append(time.perf_counter())
-
-            def end(self) -> None:
-                pass
-
-        clock = Clock()
-        self.spans.clear()
-        input_ids = torch.tensor([ids])
-        start = time.perf_counter()
-        with torch.inference_mode():
-            output = self.model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                num_beams=1,
-                pad_token_id=self.model.config.pad_token_id,
-                streamer=clock,
-            )
-        tokens = output[0, len(ids) :].tolist()
-        first, last = clock.times[1], clock.times[-1]
-        return Generated(tokens, first - start, last - first, self._steps())
 
 
 class LlamaCppRunner:

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -78,6 +80,7 @@ def copy_ms(nbytes: int, timer) -> float:
 
 
 DEVICE = torch.device("cpu")
+ROWS: list[dict] = []  # every printed row, for --json
 
 
 def main() -> None:
@@ -86,6 +89,7 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=16 * 1024 * 1024)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--only", choices=("int8", "blockwise"), help="one group of rows (default both)")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     global DEVICE
@@ -97,9 +101,8 @@ def main() -> None:
     else:
         timer = functools.partial(device_ms, repeat=args.repeat, device=DEVICE)
         where = torch.accelerator.current_accelerator().type + " " + getattr(torch, DEVICE.type).get_device_name()
-    print(
-        f"torch {torch.__version__}, {where}, {n:,} elements, bitsandbytes: {bnb_root.__version__ if bnb else 'not installed'}"
-    )
+    header_line = f"torch {torch.__version__}, {where}, {n:,} elements, bitsandbytes: {bnb_root.__version__ if bnb else 'not installed'}"
+    print(header_line)
     header = f"{'op':<40}{'tightfit ms':>12}{'bnb ms':>10}{'copy ms':>10}{'x bnb':>8}{'of copy':>9}"
     print(header)
     print("-" * len(header))
@@ -107,6 +110,8 @@ def main() -> None:
         blockwise_rows(n, timer)
     if args.only != "blockwise":
         int8_rows(timer, args.repeat)
+    if args.json:
+        args.json.write_text(json.dumps({"header": header_line, "rows": ROWS}, indent=1))
 
 
 def blockwise_rows(n: int, timer) -> None:
@@ -193,6 +198,14 @@ def blockwise_rows(n: int, timer) -> None:
 
 
 def print_row(name: str, ours_ms: float, theirs_ms: float, roof_ms: float) -> None:
+    ROWS.append(
+        {
+            "op": name,
+            "tightfit_ms": ours_ms,
+            "bnb_ms": theirs_ms if theirs_ms == theirs_ms else None,
+            "copy_ms": roof_ms,
+        }
+    )
     print(
         f"{name:<40}{ours_ms:>12.2f}{theirs_ms:>10.2f}{roof_ms:>10.2f}{theirs_ms / ours_ms:>7.2f}x{roof_ms / ours_ms:>9.0%}"
     )
