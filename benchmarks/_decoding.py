@@ -39,7 +39,8 @@ def linear_bytes(model: nn.Module, kinds: tuple[type, ...] = ()) -> int:
 class TorchRunner:
     """A causal LM in this process, generated with ``tightfit.app.generation.generate_greedy``
     (what ``tightfit run`` times). ``device``: where the prompt's ids go; ``synchronize``
-    waits for the device before each clock reading (an accelerator runs behind the host)."""
+    waits for the device before each clock reading (an accelerator runs behind the host);
+    ``graph``: decode from a captured CUDA graph (``generate_greedy(..., graph=True)``)."""
 
     def __init__(
         self,
@@ -48,9 +49,11 @@ class TorchRunner:
         synchronize: Callable[[], None] | None = None,
         bytes_per_token: int | None = None,
         device: torch.device | str = "cpu",
+        graph: bool = False,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
+        self.graph = graph
         self.bytes_per_token = linear_bytes(model) if bytes_per_token is None else bytes_per_token
         self.note = note
         self.synchronize = synchronize or (lambda: None)
@@ -71,7 +74,7 @@ class TorchRunner:
     def generate(self, ids: list[int], new_tokens: int) -> Generated:
         self.spans.clear()
         input_ids = torch.tensor([ids], device=self.device)
-        result = generate_greedy(self.model, input_ids, new_tokens, synchronize=self.synchronize)
+        result = generate_greedy(self.model, input_ids, new_tokens, synchronize=self.synchronize, graph=self.graph)
         return Generated(list(result.tokens), result.prefill_seconds, result.decode_seconds, self._steps())
 
     def close(self) -> None:

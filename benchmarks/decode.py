@@ -22,6 +22,9 @@ so each row's memory is its own:
   bitsandbytes keeps it; ``tightfit float8``: layerwise casting, weights stored in float8
   e4m3 with a scale per output channel, computed in bfloat16 (LM head kept); each generated
   with tightfit's own loop (what ``tightfit run`` times);
+- ``tightfit bf16 graph``, ``nf4 graph``, ``8bit graph``, ``float8 graph`` (CUDA): the same
+  models, decoded by replaying one captured CUDA graph of the step
+  (``generate_greedy(..., graph=True)``: a static KV cache, no host work per token);
 - ``tightfit budget P%`` (``--budgets``): the model saved as a Hugging Face folder, then
   ``tightfit.load(folder, budget, backend=device)`` with P% of the bfloat16 weights' bytes;
   ``accelerate budget P%``: ``from_pretrained(folder, device_map="auto",
@@ -123,8 +126,8 @@ def _bnb_linear(model: nn.Module, kind: str) -> nn.Module:
 def make_rows(args, device: torch.device, folder: Path | None, full_bytes: int) -> list[Row]:
     sync = (lambda: torch.accelerator.synchronize()) if device.type != "cpu" else None
 
-    def ours(model: nn.Module, note: str = "", **kwargs) -> TorchRunner:
-        return TorchRunner(model, note, synchronize=sync, device=device, **kwargs)
+    def ours(model: nn.Module, note: str = "", graph: bool = False) -> TorchRunner:
+        return TorchRunner(model, note, synchronize=sync, device=device, graph=graph)
 
     def theirs(model: nn.Module, note: str = "") -> TransformersRunner:
         bnb = sys.modules.get("bitsandbytes")
@@ -139,18 +142,24 @@ def make_rows(args, device: torch.device, folder: Path | None, full_bytes: int) 
     def bnb_row(kind: str) -> Callable[[], TransformersRunner]:
         return lambda: theirs(_bnb_linear(build_model(args.size, device), kind), f"bitsandbytes {kind}")
 
-    def quantized(name: str) -> Callable[[], TorchRunner]:
+    def kept(graph: bool = False) -> Callable[[], TorchRunner]:
+        return lambda: ours(build_model(args.size, device), graph=graph)
+
+    def quantized(name: str, graph: bool = False) -> Callable[[], TorchRunner]:
         def make() -> TorchRunner:
             config = replace(quant_configs()[name], skip=KEEP)
-            return ours(quantize_(build_model(args.size, device), config), repr(config))
+            return ours(quantize_(build_model(args.size, device), config), repr(config), graph=graph)
 
         return make
 
-    def float8() -> TorchRunner:
-        model = build_model(args.size, device)
-        skip = (*DEFAULT_SKIP, *KEEP)
-        cast = apply_layerwise_casting(model, torch.float8_e4m3fn, torch.bfloat16, skip=skip)
-        return ours(model, f"{len(cast)} modules cast")
+    def float8(graph: bool = False) -> Callable[[], TorchRunner]:
+        def make() -> TorchRunner:
+            model = build_model(args.size, device)
+            skip = (*DEFAULT_SKIP, *KEEP)
+            cast = apply_layerwise_casting(model, torch.float8_e4m3fn, torch.bfloat16, skip=skip)
+            return ours(model, f"{len(cast)} modules cast", graph=graph)
+
+        return make
 
     def budgeted(share: float) -> Callable[[], TorchRunner]:
         def make() -> TorchRunner:
@@ -186,23 +195,27 @@ def make_rows(args, device: torch.device, folder: Path | None, full_bytes: int) 
 
         return make
 
-    rows = [
-        Row("transformers bf16", transformers_bf16),
-        Row("tightfit bf16", lambda: ours(build_model(args.size, device))),
-    ]
+    rows = [Row("transformers bf16", transformers_bf16), Row("tightfit bf16", kept())]
     if _has_bitsandbytes():
         rows += [Row("bnb nf4", bnb_row("nf4")), Row("bnb 8bit", bnb_row("8bit"))]
     rows += [
         Row("tightfit nf4", quantized("nf4")),
         Row("tightfit 8bit", quantized("8bit")),
-        Row("tightfit int8", quantized("int8")),
-        Row("tightfit float8", float8),
+        Row("tightfit float8", float8()),
     ]
+    if device.type == "cuda":
+        rows += [
+            Row("tightfit bf16 graph", kept(graph=True)),
+            Row("tightfit nf4 graph", quantized("nf4", graph=True)),
+            Row("tightfit 8bit graph", quantized("8bit", graph=True)),
+            Row("tightfit float8 graph", float8(graph=True)),
+        ]
     for share in args.budgets:
         rows += [
             Row(f"tightfit budget {share:.0%}", budgeted(share)),
             Row(f"accelerate budget {share:.0%}", accelerate_budgeted(share)),
         ]
+    rows.append(Row("tightfit int8", quantized("int8")))
     wanted = args.rows
     return [row for row in rows if not wanted or any(part in row.name for part in wanted)]
 

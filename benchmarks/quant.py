@@ -232,13 +232,14 @@ def int8_rows(timer, repeat: int) -> None:
             )
         )
     M, N = 1024, 512
-    X = torch.randn(M, N, generator=generator).to(DEVICE)
+    x_dtype = torch.float32 if DEVICE.type == "cpu" else torch.float16  # bitsandbytes' CUDA kernel takes float16 only
+    X = torch.randn(M, N, generator=generator).to(DEVICE, x_dtype)
     product = torch.randint(-(1 << 20), 1 << 20, (M, N), generator=generator, dtype=torch.int32).to(DEVICE)
     row_stats, col_stats = torch.rand(M).to(DEVICE), torch.rand(N).to(DEVICE)
     rows += [
         (
-            f"int8_vectorwise_quant {M}x{N} float32",
-            5 * M * N,
+            f"int8_vectorwise_quant {M}x{N} {str(x_dtype).removeprefix('torch.')}",
+            (X.element_size() + 1) * M * N,
             functools.partial(ops.int8_vectorwise_quant, X),
             functools.partial(bnb.int8_vectorwise_quant, X) if bnb else None,
         ),

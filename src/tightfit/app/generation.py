@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from tightfit._validate import check_type
+from tightfit.app import captured
 from tightfit.memory import mark
 
 __all__ = ["Generation", "generate_greedy", "token_agreement"]
@@ -71,12 +72,16 @@ def _cache_argument(model: Any) -> dict[str, Any]:
 
 
 @torch.inference_mode()
-def generate_greedy(model: Any, input_ids: torch.Tensor, max_new_tokens: int, synchronize: Any = None) -> Generation:
+def generate_greedy(
+    model: Any, input_ids: torch.Tensor, max_new_tokens: int, synchronize: Any = None, graph: bool = False
+) -> Generation:
     """Generate exactly ``max_new_tokens`` tokens greedily with the model's KV cache.
 
     An end-of-sequence token does not stop it, so that every run decodes as many tokens
     and their speeds compare. ``synchronize`` (a no-argument callable) waits for the device
     before each clock reading; ``memory.mark`` labels the two phases on a recorded timeline.
+    ``graph``: decode by replaying one captured CUDA graph of the step (a static KV cache;
+    every weight on the device; see :mod:`tightfit.app.captured`).
     """
     _check_ids(input_ids)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -86,7 +91,13 @@ def generate_greedy(model: Any, input_ids: torch.Tensor, max_new_tokens: int, sy
             f"synchronize must be None or a callable taking no argument, got "
             f"{type(synchronize).__name__}: {synchronize!r}"
         )
+    check_type("graph", graph, bool)
     wait = synchronize or (lambda: None)
+    if graph:
+        captured.check_capturable(model, input_ids)
+        if max_new_tokens > 1:
+            tokens, prefill_seconds, decode_seconds = captured.decode(model, input_ids, max_new_tokens, wait)
+            return Generation(tuple(tokens), prefill_seconds, decode_seconds)
     mark("prefill")
     start = time.perf_counter()
     cache = _cache_argument(model)

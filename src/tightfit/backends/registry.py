@@ -1,5 +1,7 @@
 """Backend discovery: entry points in the group ``tightfit.backends``, loaded once, lazily,
-under a lock. In-tree backends come through the same group as third-party plugins."""
+under a lock. In-tree backends come through the same group as third-party plugins; a
+source tree that was never installed (``PYTHONPATH=src``, a machine without network) has
+no entry points, so there the in-tree ones are taken from :data:`BUILTIN_BACKENDS`."""
 
 from __future__ import annotations
 
@@ -30,6 +32,16 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "tightfit.backends"
+
+#: The in-tree backends, as ``pyproject.toml`` declares them in the group (a test keeps the two equal).
+BUILTIN_BACKENDS = {
+    "cpu": "tightfit.backends.cpu:CPUBackend",
+    "cuda": "tightfit.backends.cuda:CUDABackend",
+    "hpu": "tightfit.backends.hpu:HPUBackend",
+    "mps": "tightfit.backends.mps:MPSBackend",
+    "xpu": "tightfit.backends.xpu:XPUBackend",
+}
+_SOURCE_TREE = "tightfit source tree, not installed"
 _ENV_BACKEND = "TIGHTFIT_BACKEND"
 
 
@@ -66,9 +78,21 @@ _conflict: BackendConflictError | None = None
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("tightfit_backend", default=None)
 
 
+def _group() -> list[EntryPoint]:
+    """The group's entry points in name order, the in-tree ones added where tightfit's own
+    distribution declared none (it runs from a source tree)."""
+    found = list(entry_points(group=ENTRY_POINT_GROUP))
+    if not any(ep.value in BUILTIN_BACKENDS.values() for ep in found):
+        found += [EntryPoint(name, value, ENTRY_POINT_GROUP) for name, value in BUILTIN_BACKENDS.items()]
+    return sorted(found, key=lambda ep: ep.name)
+
+
 def _origin(entry_point: EntryPoint) -> str:
     dist = getattr(entry_point, "dist", None)
-    package = f"{dist.metadata['Name']} {dist.version}" if dist is not None else "unknown distribution"
+    if dist is not None:
+        package = f"{dist.metadata['Name']} {dist.version}"
+    else:
+        package = _SOURCE_TREE if entry_point.value in BUILTIN_BACKENDS.values() else "unknown distribution"
     return f"{package} ({entry_point.value})"
 
 
@@ -126,8 +150,7 @@ def _load() -> tuple[list[BackendEntry], BackendConflictError | None]:
                 )
             _loading.active = True
             try:
-                found = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
-                loaded = [_load_entry(ep) for ep in found]
+                loaded = [_load_entry(ep) for ep in _group()]
             finally:
                 _loading.active = False
             _conflict = _find_conflict(loaded)

@@ -82,6 +82,31 @@ def _linear_matmul_cpu(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     return linear_matmul_cpu(rows, B).reshape(*A.shape[:-1], B.shape[0])
 
 
+#: torch._int_mm's shape rule on CUDA (cuBLASLt int8): more rows than this, and K and N multiples of ``_INT_MM_ALIGN``.
+_INT_MM_MIN_ROWS = 17
+_INT_MM_ALIGN = 8
+
+
+def _linear_matmul_int_mm(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """``torch._int_mm`` (int32 accumulation: exact, as the reference) on shapes it refuses
+    made acceptable: rows padded to 17 and K, N to multiples of 8 with zeros, which add
+    nothing to any product; the padding is cut off the result. (The reference's int32
+    matmul has no CUDA kernel.)"""
+    rows = _rows(A)
+    M, K = rows.shape
+    N = B.shape[0]
+    if M == 0 or K == 0 or N == 0:
+        return torch.zeros(*A.shape[:-1], N, dtype=torch.int32, device=A.device)
+    pad_k = -K % _INT_MM_ALIGN
+    pad_m = max(_INT_MM_MIN_ROWS - M, 0)
+    pad_n = -N % _INT_MM_ALIGN
+    if pad_k or pad_m:
+        rows = torch.nn.functional.pad(rows, (0, pad_k, 0, pad_m))
+    weight = torch.nn.functional.pad(B, (0, pad_k, 0, pad_n)) if pad_k or pad_n else B.contiguous()
+    product = torch._int_mm(rows.contiguous(), weight.t())
+    return product[:M, :N].reshape(*A.shape[:-1], N)
+
+
 def _mm_dequant_reference(
     A: torch.Tensor, row_stats: torch.Tensor, col_stats: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -257,6 +282,11 @@ _DEQUANT = define_op(
 register_kernel("int8_linear_matmul", "cpu", _linear_matmul_cpu, label="exact float GEMMs / numba")
 register_kernel("int8_vectorwise_quant", "cpu", _vectorwise_cpu, label="numba, a pass per row")
 register_kernel("int8_mm_dequant", "cpu", _mm_dequant_cpu, label="numba, a pass per row")
+register_kernel("int8_linear_matmul", "cuda", _linear_matmul_int_mm, label="torch._int_mm (cuBLASLt), padded")
+# The references are elementwise torch, as fast on a GPU as a kernel of ours would be: named
+# kernels there, so that using them is not reported as a fallback.
+register_kernel("int8_vectorwise_quant", "cuda", _vectorwise_reference, label="pure torch on the device")
+register_kernel("int8_mm_dequant", "cuda", _mm_dequant_reference, label="pure torch on the device")
 
 
 #: What int8 quantization says of NaN or inf in its input.
