@@ -58,8 +58,9 @@ class TorchRunner:
         self.note = note
         self.synchronize = synchronize or (lambda: None)
         self.spans: list[list[float]] = []  # [start, end] of each forward, from two hooks on the model
-        model.register_forward_pre_hook(lambda *_: self.spans.append([self._now()]))
-        model.register_forward_hook(lambda *_: self.spans[-1].append(self._now()))
+        if not graph:  # a replayed graph runs no hooks, and a hook's synchronize would break its capture
+            model.register_forward_pre_hook(lambda *_: self.spans.append([self._now()]))
+            model.register_forward_hook(lambda *_: self.spans[-1].append(self._now()))
 
     def _now(self) -> float:
         self.synchronize()

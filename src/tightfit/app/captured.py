@@ -58,8 +58,15 @@ def replayer(warmup: Callable[[], None], step: Callable[[], None], device: torch
             warmup()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"capturing the decoding step as a CUDA graph failed ({' '.join(str(error).split())[:200]}); a captured "
+            "step must not wait for the device (a hook that synchronizes, .item(), a branch on a tensor's value): "
+            "decode with graph=False"
+        ) from error
     return graph.replay
 
 
