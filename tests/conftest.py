@@ -10,8 +10,16 @@ import os
 
 import pytest
 
-from tightfit._strict import _forget_warnings
-from tightfit.backends import registry
+# Where no GPU is, the Triton kernels' tests run under Triton's interpreter; it must be chosen
+# before Triton is first imported.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+from tightfit._strict import _forget_warnings  # noqa: E402
+from tightfit.backends import registry  # noqa: E402
 
 
 def pytest_report_header(config):
