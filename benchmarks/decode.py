@@ -7,22 +7,24 @@ The model: Llama-style, built from a config with random weights (transformers' o
 initialization, seed 0; nothing is downloaded). ``--size 1b`` is TinyLlama's shape (hidden
 2048, intermediate 5632, 22 layers, 32 heads and 4 key-value heads, vocabulary 32,000;
 1.1B parameters, 2.2 GB in bfloat16); ``--size tiny`` (hidden 128, 2 layers) proves the
-script end to end on the CPU in seconds.
+script end to end on the CPU in seconds. The model's dtype (``DTYPE``) is bfloat16 at
+``1b`` and float32 at ``tiny`` (some CPUs multiply small bfloat16 matrices a hundred times
+slower than float32 ones).
 
 Rows, one at a time (built, warmed up with 4 tokens, generated ``--rounds`` times, freed),
 so each row's memory is its own:
 
-- ``transformers bf16``: ``model.generate`` (greedy), timed by a streamer;
+- ``transformers``: ``model.generate`` (greedy), timed by a streamer;
 - ``bnb nf4``, ``bnb 8bit`` (where bitsandbytes imports): every decoder Linear replaced by
   bitsandbytes' ``Linear4bit`` (NF4, blocksize 64, bfloat16 compute) or ``Linear8bitLt``
   (threshold 6.0), as transformers' ``BitsAndBytesConfig`` does (LM head kept), then
   ``model.generate``;
-- ``tightfit bf16``, ``tightfit nf4``, ``tightfit 8bit``, ``tightfit int8``: the model as
+- ``tightfit``, ``tightfit nf4``, ``tightfit 8bit``, ``tightfit int8``: the model as
   built, or ``quantize_`` with the ``tightfit run --quant`` config, the LM head kept as
   bitsandbytes keeps it; ``tightfit float8``: layerwise casting, weights stored in float8
   e4m3 with a scale per output channel, computed in bfloat16 (LM head kept); each generated
   with tightfit's own loop (what ``tightfit run`` times);
-- ``tightfit bf16 graph``, ``nf4 graph``, ``8bit graph``, ``float8 graph`` (CUDA): the same
+- ``tightfit graph``, ``nf4 graph``, ``8bit graph``, ``float8 graph`` (CUDA): the same
   models, decoded by replaying one captured CUDA graph of the step
   (``generate_greedy(..., graph=True)``: a static KV cache, no host work per token);
 - ``tightfit budget P%`` (``--budgets``): the model saved as a Hugging Face folder, then
@@ -56,7 +58,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from _common import markdown_table, module_bytes
+from _common import as_tightfit_run_threads, markdown_table, module_bytes
 from _decoding import Generated, TorchRunner, TransformersRunner, linear_bytes
 from torch import nn
 
@@ -71,6 +73,7 @@ SIZES = {
     "tiny": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4),
 }
 VOCAB = {"1b": 32000, "tiny": 1000}
+DTYPE = {"1b": torch.bfloat16, "tiny": torch.float32}
 PROMPT_TOKENS = 32
 KEEP = ("lm_head",)  # what BitsAndBytesConfig keeps by default; every row keeps it alike
 
@@ -96,10 +99,10 @@ def build_model(size: str, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config)
-    return model.to(torch.bfloat16).eval()
+    return model.to(DTYPE[size]).eval()
 
 
-def _bnb_linear(model: nn.Module, kind: str) -> nn.Module:
+def _bnb_linear(model: nn.Module, kind: str, size: str) -> nn.Module:
     """Every decoder Linear as bitsandbytes' layer, quantized on its way to the device."""
     import bitsandbytes as bnb
 
@@ -111,7 +114,7 @@ def _bnb_linear(model: nn.Module, kind: str) -> nn.Module:
             weight = child.weight.data.cpu()
             if kind == "nf4":
                 layer = bnb.nn.Linear4bit(
-                    child.in_features, child.out_features, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4"
+                    child.in_features, child.out_features, bias=False, compute_dtype=DTYPE[size], quant_type="nf4"
                 )
                 layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
             else:
@@ -140,7 +143,7 @@ def make_rows(args, device: torch.device, folder: Path | None, full_bytes: int) 
         return TransformersRunner(build_model(args.size, device), synchronize=sync, device=device)
 
     def bnb_row(kind: str) -> Callable[[], TransformersRunner]:
-        return lambda: theirs(_bnb_linear(build_model(args.size, device), kind), f"bitsandbytes {kind}")
+        return lambda: theirs(_bnb_linear(build_model(args.size, device), kind, args.size), f"bitsandbytes {kind}")
 
     def kept(graph: bool = False) -> Callable[[], TorchRunner]:
         return lambda: ours(build_model(args.size, device), graph=graph)
@@ -156,7 +159,7 @@ def make_rows(args, device: torch.device, folder: Path | None, full_bytes: int) 
         def make() -> TorchRunner:
             model = build_model(args.size, device)
             skip = (*DEFAULT_SKIP, *KEEP)
-            cast = apply_layerwise_casting(model, torch.float8_e4m3fn, torch.bfloat16, skip=skip)
+            cast = apply_layerwise_casting(model, torch.float8_e4m3fn, DTYPE[args.size], skip=skip)
             return ours(model, f"{len(cast)} modules cast", graph=graph)
 
         return make
@@ -185,7 +188,7 @@ def make_rows(args, device: torch.device, folder: Path | None, full_bytes: int) 
                 device_map="auto",
                 max_memory=max_memory,
                 offload_folder=tempfile.mkdtemp(prefix="accelerate-offload-"),
-                dtype=torch.bfloat16,
+                dtype=DTYPE[args.size],
                 local_files_only=True,
             ).eval()
             places = sorted(map(str, set(model.hf_device_map.values())))
@@ -195,7 +198,7 @@ def make_rows(args, device: torch.device, folder: Path | None, full_bytes: int) 
 
         return make
 
-    rows = [Row("transformers bf16", transformers_bf16), Row("tightfit bf16", kept())]
+    rows = [Row("transformers", transformers_bf16), Row("tightfit", kept())]
     if _has_bitsandbytes():
         rows += [Row("bnb nf4", bnb_row("nf4")), Row("bnb 8bit", bnb_row("8bit"))]
     rows += [
@@ -205,7 +208,7 @@ def make_rows(args, device: torch.device, folder: Path | None, full_bytes: int) 
     ]
     if device.type == "cuda":
         rows += [
-            Row("tightfit bf16 graph", kept(graph=True)),
+            Row("tightfit graph", kept(graph=True)),
             Row("tightfit nf4 graph", quantized("nf4", graph=True)),
             Row("tightfit 8bit graph", quantized("8bit", graph=True)),
             Row("tightfit float8 graph", float8(graph=True)),
@@ -217,7 +220,7 @@ def make_rows(args, device: torch.device, folder: Path | None, full_bytes: int) 
         ]
     rows.append(Row("tightfit int8", quantized("int8")))
     wanted = args.rows
-    return [row for row in rows if not wanted or any(part in row.name for part in wanted)]
+    return [row for row in rows if not wanted or row.name in wanted]
 
 
 def _has_bitsandbytes() -> bool:
@@ -312,7 +315,7 @@ def _mb(value: int | None) -> str:
 
 def report(rows: list[Row], header: dict) -> str:
     done = [row for row in rows if row.figures]
-    base = next((row for row in done if row.name == "transformers bf16" and "error" not in row.figures), None)
+    base = next((row for row in done if row.name == "transformers" and "error" not in row.figures), None)
     bnb = {row.name.split()[1]: row for row in done if row.name.startswith("bnb ") and "error" not in row.figures}
     table = []
     for row in done:
@@ -341,7 +344,7 @@ def report(rows: list[Row], header: dict) -> str:
     headers = [
         "row",
         "decode tok/s",
-        "x transformers bf16",
+        "x transformers",
         "x bnb same bits",
         "TTFT ms",
         "weight MB/token",
@@ -371,10 +374,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--budgets", type=lambda text: [float(x) for x in text.split(",") if x], default=[0.5, 0.25])
-    parser.add_argument("--rows", nargs="+", default=None, help="keep the rows whose name contains one of these")
+    parser.add_argument("--rows", nargs="+", default=None, help="only these rows, by name")
     parser.add_argument("--json", type=Path, help="write the figures as JSON here (after every row)")
     parser.add_argument("--markdown", type=Path, help="write the table here (after every row)")
     args = parser.parse_args()
+    threads = as_tightfit_run_threads()  # on the CPU, spinning OpenMP threads cost tiny models 50x
     device = torch.device(args.device)
     args.size = args.size or ("tiny" if device.type == "cpu" else "1b")
     memory = DeviceMemory(device)
@@ -383,7 +387,8 @@ def main() -> None:
         if device.type == "cpu"
         else f"{device.type} {getattr(torch, device.type).get_device_name(device)}",
         "torch": torch.__version__,
-        "model": f"Llama-style {args.size}, random weights, bfloat16",
+        "threading": threads,
+        "model": f"Llama-style {args.size}, random weights, {str(DTYPE[args.size]).removeprefix('torch.')}",
         "tokens": f"{PROMPT_TOKENS} prompt ids, {args.new_tokens} new, {args.rounds} rounds (median)",
     }
     with tempfile.TemporaryDirectory(prefix="tightfit-decode-") as scratch:

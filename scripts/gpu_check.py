@@ -122,7 +122,7 @@ def steps(device: str, out: Path) -> list[tuple[str, list[str], Path | None]]:
     decode += ["--json", str(out / "decode.json"), "--markdown", str(out / "decode.md")]
     if cpu:
         decode += ["--size", "tiny", "--new-tokens", "6", "--budgets", "0.5"]
-        decode += ["--rows", "transformers", "tightfit bf16", "tightfit nf4", "budget"]
+        decode += ["--rows", "transformers", "tightfit", "tightfit nf4", "tightfit budget 50%", "accelerate budget 50%"]
     return [("tests", tests, None), ("decode", decode, out / "decode.md"), ("quant", quant, out / "quant.log")]
 
 
