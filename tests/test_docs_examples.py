@@ -66,6 +66,7 @@ PAGES = [
     "docs/checkpoints.md",
     "docs/migrating.md",
     "docs/architecture.md",
+    "docs/gpu.md",
 ]
 #: Pages with outputs but no Python example of their own.
 OUTPUT_PAGES = [*PAGES, "docs/backends.md"]
