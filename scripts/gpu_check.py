@@ -52,8 +52,9 @@ GPU_TEST_FILES = (
     "tests/loading/test_save.py",
     "tests/app/test_captured.py",
     "tests/ops/test_int8_int_mm.py",
+    "tests/quant/test_direct_path_gpu.py",
 )
-GPU_TEST_SELECTION = "cuda or triton or offload"
+GPU_TEST_SELECTION = "cuda or gpu or triton or offload"
 
 #: Each step's time limit in seconds, per device kind, in the order the steps run.
 LIMITS = {"cuda": {"tests": 100, "decode": 250, "quant": 60}, "cpu": {"tests": 240, "decode": 240, "quant": 120}}

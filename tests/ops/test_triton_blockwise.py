@@ -31,6 +31,7 @@ GPU_KERNELS = {
     "quantize_4bit": blockwise._quantize_4bit_gpu,
     "dequantize_4bit": blockwise._dequantize_4bit_gpu,
     "gemv_4bit": blockwise_gemv._gemv_4bit_gpu,
+    "gemv_blockwise": blockwise_gemv._gemv_blockwise_gpu,
 }
 
 

@@ -1,4 +1,4 @@
-"""Decoding's path past the dispatcher on the CPU.
+"""Decoding's path past the dispatcher, on the CPU and on CUDA GPUs.
 
 A decoding step calls each linear layer once for one token. Through the op (its argument
 check, torch.library's dispatch, the preparation of scales and pointers) such a call cost
@@ -8,11 +8,14 @@ native kernel bound once to its weight (:class:`tightfit.ops._cpu_gemv.BoundKern
 the dispatcher would add nothing: a plain CPU tensor in a dtype the kernels read, no
 gradient to record, no dispatch or function mode active (memory measurement, fake tensors),
 not tracing (torch.compile, export). Everywhere else the op runs; both call the same kernel
-with the same arguments, so the bits are the same.
+with the same arguments, so the bits are the same. On a CUDA GPU the bound kernel is the op's
+own Triton kernel, called with the layer's tensors as they are at each call (held through a
+weak reference to the layer): what it skips is the op's argument check and dispatch, the
+host work that decides a small model's decoding speed there.
 
 A binding is made only after the op's own check of the layer's tensors (a layer's attributes
-can be set to anything: a hook's swap, a user's assignment) and only for plain tensors in
-CPU memory; where either fails the op runs and raises its error. It is used only while
+can be set to anything: a hook's swap, a user's assignment) and only for plain tensors on
+the input's device; where either fails the op runs and raises its error. It is used only while
 every tensor it was bound from is still the layer's, at the same address, shape, stride and
 dtype, and the layer's settings are the same. It holds the tensors weakly, so a weight that
 an offloading hook drops is freed as before.
@@ -20,6 +23,7 @@ an offloading hook drops is freed as before.
 
 from __future__ import annotations
 
+import importlib.util
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -33,12 +37,20 @@ __all__: list[str] = []
 DIRECT_ROWS = 8
 
 
-def direct_rows(x: torch.Tensor, in_features: int, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """``x``'s rows as a 2-D view where a bound kernel may run for them, else None."""
+#: Device types whose few-token kernels a layer may bind: the CPU's native ones, and CUDA's
+#: Triton ones where Triton is installed (found without importing it, D2).
+DIRECT_DEVICE_TYPES = ("cpu", "cuda") if importlib.util.find_spec("triton") is not None else ("cpu",)
+
+
+def direct_rows(
+    x: torch.Tensor, in_features: int, bias: torch.Tensor | None, device_types: Sequence[str] = ("cpu",)
+) -> torch.Tensor | None:
+    """``x``'s rows as a 2-D view where a bound kernel may run for them (``x`` on one of
+    ``device_types``, those the caller has kernels for), else None."""
     if (
         torch.compiler.is_compiling()  # first: what follows does not trace
         or type(x) is not torch.Tensor
-        or x.device.type != "cpu"
+        or x.device.type not in device_types
         or x.dtype not in DTYPE_CODES
         or not x.is_contiguous()
         or in_features == 0
@@ -56,20 +68,23 @@ def _fingerprint(tensor: torch.Tensor) -> tuple:
     return tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype
 
 
-def plain_cpu(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s data pointer is CPU memory a kernel may read: a plain tensor (or
-    parameter) on the CPU, not a fake or other subclass whose pointer is not its data."""
+def plain_on(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``tensor``'s data pointer is memory on ``device`` a kernel may read: a plain
+    tensor (or parameter) there, not a fake or other subclass whose pointer is not its data."""
     return (
         type(tensor) in (torch.Tensor, torch.nn.Parameter)
-        and tensor.device.type == "cpu"
+        and tensor.device == device
         and not torch._subclasses.fake_tensor.is_fake(tensor)
     )
 
 
-def passes_op_check(tensors: Sequence[torch.Tensor], check: Callable[[], object]) -> bool:
-    """Whether a kernel may be bound to ``tensors``: all :func:`plain_cpu`, and the op's own
-    argument ``check`` raises nothing (where it would, the op runs and raises it)."""
-    if not all(plain_cpu(tensor) for tensor in tensors):
+_CPU = torch.device("cpu")
+
+
+def passes_op_check(tensors: Sequence[torch.Tensor], check: Callable[[], object], device: torch.device = _CPU) -> bool:
+    """Whether a kernel may be bound to ``tensors``: all :func:`plain_on` ``device``, and the
+    op's own argument ``check`` raises nothing (where it would, the op runs and raises it)."""
+    if not all(plain_on(tensor, device) for tensor in tensors):
         return False
     try:
         check()

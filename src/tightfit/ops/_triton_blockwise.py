@@ -13,6 +13,8 @@ whole blocks, so a block's absmax never leaves registers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 import triton
@@ -205,6 +207,35 @@ def _gemv_4bit_kernel(
     tl.store(out_ptr + token * rows + row, tl.sum(total, axis=1).to(out_ptr.dtype.element_ty), mask=row < rows)
 
 
+@triton.jit
+def _gemv_8bit_kernel(
+    x_ptr,
+    codes_ptr,
+    absmax_ptr,
+    code_ptr,
+    out_ptr,
+    rows,
+    cols: tl.constexpr,
+    BLOCKSIZE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr,
+):
+    # One byte per weight; otherwise as the 4-bit kernel.
+    row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    token = tl.program_id(1).to(tl.int64)
+    total = tl.zeros((BLOCK_ROWS, BLOCK_BYTES), tl.float32)
+    for start in tl.range(0, cols, BLOCK_BYTES):
+        col = start + tl.arange(0, BLOCK_BYTES)
+        index = row[:, None].to(tl.int64) * cols + col[None, :]
+        inside = (row[:, None] < rows) & (col[None, :] < cols)
+        byte = tl.load(codes_ptr + index, mask=inside, other=0).to(tl.int32)
+        scale = tl.load(absmax_ptr + index // BLOCKSIZE, mask=inside, other=0.0)
+        weight = (tl.load(code_ptr + byte) * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = tl.load(x_ptr + token * cols + col, mask=col < cols, other=0.0).to(tl.float32)
+        total += weight * x[None, :]
+    tl.store(out_ptr + token * rows + row, tl.sum(total, axis=1).to(out_ptr.dtype.element_ty), mask=row < rows)
+
+
 def search_tables(
     sorted_code: torch.Tensor, device: torch.device, order: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -274,18 +305,26 @@ def dequantize(
     return out
 
 
-def gemv_4bit(
-    A: torch.Tensor, packed: torch.Tensor, shape: list[int], absmax: torch.Tensor, code: torch.Tensor, blocksize: int
+def gemv(
+    A: torch.Tensor,
+    data: torch.Tensor,
+    shape: Sequence[int],
+    absmax: torch.Tensor,
+    code: torch.Tensor,
+    blocksize: int,
+    four_bit: bool,
 ) -> torch.Tensor:
-    """``A @ dequantize(packed).T``, decoding the weight tile by tile (a few tokens; even ``cols``)."""
+    """``A @ dequantize(data).T``, decoding the weight tile by tile (a few tokens): 4-bit
+    codes packed two per byte (even ``cols``), or 8-bit codes one per byte. The layers'
+    direct path calls this with their tensors as they are, past the op's dispatch."""
     rows, cols = shape
     x = A.contiguous().view(-1, cols)
     out = torch.empty(x.shape[0], rows, dtype=A.dtype, device=A.device)
     if out.numel():
-        grid = (triton.cdiv(rows, _GEMV_ROWS), x.shape[0])
-        _gemv_4bit_kernel[grid](
+        kernel = _gemv_4bit_kernel if four_bit else _gemv_8bit_kernel
+        kernel[(triton.cdiv(rows, _GEMV_ROWS), x.shape[0])](
             x,
-            packed.contiguous().view(torch.uint8).view(-1),
+            data.contiguous().view(torch.uint8).view(-1),
             absmax.float().contiguous(),
             code.float().contiguous(),
             out,

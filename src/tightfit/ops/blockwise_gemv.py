@@ -104,7 +104,7 @@ def _gemv_4bit_gpu(
     code = _code_on(quant_type, A.device)
     scales = _scales(absmax, absmax2, code2, nested_blocksize, offset)
     if A.numel() // shape[1] <= FEW_TOKENS and shape[1] % 2 == 0:  # rows start on a byte
-        return _triton().gemv_4bit(A, B, shape, scales, code, blocksize)
+        return _triton().gemv(A, B, shape, scales, code, blocksize, four_bit=True)
     weight = _triton().dequantize(B, scales, code, blocksize, shape, A.dtype, four_bit=True)
     return torch.nn.functional.linear(A, weight)
 
@@ -190,6 +190,14 @@ def _gemv_blockwise_cpu(A, B, absmax, code, blocksize, absmax2=None, code2=None,
     return bound.matmul(A)
 
 
+def _gemv_blockwise_gpu(A, B, absmax, code, blocksize, absmax2=None, code2=None, nested_blocksize=256, offset=None):
+    scales = _scales(absmax, absmax2, code2, nested_blocksize, offset)
+    if A.numel() // B.shape[1] <= FEW_TOKENS:
+        return _triton().gemv(A, B, B.shape, scales, code, blocksize, four_bit=False)
+    weight = _triton().dequantize(B, scales, code, blocksize, list(B.shape), A.dtype, four_bit=False)
+    return torch.nn.functional.linear(A, weight)
+
+
 def _gemv_blockwise_cases() -> list[Case]:
     generator = torch.Generator().manual_seed(7)
     cases = []
@@ -234,6 +242,8 @@ def _gemv_blockwise_backward(ctx, grad):
 
 _GEMV_BLOCKWISE.custom_op.register_autograd(_gemv_blockwise_backward, setup_context=_gemv_blockwise_setup_context)
 register_kernel("gemv_blockwise", "cpu", _gemv_blockwise_cpu, label="fused decode + dot (native C)")
+if importlib.util.find_spec("triton") is not None:
+    register_kernel("gemv_blockwise", "cuda", _gemv_blockwise_gpu, label="fused decode + dot (triton)")
 
 
 # -- public functions -----------------------------------------------------------------------

@@ -10,7 +10,8 @@ and applies all of them or none: a new weight never meets stale scales.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -23,7 +24,8 @@ from tightfit.ops import _cpu_int8, _cpu_int8_rows
 from tightfit.ops._arg_checks import FLOAT_DTYPES, block_count
 from tightfit.ops._autograd import _check_int8_linear as check_int8_linear
 from tightfit.ops._cpu_gemv import bind_gemv_4bit_int8, bind_gemv_8bit_int8, bind_gemv_blockwise
-from tightfit.ops._direct import binding_of, direct_rows, passes_op_check, with_bias
+from tightfit.ops._direct import DIRECT_DEVICE_TYPES, binding_of, direct_rows, passes_op_check, with_bias
+from tightfit.ops.blockwise_gemv import _gemv_4bit_gpu, _gemv_blockwise_gpu
 from tightfit.ops.blockwise_gemv_int8 import int8_table, int16_table
 from tightfit.ops.codes import code_4bit
 from tightfit.quant import _checkpoint as checks
@@ -162,25 +164,41 @@ class QuantizedLinear(_CheckedLoading):
     def _direct(self, x: torch.Tensor) -> torch.Tensor | None:
         """The few-token forward through the kernel bound to this layer's weight, past the
         dispatcher (:mod:`tightfit.ops._direct`), or None where the op must run."""
-        rows = direct_rows(x, self.in_features, self.bias)
+        rows = direct_rows(x, self.in_features, self.bias, DIRECT_DEVICE_TYPES)
         if rows is None:
             return None
         state = self.quant_state
         absmax, *nested = F._stored_scales(state)
         held = [self.weight, *[tensor for tensor in (absmax, state.code, *nested) if isinstance(tensor, torch.Tensor)]]
-        settings = (self.compute, state.quant_type, state.blocksize, state.shape, nested[2])
-        kernel = binding_of(self).kernel(held, settings, lambda: self._bind_checked(absmax, tuple(nested), held))
+        device = x.device  # in the settings: a CPU binding never reads a GPU's tensors, nor the reverse
+        settings = (device, self.compute, state.quant_type, state.blocksize, state.shape, nested[2])
+        kernel = binding_of(self).kernel(
+            held, settings, lambda: self._bind_checked(absmax, tuple(nested), held, device)
+        )
         if kernel is None:
             return None
         return with_bias(kernel(rows), self.bias, x.dtype).view(*x.shape[:-1], self.out_features)
 
-    def _bind_checked(self, absmax: torch.Tensor, nested: tuple, held: list[torch.Tensor]):
-        """:meth:`_bind` after the op's own check of this layer's tensors, all plain and in
-        CPU memory; else None: the op runs, and raises its error (a weight of the wrong size,
-        on meta or another device, a fake tensor)."""
-        if not passes_op_check(held, lambda: self._check_op_arguments(absmax, nested)):
+    def _bind_checked(self, absmax: torch.Tensor, nested: tuple, held: list[torch.Tensor], device: torch.device):
+        """:meth:`_bind` (or, on a CUDA device, :meth:`_bind_gpu`) after the op's own check of
+        this layer's tensors, all plain and on ``device``; else None: the op runs, and raises
+        its error (a weight of the wrong size, on meta or another device, a fake tensor)."""
+        if not passes_op_check(held, lambda: self._check_op_arguments(absmax, nested), device):
             return None
-        return self._bind(absmax, nested, held)
+        return self._bind(absmax, nested, held) if device.type == "cpu" else self._bind_gpu()
+
+    def _bind_gpu(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The op's own GPU kernel over this layer's tensors as they are at each call, held
+        through a weak reference to the layer (an offloading hook still frees the weight);
+        None for int8 compute, which has no GPU kernel (the op runs, and says so)."""
+        if self.compute != "float":
+            return None
+        layer = weakref.ref(self)
+        return lambda rows: layer()._gpu_kernel(rows)
+
+    @abc.abstractmethod
+    def _gpu_kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        """The few-token product of ``rows`` with this layer's weight by the op's GPU kernel."""
 
     @abc.abstractmethod
     def _check_op_arguments(self, absmax: torch.Tensor, nested: tuple) -> None:
@@ -328,6 +346,11 @@ class Linear4bit(QuantizedLinear):
     def _through_op(self, x: torch.Tensor) -> torch.Tensor:
         return F.matmul_4bit(x, self.weight, self.quant_state, bias=self.bias, compute=self.compute)
 
+    def _gpu_kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        state = self.quant_state
+        absmax, *nested = F._stored_scales(state)
+        return _gemv_4bit_gpu(rows, self.weight, state.shape, absmax, state.blocksize, state.quant_type, *nested)
+
     def _check_op_arguments(self, absmax: torch.Tensor, nested: tuple) -> None:
         state = self.quant_state
         one_row = torch.empty(1, self.in_features)
@@ -370,6 +393,11 @@ class Linear8bit(QuantizedLinear):
         return with_bias(
             ops.gemv_blockwise_int8(x, self.weight, absmax, state.code, state.blocksize, *nested), self.bias, x.dtype
         )
+
+    def _gpu_kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        state = self.quant_state
+        absmax, *nested = F._stored_scales(state)
+        return _gemv_blockwise_gpu(rows, self.weight, absmax, state.code, state.blocksize, *nested)
 
     def _check_op_arguments(self, absmax: torch.Tensor, nested: tuple) -> None:
         state = self.quant_state
