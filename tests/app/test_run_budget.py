@@ -145,7 +145,9 @@ def test_causal_lm_generation_fits_and_the_prediction_covers_it(lm_report):
     assert (
         budgeted.kv_cache_bytes == 5 * TINY_KV_BYTES_PER_TOKEN
     )  # 6 new tokens: 5 one-token forwards after the prefill
-    assert budgeted.plan.budget_bytes == 4_000_000 - budgeted.kv_cache_bytes
+    assert budgeted.plan.budget_bytes == 4_000_000  # the units fit in the budget less the reservation
+    assert budgeted.plan.reserved == {"KV cache growth while decoding": budgeted.kv_cache_bytes}
+    assert budgeted.predicted_peak_bytes == budgeted.plan.predicted_peak_bytes <= 4_000_000
     assert (
         "prefill forward over the" in budgeted.covers
         and "KV cache's growth over the 5 one-token decode forwards" in budgeted.covers
@@ -167,7 +169,7 @@ def test_causal_lm_timeline_is_written(lm_report):
 def test_cli_table_shows_the_plan_and_the_prediction_against_the_measurement(tiny_llama, capsys):
     assert main(["run", "--model", str(tiny_llama), "--budget", "4MB", "--repeat", "1", "--max-new-tokens", "3"]) == 0
     out = capsys.readouterr().out
-    assert "planned for 3.8 MiB: the budget less 512 B of KV cache growth while decoding" in out
+    assert "reserved on the device outside the weights and the planned forward: KV cache growth while decoding 512 B" in out
     assert "fit plan: LlamaForCausalLM on cpu" in out and "model.embed_tokens" in out
     for row in (
         "budget: predicted against measured",
@@ -200,7 +202,8 @@ def test_a_budget_above_the_model_s_needs_applies_nothing(tiny_llama, capsys):
     )
     data = json.loads(capsys.readouterr().out)
     assert data["applies_nothing"] is True and data["within_budget"] is True and data["token_agreement"] is None
-    assert data["predicted_peak_bytes"] == data["plan"]["full_peak_bytes"] + 3 * TINY_KV_BYTES_PER_TOKEN
+    assert data["plan"]["reserved"] == {"KV cache growth while decoding": 3 * TINY_KV_BYTES_PER_TOKEN}
+    assert data["predicted_peak_bytes"] == data["plan"]["full_peak_bytes"]  # the reservation counted in both
     assert data["measured_peak_bytes"] <= data["predicted_peak_bytes"]
     assert all(entry["storage"] == "keep" and entry["placement"] == "device" for entry in data["plan"]["entries"])
 

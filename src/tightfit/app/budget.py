@@ -4,8 +4,9 @@ inputs, and what its prediction covers (``--allow`` is :meth:`tightfit.fitting.A
 A plan is made for one forward. An encoder's run is that forward (plus pooling), so the
 plan's peak is the prediction. A causal LM's run is a generation: the prefill forward over
 the prompt, then one-token forwards whose KV cache grows by a fixed number of bytes per
-token; the plan is made for the prefill, and the cache's growth is added on top of it and
-taken off the budget the planner sees, so that the whole generation stays within it.
+token; the plan is made for the prefill with the cache's growth as a reservation of the
+plan (``fit(..., reserve=...)``: the units fit in the budget less it, and the plan's peak
+counts it), so that the whole generation stays within the budget.
 
 When nothing fits, the error is said again for the run (:func:`no_fit_message`): the
 budget as the user gave it, what the planner could reach with what was allowed, and
@@ -43,21 +44,27 @@ def kv_cache_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     return 2 * layers * kv_heads * head_dim * dtype.itemsize
 
 
+#: What a causal LM's KV cache growth is reserved as in its plan.
+KV_CACHE = "KV cache growth while decoding"
+
+
 @dataclass(frozen=True)
 class Budgeted:
-    """A plan for a run and what its prediction covers.
-
-    ``kv_cache_bytes``: a causal LM's KV cache growth while decoding, added to the plan's
-    peak for the whole generation (0 for an encoder); ``covers``: what is predicted, in words.
-    """
+    """A plan for a run and what its prediction covers (``covers``, in words); ``context``:
+    the positions a causal LM's KV cache is planned for (None for an encoder)."""
 
     plan: FitPlan
-    kv_cache_bytes: int
     covers: str
+    context: int | None = None
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """A causal LM's KV cache growth while decoding, reserved in the plan (0 for an encoder)."""
+        return self.plan.reserved.get(KV_CACHE, 0)
 
     @property
     def predicted_peak_bytes(self) -> int:
-        return self.plan.predicted_peak_bytes + self.kv_cache_bytes
+        return self.plan.predicted_peak_bytes
 
 
 def plan_run(
@@ -73,14 +80,13 @@ def plan_run(
     stored_dtypes: dict[str, torch.dtype] | None = None,
 ) -> Budgeted:
     """Fit ``model`` for ``example_inputs`` (the forward the run makes, a causal LM's
-    prefill) into ``budget_bytes`` less ``kv_cache_bytes`` (the cache's growth while
-    decoding); ``fit`` raises FitError when nothing fits. The run is eager, where region
+    prefill) into ``budget_bytes`` with ``kv_cache_bytes`` (the cache's growth while
+    decoding) reserved; ``fit`` raises FitError when nothing fits. The run is eager, where region
     hints save nothing, so the planner may not add them. ``loading``: ``model`` is a
     skeleton on meta whose checkpoint will stream into the plan; the inputs go to meta too;
     ``stored_dtypes``: the dtypes its checkpoint's headers give its tensors
     (:func:`tightfit.loading.stored_dtypes`), for a plan that counts their conversion."""
-    planned_budget = budget_bytes - kv_cache_bytes
-    if planned_budget <= 0:
+    if kv_cache_bytes >= budget_bytes:
         raise ValueError(
             f"{assigned('budget', budget_bytes)} ({human_bytes(budget_bytes)}) leaves nothing for the model: the KV "
             f"cache's growth while decoding alone needs {human_bytes(kv_cache_bytes)} ({kv_cache_bytes:,} B); give a "
@@ -90,14 +96,15 @@ def plan_run(
         plan = fit(
             model,
             on_meta(example_inputs) if loading else example_inputs,
-            planned_budget,
+            budget_bytes,
             backend=device,
             allow=replace(allow or Allow(), hints=False),
             loading=loading,
             stored_dtypes=stored_dtypes,
+            reserve={KV_CACHE: kv_cache_bytes} if kv_cache_bytes else None,
         )
     except FitError as error:
-        smallest = error.smallest_peak_bytes + kv_cache_bytes
+        smallest = error.smallest_peak_bytes
         raise FitError(
             no_fit_message(
                 budget_bytes, smallest, error.parts, device=device, allow=allow, kv_cache_bytes=kv_cache_bytes
@@ -106,7 +113,7 @@ def plan_run(
             smallest_peak_bytes=smallest,
             parts=error.parts,
         ) from None
-    return Budgeted(plan, kv_cache_bytes, covers)
+    return Budgeted(plan, covers)
 
 
 def size_at_least(nbytes: int) -> str:

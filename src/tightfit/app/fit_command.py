@@ -19,6 +19,7 @@ from rich.markup import escape
 
 from tightfit._format import human_bytes
 from tightfit.app.run import RunOptions, plan_only
+from tightfit.app.run_command import add_context_argument
 from tightfit.fitting import PLACEMENTS, storage_names
 
 __all__: list[str] = []
@@ -48,6 +49,7 @@ def handle(args: argparse.Namespace, console: Console) -> int:
             prompt=args.prompt,
             max_new_tokens=args.max_new_tokens,
             budget=args.budget,
+            context=args.context,
             allow=args.allow,
         )
     )
@@ -56,17 +58,12 @@ def handle(args: argparse.Namespace, console: Console) -> int:
         data = {
             "predicted_peak_bytes": budgeted.predicted_peak_bytes,
             "kv_cache_growth_bytes": budgeted.kv_cache_bytes,
+            "context": budgeted.context,
             "prediction_covers": budgeted.covers,
             "plan": plan.to_dict(),
         }
         print(json.dumps(data, indent=2))
         return 0
-    if budgeted.kv_cache_bytes:
-        console.print(
-            f"planned for {human_bytes(plan.budget_bytes)}: the budget less {human_bytes(budgeted.kv_cache_bytes)} "
-            f"of KV cache growth while decoding",
-            highlight=False,
-        )
     console.print(escape(str(plan)), highlight=False, soft_wrap=True)
     console.print(
         f"predicted peak of the whole run {human_bytes(budgeted.predicted_peak_bytes)}: {budgeted.covers}, and loading; "
@@ -107,5 +104,6 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     fit.add_argument("--backend", help="backend name or device, e.g. cpu, cuda, cuda:1 (default: best available)")
     fit.add_argument("--prompt", help="causal LMs: the text the run continues (default: tightfit run's)")
     fit.add_argument("--max-new-tokens", type=int, help="causal LMs: tokens the run generates (default: 16)")
+    add_context_argument(fit)
     fit.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     fit.set_defaults(handler=handle)

@@ -40,6 +40,7 @@ def _budget_data(report: RunReport) -> dict[str, Any]:
             "predicted_over_measured",
             "prediction_covers",
             "kv_cache_growth_bytes",
+            "context",
             "applies_nothing",
             "plan",
             "load_seconds",
@@ -55,6 +56,7 @@ def _budget_data(report: RunReport) -> dict[str, Any]:
         "predicted_over_measured": budgeted.predicted_peak_bytes / measured,
         "prediction_covers": budgeted.covers,
         "kv_cache_growth_bytes": budgeted.kv_cache_bytes,
+        "context": budgeted.context,
         "applies_nothing": budgeted.plan.applies_nothing,
         "plan": budgeted.plan.to_dict(),
         "load_seconds": report.load_seconds,
@@ -127,16 +129,10 @@ def _print_plan(budgeted: Budgeted, budget_bytes: int, console: Console) -> None
     if plan.applies_nothing:
         console.print(
             f"budget {human_bytes(budget_bytes)} covers the unchanged model "
-            f"({human_bytes(plan.full_peak_bytes + budgeted.kv_cache_bytes)} predicted): nothing applied, weights as loaded",
+            f"({human_bytes(plan.full_peak_bytes)} predicted): nothing applied, weights as loaded",
             highlight=False,
         )
         return
-    if budgeted.kv_cache_bytes:
-        console.print(
-            f"planned for {human_bytes(plan.budget_bytes)}: the budget less {human_bytes(budgeted.kv_cache_bytes)} "
-            f"of KV cache growth while decoding",
-            highlight=False,
-        )
     console.print(escape(str(plan)), highlight=False, soft_wrap=True)
 
 

@@ -32,7 +32,7 @@ from tightfit.app.models import (
     load_tokenizer,
 )
 from tightfit.app.spelling import assigned, option
-from tightfit.fitting import Allow, held_bytes, parse_size
+from tightfit.fitting import Allow, FitError, held_bytes, parse_size
 from tightfit.hooks import OFFLOAD_TARGETS, apply_layerwise_casting, apply_offloading, resident_bytes
 from tightfit.loading import checkpoint_dtype, load, skeleton, stored_dtypes
 from tightfit.loading.stored import holds_quantized
@@ -122,6 +122,11 @@ class RunOptions:
 
     ``reference``: where weights change, also run the full-precision model for the quality
     figures (False: no quality figures; a model the machine cannot hold twice).
+
+    ``context`` (a causal LM with a budget): the positions its KV cache is planned for,
+    prompt and generated tokens (None: what the run reaches, the prompt and
+    ``max_new_tokens`` - 1 fed back); ``"auto"``: the longest context the budget allows, at
+    least the run's own, at most the model's ``max_position_embeddings``.
     """
 
     model: str | None = None
@@ -140,6 +145,7 @@ class RunOptions:
     budget: int | str | None = None
     allow: Allow | Mapping[str, Any] | str | None = None
     reference: bool = True
+    context: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, Path)):
@@ -191,6 +197,15 @@ class RunOptions:
                     f"{option('budget')} lets the fit planner choose how weights are stored and where; it cannot be "
                     f"combined with {', '.join(map(option, chosen))}; drop {'them' if len(chosen) > 1 else 'it'}, "
                     f"or restrict the planner with {option('allow')}"
+                )
+        if self.context is not None:
+            if self.context != "auto" and (
+                isinstance(self.context, bool) or not isinstance(self.context, int) or self.context < 1
+            ):
+                raise ValueError(f"{option('context')} must be an int >= 1 (positions) or 'auto', got {self.context!r}")
+            if self.budget is None:
+                raise ValueError(
+                    f"{assigned('context', self.context)} plans the KV cache within a budget; give {option('budget')} too"
                 )
         if self.allow is not None and self.budget is None:
             raise ValueError(
@@ -300,11 +315,13 @@ def _setup(options: RunOptions | None) -> tuple[RunOptions, backends.Backend, to
     device = backend.resolve_device(options.backend if options.backend and ":" in options.backend else None)
     folder = Path(options.model) if options.model is not None else default_model_dir()
     kind = folder_kind(folder)
-    if kind == ENCODER and (options.prompt is not None or options.max_new_tokens is not None):
+    if kind == ENCODER and (
+        options.prompt is not None or options.max_new_tokens is not None or options.context is not None
+    ):
         named = "the built-in model" if options.model is None else assigned("model", str(folder))
         raise ValueError(
-            f"{option('prompt')} and {option('max_new_tokens')} apply to causal LMs; {named} is an encoder, "
-            f"which embeds sentences"
+            f"{option('prompt')}, {option('max_new_tokens')} and {option('context')} apply to causal LMs; {named} is "
+            f"an encoder, which embeds sentences"
         )
     return options, backend, device, folder, kind
 
@@ -321,18 +338,23 @@ def _planned(
             f"tightfit.load(folder, budget) from Python"
         )
     job = _job(kind, folder, device, options, backend, skeleton(folder, kind)[0])
-    budgeted = plan_run(
-        job.model,
-        job.example_inputs(),
-        options.budget,
-        device=device,
-        allow=options.allow,
-        kv_cache_bytes=job.kv_cache_bytes(),
-        covers=job.covers(),
-        loading=True,
-        stored_dtypes=stored_dtypes(job.model, folder),
-    )
-    return job, budgeted
+    dtypes = stored_dtypes(job.model, folder)
+
+    def plan() -> Budgeted:
+        return plan_run(
+            job.model,
+            job.example_inputs(),
+            options.budget,
+            device=device,
+            allow=options.allow,
+            kv_cache_bytes=job.kv_cache_bytes(),
+            covers=job.covers(),
+            loading=True,
+            stored_dtypes=dtypes,
+        )
+
+    budgeted = job.longest_context(plan, options.budget) if options.context == "auto" else plan()
+    return job, replace(budgeted, context=job.planned_context())
 
 
 def plan_only(options: RunOptions) -> Budgeted:
@@ -511,6 +533,10 @@ class _Encoder:
         """An encoder keeps no cache between forwards."""
         return 0
 
+    def planned_context(self) -> None:
+        """An encoder has no context to plan."""
+        return None
+
     def covers(self) -> str:
         ids = self.example_inputs()["input_ids"]
         return f"one forward over the {ids.shape[0]} sentences ({ids.shape[0]} x {ids.shape[1]} tokens)"
@@ -541,13 +567,24 @@ class _CausalLM:
         self.prompt = DEFAULT_PROMPT if options.prompt is None else options.prompt
         self.max_new_tokens = DEFAULT_MAX_NEW_TOKENS if options.max_new_tokens is None else options.max_new_tokens
         self.input_ids = self.tokenizer(self.prompt, return_tensors="pt").input_ids.to(device)
-        limit = getattr(self.model.config, "max_position_embeddings", None)
+        self.limit = getattr(self.model.config, "max_position_embeddings", None)
         length = self.input_ids.shape[1] + self.max_new_tokens
-        if limit is not None and length > limit:
+        if self.limit is not None and length > self.limit:
             raise ValueError(
                 f"{option('prompt')} ({self.input_ids.shape[1]} tokens) and {assigned('max_new_tokens', self.max_new_tokens)} "
-                f"make {length} positions; the model takes at most {limit} (max_position_embeddings in its config.json)"
+                f"make {length} positions; the model takes at most {self.limit} (max_position_embeddings in its config.json)"
             )
+        #: Positions the run's KV cache reaches: the prompt, and every new token but the last fed back.
+        self.run_positions = length - 1
+        self.context = options.context if isinstance(options.context, int) else None
+        if self.context is not None and not self.run_positions <= self.context <= (self.limit or self.context):
+            raise ValueError(
+                f"{assigned('context', self.context)} is outside what this run can use: at least the "
+                f"{self.run_positions} positions it reaches (the {self.input_ids.shape[1]}-token prompt and "
+                f"{self.max_new_tokens - 1} new tokens fed back), at most the model's "
+                f"{self.limit} (max_position_embeddings)"
+            )
+        self.context_note = ""
         self.synchronize = lambda: backend.synchronize(device)
 
     def call(self) -> Generation:
@@ -558,14 +595,46 @@ class _CausalLM:
         return {"input_ids": self.input_ids}
 
     def kv_cache_bytes(self) -> int:
-        """The KV cache's growth over the one-token forwards after the prefill."""
-        return (self.max_new_tokens - 1) * kv_cache_bytes_per_token(self.model.config, self.dtype)
+        """The KV cache's growth beyond the prompt (whose share the prefill holds) to the
+        context planned for: by default the one-token forwards after the prefill."""
+        return (self.planned_context() - self.input_ids.shape[1]) * kv_cache_bytes_per_token(self.model.config, self.dtype)
+
+    def planned_context(self) -> int:
+        """The positions the KV cache is planned for: ``--context``, or what the run reaches."""
+        return self.run_positions if self.context is None else self.context
 
     def covers(self) -> str:
+        if self.context is None:
+            return (
+                f"the prefill forward over the {self.input_ids.shape[1]}-token prompt, plus the KV cache's growth over "
+                f"the {self.max_new_tokens - 1} one-token decode forwards ({human_bytes(self.kv_cache_bytes())})"
+            )
         return (
-            f"the prefill forward over the {self.input_ids.shape[1]}-token prompt, plus the KV cache's growth over the "
-            f"{self.max_new_tokens - 1} one-token decode forwards ({human_bytes(self.kv_cache_bytes())})"
+            f"the prefill forward over the {self.input_ids.shape[1]}-token prompt, plus the KV cache's growth to a "
+            f"context of {self.context:,} positions ({human_bytes(self.kv_cache_bytes())}{self.context_note})"
         )
+
+    def longest_context(self, plan: Callable[[], Budgeted], budget: int) -> Budgeted:
+        """``plan()`` at the longest context the budget allows (``--context auto``): at least
+        the run's own positions, at most the model's ``max_position_embeddings``. The KV
+        cache's bytes grow linearly with the context, and the rest of the plan needs at
+        least its smallest reachable peak, so one plan at the model's maximum either fits
+        or, failing, tells that peak; the context is then what the budget leaves."""
+        per_token = kv_cache_bytes_per_token(self.model.config, self.dtype)
+        prompt = self.input_ids.shape[1]
+        most = self.limit if self.limit is not None else prompt + max(budget - 1, 0) // per_token
+        self.context = max(most, self.run_positions)
+        try:
+            budgeted = plan()
+            self.context_note = ", the model's max_position_embeddings: the most it takes"
+        except FitError as error:
+            without_cache = error.smallest_peak_bytes - self.kv_cache_bytes()
+            self.context = min(prompt + max(budget - without_cache, 0) // per_token, most)
+            if self.context < self.run_positions:
+                self.context = self.run_positions  # the run's own positions: plan() says what is missing
+            self.context_note = ", the longest the budget leaves room for beside the smallest plan of the weights"
+            budgeted = plan()
+        return replace(budgeted, covers=self.covers())
 
     def result(self) -> Generation:
         """One generation: what quality compares."""

@@ -40,6 +40,7 @@ def handle(args: argparse.Namespace, console: Console) -> int:
         budget=args.budget,
         allow=args.allow,
         reference=not args.no_reference,
+        context=args.context,
     )
     bars = Console(stderr=True)
     with show_progress(bars) if bars.is_terminal and not args.json else nullcontext():  # stderr only, never in --json
@@ -49,6 +50,27 @@ def handle(args: argparse.Namespace, console: Console) -> int:
         return 0
     print_report(report, console, started=True)
     return 0
+
+
+def context_value(text: str) -> int | str:
+    """``--context``'s value: a number of positions, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of positions or 'auto', got {text!r}") from None
+
+
+def add_context_argument(parser: argparse.ArgumentParser) -> None:
+    """``--context`` for ``run`` and ``fit``: the same words in both."""
+    parser.add_argument(
+        "--context",
+        type=context_value,
+        metavar="N|auto",
+        help="causal LMs, with --budget: positions (prompt and generated) the KV cache is planned for; auto: the "
+        "longest the budget allows, at most the model's (default: what the run reaches)",
+    )
 
 
 def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -107,6 +129,7 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     run.add_argument("--repeat", type=int, default=5, help="timed repetitions (default: 5)")
     run.add_argument("--prompt", help="causal LMs: the text to continue (default: a fixed story opening)")
     run.add_argument("--max-new-tokens", type=int, help="causal LMs: tokens to generate greedily (default: 16)")
+    add_context_argument(run)
     run.add_argument("--timeline", help="also write a PNG of memory over one run to this path (needs tightfit[plot])")
     run.add_argument(
         "--no-reference",

@@ -133,6 +133,11 @@ class FitPlan:
     ``covers_load``: the prediction covers streaming the weights in from a checkpoint
     (:func:`tightfit.load`); ``predicted_load_peak_bytes`` is the most held while loading
     (weights held + the largest unit as read and converting), within ``predicted_peak_bytes``.
+
+    ``reserved``: bytes the run holds on the device outside the weights and the planned
+    forward, by what they are for (a causal LM's KV cache growing to its context): the
+    planner fits the units into the budget less these, and ``predicted_peak_bytes`` and
+    ``full_peak_bytes`` count them (:attr:`reserved_bytes`).
     """
 
     model: str
@@ -156,6 +161,7 @@ class FitPlan:
     runtime: str = "eager"
     covers_load: bool = False
     predicted_load_peak_bytes: int = 0
+    reserved: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("model", "backend", "device", "int8_outliers"):
@@ -190,6 +196,7 @@ class FitPlan:
             if value is not None and not isinstance(value, dict):
                 raise TypeError(f"FitPlan.{name} must be a dict or None, got {type(value).__name__}: {value!r}")
         object.__setattr__(self, "hints", check_module_hints("FitPlan.hints", self.hints))
+        object.__setattr__(self, "reserved", check_reserved("FitPlan.reserved", self.reserved))
         _check_str("FitPlan", "runtime", self.runtime)
         if self.runtime not in _RUNTIMES:
             raise ValueError(f"FitPlan.runtime={self.runtime!r} is not accepted; accepted: {', '.join(_RUNTIMES)}")
@@ -274,6 +281,11 @@ class FitPlan:
                 )
 
     # -- report ---------------------------------------------------------------------
+    @property
+    def reserved_bytes(self) -> int:
+        """All of :attr:`reserved`: what the units were fitted without."""
+        return sum(self.reserved.values())
+
     def changed_entries(self) -> tuple[PlanEntry, ...]:
         return tuple(e for e in self.entries if e.changed)
 
@@ -321,6 +333,17 @@ class FitPlan:
             )
         except (TypeError, ValueError) as error:  # a key missing, or a field of the wrong type (the error names it)
             raise ValueError(f"plan JSON does not describe a plan: {error}") from None
+
+
+def check_reserved(name: str, reserved: Any) -> dict[str, int]:
+    """``reserved`` as a plan holds it (what for -> bytes), or a clear error naming ``name``."""
+    if not isinstance(reserved, dict):
+        raise TypeError(f"{name} must be a dict of str -> bytes, got {type(reserved).__name__}: {reserved!r}")
+    for what, size in reserved.items():
+        if not isinstance(what, str) or not what:
+            raise TypeError(f"{name} keys must be non-empty str (what the bytes are for), got {what!r}")
+        _check_bytes(name, repr(what), size)
+    return dict(reserved)
 
 
 def offload_unit(model: nn.Module, entry: PlanEntry, device: torch.device) -> None:

@@ -16,7 +16,7 @@ from tightfit.fitting.allow import Allow
 from tightfit.fitting.calibration import Calibration, calibrate
 from tightfit.fitting.options import Option, Unit, find_units, options_for
 from tightfit.fitting.outliers import ASSUMED_OUTLIER_FRACTION, observe_outliers
-from tightfit.fitting.plan import FitPlan, PlanEntry
+from tightfit.fitting.plan import FitPlan, PlanEntry, check_reserved
 from tightfit.fitting.regions import Sliced, slice_layers
 from tightfit.fitting.search import Choice, peak_of, search
 from tightfit.fitting.size import parse_size
@@ -186,6 +186,7 @@ def fit(
     remeasure: bool = False,
     loading: bool = False,
     stored_dtypes: Mapping[str, torch.dtype] | None = None,
+    reserve: Mapping[str, int] | None = None,
 ) -> FitPlan:
     """A :class:`FitPlan` whose predicted device peak for ``model(*example_inputs)`` (or
     ``model(**example_inputs)`` for a dict) is within ``budget`` at the least predicted time.
@@ -226,12 +227,29 @@ def fit(
     while loading, so its unit is not mapped from the checkpoint in place: kept on disk,
     it is converted and written to an offload file (default: every tensor is stored in
     the model's dtype).
+
+    ``reserve``: bytes the run will hold on the device besides the weights and this
+    forward, by what they are for (``{"KV cache growth to 2,048 tokens": n}``): the units
+    are fitted into the budget less their sum, and the plan keeps them as
+    ``plan.reserved``, counted in its peaks and shown in its table, JSON and errors.
     """
     from tightfit.backends.resolve import resolve_backend
 
     check_type("model", model, nn.Module)
     args, kwargs = _split_inputs(example_inputs)
     budget_bytes = parse_size(budget, "budget")
+    reserved = check_reserved("reserve", dict(reserve) if isinstance(reserve, Mapping) else reserve or {})
+    reserved_bytes = sum(reserved.values())
+    if reserved_bytes >= budget_bytes:
+        listed = "; ".join(f"{what}: {human_bytes(size)}" for what, size in reserved.items())
+        raise FitError(
+            f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) cannot be met: what is reserved besides the "
+            f"weights takes {human_bytes(reserved_bytes)} ({reserved_bytes} B) of it ({listed})",
+            budget_bytes=budget_bytes,
+            smallest_peak_bytes=reserved_bytes,
+            parts=sorted(reserved.items(), key=lambda part: -part[1]),
+        )
+    units_budget = budget_bytes - reserved_bytes
     allowed = Allow.coerce(allow)
     if calibration is not None:
         check_type("calibration", calibration, Calibration)
@@ -277,7 +295,7 @@ def fit(
     ]
     full = peak_of(options, tuple(keep), activations)
     full_peak = full.peak_bytes
-    applies_nothing = full_peak <= budget_bytes
+    applies_nothing = full_peak <= units_budget
     if applies_nothing:
         choice = full
     else:
@@ -289,22 +307,25 @@ def fit(
         if thresholds:  # only these storages' options depend on the data; a real forward when it can run
             outliers, not_observed = _observe(model, args, kwargs, device, min(thresholds))
             options = build(outliers) if outliers is not None else options
-        found = search(options, budget_bytes, activations)
+        found = search(options, units_budget, activations)
         choice = found.best
         layers = [unit.name for unit in units if unit.kind == "layer"]
         if choice is None and allowed.hints and layers:
             sliced, tried, refused = slice_layers(
-                model, args, kwargs, backends[0], layers, str(device), budget_bytes - full.held_bytes
+                model, args, kwargs, backends[0], layers, str(device), units_budget - full.held_bytes
             )
             choice = full if sliced is not None else None
         if choice is None:
             smallest = found.smallest
-            peak = smallest.peak_bytes
-            parts = _parts(units, options, smallest, activations, peak_node)
+            peak = smallest.peak_bytes + reserved_bytes
+            parts = sorted(
+                [*_parts(units, options, smallest, activations, peak_node), *reserved.items()], key=lambda p: -p[1]
+            )
             listed = "; ".join(f"{what}: {human_bytes(size)}" for what, size in parts[:4])
             raise FitError(
                 f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) cannot be met on {device}: the smallest "
-                f"predicted peak that allow={allowed.to_dict()} reaches is {human_bytes(peak)} ({peak} B), "
+                f"predicted peak that allow={allowed.to_dict()} reaches is {human_bytes(peak)} ({peak} B)"
+                f"{f', {human_bytes(reserved_bytes)} of it reserved besides the weights' if reserved else ''}, "
                 f"dominated by {parts[0][0]}. Largest parts: {listed}"
                 f"{_slicing_note(parts, activations, allowed, layers, tried, refused)}",
                 budget_bytes=budget_bytes,
@@ -338,12 +359,12 @@ def fit(
         backend=backends[0].name,
         device=str(device),
         budget_bytes=budget_bytes,
-        predicted_peak_bytes=choice.held_bytes + activations + transient,
+        predicted_peak_bytes=choice.held_bytes + activations + transient + reserved_bytes,
         predicted_weights_bytes=choice.held_bytes,
         predicted_activation_bytes=activations,
         predicted_transient_bytes=transient,
         predicted_seconds=choice.seconds,
-        full_peak_bytes=full_peak,
+        full_peak_bytes=full_peak + reserved_bytes,
         full_seconds=full.seconds,
         applies_nothing=applies_nothing,
         entries=entries,
@@ -355,6 +376,7 @@ def fit(
         runtime="eager" if sliced is None else "compiled",
         covers_load=loading,
         predicted_load_peak_bytes=load_peak,
+        reserved=reserved,
     )
 
 

@@ -22,9 +22,13 @@ def render(plan: FitPlan) -> str:
         f"fit plan: {plan.model} on {plan.device} (backend {plan.backend}), budget {human_bytes(plan.budget_bytes)} ({plan.budget_bytes} B)",
         f"predicted peak {human_bytes(plan.predicted_peak_bytes)} = weights {human_bytes(plan.predicted_weights_bytes)}"
         f" + activations {human_bytes(plan.predicted_activation_bytes)} + transient {human_bytes(plan.predicted_transient_bytes)}"
+        f"{f' + reserved {human_bytes(plan.reserved_bytes)}' if plan.reserved else ''}"
         f"; unchanged model {human_bytes(plan.full_peak_bytes)}",
         f"time model, weight work per forward (ranks plans; not a latency) {_ms(plan.predicted_seconds)} (unchanged {_ms(plan.full_seconds)})",
     ]
+    if plan.reserved:
+        held = "; ".join(f"{what} {human_bytes(size)} ({size:,} B)" for what, size in plan.reserved.items())
+        lines.append(f"reserved on the device outside the weights and the planned forward: {held}")
     if plan.covers_load:
         lines.append(
             f"loading covered: peak {human_bytes(plan.predicted_load_peak_bytes)} while the checkpoint streams in "

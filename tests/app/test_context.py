@@ -1,0 +1,95 @@
+"""The KV cache and the context as terms of a causal LM's plan (``--context N|auto``): the
+cache's bytes predicted to the byte, reserved in the plan, and the longest context the
+budget allows chosen with what limited it; a run at that context stays within the budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tightfit.app.budget import KV_CACHE, kv_cache_bytes_per_token
+from tightfit.app.generation import _cache_argument
+from tightfit.app.models import load_causal_lm, load_tokenizer
+from tightfit.app.run import DEFAULT_PROMPT, RunOptions, plan_only, run
+from tightfit.fitting import FitError
+
+pytest.importorskip("transformers")
+
+MAX_POSITIONS = 64  # the tiny model's max_position_embeddings
+
+
+def _prompt_tokens(folder) -> int:
+    return load_tokenizer(folder)(DEFAULT_PROMPT, return_tensors="pt").input_ids.shape[1]
+
+
+def test_the_cache_holds_to_the_byte_what_is_predicted(tiny_llama):
+    model, _ = load_causal_lm(tiny_llama, torch.device("cpu"))
+    per_token = kv_cache_bytes_per_token(model.config, torch.float32)
+    cache = _cache_argument(model)  # the cache as tightfit run's generation makes it
+    ids = torch.randint(1, model.config.vocab_size, (1, 11))
+    with torch.inference_mode():
+        model(input_ids=ids, use_cache=True, **cache)
+        for _ in range(6):
+            model(input_ids=ids[:, :1], use_cache=True, **cache)
+    (held_cache,) = cache.values()
+    held = sum(t.numel() * t.element_size() for layer in held_cache.layers for t in (layer.keys, layer.values))
+    assert held == per_token * 17
+
+
+def test_context_n_is_reserved_in_the_plan(tiny_llama):
+    prompt = _prompt_tokens(tiny_llama)
+    budgeted = plan_only(RunOptions(model=str(tiny_llama), budget="8MB", max_new_tokens=2, context=40))
+    per_token = budgeted.kv_cache_bytes // (40 - prompt)
+    assert budgeted.context == 40 and budgeted.plan.reserved == {KV_CACHE: (40 - prompt) * per_token}
+    assert "growth to a context of 40 positions" in budgeted.covers
+    plan = budgeted.plan
+    assert plan.predicted_peak_bytes >= plan.predicted_weights_bytes + plan.reserved_bytes
+    assert "reserved on the device outside the weights and the planned forward: KV cache" in str(plan)
+
+
+def test_context_auto_takes_the_model_s_maximum_where_the_budget_has_room(tiny_llama):
+    budgeted = plan_only(RunOptions(model=str(tiny_llama), budget="8MB", max_new_tokens=2, context="auto"))
+    assert budgeted.context == MAX_POSITIONS and "the model's max_position_embeddings" in budgeted.covers
+
+
+def test_context_auto_limited_by_the_budget_and_a_run_at_that_context_stays_within_it(tiny_llama):
+    prompt = _prompt_tokens(tiny_llama)
+    with pytest.raises(FitError) as caught:  # the smallest plan of the weights, with the run's own cache
+        plan_only(RunOptions(model=str(tiny_llama), budget=1000, max_new_tokens=2))
+    per_token = plan_only(RunOptions(model=str(tiny_llama), budget="8MB", max_new_tokens=2)).kv_cache_bytes
+    weights_smallest = caught.value.smallest_peak_bytes - per_token  # one token of growth at max_new_tokens=2
+    budget = weights_smallest + (40 - prompt) * per_token + per_token // 2
+    budgeted = plan_only(RunOptions(model=str(tiny_llama), budget=budget, max_new_tokens=2, context="auto"))
+    assert budgeted.context == 40 and "the longest the budget leaves room for" in budgeted.covers
+    assert budgeted.predicted_peak_bytes <= budget
+    report = run(
+        RunOptions(
+            model=str(tiny_llama),
+            budget=budget,
+            context=40,
+            max_new_tokens=40 - prompt + 1,  # the run's cache reaches the whole context
+            repeat=1,
+            reference=False,
+        )
+    )
+    assert report.measurement.peak_bytes <= report.predicted_peak_bytes <= budget
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(context=5, budget="8MB"), r"context=5 is outside what this run can use: at least the \d+ positions"),
+        (dict(context=65, budget="8MB"), r"at most the model's 64 \(max_position_embeddings\)"),
+        (dict(context=40), r"context=40 plans the KV cache within a budget; give budget too"),
+        (dict(context="long", budget="8MB"), r"context must be an int >= 1 \(positions\) or 'auto', got 'long'"),
+        (dict(context=0, budget="8MB"), r"context must be an int >= 1"),
+    ],
+)
+def test_bad_contexts_are_refused(tiny_llama, options, message):
+    with pytest.raises(ValueError, match=message):
+        plan_only(RunOptions(model=str(tiny_llama), max_new_tokens=2, **options))
+
+
+def test_an_encoder_takes_no_context():
+    with pytest.raises(ValueError, match="apply to causal LMs; the built-in model is an encoder"):
+        plan_only(RunOptions(budget="80MB", context=64))
