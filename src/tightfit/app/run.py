@@ -597,7 +597,9 @@ class _CausalLM:
     def kv_cache_bytes(self) -> int:
         """The KV cache's growth beyond the prompt (whose share the prefill holds) to the
         context planned for: by default the one-token forwards after the prefill."""
-        return (self.planned_context() - self.input_ids.shape[1]) * kv_cache_bytes_per_token(self.model.config, self.dtype)
+        return (self.planned_context() - self.input_ids.shape[1]) * kv_cache_bytes_per_token(
+            self.model.config, self.dtype
+        )
 
     def planned_context(self) -> int:
         """The positions the KV cache is planned for: ``--context``, or what the run reaches."""
