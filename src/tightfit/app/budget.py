@@ -16,15 +16,18 @@ only suggestions the caller can act on (a budget that fits, typed as a size; a w
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from tightfit import backends
+from tightfit._files import read_json
 from tightfit._format import human_bytes
 from tightfit.app.spelling import assigned, option
 from tightfit.backends.cpu import read_process_memory, reset_process_peak
@@ -114,6 +117,20 @@ def plan_run(
             parts=error.parts,
         ) from None
     return Budgeted(plan, covers)
+
+
+def read_plan(file: str | Path) -> FitPlan:
+    """The plan in ``file``: ``tightfit fit --json``'s output (the plan under ``"plan"``) or
+    ``FitPlan.to_json()``'s; a ValueError naming the file where it is neither."""
+    if not isinstance(file, (str, Path)):
+        raise TypeError(f"plan must be a FitPlan or a file path, got {type(file).__name__}: {file!r}")
+    data = read_json(file)
+    if isinstance(data, dict) and "format" not in data and isinstance(data.get("plan"), dict):
+        data = data["plan"]  # tightfit fit --json: the plan and what it covers
+    try:
+        return FitPlan.from_json(json.dumps(data))
+    except ValueError as error:
+        raise ValueError(f"{file} holds no tightfit plan ({error}); write one with tightfit fit --json") from None
 
 
 def size_at_least(nbytes: int) -> str:

@@ -20,7 +20,7 @@ from tightfit import backends
 from tightfit._deprecation import renamed
 from tightfit._format import human_bytes
 from tightfit._validate import check_choice, check_type
-from tightfit.app.budget import Budgeted, kv_cache_bytes_per_token, measure_load, plan_run
+from tightfit.app.budget import KV_CACHE, Budgeted, kv_cache_bytes_per_token, measure_load, plan_run, read_plan
 from tightfit.app.generation import Generation, generate_greedy, token_agreement
 from tightfit.app.models import (
     ENCODER,
@@ -32,7 +32,7 @@ from tightfit.app.models import (
     load_tokenizer,
 )
 from tightfit.app.spelling import assigned, option
-from tightfit.fitting import Allow, FitError, held_bytes, parse_size
+from tightfit.fitting import Allow, FitError, FitPlan, held_bytes, parse_size
 from tightfit.hooks import OFFLOAD_TARGETS, apply_layerwise_casting, apply_offloading, resident_bytes
 from tightfit.loading import checkpoint_dtype, load, skeleton, stored_dtypes
 from tightfit.loading.stored import holds_quantized
@@ -123,6 +123,11 @@ class RunOptions:
     ``reference``: where weights change, also run the full-precision model for the quality
     figures (False: no quality figures; a model the machine cannot hold twice).
 
+    ``plan``: a plan made before (``tightfit fit --json``'s output, or ``FitPlan.to_json()``,
+    as a file path, or a :class:`~tightfit.fitting.FitPlan`) carried out as it is, its budget
+    the run's; it replaces ``budget``, ``allow`` and ``context``, and a run whose KV cache
+    needs more than the plan reserved is refused before any weight is read.
+
     ``context`` (a causal LM with a budget): the positions its KV cache is planned for,
     prompt and generated tokens (None: what the run reaches, the prompt and
     ``max_new_tokens`` - 1 fed back); ``"auto"``: the longest context the budget allows, at
@@ -146,6 +151,7 @@ class RunOptions:
     allow: Allow | Mapping[str, Any] | str | None = None
     reference: bool = True
     context: int | str | None = None
+    plan: FitPlan | str | Path | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, Path)):
@@ -198,6 +204,20 @@ class RunOptions:
                     f"combined with {', '.join(map(option, chosen))}; drop {'them' if len(chosen) > 1 else 'it'}, "
                     f"or restrict the planner with {option('allow')}"
                 )
+        if self.plan is not None:
+            given = [
+                name
+                for name in ("budget", "allow", "context", "quant", "storage_dtype", "offload")
+                if getattr(self, name) is not None
+            ]
+            if given:
+                raise ValueError(
+                    f"{option('plan')} carries out a plan made before, with its own budget, placements and "
+                    f"context; drop {', '.join(map(option, given))}"
+                )
+            plan = self.plan if isinstance(self.plan, FitPlan) else read_plan(self.plan)
+            object.__setattr__(self, "plan", plan)
+            object.__setattr__(self, "budget", plan.budget_bytes)
         if self.context is not None:
             if self.context != "auto" and (
                 isinstance(self.context, bool) or not isinstance(self.context, int) or self.context < 1
@@ -313,6 +333,14 @@ def _setup(options: RunOptions | None) -> tuple[RunOptions, backends.Backend, to
         raise TypeError(f"options must be RunOptions, got {type(options).__name__}")
     backend = backends.get(options.backend) if options.backend else backends.default()
     device = backend.resolve_device(options.backend if options.backend and ":" in options.backend else None)
+    if options.plan is not None and str(device) != options.plan.device:
+        if options.backend is not None:
+            raise ValueError(
+                f"{assigned('backend', options.backend)} is {device}, but the plan is for {options.plan.device}; "
+                f"leave {option('backend')} out, or plan again for {device}"
+            )
+        backend = backends.get(options.plan.backend)  # a plan runs where it was made for
+        device = backend.resolve_device(options.plan.device if ":" in options.plan.device else None)
     folder = Path(options.model) if options.model is not None else default_model_dir()
     kind = folder_kind(folder)
     if kind == ENCODER and (
@@ -338,6 +366,8 @@ def _planned(
             f"tightfit.load(folder, budget) from Python"
         )
     job = _job(kind, folder, device, options, backend, skeleton(folder, kind)[0])
+    if options.plan is not None:
+        return job, job.carried_out(options.plan)
     dtypes = stored_dtypes(job.model, folder)
 
     def plan() -> Budgeted:
@@ -537,6 +567,10 @@ class _Encoder:
         """An encoder has no context to plan."""
         return None
 
+    def carried_out(self, plan: FitPlan) -> Budgeted:
+        """``plan`` as made before (``--plan``): an encoder reserves nothing."""
+        return Budgeted(plan, self.covers())
+
     def covers(self) -> str:
         ids = self.example_inputs()["input_ids"]
         return f"one forward over the {ids.shape[0]} sentences ({ids.shape[0]} x {ids.shape[1]} tokens)"
@@ -615,6 +649,20 @@ class _CausalLM:
             f"the prefill forward over the {self.input_ids.shape[1]}-token prompt, plus the KV cache's growth to a "
             f"context of {self.context:,} positions ({human_bytes(self.kv_cache_bytes())}{self.context_note})"
         )
+
+    def carried_out(self, plan: FitPlan) -> Budgeted:
+        """``plan`` as made before (``--plan``), its context what it reserved for the KV
+        cache; refused where this run's cache would outgrow it."""
+        per_token = kv_cache_bytes_per_token(self.model.config, self.dtype)
+        self.context = self.input_ids.shape[1] + plan.reserved.get(KV_CACHE, 0) // per_token
+        if self.context < self.run_positions:
+            raise ValueError(
+                f"the plan reserves the KV cache for {self.context} positions with this prompt "
+                f"({human_bytes(plan.reserved.get(KV_CACHE, 0))}); this run reaches {self.run_positions} (the "
+                f"{self.input_ids.shape[1]}-token prompt and {self.max_new_tokens - 1} new tokens fed back): give a "
+                f"smaller {option('max_new_tokens')}, or plan again with {option('context')}"
+            )
+        return Budgeted(plan, self.covers(), self.context)
 
     def longest_context(self, plan: Callable[[], Budgeted], budget: int) -> Budgeted:
         """``plan()`` at the longest context the budget allows (``--context auto``): at least

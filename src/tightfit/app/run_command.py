@@ -41,6 +41,7 @@ def handle(args: argparse.Namespace, console: Console) -> int:
         allow=args.allow,
         reference=not args.no_reference,
         context=args.context,
+        plan=args.plan,
     )
     bars = Console(stderr=True)
     with show_progress(bars) if bars.is_terminal and not args.json else nullcontext():  # stderr only, never in --json
@@ -125,6 +126,12 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
         help="with --budget: what the planner may use, comma-separated storages "
         f"({', '.join(storage_names())}) and/or placements ({', '.join(PLACEMENTS)}), "
         "e.g. keep,float8,disk; a kind you name nothing of stays unrestricted",
+    )
+    run.add_argument(
+        "--plan",
+        metavar="FILE",
+        help="carry out a plan made before (tightfit fit --json > FILE), its budget the run's; "
+        "not with --budget, --allow or --context",
     )
     run.add_argument("--repeat", type=int, default=5, help="timed repetitions (default: 5)")
     run.add_argument("--prompt", help="causal LMs: the text to continue (default: a fixed story opening)")
