@@ -174,65 +174,44 @@ def _dequantize_kernel(
 
 
 @triton.jit
-def _gemv_4bit_kernel(
+def _gemv_kernel(
     x_ptr,
-    packed_ptr,
+    data_ptr,
     absmax_ptr,
     code_ptr,
     out_ptr,
     rows,
     cols: tl.constexpr,
+    row_bytes: tl.constexpr,
     BLOCKSIZE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_BYTES: tl.constexpr,
+    FOUR_BIT: tl.constexpr,
 ):
-    # Each byte holds two neighbouring weights of one row (``cols`` is even); ``cols`` is a
-    # compile-time constant: a model has a handful of input widths, and a known trip count
-    # lets Triton pipeline the loop.
+    # 4-bit: each byte holds two neighbouring weights of one row (``cols`` is even,
+    # ``row_bytes`` its half); 8-bit: one. ``cols`` is a compile-time constant: a model has
+    # a handful of input widths, and a known trip count lets Triton pipeline the loop.
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     token = tl.program_id(1).to(tl.int64)
     total = tl.zeros((BLOCK_ROWS, BLOCK_BYTES), tl.float32)
-    for start in tl.range(0, cols // 2, BLOCK_BYTES):
-        pair = start + tl.arange(0, BLOCK_BYTES)
-        byte_index = row[:, None].to(tl.int64) * (cols // 2) + pair[None, :]
-        inside = (row[:, None] < rows) & (pair[None, :] < cols // 2)
-        byte = tl.load(packed_ptr + byte_index, mask=inside, other=0).to(tl.int32)
-        scale = tl.load(absmax_ptr + (2 * byte_index) // BLOCKSIZE, mask=inside, other=0.0)
-        # Round each weight to the activation's dtype first, as the reference's dequantize does.
-        high = (tl.load(code_ptr + (byte >> 4)) * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
-        low = (tl.load(code_ptr + (byte & 15)) * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
-        x_high = tl.load(x_ptr + token * cols + 2 * pair, mask=pair < cols // 2, other=0.0).to(tl.float32)
-        x_low = tl.load(x_ptr + token * cols + 2 * pair + 1, mask=pair < cols // 2, other=0.0).to(tl.float32)
-        total += high * x_high[None, :] + low * x_low[None, :]
-    tl.store(out_ptr + token * rows + row, tl.sum(total, axis=1).to(out_ptr.dtype.element_ty), mask=row < rows)
-
-
-@triton.jit
-def _gemv_8bit_kernel(
-    x_ptr,
-    codes_ptr,
-    absmax_ptr,
-    code_ptr,
-    out_ptr,
-    rows,
-    cols: tl.constexpr,
-    BLOCKSIZE: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_BYTES: tl.constexpr,
-):
-    # One byte per weight; otherwise as the 4-bit kernel.
-    row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    token = tl.program_id(1).to(tl.int64)
-    total = tl.zeros((BLOCK_ROWS, BLOCK_BYTES), tl.float32)
-    for start in tl.range(0, cols, BLOCK_BYTES):
-        col = start + tl.arange(0, BLOCK_BYTES)
-        index = row[:, None].to(tl.int64) * cols + col[None, :]
-        inside = (row[:, None] < rows) & (col[None, :] < cols)
-        byte = tl.load(codes_ptr + index, mask=inside, other=0).to(tl.int32)
-        scale = tl.load(absmax_ptr + index // BLOCKSIZE, mask=inside, other=0.0)
-        weight = (tl.load(code_ptr + byte) * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
-        x = tl.load(x_ptr + token * cols + col, mask=col < cols, other=0.0).to(tl.float32)
-        total += weight * x[None, :]
+    for start in tl.range(0, row_bytes, BLOCK_BYTES):
+        column = start + tl.arange(0, BLOCK_BYTES)
+        byte_index = row[:, None].to(tl.int64) * row_bytes + column[None, :]
+        inside = (row[:, None] < rows) & (column[None, :] < row_bytes)
+        byte = tl.load(data_ptr + byte_index, mask=inside, other=0).to(tl.int32)
+        # Each weight is rounded to the activation's dtype first, as the reference's dequantize does.
+        if FOUR_BIT:
+            scale = tl.load(absmax_ptr + (2 * byte_index) // BLOCKSIZE, mask=inside, other=0.0)
+            high = (tl.load(code_ptr + (byte >> 4)) * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
+            low = (tl.load(code_ptr + (byte & 15)) * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
+            first = tl.load(x_ptr + token * cols + 2 * column, mask=column < row_bytes, other=0.0).to(tl.float32)
+            second = tl.load(x_ptr + token * cols + 2 * column + 1, mask=column < row_bytes, other=0.0).to(tl.float32)
+            total += high * first[None, :] + low * second[None, :]
+        else:
+            scale = tl.load(absmax_ptr + byte_index // BLOCKSIZE, mask=inside, other=0.0)
+            weight = (tl.load(code_ptr + byte) * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = tl.load(x_ptr + token * cols + column, mask=column < row_bytes, other=0.0).to(tl.float32)
+            total += weight * x[None, :]
     tl.store(out_ptr + token * rows + row, tl.sum(total, axis=1).to(out_ptr.dtype.element_ty), mask=row < rows)
 
 
@@ -321,8 +300,7 @@ def gemv(
     x = A.contiguous().view(-1, cols)
     out = torch.empty(x.shape[0], rows, dtype=A.dtype, device=A.device)
     if out.numel():
-        kernel = _gemv_4bit_kernel if four_bit else _gemv_8bit_kernel
-        kernel[(triton.cdiv(rows, _GEMV_ROWS), x.shape[0])](
+        _gemv_kernel[(triton.cdiv(rows, _GEMV_ROWS), x.shape[0])](
             x,
             data.contiguous().view(torch.uint8).view(-1),
             absmax.float().contiguous(),
@@ -330,9 +308,11 @@ def gemv(
             out,
             rows,
             cols,
+            cols // 2 if four_bit else cols,
             BLOCKSIZE=blocksize,
             BLOCK_ROWS=_GEMV_ROWS,
             BLOCK_BYTES=_GEMV_BYTES,
+            FOUR_BIT=four_bit,
             num_warps=_GEMV_WARPS,
         )
     return out.view(*A.shape[:-1], rows)
