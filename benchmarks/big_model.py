@@ -358,7 +358,8 @@ def accelerate_worker(folder: str, budget: int, prompt: str, new_tokens: int) ->
         if any(info.get(key) for key in ("missing_keys", "unexpected_keys", "mismatched_keys")):
             raise RuntimeError(f"the checkpoint does not match the model: {info}")
         model.eval()
-        placements = list(model.hf_device_map.values())
+        # transformers sets no hf_device_map where it dispatched nothing (all of it in CPU memory)
+        placements = list(getattr(model, "hf_device_map", {"": "cpu"}).values())
         kept = _kept_bytes(model)
         generate_greedy(model, input_ids, new_tokens)  # warm-up, as tightfit run --repeat 1 does
         timed = generate_greedy(model, input_ids, new_tokens)

@@ -94,7 +94,8 @@ def read_config(path: str | Path) -> Any:
 
 
 def model_kind(config: Any) -> str:
-    """``"causal-lm"`` or ``"encoder"``: what ``tightfit run`` does with a model of this config.
+    """``"causal-lm"`` or ``"encoder"``: what ``tightfit run`` does with a model of this config
+    (a ValueError for an encoder-decoder, which is neither).
 
     The config's ``architectures`` decide when present (a causal LM class of
     transformers' ``AutoModelForCausalLM`` mapping, such as ``LlamaForCausalLM``); without
@@ -106,6 +107,11 @@ def model_kind(config: Any) -> str:
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
 
+    if getattr(config, "is_encoder_decoder", False):  # T5, BART: neither kind; their encoder alone would mislead
+        raise ValueError(
+            f"the model is an encoder-decoder ({getattr(config, 'model_type', None) or type(config).__name__}); "
+            f"tightfit runs and plans encoders and causal LMs for now"
+        )
     architectures = getattr(config, "architectures", None)
     if isinstance(architectures, str):  # one name, not a list: transformers reads it so
         architectures = [architectures]

@@ -1,0 +1,177 @@
+"""Causal LMs of several architectures, each with its peculiarity, run as a user runs them:
+``tightfit run --budget`` against transformers + accelerate (``device_map="auto"`` with
+``max_memory`` at the same budget) at shares of each model's unplanned peak.
+
+The models are built from transformers configs at sizes this CPU runs in seconds (random
+weights, seed 0, saved once as float32 safetensors folders with the default model's
+WordPiece tokenizer; nothing is downloaded), under ``--cache-dir``:
+
+- ``llama3-gqa``: Llama-3-style grouped-query attention (8 heads, 2 key-value heads);
+- ``qwen2``: attention biases on q, k and v;
+- ``gemma2``: tied embeddings, attention and final logit soft-capping, head size apart
+  from hidden / heads;
+- ``mistral``: sliding-window attention (a window of 64);
+- ``phi3``: fused qkv and gate-up projections;
+- ``gpt2``: tied embeddings, Conv1D layers;
+- ``mixtral-moe``: a mixture of 4 experts per layer, 2 chosen per token;
+- ``t5``: an encoder-decoder (tightfit's kinds are encoder and causal LM: the row says
+  what ``tightfit run`` answers).
+
+The unplanned peak is what ``tightfit fit`` predicts for the unchanged model (the prefill
+of the prompt, the KV cache's growth and loading). Each row: the plan in a line (units per
+storage/placement), predicted against measured peak over loading and the whole generation,
+within the budget or not, time to first token and decode tokens/s; accelerate's row the
+same where it runs. Prompt: 128 tokens; 64 new tokens (``--new-tokens``).
+
+Run: python benchmarks/zoo.py [--models llama3-gqa,gpt2] [--fractions 0.6,0.4,0.25]
+(writes benchmarks/results/zoo.json and prints the tables)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from big_model import _plan_summary, run_accelerate, run_tightfit
+
+from tightfit._format import human_bytes
+from tightfit.app.models import default_model_dir
+from tightfit.app.run import RunOptions, plan_only
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE = Path.home() / ".cache" / "tightfit-bench" / "zoo"
+MARKER = "tightfit-zoo-complete.json"
+PROMPT_TOKENS = 128
+ATTENTION = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=8)
+#: name -> (transformers config class, its settings, the auto class that builds it)
+ARCHITECTURES = {
+    "llama3-gqa": ("LlamaConfig", dict(ATTENTION, num_key_value_heads=2), "AutoModelForCausalLM"),
+    "qwen2": ("Qwen2Config", dict(ATTENTION, num_key_value_heads=2), "AutoModelForCausalLM"),
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            ATTENTION,
+            num_key_value_heads=4,
+            head_dim=48,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+        ),
+        "AutoModelForCausalLM",
+    ),
+    "mistral": ("MistralConfig", dict(ATTENTION, num_key_value_heads=2, sliding_window=64), "AutoModelForCausalLM"),
+    "phi3": ("Phi3Config", dict(ATTENTION, num_key_value_heads=8), "AutoModelForCausalLM"),
+    "gpt2": ("GPT2Config", dict(n_embd=256, n_layer=6, n_head=8, n_positions=512), "AutoModelForCausalLM"),
+    "mixtral-moe": (
+        "MixtralConfig",
+        dict(ATTENTION, intermediate_size=352, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+        "AutoModelForCausalLM",
+    ),
+    "t5": ("T5Config", dict(d_model=256, d_ff=704, num_layers=3, num_heads=8, d_kv=32), "AutoModelForSeq2SeqLM"),
+}
+
+
+def model_folder(name: str, cache: Path) -> Path:
+    """The architecture's folder, written once (a marker, written last, says it is complete)."""
+    import transformers
+
+    folder = cache / name
+    if (folder / MARKER).is_file():
+        return folder
+    config_class, settings, auto = ARCHITECTURES[name]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
+    config = getattr(transformers, config_class)(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.cls_token_id,
+        eos_token_id=tokenizer.sep_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **({"max_position_embeddings": 512} if "n_positions" not in settings and config_class != "T5Config" else {}),
+        **settings,
+    )
+    if config_class == "T5Config":
+        config.decoder_start_token_id = tokenizer.pad_token_id
+    torch.manual_seed(0)
+    model = getattr(transformers, auto).from_config(config).eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / MARKER).write_text(json.dumps({"parameters": sum(p.numel() for p in model.parameters())}))
+    return folder
+
+
+def prompt_text(folder: Path) -> str:
+    """Words that the folder's tokenizer makes ``PROMPT_TOKENS`` tokens of, special tokens included."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    words = ("the river ran past the mill and on to the sea " * 40).split()
+    for count in range(len(words), 0, -1):
+        text = " ".join(words[:count])
+        if len(tokenizer(text).input_ids) <= PROMPT_TOKENS:
+            return text
+    raise RuntimeError("no prompt fits")
+
+
+def unplanned_peak(folder: Path, prompt: str, new_tokens: int) -> tuple[int | None, str]:
+    """What ``tightfit fit`` predicts for the unchanged model (None, and why, where it refuses)."""
+    try:
+        budgeted = plan_only(RunOptions(model=str(folder), budget=1 << 40, prompt=prompt, max_new_tokens=new_tokens))
+    except (ValueError, RuntimeError) as error:
+        return None, " ".join(str(error).split())[:300]
+    return budgeted.plan.full_peak_bytes, ""
+
+
+def _row_line(row: dict) -> str:
+    if not row.get("ok"):
+        tail = row.get("stderr_tail") or row.get("error") or ""
+        return f"  {row['tool']:<10} FAILED: {' '.join(tail.split())[-300:]}"
+    plan = ", ".join(f"{count} {what}" for what, count in row["plan"].items())
+    predicted = row.get("predicted_peak_bytes")
+    return (
+        f"  {row['tool']:<10} within {str(row['within_budget']):<5} measured {human_bytes(row['measured_peak_bytes']):>10}"
+        f" predicted {human_bytes(predicted) if predicted else '-':>10}"
+        f" TTFT {row['time_to_first_token_s'] * 1000:7.0f} ms  decode {row['decode_tokens_per_second']:7.1f} tok/s"
+        f"  plan: {plan}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(ARCHITECTURES), help="comma-separated, of the names above")
+    parser.add_argument("--fractions", default="0.6,0.4,0.25")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--cache-dir", type=Path, default=CACHE)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "zoo.json")
+    args = parser.parse_args()
+    names = [name for name in args.models.split(",") if name]
+    unknown = sorted(set(names) - set(ARCHITECTURES))
+    if unknown:
+        parser.error(f"--models: {', '.join(unknown)} unknown; known: {', '.join(ARCHITECTURES)}")
+    fractions = [float(text) for text in args.fractions.split(",") if text]
+    results = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "new_tokens": args.new_tokens, "models": {}}
+    for name in names:
+        folder = model_folder(name, args.cache_dir.expanduser())
+        prompt = prompt_text(folder)
+        full, refused = unplanned_peak(folder, prompt, args.new_tokens)
+        entry = {"unplanned_peak_bytes": full, "refused": refused, "rows": []}
+        results["models"][name] = entry
+        print(f"\n{name}: unplanned peak {human_bytes(full) if full else '-'} {refused}", flush=True)
+        for fraction in fractions if full else []:
+            budget = int(full * fraction)
+            for tool, runner in (("tightfit", run_tightfit), ("accelerate", run_accelerate)):
+                row = runner(folder, budget, prompt, args.new_tokens)
+                row.update(tool=tool, fraction=fraction, budget_bytes=budget)
+                if tool == "tightfit" and row.get("ok"):
+                    row["plan"] = row["plan"] if isinstance(row["plan"], dict) else _plan_summary(row["plan"])
+                row.pop("report", None)
+                entry["rows"].append(row)
+                print(f" {fraction:.0%} of it, {human_bytes(budget)}:\n{_row_line(row)}", flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
