@@ -169,7 +169,10 @@ def test_causal_lm_timeline_is_written(lm_report):
 def test_cli_table_shows_the_plan_and_the_prediction_against_the_measurement(tiny_llama, capsys):
     assert main(["run", "--model", str(tiny_llama), "--budget", "4MB", "--repeat", "1", "--max-new-tokens", "3"]) == 0
     out = capsys.readouterr().out
-    assert "reserved on the device outside the weights and the planned forward: KV cache growth while decoding 512 B" in out
+    assert (
+        "reserved on the device outside the weights and the planned forward: KV cache growth while decoding 512 B"
+        in out
+    )
     assert "fit plan: LlamaForCausalLM on cpu" in out and "model.embed_tokens" in out
     for row in (
         "budget: predicted against measured",
