@@ -1,11 +1,14 @@
 """Shared fixtures: every test starts with fresh backend discovery and fresh fallback warnings;
-the fit planner's calibration cache lives in a folder of the session, not the user's; the
-session's child processes may cache their bytecode. The report's header names the CPU and
-the paths its features select, so a run says what it covered (tests that need another path
-pin it themselves)."""
+the fit planner's calibration cache lives in a folder of the session, not the user's
+(``measured_calibration`` measures this CPU's figures into it once); the session's child
+processes may cache their bytecode; ``older_objects_frozen`` keeps a measurement's garbage
+collection to what its module made. The report's header names the CPU and the paths its
+features select, so a run says what it covered (tests that need another path pin it
+themselves)."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -70,6 +73,23 @@ def _calibration_cache(tmp_path_factory):
         os.environ["TIGHTFIT_CACHE_DIR"] = before
 
 
+@pytest.fixture(scope="session")
+def measured_calibration(_calibration_cache):
+    """This CPU's figures measured once for the session (about 8 s), with the progress tasks
+    shown meanwhile, and cached in the session's folder: a command run with a budget reads
+    them there instead of measuring them again."""
+    from tightfit.fitting import calibration
+
+    tasks = []
+    shown = calibration.task
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            calibration, "task", lambda description, total: tasks.append(description) or shown(description, total)
+        )
+        figures = calibration.calibrate("cpu", remeasure=True)
+    return figures, tasks
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _children_cache_bytecode():
     """Where the environment says PYTHONDONTWRITEBYTECODE, each ``python -O`` child the tests
@@ -79,3 +99,15 @@ def _children_cache_bytecode():
     yield
     if before is not None:
         os.environ["PYTHONDONTWRITEBYTECODE"] = before
+
+
+@pytest.fixture(scope="module")
+def older_objects_frozen():
+    """The objects that exist when the module starts, collected once and frozen: a
+    ``gc.collect()`` before a measurement then walks only what the module made, not the
+    whole session's heap (about half a second a collection). Frozen objects are never
+    collected, so none of them is freed inside a measurement either."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()

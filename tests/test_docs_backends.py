@@ -18,9 +18,12 @@ import re
 import shutil
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
+
+from zoo.commands import side_by_side
 
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent / "docs" / "examples" / "tightfit-example-backend"
@@ -66,6 +69,21 @@ def _run_fresh(args: list[str], site: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=120)
 
 
+@pytest.fixture(scope="module")
+def fresh_runs(plugin_site: Path):
+    """The tests' fresh interpreters, started side by side."""
+    with side_by_side(
+        {
+            "discovery": partial(
+                _run_fresh, ["-c", "import test_docs_backends as t; t.check_discovery()"], plugin_site
+            ),
+            "json": partial(_run_fresh, ["-m", "tightfit.app.cli", "backends", "--json"], plugin_site),
+            "table": partial(_run_fresh, ["-m", "tightfit.app.cli", "backends"], plugin_site),
+        }
+    ) as runs:
+        yield runs
+
+
 def check_discovery() -> None:
     """The in-process checks; run by the test below in a fresh interpreter."""
     import torch
@@ -101,13 +119,13 @@ def check_discovery() -> None:
     print("discovery ok")
 
 
-def test_example_plugin_is_discovered_and_registers_kernels(plugin_site: Path) -> None:
-    done = _run_fresh(["-c", "import test_docs_backends as t; t.check_discovery()"], plugin_site)
+def test_example_plugin_is_discovered_and_registers_kernels(fresh_runs) -> None:
+    done = fresh_runs["discovery"].result()
     assert done.returncode == 0 and "discovery ok" in done.stdout, done.stdout + done.stderr
 
 
-def test_cli_lists_example_plugin(plugin_site: Path) -> None:
-    done = _run_fresh(["-m", "tightfit.app.cli", "backends", "--json"], plugin_site)
+def test_cli_lists_example_plugin(fresh_runs) -> None:
+    done = fresh_runs["json"].result()
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)
     assert report["conflict"] is None
@@ -126,7 +144,7 @@ def test_page_shows_the_example_verbatim() -> None:
         assert (EXAMPLE / path).read_text() in blocks, f"docs/backends.md does not show {path} as it is"
 
 
-def test_page_shows_the_backends_table(plugin_site: Path) -> None:
+def test_page_shows_the_backends_table(fresh_runs) -> None:
     """docs/backends.md's ``tightfit backends`` table is what the command prints with the
     example installed (compared as tests/test_docs_examples.py compares every shown output:
     the machine's free and total memory masked)."""
@@ -138,6 +156,6 @@ def test_page_shows_the_backends_table(plugin_site: Path) -> None:
         pytest.skip("lists this machine's backends; the page's machine had the CPU only")
     (block,) = [b for b in page_blocks("docs/backends.md") if b.lang == "console" and "$ tightfit backends" in b.text]
     shown = block.text.split("$ tightfit backends\n", 1)[1]
-    done = _run_fresh(["-m", "tightfit.app.cli", "backends"], plugin_site)
+    done = fresh_runs["table"].result()
     assert done.returncode == 0, done.stdout + done.stderr
     assert_shows(str(block), shown, done.stdout + done.stderr)

@@ -5,6 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from functools import partial
+
+import pytest
+
+from zoo.commands import side_by_side
 
 
 def tightfit_cli(*args: str) -> subprocess.CompletedProcess:
@@ -13,8 +18,21 @@ def tightfit_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_backends_json_lists_every_builtin():
-    done = tightfit_cli("backends", "--json")
+@pytest.fixture(scope="module")
+def commands():
+    """The tests' commands, each in a fresh process, started side by side."""
+    with side_by_side(
+        {
+            "json": partial(tightfit_cli, "backends", "--json"),
+            "table": partial(tightfit_cli, "backends"),
+            "unknown": partial(tightfit_cli, "frobnicate"),
+        }
+    ) as runs:
+        yield runs
+
+
+def test_backends_json_lists_every_builtin(commands):
+    done = commands["json"].result()
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     rows = {row["name"]: row for row in data["backends"]}
@@ -23,14 +41,14 @@ def test_backends_json_lists_every_builtin():
     assert "GiB" in rows["cpu"]["memory"] and data["conflict"] is None
 
 
-def test_backends_table():
-    done = tightfit_cli("backends")
+def test_backends_table(commands):
+    done = commands["table"].result()
     assert done.returncode == 0, done.stderr
     assert "tightfit backends" in done.stdout and "cpu" in done.stdout and "priority" in done.stdout
 
 
-def test_unknown_command_is_a_usage_error():
-    done = tightfit_cli("frobnicate")
+def test_unknown_command_is_a_usage_error(commands):
+    done = commands["unknown"].result()
     assert done.returncode == 2 and "invalid choice" in done.stderr
 
 

@@ -8,6 +8,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from functools import partial
+
+import pytest
+
+from zoo.commands import side_by_side
 
 #: The real command, its loader marking on file descriptor 1, past Python's buffer, where
 #: loading begins: what the command printed and flushed before comes before the mark in
@@ -33,9 +38,25 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_the_plan_is_printed_before_loading_with_stdout_piped(tiny_llama):
-    argv = ["run", "--model", str(tiny_llama), "--budget", "4MB", "--repeat", "1", "--max-new-tokens", "3"]
-    done = subprocess.run([sys.executable, "-c", MARKED, *argv], capture_output=True, text=True, timeout=600)
+def _python(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def commands(tiny_llama):
+    """The two real runs the tests read, each in a fresh process, started side by side."""
+    run = ["run", "--model", str(tiny_llama), "--budget", "4MB", "--repeat", "1"]
+    with side_by_side(
+        {
+            "marked": partial(_python, "-c", MARKED, *run, "--max-new-tokens", "3"),
+            "json": partial(_python, "-m", "tightfit.app.cli", *run, "--max-new-tokens", "2", "--json"),
+        }
+    ) as runs:
+        yield runs
+
+
+def test_the_plan_is_printed_before_loading_with_stdout_piped(commands):
+    done = commands["marked"].result()
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("<loading begins>\n") == 1, done.stdout
     before, after = done.stdout.split("<loading begins>\n")
@@ -53,14 +74,8 @@ def test_the_plan_is_printed_before_loading_with_stdout_piped(tiny_llama):
     assert positions == sorted(positions), after
 
 
-def test_json_is_one_document_on_stdout_and_nothing_else(tiny_llama):
-    done = subprocess.run(
-        [sys.executable, "-m", "tightfit.app.cli", "run", "--model", str(tiny_llama), "--budget", "4MB"]
-        + ["--repeat", "1", "--max-new-tokens", "2", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def test_json_is_one_document_on_stdout_and_nothing_else(commands):
+    done = commands["json"].result()
     assert done.returncode == 0 and done.stderr == "", done.stderr
     data = json.loads(done.stdout)  # the whole of stdout: the plan is inside, not printed before
     assert data["plan"]["model"] == "LlamaForCausalLM" and data["within_budget"] is True

@@ -15,12 +15,14 @@ import shutil
 import struct
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 from tightfit.app import cli, plan_command, run_command
+from zoo.commands import side_by_side
 
 RUN = ["--repeat", "1", "--max-new-tokens", "1"]
 
@@ -155,29 +157,46 @@ def test_a_broken_model_folder_is_one_line_and_exit_2(tiny_llama, tmp_path, caps
     assert not (folder / "PWNED").exists()
 
 
-def test_the_real_command_prints_one_line(tiny_llama, tmp_path):
+#: The folders the real command is given: a garbled safetensors header, a malicious pickle.
+REAL = (9, 11)
+
+
+def _run_command(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tightfit.app.cli", "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+    )
+
+
+@pytest.fixture(scope="module")
+def real_runs(tiny_llama, tmp_path_factory):
+    """(the REAL folders, ``tightfit run`` in fresh processes started side by side): on each
+    folder, by its index, and with an invalid TIGHTFIT_STRICT ("strict")."""
+    folders = {index: broken_copy(tiny_llama, tmp_path_factory.mktemp("real"), index, seed=7) for index in REAL}
+    with side_by_side(
+        {
+            **{index: partial(_run_command, "--model", str(folder), *RUN) for index, folder in folders.items()},
+            "strict": partial(_run_command, "--model", "/nonexistent", TIGHTFIT_STRICT="ture"),
+        }
+    ) as runs:
+        yield folders, runs
+
+
+def test_the_real_command_prints_one_line(real_runs):
     """Two folders through the real command: no traceback reaches the terminal."""
-    for index in (9, 11):  # garbled safetensors header, malicious pickle
-        folder = broken_copy(tiny_llama, tmp_path, index, seed=7)
-        done = subprocess.run(
-            [sys.executable, "-m", "tightfit.app.cli", "run", "--model", str(folder), *RUN],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+    folders, runs = real_runs
+    for index, folder in folders.items():
+        done = runs[index].result()
         assert done.returncode == 2 and done.stdout == ""
         assert DAMAGES[index][1] in one_error_line(done.stderr, "run")
         assert not (folder / "PWNED").exists()
 
 
-def test_an_invalid_tightfit_strict_is_refused_before_any_work():
-    done = subprocess.run(
-        [sys.executable, "-m", "tightfit.app.cli", "run", "--model", "/nonexistent"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "TIGHTFIT_STRICT": "ture"},
-    )
+def test_an_invalid_tightfit_strict_is_refused_before_any_work(real_runs):
+    done = real_runs[1]["strict"].result()
     assert done.returncode == 2 and done.stdout == ""
     line = one_error_line(done.stderr, "run")
     assert "TIGHTFIT_STRICT='ture' is not accepted; accepted: 0, 1, false, no, off, on, true, yes" in line

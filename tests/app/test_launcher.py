@@ -8,10 +8,15 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 
 from tightfit_launcher import THREAD_DEFAULTS
+from zoo.commands import side_by_side
+
+#: A wait policy the user set, and the spin count libgomp must then read.
+USER_POLICIES = [({"OMP_WAIT_POLICY": "ACTIVE"}, "30000000000"), ({"OMP_WAIT_POLICY": "PASSIVE"}, "0")]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -30,6 +35,30 @@ def _launch(*args: str, **extra: str) -> subprocess.CompletedProcess:
     )
 
 
+def _python(code: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=_env())
+
+
+@pytest.fixture(scope="module")
+def launched():
+    """The tests' processes, each fresh, started side by side."""
+    with side_by_side(
+        {
+            "default": partial(_launch, "backends", "--json"),
+            **{str(setting): partial(_launch, "backends", "--json", **setting) for setting, _ in USER_POLICIES},
+            "import tightfit": partial(
+                _python, "import os, tightfit; print(os.environ.get('OMP_WAIT_POLICY'))", timeout=300
+            ),
+            "import the launcher": partial(
+                _python,
+                "import sys, tightfit_launcher; print(sorted(m for m in ('torch', 'tightfit') if m in sys.modules))",
+                timeout=60,
+            ),
+        }
+    ) as runs:
+        yield runs
+
+
 def _spin_count(stderr: str) -> str:
     """GOMP_SPINCOUNT as libgomp read it when torch loaded it."""
     lines = [line for line in stderr.splitlines() if "GOMP_SPINCOUNT" in line]
@@ -38,32 +67,28 @@ def _spin_count(stderr: str) -> str:
     return lines[0].split("=")[1].strip().strip("'")
 
 
-def test_the_command_loads_torch_with_a_brief_spin_then_sleep():
-    done = _launch("backends", "--json")
+def test_the_command_loads_torch_with_a_brief_spin_then_sleep(launched):
+    done = launched["default"].result()
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["backends"]
     assert _spin_count(done.stderr) == THREAD_DEFAULTS["GOMP_SPINCOUNT"]
 
 
-@pytest.mark.parametrize(
-    ("setting", "spins"), [({"OMP_WAIT_POLICY": "ACTIVE"}, "30000000000"), ({"OMP_WAIT_POLICY": "PASSIVE"}, "0")]
-)
-def test_a_policy_the_user_set_is_kept(setting, spins):
-    done = _launch("backends", "--json", **setting)
+@pytest.mark.parametrize(("setting", "spins"), USER_POLICIES)
+def test_a_policy_the_user_set_is_kept(launched, setting, spins):
+    done = launched[str(setting)].result()
     assert done.returncode == 0, done.stderr
     assert _spin_count(done.stderr) == spins
 
 
-def test_importing_tightfit_sets_no_policy():
-    code = "import os, tightfit; print(os.environ.get('OMP_WAIT_POLICY'))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=_env())
+def test_importing_tightfit_sets_no_policy(launched):
+    done = launched["import tightfit"].result()
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "None"
 
 
-def test_the_launcher_imports_nothing_heavy_before_setting_the_policy():
-    code = "import sys, tightfit_launcher; print(sorted(m for m in ('torch', 'tightfit') if m in sys.modules))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=_env())
+def test_the_launcher_imports_nothing_heavy_before_setting_the_policy(launched):
+    done = launched["import the launcher"].result()
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
 
 from tightfit.app.models import default_model_dir, embed, load_encoder
 from tightfit.app.run import DEFAULT_SENTENCES, RunOptions, run
+from zoo.commands import side_by_side
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +49,27 @@ def test_embeddings_match_sentence_transformers():
     assert cosine.min() > 0.9999
 
 
-def test_cli_run_json():
-    done = subprocess.run(
-        [sys.executable, "-m", "tightfit.app.cli", "run", "--repeat", "1", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tightfit.app.cli", *args], capture_output=True, text=True, timeout=300
     )
+
+
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+    """The real commands the tests read, each in a fresh process, started side by side."""
+    with side_by_side(
+        {
+            "json": partial(_cli, "run", "--repeat", "1", "--json"),
+            "nf4": partial(_cli, "run", "--quant", "nf4", "--repeat", "1"),
+            "no config": partial(_cli, "run", "--model", str(tmp_path_factory.mktemp("no-config"))),
+        }
+    ) as runs:
+        yield runs
+
+
+def test_cli_run_json(commands):
+    done = commands["json"].result()
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     assert data["backend"] == "cpu" and data["embedding_dim"] == 384
@@ -99,13 +115,8 @@ def test_nf4_keeps_the_later_half_of_the_layers_in_8_bits(nf4_reports):
     )
 
 
-def test_cli_run_nf4_names_the_kept_layers():
-    done = subprocess.run(
-        [sys.executable, "-m", "tightfit.app.cli", "run", "--quant", "nf4", "--repeat", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def test_cli_run_nf4_names_the_kept_layers(commands):
+    done = commands["nf4"].result()
     assert done.returncode == 0, done.stderr
     assert (
         "kept in 8 bits" in done.stdout
@@ -160,13 +171,8 @@ def test_run_rejects_missing_or_bad_model_folder(tmp_path):
         run({"repeat": 1})
 
 
-def test_cli_reports_errors_without_a_traceback(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "tightfit.app.cli", "run", "--model", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def test_cli_reports_errors_without_a_traceback(commands):
+    done = commands["no config"].result()
     assert done.returncode == 2
     assert done.stderr.startswith("tightfit run: error: --model=") and "has no config.json" in done.stderr
     assert done.stderr.count("\n") == 1 and done.stdout == ""

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 from tightfit.app.generation import generate_greedy, token_agreement
 from tightfit.app.models import CAUSAL_LM, ENCODER, folder_kind, load_causal_lm, model_kind, save_causal_lm
 from tightfit.app.run import DEFAULT_PROMPT, RunOptions, run
+from zoo.commands import side_by_side
 from zoo.lm import TINY_CAUSAL_LM as TINY
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -236,8 +238,8 @@ def test_cli_reports_bad_generation_flags(tiny_llama, tmp_path, capsys):
     assert "invalid int value: 'many'" in capsys.readouterr().err
 
 
-def test_bad_generation_input_is_rejected_under_python_O():
-    script = """
+#: Under ``python -O``: every check of the generation options still raises.
+OPTIMIZED = """
 from tightfit.app.run import RunOptions
 assert False, "asserts must be off under -O"
 for kwargs, error in [({"prompt": ""}, ValueError), ({"max_new_tokens": 0}, ValueError), ({"timeline": "x.svg"}, ValueError),
@@ -249,7 +251,27 @@ for kwargs, error in [({"prompt": ""}, ValueError), ({"max_new_tokens": 0}, Valu
     raise SystemExit(f"{kwargs} was accepted")
 print("ok")
 """
-    done = subprocess.run([sys.executable, "-O", "-c", script], capture_output=True, text=True, timeout=300)
+
+
+def _python(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def commands(tiny_llama):
+    """The fresh processes the tests read, started side by side."""
+    real = ["-W", "error::FutureWarning", "-m", "tightfit.app.cli", "run", "--model", str(tiny_llama)]
+    with side_by_side(
+        {
+            "optimized": partial(_python, "-O", "-c", OPTIMIZED),
+            "real": partial(_python, *real, "--repeat", "1", "--max-new-tokens", "3"),
+        }
+    ) as runs:
+        yield runs
+
+
+def test_bad_generation_input_is_rejected_under_python_O(commands):
+    done = commands["optimized"].result()
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
@@ -331,14 +353,8 @@ def test_the_cache_goes_by_the_keyword_the_model_takes():
     assert isinstance(older_cache, Cache) and isinstance(newer_cache, Cache) and older_cache is not newer_cache
 
 
-def test_the_real_command_on_a_causal_lm_prints_no_future_warning(tiny_llama):
-    done = subprocess.run(
-        [sys.executable, "-W", "error::FutureWarning", "-m", "tightfit.app.cli", "run", "--model", str(tiny_llama)]
-        + ["--repeat", "1", "--max-new-tokens", "3"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def test_the_real_command_on_a_causal_lm_prints_no_future_warning(commands):
+    done = commands["real"].result()
     assert done.returncode == 0, done.stderr
     assert "Warning" not in done.stderr and "deprecated" not in done.stderr, done.stderr
     assert "greedy generation" in done.stdout

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import tightfit.fitting.calibration as calibrate_impl
-from tightfit import backends
 from tightfit.fitting import Calibration, calibrate
 from tightfit.fitting.calibration import cache_path
 from zoo.lm import figures
@@ -64,13 +63,8 @@ def test_the_cache_key_names_backend_device_and_torch(monkeypatch, tmp_path):
     assert path.name.startswith("calibration-cuda-NVIDIA-H100-80GB-HBM3-torch")
 
 
-def test_real_measurement_gives_valid_figures_under_its_own_progress(monkeypatch):
-    tasks = []
-    original = calibrate_impl.task
-    monkeypatch.setattr(
-        calibrate_impl, "task", lambda description, total: tasks.append(description) or original(description, total)
-    )
-    figures_now = calibrate_impl._measure(backends.get("cpu"), torch.device("cpu"))
+def test_real_measurement_gives_valid_figures_under_its_own_progress(measured_calibration):
+    figures_now, tasks = measured_calibration
     assert tasks[0].startswith("calibrating cpu: preparing the decode probes")
     assert re.fullmatch(r"calibrating cpu \(once, about \d+ s\)", tasks[1]), tasks
     assert figures_now.host_to_device_bandwidth is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -13,25 +14,41 @@ import tightfit
 from tightfit.backends import RUNTIME_HINTS
 from tightfit.backends.cpu import CPUBackend
 from tightfit.graph import CompileOptions, compiler
+from zoo.commands import side_by_side
 from zoo.graph import Attention, fx_compile, run_recording
 
-
-def test_backend_is_registered_by_name_without_an_installed_entry_point():
-    probe = (
+#: Fresh processes: the backend found by name after a plain import, and after dynamo was imported first.
+PROBES = {
+    "by name": (
         "import torch, tightfit, torch._dynamo\n"
         "assert 'tightfit' in torch._dynamo.list_backends(), torch._dynamo.list_backends()\n"
         "f = torch.compile(lambda x: x.sin() + 1, backend='tightfit', options={'execution': 'fx'})\n"
         "x = torch.randn(5)\n"
         "assert torch.equal(f(x), x.sin() + 1)\n"
         "print('ok')\n"
-    )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    ),
+    "dynamo first": "import torch._dynamo, torch, tightfit\nassert 'tightfit' in torch._dynamo.list_backends()\nprint('ok')\n",
+}
+
+
+def _probe(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def probes():
+    """The PROBES, started side by side."""
+    with side_by_side({name: partial(_probe, code) for name, code in PROBES.items()}) as runs:
+        yield runs
+
+
+def test_backend_is_registered_by_name_without_an_installed_entry_point(probes):
+    done = probes["by name"].result()
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
-def test_registration_after_dynamo_is_already_imported():
-    probe = "import torch._dynamo, torch, tightfit\nassert 'tightfit' in torch._dynamo.list_backends()\nprint('ok')\n"
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+def test_registration_after_dynamo_is_already_imported(probes):
+    done = probes["dynamo first"].result()
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 

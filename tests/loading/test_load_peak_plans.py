@@ -124,6 +124,7 @@ def _measured(folder, plan, model):
     ],
     ids=["bfloat16", "float32", "float16", "bfloat16-tied", "bfloat16-stored-float32-config"],
 )
+@pytest.mark.usefixtures("older_objects_frozen")
 def test_every_generated_plan_loads_within_its_predicted_peak(tmp_path, dtype, tied, budgets, named):
     folder, total = _folder(tmp_path / "lm", dtype, tied, named)
     _warm(dtype if named else torch.float32)

@@ -3,7 +3,11 @@ out= buffers, torch.compile, opcheck, and every bad input."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from tightfit.backends import FLOAT8_DTYPES
 from tightfit.ops import _numba
 from tightfit.ops._cpu_cast import MIN_FAST_NUMEL
 from tightfit.ops.cast import _float32_probe_values as float32_probe_values
+from zoo.commands import side_by_side
 
 WIDE = [torch.float32, torch.float16, torch.bfloat16]
 FLOAT8 = sorted(FLOAT8_DTYPES, key=str)
@@ -235,11 +240,8 @@ except ValueError as error:
 """
 
 
-def test_raw_op_with_a_short_out_is_rejected_not_a_crash():
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", RAW_CAST_INTO_MISMATCH], capture_output=True, text=True, timeout=120)
+def test_raw_op_with_a_short_out_is_rejected_not_a_crash(scripts):
+    done = scripts["short out"].result()
     assert done.returncode == 0, done.stderr
     assert "rejected: out has shape (16,) but x has shape (65536,)" in done.stdout
 
@@ -258,15 +260,26 @@ print(sum(ok), len(ok))
 """
 
 
-def test_concurrent_casts_under_numbas_workqueue_layer():
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue")
-    done = subprocess.run(
-        [sys.executable, "-c", CONCURRENT_CASTS], capture_output=True, text=True, timeout=300, env=env
+def _python(code: str, timeout: float, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env={**os.environ, **env}
     )
+
+
+@pytest.fixture(scope="module")
+def scripts():
+    """The scripts above, each in a fresh process, started side by side."""
+    with side_by_side(
+        {
+            "short out": partial(_python, RAW_CAST_INTO_MISMATCH, 120),
+            "concurrent": partial(_python, CONCURRENT_CASTS, 300, NUMBA_THREADING_LAYER="workqueue"),
+        }
+    ) as runs:
+        yield runs
+
+
+def test_concurrent_casts_under_numbas_workqueue_layer(scripts):
+    done = scripts["concurrent"].result()
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["20", "20"]
 

@@ -30,6 +30,7 @@ def _first_use():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 # (2048, 2048): 1024 8-bit blocks, whose finite check outgrows the small-weight floor
 @pytest.mark.parametrize("shape", [(512, 1024), (1000, 333), (2048, 2048)], ids=str)
+@pytest.mark.usefixtures("older_objects_frozen")
 def test_converting_allocates_at_most_the_declared_scratch(storage, dtype, shape):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(shape[1], shape[0], bias=False)).to(dtype).eval()
