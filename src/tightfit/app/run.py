@@ -343,13 +343,16 @@ def _setup(options: RunOptions | None) -> tuple[RunOptions, backends.Backend, to
         device = backend.resolve_device(options.plan.device if ":" in options.plan.device else None)
     folder = Path(options.model) if options.model is not None else default_model_dir()
     kind = folder_kind(folder)
-    if kind == ENCODER and (
-        options.prompt is not None or options.max_new_tokens is not None or options.context is not None
-    ):
+    if kind == ENCODER and (options.prompt is not None or options.max_new_tokens is not None):
         named = "the built-in model" if options.model is None else assigned("model", str(folder))
         raise ValueError(
-            f"{option('prompt')}, {option('max_new_tokens')} and {option('context')} apply to causal LMs; {named} is "
-            f"an encoder, which embeds sentences"
+            f"{option('prompt')} and {option('max_new_tokens')} apply to causal LMs; {named} is an encoder, "
+            f"which embeds sentences"
+        )
+    if kind == ENCODER and options.context is not None:
+        named = "the built-in model" if options.model is None else assigned("model", str(folder))
+        raise ValueError(
+            f"{option('context')} applies to causal LMs (their KV cache); {named} is an encoder, which embeds sentences"
         )
     return options, backend, device, folder, kind
 
