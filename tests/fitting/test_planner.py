@@ -53,16 +53,18 @@ def test_just_enough_layers_are_converted():
 def test_more_bits_kept_when_they_fit():
     # decoding is free, so 8-bit and NF4 cost the same time: the planner keeps 8 bits
     model = four_linears()
-    plan = tightfit.fit(model, (X,), "900KiB", allow={"storage": {"keep", "8bit", "nf4"}}, calibration=figures())
+    allow = {"storage": {"keep", "8bit", "nf4"}}
+    plan = tightfit.fit(model, (X,), "900KiB", allow=allow, calibration=figures(), max_error=1.0)
     assert {e.storage for e in plan.entries} <= {"keep", "8bit"}
-    tight = tightfit.fit(model, (X,), "450KiB", allow={"storage": {"keep", "8bit", "nf4"}}, calibration=figures())
+    tight = tightfit.fit(model, (X,), "450KiB", allow=allow, calibration=figures(), max_error=1.0)
     assert "nf4" in {e.storage for e in tight.entries}
 
 
 def test_a_less_precise_storage_is_not_chosen_for_speed():
     # fp4 decodes faster than nf4 here; it saves no memory over nf4, so nf4 stays
     fast_fp4 = figures(decode_seconds={"float8": 0, "8bit": 0, "int8": 0, "nf4": 1e-9, "fp4": 0})
-    plan = tightfit.fit(four_linears(), (X,), "450KiB", allow={"storage": {"keep", "nf4", "fp4"}}, calibration=fast_fp4)
+    allow = {"storage": {"keep", "nf4", "fp4"}}
+    plan = tightfit.fit(four_linears(), (X,), "450KiB", allow=allow, calibration=fast_fp4, max_error=1.0)
     assert "nf4" in {e.storage for e in plan.entries} and "fp4" not in {e.storage for e in plan.entries}
 
 
@@ -75,7 +77,7 @@ def test_time_model_decides_between_disk_and_quantization():
     plan = tightfit.fit(model, (X,), "400KiB", allow=allow, calibration=slow_decode)
     assert {e.storage for e in plan.entries} == {"keep"} and [e.placement for e in plan.entries].count("disk") == 3
     slow_disk = figures(decode_seconds={"float8": 0, "8bit": 0, "int8": 0, "nf4": 1e-12, "fp4": 0}, disk_bandwidth=1e3)
-    plan = tightfit.fit(model, (X,), "600KiB", allow=allow, calibration=slow_disk)
+    plan = tightfit.fit(model, (X,), "600KiB", allow=allow, calibration=slow_disk, max_error=1.0)
     assert {e.placement for e in plan.entries} == {"device"} and "nf4" in {e.storage for e in plan.entries}
 
 
@@ -226,7 +228,7 @@ def test_options_of_about_equal_time_tie_and_noise_does_not_change_the_pick(int8
     # float8 comes before int8 in the catalogue (same precision rank): int8 counts as faster only when more than 25% faster
     float8, int8 = options = _float8_and_int8(int8_share)
     assert int8.seconds < float8.seconds
-    assert (int8.cost == float8.cost) is tie
+    assert (int8.cost == pytest.approx(float8.cost, rel=1e-3)) is tie  # up to the noise tie-break, which int8 wins
     pick = options[search([options], budget=10**7, activations=0).best.picks[0]].storage
     even = _float8_and_int8(1.0)
     assert pick == (even[search([even], budget=10**7, activations=0).best.picks[0]].storage if tie else "int8")

@@ -133,8 +133,8 @@ def test_every_generated_plan_loads_within_its_predicted_peak(tmp_path, dtype, t
         budget = int(total * fraction)
         try:
             model, plan = plan_folder(
-                folder, budget, example_inputs={"input_ids": IDS}, calibration=figures(), allow=allow
-            )
+                folder, budget, example_inputs={"input_ids": IDS}, calibration=figures(), allow=allow, max_error=1.0
+            )  # any expected error: every storage's load peak is measured
         except FitError:
             continue  # nothing that allow-set permits fits: refused before a byte is read
         decisions = tuple((e.storage, e.placement) for e in plan.entries)

@@ -47,8 +47,14 @@ def test_the_plan_on_meta_equals_the_plan_on_the_loaded_model(folder):
     for loading in (False, True):
         meta, _ = skeleton(folder)
         loaded = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-        on_meta = tightfit.fit(meta, {"input_ids": IDS.to("meta")}, 20_000_000, calibration=figures(), loading=loading)
-        on_real = tightfit.fit(loaded, {"input_ids": IDS}, 20_000_000, calibration=figures(), loading=loading)
+        # int8 aside: its outlier columns are observed on real weights and assumed on meta, by design
+        settings = {
+            "calibration": figures(),
+            "loading": loading,
+            "allow": {"storage": ["keep", "float8", "8bit", "nf4"]},
+        }
+        on_meta = tightfit.fit(meta, {"input_ids": IDS.to("meta")}, 20_000_000, **settings)
+        on_real = tightfit.fit(loaded, {"input_ids": IDS}, 20_000_000, **settings)
         assert on_meta.to_dict() == on_real.to_dict()
         assert on_meta.covers_load is loading and not on_meta.applies_nothing
 

@@ -81,6 +81,7 @@ def plan_run(
     covers: str,
     loading: bool = False,
     stored_dtypes: dict[str, torch.dtype] | None = None,
+    max_error: float | None = None,
 ) -> Budgeted:
     """Fit ``model`` for ``example_inputs`` (the forward the run makes, a causal LM's
     prefill) into ``budget_bytes`` with ``kv_cache_bytes`` (the cache's growth while
@@ -88,7 +89,8 @@ def plan_run(
     hints save nothing, so the planner may not add them. ``loading``: ``model`` is a
     skeleton on meta whose checkpoint will stream into the plan; the inputs go to meta too;
     ``stored_dtypes``: the dtypes its checkpoint's headers give its tensors
-    (:func:`tightfit.loading.stored_dtypes`), for a plan that counts their conversion."""
+    (:func:`tightfit.loading.stored_dtypes`), for a plan that counts their conversion;
+    ``max_error``: ``fit``'s bound on the plan's expected error (None: its default)."""
     if kv_cache_bytes >= budget_bytes:
         raise ValueError(
             f"{assigned('budget', budget_bytes)} ({human_bytes(budget_bytes)}) leaves nothing for the model: the KV "
@@ -105,8 +107,11 @@ def plan_run(
             loading=loading,
             stored_dtypes=stored_dtypes,
             reserve={KV_CACHE: kv_cache_bytes} if kv_cache_bytes else None,
+            max_error=max_error,
         )
     except FitError as error:
+        if error.smallest_peak_bytes <= budget_bytes:  # the budget fits, the error bound does not: said as it is
+            raise
         smallest = error.smallest_peak_bytes
         raise FitError(
             no_fit_message(

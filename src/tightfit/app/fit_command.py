@@ -19,7 +19,7 @@ from rich.markup import escape
 
 from tightfit._format import human_bytes
 from tightfit.app.run import RunOptions, plan_only
-from tightfit.app.run_command import add_context_argument
+from tightfit.app.run_command import add_planner_arguments
 from tightfit.fitting import PLACEMENTS, storage_names
 
 __all__: list[str] = []
@@ -51,6 +51,7 @@ def handle(args: argparse.Namespace, console: Console) -> int:
             budget=args.budget,
             context=args.context,
             allow=args.allow,
+            max_error=args.max_error,
         )
     )
     plan = budgeted.plan
@@ -104,6 +105,6 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     fit.add_argument("--backend", help="backend name or device, e.g. cpu, cuda, cuda:1 (default: best available)")
     fit.add_argument("--prompt", help="causal LMs: the text the run continues (default: tightfit run's)")
     fit.add_argument("--max-new-tokens", type=int, help="causal LMs: tokens the run generates (default: 16)")
-    add_context_argument(fit)
+    add_planner_arguments(fit)
     fit.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     fit.set_defaults(handler=handle)

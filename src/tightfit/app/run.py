@@ -33,6 +33,7 @@ from tightfit.app.models import (
 )
 from tightfit.app.spelling import assigned, option
 from tightfit.fitting import Allow, FitError, FitPlan, held_bytes, parse_size
+from tightfit.fitting.quality import parse_error
 from tightfit.hooks import OFFLOAD_TARGETS, apply_layerwise_casting, apply_offloading, resident_bytes
 from tightfit.loading import checkpoint_dtype, load, skeleton, stored_dtypes
 from tightfit.loading.stored import holds_quantized
@@ -132,6 +133,9 @@ class RunOptions:
     prompt and generated tokens (None: what the run reaches, the prompt and
     ``max_new_tokens`` - 1 fed back); ``"auto"``: the longest context the budget allows, at
     least the run's own, at most the model's ``max_position_embeddings``.
+
+    ``max_error`` (with a budget): the most expected error the plan may take to meet it, a
+    fraction or a percentage (``"5%"``; :func:`tightfit.fit`'s; stored as a fraction).
     """
 
     model: str | None = None
@@ -152,6 +156,7 @@ class RunOptions:
     reference: bool = True
     context: int | str | None = None
     plan: FitPlan | str | Path | None = None
+    max_error: float | str | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, Path)):
@@ -207,7 +212,7 @@ class RunOptions:
         if self.plan is not None:
             given = [
                 name
-                for name in ("budget", "allow", "context", "quant", "storage_dtype", "offload")
+                for name in ("budget", "allow", "context", "max_error", "quant", "storage_dtype", "offload")
                 if getattr(self, name) is not None
             ]
             if given:
@@ -226,6 +231,13 @@ class RunOptions:
             if self.budget is None:
                 raise ValueError(
                     f"{assigned('context', self.context)} plans the KV cache within a budget; give {option('budget')} too"
+                )
+        if self.max_error is not None:
+            object.__setattr__(self, "max_error", parse_error(self.max_error, option("max_error")))
+            if self.budget is None:
+                raise ValueError(
+                    f"{assigned('max_error', self.max_error)} bounds the fit planner, which runs only with a budget; "
+                    f"give {option('budget')} too"
                 )
         if self.allow is not None and self.budget is None:
             raise ValueError(
@@ -384,6 +396,7 @@ def _planned(
             covers=job.covers(),
             loading=True,
             stored_dtypes=dtypes,
+            max_error=options.max_error,
         )
 
     budgeted = job.longest_context(plan, options.budget) if options.context == "auto" else plan()

@@ -42,6 +42,7 @@ def handle(args: argparse.Namespace, console: Console) -> int:
         reference=not args.no_reference,
         context=args.context,
         plan=args.plan,
+        max_error=args.max_error,
     )
     bars = Console(stderr=True)
     with show_progress(bars) if bars.is_terminal and not args.json else nullcontext():  # stderr only, never in --json
@@ -63,8 +64,14 @@ def context_value(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a number of positions or 'auto', got {text!r}") from None
 
 
-def add_context_argument(parser: argparse.ArgumentParser) -> None:
-    """``--context`` for ``run`` and ``fit``: the same words in both."""
+def add_planner_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--context`` and ``--max-error`` for ``run`` and ``fit``: the same words in both."""
+    parser.add_argument(
+        "--max-error",
+        metavar="PCT",
+        help="with --budget: the most expected error the plan may take to meet it, e.g. 10%% lets 4-bit in "
+        "(default: 3%%, 8-bit class, exceeded only where the budget needs more, and said so)",
+    )
     parser.add_argument(
         "--context",
         type=context_value,
@@ -131,12 +138,12 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
         "--plan",
         metavar="FILE",
         help="carry out a plan made before (tightfit fit --json > FILE), its budget the run's; "
-        "not with --budget, --allow or --context",
+        "not with --budget, --allow, --context or --max-error",
     )
     run.add_argument("--repeat", type=int, default=5, help="timed repetitions (default: 5)")
     run.add_argument("--prompt", help="causal LMs: the text to continue (default: a fixed story opening)")
     run.add_argument("--max-new-tokens", type=int, help="causal LMs: tokens to generate greedily (default: 16)")
-    add_context_argument(run)
+    add_planner_arguments(run)
     run.add_argument("--timeline", help="also write a PNG of memory over one run to this path (needs tightfit[plot])")
     run.add_argument(
         "--no-reference",

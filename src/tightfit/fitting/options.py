@@ -54,7 +54,7 @@ TIME_TOLERANCE = 0.25
 TIED_DECODE = "its leaves share one weight (tied), which only storage kept as it is serves to both"
 
 _PAGE = 4096  # bytes the OS reads per touched page of a memory-mapped file
-_TIE = 1e-12  # seconds per unit of noise: breaks ties between options of equal cost only
+_TIE = 1e-10  # seconds per unit of noise: breaks ties between options of equal cost only
 
 
 def storage_names() -> tuple[str, ...]:
@@ -123,8 +123,10 @@ class Option:
     the same placement or on the device, so that weights lose precision only to meet the
     budget, never for speed alone, nor than an option the planner prefers (listed
     earlier) that it does not beat by more than :data:`TIME_TOLERANCE`; plus a tie-break
-    for quantization noise (1e-12 s per weight times its format's ``noise``), so that at
-    equal cost the most precise storage stays.
+    for quantization noise (1e-10 s per weight times its format's ``noise``), so that at
+    equal cost the most precise storage stays. ``error_energy``: its weights' squared
+    expected errors summed (numel x the format's ``noise`` squared): the quality term
+    (:mod:`tightfit.fitting.quality`).
     """
 
     storage: str
@@ -137,6 +139,7 @@ class Option:
     cost: float
     load_bytes: int = 0  # above held, while this unit streams in from a checkpoint and converts (on the host)
     ready_bytes: int = 0  # alive before streaming starts (the skeleton's buffers: Unit.buffer_bytes), when loading
+    error_energy: float = 0.0  # sum of numel x noise**2 over its stored weights
 
     @property
     def transient_bytes(self) -> int:
@@ -346,7 +349,7 @@ def options_for(
             continue
         kinds = {leaf_type.__name__ for leaf_type in storage.leaf_types}
         stored, held_offloaded, decoded, decode_seconds, compute_seconds = unit.other_bytes, 0, 0, 0.0, 0.0
-        touched, noise, converting, shrunk = unit.other_bytes, 0.0, 0, 0
+        touched, noise, energy, converting, shrunk = unit.other_bytes, 0.0, 0.0, 0, 0
         read, token_seconds = unit.other_bytes, 0.0  # bytes read from memory per forward; few-token leaves' seconds
         again = 0  # tied leaves' weights: stored with the first leaf, copied onto the device again for each use
         for name, kind, shape, dtype in unit.weights:
@@ -374,6 +377,7 @@ def options_for(
                 converting = max(converting, size + leaf.convert_bytes(shape, dtype) - shrunk)
                 shrunk += numel * dtype.itemsize - size
                 noise += numel * leaf.noise
+                energy += numel * leaf.noise**2
                 decode_seconds += 0.0 if few_tokens else numel * figures.decode_seconds[leaf.name]
                 columns = 0
                 if leaf.outlier_threshold is not None:
@@ -403,6 +407,7 @@ def options_for(
                     _cost(seconds, storage.rank, placement, options) + _TIE * noise,
                     _load_bytes(unit, storage, placement, converting, held) if loading and on_host else 0,
                     unit.buffer_bytes if loading and on_host else 0,
+                    energy,
                 )
             )
     return options

@@ -18,6 +18,7 @@ from tightfit._deprecation import renamed
 from tightfit._files import parse_json
 from tightfit._validate import check_type
 from tightfit.fitting.options import PLACEMENTS, TIED_DECODE, storage_names
+from tightfit.fitting.quality import parse_error
 from tightfit.fitting.regions import add_hints, check_module_hints
 from tightfit.fitting.table import render
 from tightfit.hooks import OFFLOADING, HookRegistry, apply_offloading
@@ -138,6 +139,10 @@ class FitPlan:
     forward, by what they are for (a causal LM's KV cache growing to its context): the
     planner fits the units into the budget less these, and ``predicted_peak_bytes`` and
     ``full_peak_bytes`` count them (:attr:`reserved_bytes`).
+
+    ``predicted_error``: the plan's expected error (:mod:`tightfit.fitting.quality`);
+    ``max_error``: the bound it was planned under; ``quality``: the two in words, and why
+    where the budget forced the plan above a default bound.
     """
 
     model: str
@@ -162,9 +167,12 @@ class FitPlan:
     covers_load: bool = False
     predicted_load_peak_bytes: int = 0
     reserved: dict[str, int] = field(default_factory=dict)
+    predicted_error: float = 0.0
+    max_error: float | None = None
+    quality: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("model", "backend", "device", "int8_outliers"):
+        for name in ("model", "backend", "device", "int8_outliers", "quality"):
             _check_str("FitPlan", name, getattr(self, name))
         for name in (
             "budget_bytes",
@@ -197,6 +205,9 @@ class FitPlan:
                 raise TypeError(f"FitPlan.{name} must be a dict or None, got {type(value).__name__}: {value!r}")
         object.__setattr__(self, "hints", check_module_hints("FitPlan.hints", self.hints))
         object.__setattr__(self, "reserved", check_reserved("FitPlan.reserved", self.reserved))
+        object.__setattr__(self, "predicted_error", parse_error(self.predicted_error, "FitPlan.predicted_error"))
+        if self.max_error is not None:
+            object.__setattr__(self, "max_error", parse_error(self.max_error, "FitPlan.max_error"))
         _check_str("FitPlan", "runtime", self.runtime)
         if self.runtime not in _RUNTIMES:
             raise ValueError(f"FitPlan.runtime={self.runtime!r} is not accepted; accepted: {', '.join(_RUNTIMES)}")

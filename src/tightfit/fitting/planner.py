@@ -4,6 +4,7 @@ within the budget at the least predicted time. See docs/fit.md."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +18,7 @@ from tightfit.fitting.calibration import Calibration, calibrate
 from tightfit.fitting.options import Option, Unit, find_units, options_for
 from tightfit.fitting.outliers import ASSUMED_OUTLIER_FRACTION, observe_outliers
 from tightfit.fitting.plan import FitPlan, PlanEntry, check_reserved
+from tightfit.fitting.quality import DEFAULT_MAX_ERROR, expected_error, parse_error, percent
 from tightfit.fitting.regions import Sliced, slice_layers
 from tightfit.fitting.search import Choice, peak_of, search
 from tightfit.fitting.size import parse_size
@@ -187,6 +189,7 @@ def fit(
     loading: bool = False,
     stored_dtypes: Mapping[str, torch.dtype] | None = None,
     reserve: Mapping[str, int] | None = None,
+    max_error: float | str | None = None,
 ) -> FitPlan:
     """A :class:`FitPlan` whose predicted device peak for ``model(*example_inputs)`` (or
     ``model(**example_inputs)`` for a dict) is within ``budget`` at the least predicted time.
@@ -232,6 +235,12 @@ def fit(
     forward, by what they are for (``{"KV cache growth to 2,048 tokens": n}``): the units
     are fitted into the budget less their sum, and the plan keeps them as
     ``plan.reserved``, counted in its peaks and shown in its table, JSON and errors.
+
+    ``max_error``: the most expected error the plan may take to meet the budget (a
+    fraction, or a percentage string ``"3%"``; :mod:`tightfit.fitting.quality`): among the
+    plans within the budget and the bound, the fastest. FitError when none is within both.
+    None: the default bound (3%), which gives way where the budget needs more, to the most
+    precise plan within it, said in ``plan.quality``.
     """
     from tightfit.backends.resolve import resolve_backend
 
@@ -250,6 +259,7 @@ def fit(
             parts=sorted(reserved.items(), key=lambda part: -part[1]),
         )
     units_budget = budget_bytes - reserved_bytes
+    bound = DEFAULT_MAX_ERROR if max_error is None else parse_error(max_error)
     allowed = Allow.coerce(allow)
     if calibration is not None:
         check_type("calibration", calibration, Calibration)
@@ -266,6 +276,8 @@ def fit(
     peak_node = planned.peak_node if planned else None
     live = _live_while_computing(memory, device, spans, activations)
     units = find_units(model, stored_dtypes)
+    weights = sum(math.prod(shape) for unit in units for name, _, shape, _ in unit.weights if name not in unit.tied)
+    max_energy = bound**2 * weights
 
     def build(outliers: dict[str, int] | None) -> list[list[Option]]:
         return [
@@ -296,6 +308,7 @@ def fit(
     full = peak_of(options, tuple(keep), activations)
     full_peak = full.peak_bytes
     applies_nothing = full_peak <= units_budget
+    forced = False
     if applies_nothing:
         choice = full
     else:
@@ -307,8 +320,18 @@ def fit(
         if thresholds:  # only these storages' options depend on the data; a real forward when it can run
             outliers, not_observed = _observe(model, args, kwargs, device, min(thresholds))
             options = build(outliers) if outliers is not None else options
-        found = search(options, units_budget, activations)
-        choice = found.best
+        found = search(options, units_budget, activations, max_energy)
+        choice, forced = found.best, found.forced
+        if found.forced and max_error is not None and choice is not None:
+            least = expected_error(choice.error_energy, weights)
+            raise FitError(
+                f"max_error={percent(bound)} cannot be met within budget={human_bytes(budget_bytes)} ({budget_bytes} B) "
+                f"on {device}: the most precise plan within the budget has an expected error of {percent(least)}. "
+                f"Give max_error={math.ceil(least * 1000) / 10:g}% or more, or a larger budget",
+                budget_bytes=budget_bytes,
+                smallest_peak_bytes=choice.peak_bytes + reserved_bytes,
+                parts=_parts(units, options, choice, activations, peak_node),
+            )
         layers = [unit.name for unit in units if unit.kind == "layer"]
         if choice is None and allowed.hints and layers:
             sliced, tried, refused = slice_layers(
@@ -377,7 +400,21 @@ def fit(
         covers_load=loading,
         predicted_load_peak_bytes=load_peak,
         reserved=reserved,
+        predicted_error=expected_error(choice.error_energy, weights),
+        max_error=bound,
+        quality=_quality(expected_error(choice.error_energy, weights), bound, max_error is None, forced),
     )
+
+
+def _quality(error: float, bound: float, default: bool, forced: bool) -> str:
+    """What the plan's expected error is, against its bound, in words."""
+    said = f"expected error {percent(error)} (RMS over the weights of each layer output's relative error)"
+    if forced:
+        return (
+            f"{said}, above the default bound of {percent(bound)}: no plan within the budget meets it, so this is the "
+            f"most precise one that fits; give a larger budget, or max_error (--max-error) to accept it"
+        )
+    return f"{said}, within the {'default ' if default else ''}bound of {percent(bound)}"
 
 
 def _check_stored_dtypes(stored_dtypes: Any, loading: bool) -> None:

@@ -10,6 +10,11 @@ each (every distinct value an option has), keeps the options under the caps, and
 solves the rest, a multiple-choice knapsack over held bytes, by dynamic programming on
 bytes rounded up to buckets (so a solution it finds always fits). The best over all
 caps wins.
+
+A bound on the plan's error (:mod:`tightfit.fitting.quality`) is a second constraint,
+over the options' summed ``error_energy``: relaxed into the objective (cost + weight x
+energy), with the weight raised by bisection until the best plan meets the bound. Where
+even the most precise plan within the budget does not, that one is returned (``forced``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ from tightfit.fitting.options import Option
 __all__ = ["Choice", "Search", "peak_of", "search"]
 
 _BUCKETS = 16384
+_BISECTIONS = 20  # halvings of the error weight's logarithm (12 decades): within 0.003% of the least
+
+
+def _value(choice: Choice, weight: float) -> float:
+    return choice.cost + weight * choice.error_energy
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,7 @@ class Choice:
     compute_bytes: int = 0
     load_bytes: int = 0
     load_peak_bytes: int = 0
+    error_energy: float = 0.0
 
     @property
     def peak_bytes(self) -> int:
@@ -53,10 +64,13 @@ class Choice:
 
 @dataclass(frozen=True)
 class Search:
-    """The best choice (None when nothing fits) and the least-peak choice (for the error)."""
+    """The best choice (None when nothing fits) and the least-peak choice (for the error);
+    ``forced``: no choice within the budget meets the error bound, and ``best`` is the most
+    precise one that fits."""
 
     best: Choice | None
     smallest: Choice
+    forced: bool = False
 
 
 def peak_of(options: list[list[Option]], picks: tuple[int, ...], activations: int) -> Choice:
@@ -84,11 +98,15 @@ def peak_of(options: list[list[Option]], picks: tuple[int, ...], activations: in
         computing,
         loading,
         load_peak,
+        sum(o.error_energy for o in chosen),
     )
 
 
-def _knapsack(options: list[list[Option]], allowed: list[list[int]], capacity: int) -> tuple[int, ...] | None:
-    """Least-time picks (among ``allowed`` indices) with held bytes <= capacity, or None."""
+def _knapsack(
+    options: list[list[Option]], allowed: list[list[int]], capacity: int, weight: float
+) -> tuple[int, ...] | None:
+    """Least cost + ``weight`` x error energy picks (among ``allowed`` indices) with held
+    bytes <= capacity, or None."""
     if capacity < 0:
         return None
     bucket = max(1, math.ceil(capacity / _BUCKETS))
@@ -100,11 +118,11 @@ def _knapsack(options: list[list[Option]], allowed: list[list[int]], capacity: i
         pick = np.full(size, -1, dtype=np.int32)
         for index in indices:
             option = unit_options[index]
-            weight = math.ceil(option.held_bytes / bucket)
-            if weight >= size:
+            held = math.ceil(option.held_bytes / bucket)
+            if held >= size:
                 continue
             shifted = np.full(size, np.inf)
-            shifted[weight:] = best[: size - weight] + option.cost
+            shifted[held:] = best[: size - held] + option.cost + weight * option.error_energy
             better = shifted < new
             new[better] = shifted[better]
             pick[better] = index
@@ -120,10 +138,37 @@ def _knapsack(options: list[list[Option]], allowed: list[list[int]], capacity: i
     return tuple(reversed(picks))
 
 
-def search(options: list[list[Option]], budget: int, activations: int) -> Search:
+def search(options: list[list[Option]], budget: int, activations: int, max_energy: float = math.inf) -> Search:
     """Choose one option per unit so that the predicted peak is <= ``budget`` at the least
-    summed cost (seconds, see :class:`Option`); ``activations``: the planned activation
-    peak with the inputs. Every unit must have at least one option."""
+    summed cost (seconds, see :class:`Option`) with the summed error energy <=
+    ``max_energy``; ``activations``: the planned activation peak with the inputs. Every
+    unit must have at least one option."""
+    found = _search(options, budget, activations, 0.0)
+    if found.best is None or found.best.error_energy <= max_energy:
+        return found
+    # energy first: every weight-second of cost is worth less than any energy the options differ by
+    steps = sorted({o.error_energy for unit in options for o in unit})
+    least_step = min((b - a for a, b in zip(steps, steps[1:])), default=1.0)
+    most_cost = sum(max(o.cost for o in unit) for unit in options)
+    high = 2 * most_cost / least_step
+    precise = _search(options, budget, activations, high)
+    if precise.best is None or precise.best.error_energy > max_energy:
+        return Search(precise.best, found.smallest, forced=True)
+    best, low = precise.best, high * 1e-12
+    for _ in range(_BISECTIONS):  # geometric: the weight spans many orders of magnitude
+        middle = math.sqrt(low * high)
+        candidate = _search(options, budget, activations, middle).best
+        if candidate is not None and candidate.error_energy <= max_energy:
+            high = middle
+            best = candidate if candidate.cost < best.cost else best
+        else:
+            low = middle
+    return Search(best, found.smallest)
+
+
+def _search(options: list[list[Option]], budget: int, activations: int, weight: float) -> Search:
+    """The least cost + ``weight`` x error energy choice within ``budget`` (None when
+    nothing fits), and the least-peak one."""
     active_caps = sorted(
         {activations} | {o.transient_bytes for unit in options for o in unit if o.transient_bytes > activations}
     )
@@ -145,10 +190,10 @@ def search(options: list[list[Option]], budget: int, activations: int) -> Search
             candidate = peak_of(options, least, activations)
             if smallest is None or candidate.peak_bytes < smallest.peak_bytes:
                 smallest = candidate
-            picks = _knapsack(options, allowed, budget - active_cap - 2 * onload_cap)
+            picks = _knapsack(options, allowed, budget - active_cap - 2 * onload_cap, weight)
             if picks is None:
                 continue
             choice = peak_of(options, picks, activations)
-            if choice.peak_bytes <= budget and (best is None or choice.cost < best.cost):
+            if choice.peak_bytes <= budget and (best is None or _value(choice, weight) < _value(best, weight)):
                 best = choice
     return Search(best, smallest)

@@ -29,6 +29,8 @@ def render(plan: FitPlan) -> str:
     if plan.reserved:
         held = "; ".join(f"{what} {human_bytes(size)} ({size:,} B)" for what, size in plan.reserved.items())
         lines.append(f"reserved on the device outside the weights and the planned forward: {held}")
+    if plan.quality:
+        lines.append(f"quality: {plan.quality}")
     if plan.covers_load:
         lines.append(
             f"loading covered: peak {human_bytes(plan.predicted_load_peak_bytes)} while the checkpoint streams in "

@@ -110,6 +110,7 @@ def _plan_folder(
     allow: Allow | Mapping[str, Any] | None,
     calibration: Calibration | None,
     kind: str | None,
+    max_error: float | str | None = None,
 ) -> tuple[nn.Module, FitPlan, Checkpoint | None]:
     """:func:`plan_folder`, and the checkpoint whose headers it read (None where the folder holds none yet)."""
     model, config = skeleton(folder, kind)  # the folder checked first
@@ -124,6 +125,7 @@ def _plan_folder(
         calibration=calibration,
         loading=True,
         stored_dtypes=_stored_dtypes(model, checkpoint),
+        max_error=max_error,
     )
     return model, plan, checkpoint
 
@@ -137,6 +139,7 @@ def plan_folder(
     allow: Allow | Mapping[str, Any] | None = None,
     calibration: Calibration | None = None,
     kind: str | None = None,
+    max_error: float | str | None = None,
 ) -> tuple[nn.Module, FitPlan]:
     """(skeleton, plan): the plan of a local Hugging Face folder for ``budget``, covering
     loading, made from its config.json and, where the folder holds its safetensors
@@ -154,6 +157,7 @@ def plan_folder(
         allow=allow,
         calibration=calibration,
         kind=kind,
+        max_error=max_error,
     )
     return model, plan
 
@@ -169,13 +173,16 @@ def load(
     calibration: Calibration | None = None,
     kind: str | None = None,
     model: nn.Module | None = None,
+    max_error: float | str | None = None,
 ) -> tuple[nn.Module, FitPlan]:
     """(model, plan): a local Hugging Face folder's model, streamed into a plan for ``budget``.
 
     The plan is made first, from the config and the checkpoint's headers
     (:func:`plan_folder`; ``FitError`` before any weight is read when nothing fits), or
     given as ``plan`` (then ``budget``,
-    ``example_inputs``, ``allow`` and ``calibration`` are refused). The safetensors
+    ``example_inputs``, ``allow``, ``calibration`` and ``max_error`` are refused;
+    ``max_error`` is :func:`tightfit.fit`'s, refused for a checkpoint stored quantized,
+    whose storage is not the planner's to choose). The safetensors
     checkpoint is then read unit by unit, each unit converted and placed as planned, in
     the dtype the checkpoint's config names (``torch_dtype``). ``kind``: ``"causal-lm"``
     (with its LM head) or ``"encoder"`` (the base model); default: the config's. ``model``:
@@ -194,6 +201,7 @@ def load(
                 ("example_inputs", example_inputs),
                 ("allow", allow),
                 ("calibration", calibration),
+                ("max_error", max_error),
             )
             if value is not None
         ]
@@ -202,6 +210,11 @@ def load(
     from tightfit.loading import prequantized  # a cycle: it reads with this module's helpers
 
     if holds_quantized(path):  # bitsandbytes, or tightfit.save: the stored tensors go in as they are
+        if max_error is not None:
+            raise ValueError(
+                f"max_error={max_error!r} bounds what the planner's storage choices lose, but {path} is stored "
+                f"quantized already: the planner chooses only where its tensors live; drop max_error"
+            )
         return prequantized.load_quantized(
             path,
             budget,
@@ -238,6 +251,7 @@ def load(
             allow=allow,
             calibration=calibration,
             kind=kind,
+            max_error=max_error,
         )
     _, device = resolve_backend(plan.device)
     stream(model, checkpoint if checkpoint is not None else Checkpoint(path), plan, device)  # the headers planned

@@ -71,8 +71,9 @@ class StorageFormat:
     """One way to store a weight, as the planner, calibration and ``apply`` see it.
 
     ``rank``: precision, 0 the most precise; the planner loses precision only to meet a
-    budget. ``noise``: relative rounding noise per weight, which breaks ties between
-    formats of equal predicted time. ``stored_bytes(shape, dtype)``: a weight's bytes
+    budget. ``noise``: the relative RMS error a layer's output takes from its weight stored
+    so (Gaussian weights and inputs; tests/quant/test_catalogue_noise.py measures each
+    format against its figure): the planner's quality term, :mod:`tightfit.fitting.quality`. ``stored_bytes(shape, dtype)``: a weight's bytes
     stored so, wherever they live; ``held_offloaded(shape, dtype)``: of those, the bytes
     that stay on the device when the layer is offloaded (scales that are not parameters
     or buffers); ``transient_bytes(shape, rows, outliers, dtype)``: what the layer's
@@ -287,7 +288,7 @@ def _builtin() -> list[StorageFormat]:
         StorageFormat(
             "float8",
             1,
-            1.0,
+            0.026,
             _float8_bytes,
             _float8_apply,
             transient_bytes=_decoded_copy,
@@ -299,7 +300,7 @@ def _builtin() -> list[StorageFormat]:
         quantized_format(
             "8bit",
             1,
-            1.0,
+            0.013,
             blockwise8,
             Linear8bit,
             stored_8bit,
@@ -309,7 +310,7 @@ def _builtin() -> list[StorageFormat]:
         quantized_format(
             "int8",
             1,
-            1.0,
+            0.011,
             int8,
             LinearInt8,
             _rows_bytes,
@@ -317,10 +318,10 @@ def _builtin() -> list[StorageFormat]:
             convert_bytes=_int8_convert_bytes,
         ),
         quantized_format(
-            "nf4", 2, 16.0, nf4, Linear4bit, stored_4bit, held_offloaded=held_4bit, convert_bytes=scratch_4bit
+            "nf4", 2, 0.092, nf4, Linear4bit, stored_4bit, held_offloaded=held_4bit, convert_bytes=scratch_4bit
         ),
         quantized_format(
-            "fp4", 3, 24.0, fp4, Linear4bit, stored_4bit, held_offloaded=held_4bit, convert_bytes=scratch_4bit
+            "fp4", 3, 0.122, fp4, Linear4bit, stored_4bit, held_offloaded=held_4bit, convert_bytes=scratch_4bit
         ),
     ]
 
