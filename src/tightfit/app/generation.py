@@ -14,7 +14,7 @@ from tightfit._validate import check_type
 from tightfit.app import captured
 from tightfit.memory import mark
 
-__all__ = ["Generation", "generate_greedy", "token_agreement"]
+__all__ = ["Generation", "generate_greedy", "prefill_inputs", "token_agreement"]
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,21 @@ def _check_ids(input_ids: Any) -> None:
 
 
 def _next_token(output: Any) -> torch.Tensor:
-    """The greedy next token of a forward; the rest of ``output`` (logits over the whole
-    prompt after the prefill) is dropped here, not held while decoding."""
+    """The greedy next token of a forward (the last position's logits); the rest of
+    ``output`` is dropped here, not held while decoding."""
     return output.logits[:, -1].argmax(-1, keepdim=True)
+
+
+def prefill_inputs(model: Any, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The prefill's inputs: the prompt and, where the model's forward takes it,
+    ``logits_to_keep`` naming the last position (a tensor, as a plan's example inputs must
+    be), so that the logits over the vocabulary are made for the one position the next
+    token needs, not for the whole prompt: for a large vocabulary and a long prompt, what
+    would dominate the prefill's peak."""
+    inputs = {"input_ids": input_ids}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        inputs["logits_to_keep"] = torch.tensor([input_ids.shape[1] - 1], device=input_ids.device)
+    return inputs
 
 
 def _cache_argument(model: Any) -> dict[str, Any]:
@@ -101,7 +113,7 @@ def generate_greedy(
     mark("prefill")
     start = time.perf_counter()
     cache = _cache_argument(model)
-    token = _next_token(model(input_ids=input_ids, use_cache=True, **cache))
+    token = _next_token(model(**prefill_inputs(model, input_ids), use_cache=True, **cache))
     tokens = [int(token)]
     wait()
     prefilled = time.perf_counter()

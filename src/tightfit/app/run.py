@@ -21,7 +21,7 @@ from tightfit._deprecation import renamed
 from tightfit._format import human_bytes
 from tightfit._validate import check_choice, check_type
 from tightfit.app.budget import KV_CACHE, Budgeted, kv_cache_bytes_per_token, measure_load, plan_run, read_plan
-from tightfit.app.generation import Generation, generate_greedy, token_agreement
+from tightfit.app.generation import Generation, generate_greedy, prefill_inputs, token_agreement
 from tightfit.app.models import (
     ENCODER,
     default_model_dir,
@@ -642,7 +642,7 @@ class _CausalLM:
 
     def example_inputs(self) -> dict[str, torch.Tensor]:
         """The prefill over the prompt: what a plan is made for (its KV cache included)."""
-        return {"input_ids": self.input_ids}
+        return prefill_inputs(self.model, self.input_ids)
 
     def kv_cache_bytes(self) -> int:
         """The KV cache's growth beyond the prompt (whose share the prefill holds) to the
