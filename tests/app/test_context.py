@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tightfit.app.budget import KV_CACHE, kv_cache_bytes_per_token
-from tightfit.app.generation import _cache_argument
+from tightfit.app.budget import KV_CACHE
+from tightfit.app.kv_cache import bytes_per_token, cache_argument
 from tightfit.app.models import load_causal_lm, load_tokenizer
 from tightfit.app.run import DEFAULT_PROMPT, RunOptions, plan_only, run
 from tightfit.fitting import FitError
@@ -22,17 +22,19 @@ def _prompt_tokens(folder) -> int:
     return load_tokenizer(folder)(DEFAULT_PROMPT, return_tensors="pt").input_ids.shape[1]
 
 
-def test_the_cache_holds_to_the_byte_what_is_predicted(tiny_llama):
+@pytest.mark.parametrize("kv_format", ["model", "float8"])
+def test_the_cache_holds_to_the_byte_what_is_predicted(tiny_llama, kv_format):
     model, _ = load_causal_lm(tiny_llama, torch.device("cpu"))
-    per_token = kv_cache_bytes_per_token(model.config, torch.float32)
-    cache = _cache_argument(model)  # the cache as tightfit run's generation makes it
+    per_token = bytes_per_token(model.config, torch.float32, kv_format)
+    cache = cache_argument(model, kv_format)  # the cache as tightfit run's generation makes it
     ids = torch.randint(1, model.config.vocab_size, (1, 11))
     with torch.inference_mode():
         model(input_ids=ids, use_cache=True, **cache)
         for _ in range(6):
             model(input_ids=ids[:, :1], use_cache=True, **cache)
     (held_cache,) = cache.values()
-    held = sum(t.numel() * t.element_size() for layer in held_cache.layers for t in (layer.keys, layer.values))
+    names = ("keys", "values", "key_scales", "value_scales")
+    held = sum(getattr(layer, name).nbytes for layer in held_cache.layers for name in names if hasattr(layer, name))
     assert held == per_token * 17
 
 

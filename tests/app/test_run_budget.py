@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from tightfit.app.budget import kv_cache_bytes_per_token
 from tightfit.app.cli import main
+from tightfit.app.kv_cache import bytes_per_token
 from tightfit.app.run import RunOptions, run
 from tightfit.fitting import PLACEMENTS, Allow, FitError, storage_names
 from zoo.lm import resaved_in_bfloat16
@@ -190,8 +190,8 @@ def test_kv_cache_bytes_per_token_reads_the_config(tiny_llama):
     import torch
     from transformers import AutoConfig, GPT2Config
 
-    assert kv_cache_bytes_per_token(AutoConfig.from_pretrained(tiny_llama), torch.float32) == TINY_KV_BYTES_PER_TOKEN
-    assert kv_cache_bytes_per_token(GPT2Config(n_layer=2, n_head=4, n_embd=64), torch.float16) == 2 * 2 * 64 * 2
+    assert bytes_per_token(AutoConfig.from_pretrained(tiny_llama), torch.float32) == TINY_KV_BYTES_PER_TOKEN
+    assert bytes_per_token(GPT2Config(n_layer=2, n_head=4, n_embd=64), torch.float16) == 2 * 2 * 64 * 2
 
 
 def test_a_budget_above_the_model_s_needs_applies_nothing(tiny_llama, capsys):

@@ -335,7 +335,7 @@ def test_generation_warns_nothing(tiny_llama):
 def test_the_cache_goes_by_the_keyword_the_model_takes():
     from transformers import Cache
 
-    from tightfit.app.generation import _cache_argument
+    from tightfit.app.kv_cache import cache_argument
 
     class Older(torch.nn.Module):  # transformers before the rename
         def forward(self, input_ids=None, past_key_values=None, use_cache=None):
@@ -346,8 +346,8 @@ def test_the_cache_goes_by_the_keyword_the_model_takes():
             raise NotImplementedError
 
     (older_keyword, older_cache), (newer_keyword, newer_cache) = (
-        next(iter(_cache_argument(Older()).items())),
-        next(iter(_cache_argument(Newer()).items())),
+        next(iter(cache_argument(Older()).items())),
+        next(iter(cache_argument(Newer()).items())),
     )
     assert (older_keyword, newer_keyword) == ("past_key_values", "cache")
     assert isinstance(older_cache, Cache) and isinstance(newer_cache, Cache) and older_cache is not newer_cache

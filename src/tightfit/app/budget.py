@@ -38,27 +38,22 @@ from tightfit.memory import LiveTensorBytes
 __all__: list[str] = []
 
 
-def kv_cache_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
-    """Bytes a causal LM's KV cache grows by per token: keys and values of every layer."""
-    layers = config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 2 * layers * kv_heads * head_dim * dtype.itemsize
-
-
 #: What a causal LM's KV cache growth is reserved as in its plan.
 KV_CACHE = "KV cache growth while decoding"
+#: What a float8 KV cache's layer decoded for its attention is reserved as.
+KV_DECODED = "one layer's float8 KV cache decoded while it attends"
 
 
 @dataclass(frozen=True)
 class Budgeted:
     """A plan for a run and what its prediction covers (``covers``, in words); ``context``:
-    the positions a causal LM's KV cache is planned for (None for an encoder)."""
+    the positions a causal LM's KV cache is planned for, ``kv_format`` its format
+    (:mod:`tightfit.app.kv_cache`; None for an encoder)."""
 
     plan: FitPlan
     covers: str
     context: int | None = None
+    kv_format: str | None = None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -79,6 +74,7 @@ def plan_run(
     allow: Allow | None,
     kv_cache_bytes: int,
     covers: str,
+    kv_decoded_bytes: int = 0,
     loading: bool = False,
     stored_dtypes: dict[str, torch.dtype] | None = None,
     max_error: float | None = None,
@@ -90,7 +86,8 @@ def plan_run(
     skeleton on meta whose checkpoint will stream into the plan; the inputs go to meta too;
     ``stored_dtypes``: the dtypes its checkpoint's headers give its tensors
     (:func:`tightfit.loading.stored_dtypes`), for a plan that counts their conversion;
-    ``max_error``: ``fit``'s bound on the plan's expected error (None: its default)."""
+    ``max_error``: ``fit``'s bound on the plan's expected error (None: its default);
+    ``kv_decoded_bytes``: a float8 cache's layer decoded while it attends, reserved too."""
     if kv_cache_bytes >= budget_bytes:
         raise ValueError(
             f"{assigned('budget', budget_bytes)} ({human_bytes(budget_bytes)}) leaves nothing for the model: the KV "
@@ -106,7 +103,8 @@ def plan_run(
             allow=replace(allow or Allow(), hints=False),
             loading=loading,
             stored_dtypes=stored_dtypes,
-            reserve={KV_CACHE: kv_cache_bytes} if kv_cache_bytes else None,
+            reserve={what: size for what, size in ((KV_CACHE, kv_cache_bytes), (KV_DECODED, kv_decoded_bytes)) if size}
+            or None,
             max_error=max_error,
         )
     except FitError as error:

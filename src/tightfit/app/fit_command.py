@@ -52,6 +52,7 @@ def handle(args: argparse.Namespace, console: Console) -> int:
             context=args.context,
             allow=args.allow,
             max_error=args.max_error,
+            kv_cache=args.kv_cache,
         )
     )
     plan = budgeted.plan
@@ -60,6 +61,7 @@ def handle(args: argparse.Namespace, console: Console) -> int:
             "predicted_peak_bytes": budgeted.predicted_peak_bytes,
             "kv_cache_growth_bytes": budgeted.kv_cache_bytes,
             "context": budgeted.context,
+            "kv_cache_format": budgeted.kv_format,
             "prediction_covers": budgeted.covers,
             "plan": plan.to_dict(),
         }

@@ -12,6 +12,7 @@ import torch
 
 from tightfit._validate import check_type
 from tightfit.app import captured
+from tightfit.app.kv_cache import cache_argument
 from tightfit.memory import mark
 
 __all__ = ["Generation", "generate_greedy", "prefill_inputs", "token_agreement"]
@@ -63,29 +64,14 @@ def prefill_inputs(model: Any, input_ids: torch.Tensor) -> dict[str, torch.Tenso
     return inputs
 
 
-def _cache_argument(model: Any) -> dict[str, Any]:
-    """A new, empty KV cache for ``model``, as the keyword its forward takes it by.
-
-    transformers asks for a ``Cache`` object made up front (a tuple of tensors, the legacy
-    cache, is deprecated) and, from 5.x, calls the argument ``cache`` (``past_key_values``
-    warns a FutureWarning and goes in 5.40). The object is updated in place by every
-    forward, so the same one is passed again while decoding. Before 4.56 DynamicCache
-    takes no config.
-    """
-    from transformers import DynamicCache
-
-    config = getattr(model, "config", None)
-    if config is not None and "config" in inspect.signature(DynamicCache).parameters:
-        cache = DynamicCache(config=config)
-    else:
-        cache = DynamicCache()
-    parameters = inspect.signature(model.forward).parameters
-    return {"cache" if "cache" in parameters else "past_key_values": cache}
-
-
 @torch.inference_mode()
 def generate_greedy(
-    model: Any, input_ids: torch.Tensor, max_new_tokens: int, synchronize: Any = None, graph: bool = False
+    model: Any,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    synchronize: Any = None,
+    graph: bool = False,
+    kv_format: str = "model",
 ) -> Generation:
     """Generate exactly ``max_new_tokens`` tokens greedily with the model's KV cache.
 
@@ -93,7 +79,8 @@ def generate_greedy(
     and their speeds compare. ``synchronize`` (a no-argument callable) waits for the device
     before each clock reading; ``memory.mark`` labels the two phases on a recorded timeline.
     ``graph``: decode by replaying one captured CUDA graph of the step (a static KV cache;
-    every weight on the device; see :mod:`tightfit.app.captured`).
+    every weight on the device; see :mod:`tightfit.app.captured`). ``kv_format``: the KV
+    cache's format (:mod:`tightfit.app.kv_cache`; the graph's static cache is the model's).
     """
     _check_ids(input_ids)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -104,6 +91,10 @@ def generate_greedy(
             f"{type(synchronize).__name__}: {synchronize!r}"
         )
     check_type("graph", graph, bool)
+    if graph and kv_format != "model":
+        raise ValueError(
+            f"kv_format={kv_format!r} with graph=True: a captured decode keeps a static cache in the model's dtype"
+        )
     wait = synchronize or (lambda: None)
     if graph:
         captured.check_capturable(model, input_ids)
@@ -112,7 +103,7 @@ def generate_greedy(
             return Generation(tuple(tokens), prefill_seconds, decode_seconds)
     mark("prefill")
     start = time.perf_counter()
-    cache = _cache_argument(model)
+    cache = cache_argument(model, kv_format)
     token = _next_token(model(**prefill_inputs(model, input_ids), use_cache=True, **cache))
     tokens = [int(token)]
     wait()

@@ -41,6 +41,7 @@ def _budget_data(report: RunReport) -> dict[str, Any]:
             "prediction_covers",
             "kv_cache_growth_bytes",
             "context",
+            "kv_cache_format",
             "applies_nothing",
             "plan",
             "load_seconds",
@@ -57,6 +58,7 @@ def _budget_data(report: RunReport) -> dict[str, Any]:
         "prediction_covers": budgeted.covers,
         "kv_cache_growth_bytes": budgeted.kv_cache_bytes,
         "context": budgeted.context,
+        "kv_cache_format": budgeted.kv_format,
         "applies_nothing": budgeted.plan.applies_nothing,
         "plan": budgeted.plan.to_dict(),
         "load_seconds": report.load_seconds,
@@ -217,6 +219,6 @@ def print_report(report: RunReport, console: Console, *, started: bool = False) 
     console.print(figures)
     if report.budgeted is not None:
         console.print(_budget(report))
-        console.print(f"the prediction covers {report.budgeted.covers}", highlight=False, markup=False)
+        console.print(f"the prediction covers {report.budgeted.covers}", highlight=False, markup=False, soft_wrap=True)
     if report.timeline_path is not None:
         console.print(f"memory timeline written to {report.timeline_path}", highlight=False, markup=False)

@@ -20,7 +20,8 @@ from tightfit import backends
 from tightfit._deprecation import renamed
 from tightfit._format import human_bytes
 from tightfit._validate import check_choice, check_type
-from tightfit.app.budget import KV_CACHE, Budgeted, kv_cache_bytes_per_token, measure_load, plan_run, read_plan
+from tightfit.app import kv_cache
+from tightfit.app.budget import KV_CACHE, KV_DECODED, Budgeted, measure_load, plan_run, read_plan
 from tightfit.app.generation import Generation, generate_greedy, prefill_inputs, token_agreement
 from tightfit.app.models import (
     ENCODER,
@@ -136,6 +137,10 @@ class RunOptions:
 
     ``max_error`` (with a budget): the most expected error the plan may take to meet it, a
     fraction or a percentage (``"5%"``; :func:`tightfit.fit`'s; stored as a fraction).
+
+    ``kv_cache`` (a causal LM): the KV cache's format, ``"model"`` (the model's dtype),
+    ``"float8"`` (:mod:`tightfit.app.kv_cache`) or ``"auto"``: the model's, unless the
+    budget holds the run (or, with ``context="auto"``, a longer context) only with float8.
     """
 
     model: str | None = None
@@ -157,6 +162,7 @@ class RunOptions:
     context: int | str | None = None
     plan: FitPlan | str | Path | None = None
     max_error: float | str | None = None
+    kv_cache: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, Path)):
@@ -232,6 +238,7 @@ class RunOptions:
                 raise ValueError(
                     f"{assigned('context', self.context)} plans the KV cache within a budget; give {option('budget')} too"
                 )
+        check_choice(option("kv_cache"), self.kv_cache, ("auto", *kv_cache.KV_FORMATS))
         if self.max_error is not None:
             object.__setattr__(self, "max_error", parse_error(self.max_error, option("max_error")))
             if self.budget is None:
@@ -361,11 +368,12 @@ def _setup(options: RunOptions | None) -> tuple[RunOptions, backends.Backend, to
             f"{option('prompt')} and {option('max_new_tokens')} apply to causal LMs; {named} is an encoder, "
             f"which embeds sentences"
         )
-    if kind == ENCODER and options.context is not None:
-        named = "the built-in model" if options.model is None else assigned("model", str(folder))
-        raise ValueError(
-            f"{option('context')} applies to causal LMs (their KV cache); {named} is an encoder, which embeds sentences"
-        )
+    for name in ("context", "kv_cache"):
+        if kind == ENCODER and getattr(options, name) not in (None, "auto" if name == "kv_cache" else None):
+            named = "the built-in model" if options.model is None else assigned("model", str(folder))
+            raise ValueError(
+                f"{option(name)} applies to causal LMs (their KV cache); {named} is an encoder, which embeds sentences"
+            )
     return options, backend, device, folder, kind
 
 
@@ -393,14 +401,18 @@ def _planned(
             device=device,
             allow=options.allow,
             kv_cache_bytes=job.kv_cache_bytes(),
+            kv_decoded_bytes=job.kv_decoded_bytes(),
             covers=job.covers(),
             loading=True,
             stored_dtypes=dtypes,
             max_error=options.max_error,
         )
 
-    budgeted = job.longest_context(plan, options.budget) if options.context == "auto" else plan()
-    return job, replace(budgeted, context=job.planned_context())
+    def planned() -> Budgeted:
+        budgeted = job.longest_context(plan, options.budget) if options.context == "auto" else plan()
+        return replace(budgeted, context=job.planned_context(), kv_format=job.kv_format)
+
+    return job, job.choose_kv_format(planned, options.kv_cache)
 
 
 def plan_only(options: RunOptions) -> Budgeted:
@@ -575,9 +587,18 @@ class _Encoder:
             self.tokenizer(list(self.sentences), padding=True, truncation=True, return_tensors="pt").to(self.device)
         )
 
+    kv_format = None  # an encoder keeps no cache between forwards
+
     def kv_cache_bytes(self) -> int:
         """An encoder keeps no cache between forwards."""
         return 0
+
+    def kv_decoded_bytes(self) -> int:
+        return 0
+
+    def choose_kv_format(self, planned: Callable[[], Budgeted], kv_format: str) -> Budgeted:
+        """An encoder's plan: no cache to choose a format for."""
+        return planned()
 
     def planned_context(self) -> None:
         """An encoder has no context to plan."""
@@ -635,10 +656,17 @@ class _CausalLM:
                 f"{self.limit} (max_position_embeddings)"
             )
         self.context_note = ""
+        self.context_limited = False  # --context auto: the budget, not the model, set the context
+        self.kv_format = "model" if options.kv_cache == "auto" else options.kv_cache
+        self.kv_note = ""
+        if self.kv_format != "model":
+            kv_cache.cache_argument(self.model, self.kv_format)  # refused here where the model's cache cannot
         self.synchronize = lambda: backend.synchronize(device)
 
     def call(self) -> Generation:
-        return generate_greedy(self.model, self.input_ids, self.max_new_tokens, self.synchronize)
+        return generate_greedy(
+            self.model, self.input_ids, self.max_new_tokens, self.synchronize, kv_format=self.kv_format
+        )
 
     def example_inputs(self) -> dict[str, torch.Tensor]:
         """The prefill over the prompt: what a plan is made for (its KV cache included)."""
@@ -647,29 +675,75 @@ class _CausalLM:
     def kv_cache_bytes(self) -> int:
         """The KV cache's growth beyond the prompt (whose share the prefill holds) to the
         context planned for: by default the one-token forwards after the prefill."""
-        return (self.planned_context() - self.input_ids.shape[1]) * kv_cache_bytes_per_token(
-            self.model.config, self.dtype
+        return (self.planned_context() - self.input_ids.shape[1]) * self._per_token()
+
+    def kv_decoded_bytes(self) -> int:
+        """A float8 cache's layer decoded while it attends, at the context planned for."""
+        return kv_cache.decoded_bytes(self.model.config, self.dtype, self.kv_format, self.planned_context())
+
+    def _per_token(self) -> int:
+        return kv_cache.bytes_per_token(self.model.config, self.dtype, self.kv_format)
+
+    def choose_kv_format(self, planned: Callable[[], Budgeted], kv_format: str) -> Budgeted:
+        """``planned()`` with the cache in ``kv_format``; ``"auto"``: the model's dtype,
+        unless the budget holds the run only with a float8 cache, or (``--context auto``)
+        a longer context with one; the choice is said in ``covers``."""
+        if kv_format != "auto":
+            return planned()
+        failed: FitError | None = None
+        try:
+            kept = planned()
+        except FitError as error:
+            kept, failed = None, error
+        if kept is not None and not self.context_limited:
+            return kept
+        try:
+            kv_cache.cache_argument(self.model, "float8")
+        except ValueError:  # the model's cache cannot be float8: the model's format's plan, or its error
+            if kept is None:
+                raise failed from None
+            return kept
+        self.kv_format = "float8"
+        try:
+            smaller = planned()
+        except FitError:
+            smaller = None
+        if smaller is None or (kept is not None and smaller.context <= kept.context):
+            self.kv_format = "model"
+            if kept is None:
+                raise failed from None  # the model's format's error: what the caller knows the run by
+            return planned()  # again: the float8 attempt moved the context
+        model_context = None if kept is None else kept.context
+        self.kv_note = f"; float8 KV cache: in {str(self.dtype).removeprefix('torch.')} the budget holds " + (
+            "no plan of this run" if model_context is None else f"a context of {model_context:,} positions only"
         )
+        return replace(smaller, covers=self.covers())
 
     def planned_context(self) -> int:
         """The positions the KV cache is planned for: ``--context``, or what the run reaches."""
         return self.run_positions if self.context is None else self.context
 
     def covers(self) -> str:
+        decoded = self.kv_decoded_bytes()
+        held = f", and one layer of it decoded while it attends ({human_bytes(decoded)})" if decoded else ""
+        cache = kv_cache.describe(self.kv_format, self.model.config, self.dtype)
         if self.context is None:
             return (
                 f"the prefill forward over the {self.input_ids.shape[1]}-token prompt, plus the KV cache's growth over "
-                f"the {self.max_new_tokens - 1} one-token decode forwards ({human_bytes(self.kv_cache_bytes())})"
+                f"the {self.max_new_tokens - 1} one-token decode forwards ({human_bytes(self.kv_cache_bytes())}){held}; "
+                f"{cache}{self.kv_note}"
             )
         return (
             f"the prefill forward over the {self.input_ids.shape[1]}-token prompt, plus the KV cache's growth to a "
-            f"context of {self.context:,} positions ({human_bytes(self.kv_cache_bytes())}{self.context_note})"
+            f"context of {self.context:,} positions ({human_bytes(self.kv_cache_bytes())}{self.context_note}){held}; "
+            f"{cache}{self.kv_note}"
         )
 
     def carried_out(self, plan: FitPlan) -> Budgeted:
         """``plan`` as made before (``--plan``), its context what it reserved for the KV
         cache; refused where this run's cache would outgrow it."""
-        per_token = kv_cache_bytes_per_token(self.model.config, self.dtype)
+        self.kv_format = "float8" if KV_DECODED in plan.reserved else "model"
+        per_token = self._per_token()
         self.context = self.input_ids.shape[1] + plan.reserved.get(KV_CACHE, 0) // per_token
         if self.context < self.run_positions:
             raise ValueError(
@@ -678,24 +752,35 @@ class _CausalLM:
                 f"{self.input_ids.shape[1]}-token prompt and {self.max_new_tokens - 1} new tokens fed back): give a "
                 f"smaller {option('max_new_tokens')}, or plan again with {option('context')}"
             )
-        return Budgeted(plan, self.covers(), self.context)
+        return Budgeted(plan, self.covers(), self.context, self.kv_format)
 
     def longest_context(self, plan: Callable[[], Budgeted], budget: int) -> Budgeted:
         """``plan()`` at the longest context the budget allows (``--context auto``): at least
         the run's own positions, at most the model's ``max_position_embeddings``. The KV
         cache's bytes grow linearly with the context, and the rest of the plan needs at
-        least its smallest reachable peak, so one plan at the model's maximum either fits
-        or, failing, tells that peak; the context is then what the budget leaves."""
-        per_token = kv_cache_bytes_per_token(self.model.config, self.dtype)
+        least its smallest reachable peak, so one plan at the model's maximum (or the most
+        the budget holds of the cache alone, where that is less) either fits or, failing,
+        tells that peak; the context is then what the budget leaves. A float8 cache's decoded
+        layer grows with the context too, and counts per position beside the growth."""
+        per_token = self._per_token()
+        decoded = kv_cache.decoded_bytes(self.model.config, self.dtype, self.kv_format, 1)  # per position
         prompt = self.input_ids.shape[1]
-        most = self.limit if self.limit is not None else prompt + max(budget - 1, 0) // per_token
+        held = (max(budget - 1, 0) + per_token * prompt) // (per_token + decoded)  # the cache alone, below the budget
+        most = min(self.limit, held) if self.limit is not None else held
         self.context = max(most, self.run_positions)
+        self.context_limited = self.limit is None or held < self.limit
         try:
             budgeted = plan()
-            self.context_note = ", the model's max_position_embeddings: the most it takes"
+            self.context_note = (
+                ", the longest the budget leaves room for"
+                if self.context_limited
+                else ", the model's max_position_embeddings: the most it takes"
+            )
         except FitError as error:
-            without_cache = error.smallest_peak_bytes - self.kv_cache_bytes()
-            self.context = min(prompt + max(budget - without_cache, 0) // per_token, most)
+            self.context_limited = True
+            without_cache = error.smallest_peak_bytes - self.kv_cache_bytes() - self.kv_decoded_bytes()
+            room = max(budget - without_cache + per_token * prompt, 0)  # growth (context - prompt) + decoded (context)
+            self.context = min(max(room // (per_token + decoded), prompt), most)
             if self.context < self.run_positions:
                 self.context = self.run_positions  # the run's own positions: plan() says what is missing
             self.context_note = ", the longest the budget leaves room for beside the smallest plan of the weights"

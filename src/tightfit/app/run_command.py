@@ -43,6 +43,7 @@ def handle(args: argparse.Namespace, console: Console) -> int:
         context=args.context,
         plan=args.plan,
         max_error=args.max_error,
+        kv_cache=args.kv_cache,
     )
     bars = Console(stderr=True)
     with show_progress(bars) if bars.is_terminal and not args.json else nullcontext():  # stderr only, never in --json
@@ -65,7 +66,15 @@ def context_value(text: str) -> int | str:
 
 
 def add_planner_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--context`` and ``--max-error`` for ``run`` and ``fit``: the same words in both."""
+    """``--context``, ``--kv-cache`` and ``--max-error`` for ``run`` and ``fit``: the same words in both."""
+    parser.add_argument(
+        "--kv-cache",
+        choices=["auto", "model", "float8"],
+        default="auto",
+        help="causal LMs: the KV cache's format, the model's dtype or float8 (a byte a value, a scale per position "
+        "and head); auto: the model's, unless the budget holds the run, or a longer --context auto, only with "
+        "float8 (default: auto)",
+    )
     parser.add_argument(
         "--max-error",
         metavar="PCT",
