@@ -51,6 +51,13 @@ def check_non_negative_number(name: str, value: Any) -> float:
         return math.inf
 
 
+def check_count(name: str, value: Any) -> int:
+    """``value`` as an int >= 0 (not a bool), or a clear error naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {_describe(value)}")
+    return value
+
+
 def check_device(name: str, value: Any) -> torch.device:
     """A ``torch.device`` or a device string (``"cpu"``, ``"cuda:1"``), as torch.device."""
     if not isinstance(value, (str, torch.device)):

@@ -232,7 +232,7 @@ def test_weights_stored_in_another_dtype_than_the_config_s_load_within_the_plan_
     # bfloat16 weights under a config naming no dtype (float32): the dry run and the run read the
     # checkpoint's headers and plan the same conversion, and the load stays within its prediction
     folder = resaved_in_bfloat16(tiny_llama, tmp_path / "bf16")
-    arguments = ["--model", str(folder), "--budget", "8MB", "--allow", "keep,disk"]
+    arguments = ["--model", str(folder), "--budget", "8MB", "--allow", "keep,disk", "--max-new-tokens", "2"]
     assert main(["fit", *arguments, "--json"]) == 0
     dry = json.loads(capsys.readouterr().out)
     report = run(RunOptions(model=str(folder), budget="8MB", allow="keep,disk", repeat=1, max_new_tokens=2))

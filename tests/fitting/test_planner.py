@@ -347,3 +347,29 @@ def test_few_token_forwards_are_priced_by_the_one_token_figures():
     assert many["nf4"] > 256 * 256 * 1e-6 > many["keep"]  # the slow decode figure prices it
     unmeasured = _one_linear_options(1, {"keep": 2e-9})  # a storage without a one-token figure: the old terms
     assert unmeasured["nf4"] > 256 * 256 * 1e-6
+
+
+def test_decode_steps_price_one_token_forwards_apart_from_the_traced_one():
+    # int8's prefill decodes slowly and its one-token kernel is cheap; disk costs a read per forward:
+    # a prefill alone goes to disk, a prefill and 64 decode steps keep the units in int8 on the device
+    model = four_linears()
+    prefill = torch.randn(64, 256)
+    figs = figures(
+        decode_seconds={"float8": 0, "8bit": 0, "int8": 1e-7, "nf4": 0, "fp4": 0},
+        token_seconds={"keep": 1e-10, "int8": 1e-10},
+        disk_bandwidth=1e8,
+    )
+    allow = {"storage": {"keep", "int8"}, "placement": {"device", "disk"}}
+    budget = 700 * 1024
+    alone = tightfit.fit(model, (prefill,), budget, allow=allow, calibration=figs)
+    assert [e.placement for e in alone.entries].count("disk") >= 2 and alone.decode_steps == 0
+    generating = tightfit.fit(model, (prefill,), budget, allow=allow, calibration=figs, decode_steps=64)
+    assert {(e.storage, e.placement) for e in generating.changed_entries()} == {("int8", "device")}
+    assert generating.decode_steps == 64 and "of the planned forward and 64 one-token forwards" in str(generating)
+    # its time: the prefill's plus 64 one-token forwards', each unit's own
+    assert (
+        generating.predicted_seconds
+        > tightfit.fit(model, (prefill,), budget, allow=allow, calibration=figs, decode_steps=1).predicted_seconds
+    )
+    with pytest.raises(ValueError, match=r"decode_steps must be an int >= 0, got -1"):
+        tightfit.fit(model, (prefill,), budget, calibration=figs, decode_steps=-1)

@@ -78,6 +78,7 @@ def plan_run(
     loading: bool = False,
     stored_dtypes: dict[str, torch.dtype] | None = None,
     max_error: float | None = None,
+    decode_steps: int = 0,
 ) -> Budgeted:
     """Fit ``model`` for ``example_inputs`` (the forward the run makes, a causal LM's
     prefill) into ``budget_bytes`` with ``kv_cache_bytes`` (the cache's growth while
@@ -87,7 +88,9 @@ def plan_run(
     ``stored_dtypes``: the dtypes its checkpoint's headers give its tensors
     (:func:`tightfit.loading.stored_dtypes`), for a plan that counts their conversion;
     ``max_error``: ``fit``'s bound on the plan's expected error (None: its default);
-    ``kv_decoded_bytes``: a float8 cache's layer decoded while it attends, reserved too."""
+    ``kv_decoded_bytes``: a float8 cache's layer decoded while it attends, reserved too;
+    ``decode_steps``: the one-token forwards after ``example_inputs``' (a causal LM's
+    decode), which the plan's time counts beside it."""
     if kv_cache_bytes >= budget_bytes:
         raise ValueError(
             f"{assigned('budget', budget_bytes)} ({human_bytes(budget_bytes)}) leaves nothing for the model: the KV "
@@ -106,6 +109,7 @@ def plan_run(
             reserve={what: size for what, size in ((KV_CACHE, kv_cache_bytes), (KV_DECODED, kv_decoded_bytes)) if size}
             or None,
             max_error=max_error,
+            decode_steps=decode_steps,
         )
     except FitError as error:
         if error.smallest_peak_bytes <= budget_bytes:  # the budget fits, the error bound does not: said as it is

@@ -406,6 +406,7 @@ def _planned(
             loading=True,
             stored_dtypes=dtypes,
             max_error=options.max_error,
+            decode_steps=job.decode_steps(),
         )
 
     def planned() -> Budgeted:
@@ -596,6 +597,10 @@ class _Encoder:
     def kv_decoded_bytes(self) -> int:
         return 0
 
+    def decode_steps(self) -> int:
+        """An encoder's run is the forward planned: nothing follows it."""
+        return 0
+
     def choose_kv_format(self, planned: Callable[[], Budgeted], kv_format: str) -> Budgeted:
         """An encoder's plan: no cache to choose a format for."""
         return planned()
@@ -680,6 +685,10 @@ class _CausalLM:
     def kv_decoded_bytes(self) -> int:
         """A float8 cache's layer decoded while it attends, at the context planned for."""
         return kv_cache.decoded_bytes(self.model.config, self.dtype, self.kv_format, self.planned_context())
+
+    def decode_steps(self) -> int:
+        """The one-token forwards after the prefill: every new token but the first."""
+        return self.max_new_tokens - 1
 
     def _per_token(self) -> int:
         return kv_cache.bytes_per_token(self.model.config, self.dtype, self.kv_format)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +38,7 @@ __all__ = [
     "find_units",
     "options_for",
     "storage_names",
+    "with_decode",
 ]
 
 #: Where a unit's weights live between forwards, in the order the planner prefers them.
@@ -411,6 +412,13 @@ def options_for(
                 )
             )
     return options
+
+
+def with_decode(prefill: Option, decode: Option, steps: int) -> Option:
+    """``prefill`` (an option priced for the traced forward) with ``steps`` one-token
+    forwards of the same option (``decode``) added to its time and cost; its bytes are the
+    traced forward's, the larger."""
+    return replace(prefill, seconds=prefill.seconds + steps * decode.seconds, cost=prefill.cost + steps * decode.cost)
 
 
 def _load_bytes(unit: Unit, storage: StorageFormat, placement: str, converting: int, held: int) -> int:

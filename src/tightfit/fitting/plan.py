@@ -16,7 +16,7 @@ from torch import nn
 import tightfit.graph
 from tightfit._deprecation import renamed
 from tightfit._files import parse_json
-from tightfit._validate import check_type
+from tightfit._validate import check_count, check_type
 from tightfit.fitting.options import PLACEMENTS, TIED_DECODE, storage_names
 from tightfit.fitting.quality import parse_error
 from tightfit.fitting.regions import add_hints, check_module_hints
@@ -142,7 +142,8 @@ class FitPlan:
 
     ``predicted_error``: the plan's expected error (:mod:`tightfit.fitting.quality`);
     ``max_error``: the bound it was planned under; ``quality``: the two in words, and why
-    where the budget forced the plan above a default bound.
+    where the budget forced the plan above a default bound. ``decode_steps``: the one-token
+    forwards after the traced one that ``predicted_seconds`` and ``full_seconds`` include.
     """
 
     model: str
@@ -170,6 +171,7 @@ class FitPlan:
     predicted_error: float = 0.0
     max_error: float | None = None
     quality: str = ""
+    decode_steps: int = 0
 
     def __post_init__(self) -> None:
         for name in ("model", "backend", "device", "int8_outliers", "quality"):
@@ -186,6 +188,7 @@ class FitPlan:
             _check_bytes("FitPlan", name, getattr(self, name))
         for name in ("predicted_seconds", "full_seconds"):
             _check_seconds("FitPlan", name, getattr(self, name))
+        check_count("FitPlan.decode_steps", self.decode_steps)
         for name in ("applies_nothing", "covers_load"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from tightfit._format import human_bytes
-from tightfit._validate import check_type
+from tightfit._validate import check_count, check_type
 from tightfit.fitting.allow import Allow
 from tightfit.fitting.calibration import Calibration, calibrate
-from tightfit.fitting.options import Option, Unit, find_units, options_for
+from tightfit.fitting.options import Option, Unit, find_units, options_for, with_decode
 from tightfit.fitting.outliers import ASSUMED_OUTLIER_FRACTION, observe_outliers
 from tightfit.fitting.plan import FitPlan, PlanEntry, check_reserved
 from tightfit.fitting.quality import DEFAULT_MAX_ERROR, expected_error, parse_error, percent
@@ -190,6 +190,7 @@ def fit(
     stored_dtypes: Mapping[str, torch.dtype] | None = None,
     reserve: Mapping[str, int] | None = None,
     max_error: float | str | None = None,
+    decode_steps: int = 0,
 ) -> FitPlan:
     """A :class:`FitPlan` whose predicted device peak for ``model(*example_inputs)`` (or
     ``model(**example_inputs)`` for a dict) is within ``budget`` at the least predicted time.
@@ -241,6 +242,11 @@ def fit(
     plans within the budget and the bound, the fastest. FitError when none is within both.
     None: the default bound (3%), which gives way where the budget needs more, to the most
     precise plan within it, said in ``plan.quality``.
+
+    ``decode_steps``: one-token forwards that follow the one traced (a causal LM's decode
+    after its prefill): the time the planner minimizes is the traced forward's plus this
+    many one-token forwards', each priced with the one-token figures (memory-bound: the
+    bytes a weight reads count, not its rows), so prefill and decode are priced apart.
     """
     from tightfit.backends.resolve import resolve_backend
 
@@ -260,6 +266,7 @@ def fit(
         )
     units_budget = budget_bytes - reserved_bytes
     bound = DEFAULT_MAX_ERROR if max_error is None else parse_error(max_error)
+    check_count("decode_steps", decode_steps)
     allowed = Allow.coerce(allow)
     if calibration is not None:
         check_type("calibration", calibration, Calibration)
@@ -279,22 +286,26 @@ def fit(
     weights = sum(math.prod(shape) for unit in units for name, _, shape, _ in unit.weights if name not in unit.tied)
     max_energy = bound**2 * weights
 
+    one_row = dict.fromkeys(rows, 1)  # a decode step: one token through every leaf
+
     def build(outliers: dict[str, int] | None) -> list[list[Option]]:
-        return [
-            options_for(
-                unit,
+        built = []
+        for unit in units:
+            settings = dict(
                 storages=allowed.storage,
                 placements=allowed.placement,
                 device=device,
-                rows=rows,
                 live=live,
                 figures=figures,
                 outliers=outliers,
-                call_rows=call_rows,
                 loading=loading,
             )
-            for unit in units
-        ]
+            prefill = options_for(unit, rows=rows, call_rows=call_rows, **settings)
+            if decode_steps:
+                decode = options_for(unit, rows=one_row, call_rows=one_row, **settings)
+                prefill = [with_decode(p, d, decode_steps) for p, d in zip(prefill, decode)]
+            built.append(prefill)
+        return built
 
     options = build(None)
     outliers, not_observed = None, ""
@@ -400,6 +411,7 @@ def fit(
         covers_load=loading,
         predicted_load_peak_bytes=load_peak,
         reserved=reserved,
+        decode_steps=decode_steps,
         predicted_error=expected_error(choice.error_energy, weights),
         max_error=bound,
         quality=_quality(expected_error(choice.error_energy, weights), bound, max_error is None, forced),

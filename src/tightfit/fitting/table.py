@@ -16,6 +16,13 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
 
 
+def _priced(plan: FitPlan) -> str:
+    """What the time model's figure covers."""
+    if not plan.decode_steps:
+        return "per forward"
+    return f"of the planned forward and {plan.decode_steps:,} one-token forward{'s' if plan.decode_steps > 1 else ''}"
+
+
 def render(plan: FitPlan) -> str:
     """A header with budget and predicted peak, then one row per unit."""
     lines = [
@@ -24,7 +31,7 @@ def render(plan: FitPlan) -> str:
         f" + activations {human_bytes(plan.predicted_activation_bytes)} + transient {human_bytes(plan.predicted_transient_bytes)}"
         f"{f' + reserved {human_bytes(plan.reserved_bytes)}' if plan.reserved else ''}"
         f"; unchanged model {human_bytes(plan.full_peak_bytes)}",
-        f"time model, weight work per forward (ranks plans; not a latency) {_ms(plan.predicted_seconds)} (unchanged {_ms(plan.full_seconds)})",
+        f"time model, weight work {_priced(plan)} (ranks plans; not a latency) {_ms(plan.predicted_seconds)} (unchanged {_ms(plan.full_seconds)})",
     ]
     if plan.reserved:
         held = "; ".join(f"{what} {human_bytes(size)} ({size:,} B)" for what, size in plan.reserved.items())
