@@ -100,8 +100,13 @@ def test_a_saved_float8_plan_is_carried_out_as_float8(tiny_llama, tmp_path, caps
 
 def test_float8_is_refused_where_the_cache_has_sliding_windows_and_for_an_encoder(tmp_path):
     config = transformers.MistralConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, sliding_window=8,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=8,
     )
     model = transformers.MistralForCausalLM(config)
     with pytest.raises(ValueError, match=r"kv_cache='float8' stores full-attention layers only.*use kv_cache='model'"):
