@@ -5,6 +5,7 @@ config with every parameter on the meta device. Nothing is downloaded."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,8 +54,24 @@ def model_folder(path: str | Path) -> Path:
     if not (folder / "config.json").is_file():
         raise ValueError(f"model={str(path)!r} has no config.json; pass a local Hugging Face model folder")
     require("transformers")
-    _check_config(folder / "config.json")
+    file = folder / "config.json"
+    key, signature = str(file.resolve()), _signature(file)
+    if _CHECKED.get(key) != signature:  # checked once per version of the file: a run asks many times
+        _check_config(file)
+        _CHECKED[key] = signature
     return folder
+
+
+#: config.json files that passed :func:`_check_config`, by path: the file's signature then.
+_CHECKED: dict[str, tuple[int, ...]] = {}
+#: Configs :func:`read_config` built, by path: the file's signature then, and the config.
+_CONFIGS: dict[str, tuple[tuple[int, ...], Any]] = {}
+
+
+def _signature(file: Path) -> tuple[int, ...]:
+    """What changes when a file is written or replaced: its inode, size and times (ns)."""
+    stat = file.stat()
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
 
 
 def _check_config(file: Path) -> None:
@@ -80,16 +97,22 @@ def _check_config(file: Path) -> None:
 def read_config(path: str | Path) -> Any:
     """The transformers config of a local folder (only config.json is read). A config that
     transformers cannot read is a ValueError naming config.json; ``architectures`` given
-    as one name is read as a list of it, as transformers' auto classes read it."""
+    as one name is read as a list of it, as transformers' auto classes read it. Read once
+    per version of the file (its inode, size and times): a run asks for it several times."""
     folder = model_folder(path)
     from transformers import AutoConfig
 
     file = folder / "config.json"
+    key, signature = str(file.resolve()), _signature(file)
+    known = _CONFIGS.get(key)
+    if known is not None and known[0] == signature:  # read once per version of the file; a copy each caller may change
+        return copy.deepcopy(known[1])
     with config_errors(file, "read the model config"):
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
     if isinstance(getattr(config, "architectures", None), str):
         config.architectures = [config.architectures]
     check_built(file, config)
+    _CONFIGS[key] = (signature, copy.deepcopy(config))
     return config
 
 

@@ -1,0 +1,46 @@
+"""A run asks for a folder's config several times; config.json is checked and read once per
+version of the file, and a file changed or replaced since is checked and read again (a cache
+must never hide a broken or different config)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import tightfit.loading.folder as folder_module
+from tightfit.app.models import save_causal_lm
+from tightfit.loading.folder import model_folder, read_config
+
+pytest.importorskip("transformers")
+
+
+def test_config_json_is_read_once_per_version_and_again_when_it_changes(tmp_path, monkeypatch):
+    folder = save_causal_lm(
+        tmp_path / "lm",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    checks = []
+    real_check = folder_module._check_config
+    monkeypatch.setattr(folder_module, "_check_config", lambda file: checks.append(file) or real_check(file))
+    first = read_config(folder)
+    first.num_hidden_layers = 99  # a caller's change stays its own
+    for _ in range(3):
+        model_folder(folder)
+        assert read_config(folder).num_hidden_layers == 2
+    assert len(checks) == 1
+    file = folder / "config.json"
+    data = json.loads(file.read_text())
+    data["max_position_embeddings"] = 128
+    file.write_text(json.dumps(data))
+    os.utime(file, ns=(1, 1))  # even with its times set back, the change of size and ctime shows
+    assert read_config(folder).max_position_embeddings == 128 and len(checks) == 2
+    file.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must hold a JSON object"):
+        model_folder(folder)
