@@ -413,7 +413,7 @@ def _planned(
         budgeted = job.longest_context(plan, options.budget) if options.context == "auto" else plan()
         return replace(budgeted, context=job.planned_context(), kv_format=job.kv_format)
 
-    return job, job.choose_kv_format(planned, options.kv_cache)
+    return job, job.choose_kv_format(planned, options.kv_cache, options.budget)
 
 
 def plan_only(options: RunOptions) -> Budgeted:
@@ -601,7 +601,7 @@ class _Encoder:
         """An encoder's run is the forward planned: nothing follows it."""
         return 0
 
-    def choose_kv_format(self, planned: Callable[[], Budgeted], kv_format: str) -> Budgeted:
+    def choose_kv_format(self, planned: Callable[[], Budgeted], kv_format: str, budget: int) -> Budgeted:
         """An encoder's plan: no cache to choose a format for."""
         return planned()
 
@@ -693,7 +693,7 @@ class _CausalLM:
     def _per_token(self) -> int:
         return kv_cache.bytes_per_token(self.model.config, self.dtype, self.kv_format)
 
-    def choose_kv_format(self, planned: Callable[[], Budgeted], kv_format: str) -> Budgeted:
+    def choose_kv_format(self, planned: Callable[[], Budgeted], kv_format: str, budget: int) -> Budgeted:
         """``planned()`` with the cache in ``kv_format``; ``"auto"``: the model's dtype,
         unless the budget holds the run only with a float8 cache, or (``--context auto``)
         a longer context with one; the choice is said in ``covers``."""
@@ -706,6 +706,8 @@ class _CausalLM:
             kept, failed = None, error
         if kept is not None and not self.context_limited:
             return kept
+        if failed is not None and failed.smallest_peak_bytes - self.kv_cache_bytes() > budget:
+            raise failed from None  # no cache at all would fit: a smaller one cannot help
         try:
             kv_cache.cache_argument(self.model, "float8")
         except ValueError:  # the model's cache cannot be float8: the model's format's plan, or its error
