@@ -51,10 +51,10 @@ def check_non_negative_number(name: str, value: Any) -> float:
         return math.inf
 
 
-def check_count(name: str, value: Any) -> int:
-    """``value`` as an int >= 0 (not a bool), or a clear error naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {_describe(value)}")
+def check_count(name: str, value: Any, least: int = 0) -> int:
+    """``value`` as an int >= ``least`` (not a bool), or a clear error naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {_describe(value)}")
     return value
 
 

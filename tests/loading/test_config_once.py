@@ -12,20 +12,13 @@ import pytest
 import tightfit.loading.folder as folder_module
 from tightfit.app.models import save_causal_lm
 from tightfit.loading.folder import model_folder, read_config
+from zoo.lm import TINY_CAUSAL_LM
 
 pytest.importorskip("transformers")
 
 
 def test_config_json_is_read_once_per_version_and_again_when_it_changes(tmp_path, monkeypatch):
-    folder = save_causal_lm(
-        tmp_path / "lm",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    folder = save_causal_lm(tmp_path / "lm", **TINY_CAUSAL_LM)
     checks = []
     real_check = folder_module._check_config
     monkeypatch.setattr(folder_module, "_check_config", lambda file: checks.append(file) or real_check(file))

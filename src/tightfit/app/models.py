@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tightfit._progress import transformers_bars
-from tightfit._validate import check_type
+from tightfit._validate import check_count, check_type
 from tightfit.loading.folder import (
     CAUSAL_LM,
     ENCODER,
@@ -181,10 +181,8 @@ def save_causal_lm(
         "max_position_embeddings": max_position_embeddings,
     }
     for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        check_count(name, value, least=1)
+    check_count("seed", seed)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype={dtype!r} is not accepted; accepted: torch.float32, torch.bfloat16, torch.float16")
     if hidden_size % num_attention_heads or num_attention_heads % num_key_value_heads:

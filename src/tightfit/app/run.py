@@ -368,8 +368,8 @@ def _setup(options: RunOptions | None) -> tuple[RunOptions, backends.Backend, to
             f"{option('prompt')} and {option('max_new_tokens')} apply to causal LMs; {named} is an encoder, "
             f"which embeds sentences"
         )
-    for name in ("context", "kv_cache"):
-        if kind == ENCODER and getattr(options, name) not in (None, "auto" if name == "kv_cache" else None):
+    for name, default in (("context", None), ("kv_cache", "auto")):  # options of a causal LM's KV cache
+        if kind == ENCODER and getattr(options, name) != default:
             named = "the built-in model" if options.model is None else assigned("model", str(folder))
             raise ValueError(
                 f"{option(name)} applies to causal LMs (their KV cache); {named} is an encoder, which embeds sentences"
@@ -706,6 +706,7 @@ class _CausalLM:
             kept, failed = None, error
         if kept is not None and not self.context_limited:
             return kept
+        chosen = self.context, self.context_note, self.context_limited  # what kept was planned with
         if failed is not None and failed.smallest_peak_bytes - self.kv_cache_bytes() > budget:
             raise failed from None  # no cache at all would fit: a smaller one cannot help
         try:
@@ -723,7 +724,8 @@ class _CausalLM:
             self.kv_format = "model"
             if kept is None:
                 raise failed from None  # the model's format's error: what the caller knows the run by
-            return planned()  # again: the float8 attempt moved the context
+            self.context, self.context_note, self.context_limited = chosen  # the float8 attempt moved them
+            return kept
         model_context = None if kept is None else kept.context
         self.kv_note = f"; float8 KV cache: in {str(self.dtype).removeprefix('torch.')} the budget holds " + (
             "no plan of this run" if model_context is None else f"a context of {model_context:,} positions only"

@@ -289,17 +289,17 @@ def fit(
     one_row = dict.fromkeys(rows, 1)  # a decode step: one token through every leaf
 
     def build(outliers: dict[str, int] | None) -> list[list[Option]]:
+        settings = dict(
+            storages=allowed.storage,
+            placements=allowed.placement,
+            device=device,
+            live=live,
+            figures=figures,
+            outliers=outliers,
+            loading=loading,
+        )
         built = []
         for unit in units:
-            settings = dict(
-                storages=allowed.storage,
-                placements=allowed.placement,
-                device=device,
-                live=live,
-                figures=figures,
-                outliers=outliers,
-                loading=loading,
-            )
             prefill = options_for(unit, rows=rows, call_rows=call_rows, **settings)
             if decode_steps:
                 decode = options_for(unit, rows=one_row, call_rows=one_row, **settings)
@@ -333,7 +333,7 @@ def fit(
             options = build(outliers) if outliers is not None else options
         found = search(options, units_budget, activations, max_energy)
         choice, forced = found.best, found.forced
-        if found.forced and max_error is not None and choice is not None:
+        if forced and max_error is not None and choice is not None:
             least = expected_error(choice.error_energy, weights)
             raise FitError(
                 f"max_error={percent(bound)} cannot be met within budget={human_bytes(budget_bytes)} ({budget_bytes} B) "
@@ -383,6 +383,7 @@ def fit(
         )
         for unit, unit_options, pick, k in zip(units, options, choice.picks, keep)
     )
+    error = expected_error(choice.error_energy, weights)
     load_peak = choice.load_peak_bytes if loading else 0  # exact: the search holds a bound to the budget
     running = choice.held_bytes + choice.compute_bytes + choice.onload_bytes
     transient = max(running, load_peak) - choice.held_bytes - activations
@@ -412,9 +413,9 @@ def fit(
         predicted_load_peak_bytes=load_peak,
         reserved=reserved,
         decode_steps=decode_steps,
-        predicted_error=expected_error(choice.error_energy, weights),
+        predicted_error=error,
         max_error=bound,
-        quality=_quality(expected_error(choice.error_energy, weights), bound, max_error is None, forced),
+        quality=_quality(error, bound, max_error is None, forced),
     )
 
 
