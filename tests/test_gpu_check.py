@@ -29,7 +29,12 @@ def test_cpu_mode_writes_every_figure(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.startswith("gpu-check: ready: have torch")
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert {name: step["returncode"] for name, step in summary["steps"].items()} == {"decode": 0, "quant": 0}
+    assert {name: step["returncode"] for name, step in summary["steps"].items()} == {"cli": 0, "decode": 0, "quant": 0}
+    cli = json.loads((tmp_path / "cli.json").read_text())["rows"]["budget 50%"]
+    assert (
+        cli["decode_tokens_per_second"] > 0
+        and max(cli["peak_bytes"], cli["predicted_peak_bytes"]) <= cli["budget_bytes"]
+    )
     decode = json.loads((tmp_path / "decode.json").read_text())["rows"]
     for row in ("transformers", "tightfit", "tightfit nf4", "tightfit budget 50%", "accelerate budget 50%"):
         assert decode[row]["decode_tokens_per_second"] > 0, (row, decode[row])

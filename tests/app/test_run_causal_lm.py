@@ -96,6 +96,7 @@ def test_causal_lm_run_reports_text_speed_and_memory(report, tiny_llama):
     assert report.prompt == DEFAULT_PROMPT and report.new_tokens == 6 and report.prompt_tokens > 5
     assert isinstance(report.generated_text, str)
     assert report.time_to_first_token_seconds > 0 and report.decode_tokens_per_second > 0
+    assert report.decode_graph is False  # --graph auto: no CUDA device here
     assert len(report.measurement.seconds) == 2
     assert report.measurement.peak_bytes > report.weights_bytes
     # nothing changed: no quality figure, as for encoders; the encoder's fields stay empty

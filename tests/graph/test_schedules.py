@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -33,7 +34,8 @@ def _assert_close(got, expected):
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("slice_dim", [1, "auto"])
-def test_attention_dfs_8_slices_matches_eager_output_and_gradients(device, slice_dim):
+def test_attention_dfs_8_slices_matches_eager_output_and_gradients(device, slice_dim, caplog):
+    caplog.set_level(logging.WARNING, logger="tightfit")
     torch.manual_seed(0)
     model = Attention(hints={"schedule": "dfs", "slices": 8, "slice_dim": slice_dim}).to(device)
     x = torch.randn(2, 16, 32, device=device, requires_grad=True)
@@ -41,10 +43,27 @@ def test_attention_dfs_8_slices_matches_eager_output_and_gradients(device, slice
     got, ran = run_recording(lambda: _train_step(fx_compile(model), x))
     _assert_close(got, expected)
     sliced = [split for split in ran if split.plan is not None]
-    assert len(sliced) == 2  # the forward's and the backward's region
+    splits = [(split.index, split.backend.name, str(split.device), split.plan is not None) for split in ran]
+    assert len(sliced) == 2, f"{splits}\n{caplog.text}"  # the forward's and backward's region; else why not
     expected_dim = 1 if slice_dim == 1 else 0  # auto takes the first dimension that works: batch (2 -> 2 slices)
     assert {split.plan.dim for split in sliced} == {expected_dim}
     assert {split.plan.slices for split in sliced} == ({8} if slice_dim == 1 else {2})
+
+
+def test_splits_run_on_another_thread_are_observed():
+    """On a GPU autograd runs the backward on a device thread of its own: its splits ran
+    unseen by a per-thread observer, and the test above found one region of two sliced."""
+    model = fx_compile(Attention(hints={"schedule": "dfs", "slices": 4}))
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    out = model(x)
+
+    def backward_on_a_thread() -> None:
+        thread = threading.Thread(target=lambda: out.square().sum().backward())
+        thread.start()
+        thread.join()
+
+    _, ran = run_recording(backward_on_a_thread)
+    assert x.grad is not None and [split.plan is not None for split in ran] == [False, True, False]
 
 
 def test_attention_written_with_pytorch_hints_wrapper_compiles_forward_and_backward():

@@ -187,3 +187,13 @@ def test_a_changed_quant_state_field_binds_again():
         layer(x)
         layer.quant_state = dataclasses.replace(layer.quant_state, quant_type="fp4")  # the same tensors
         assert torch.equal(layer(x), _op(layer, x))
+
+
+@pytest.mark.parametrize("layer_type", [Linear4bit, Linear8bit])
+def test_the_binding_checks_the_layer_on_its_own_device(layer_type):
+    """The op's check before a binding is made with a row on the layer's device: made with a
+    CPU row, it refused every accelerator's layer (devices differ), and no GPU layer ever
+    took its bound kernel. Meta stands for any device other than the CPU here."""
+    layer = layer_type.from_linear(_linear(32, 128, bias=False)).to("meta")
+    absmax, *nested = QF._stored_scales(layer.quant_state)
+    layer._check_op_arguments(absmax, tuple(nested))  # raises nothing

@@ -80,7 +80,8 @@ def decode(model: Any, input_ids: torch.Tensor, max_new_tokens: int, wait) -> tu
     length = prompt + max_new_tokens
     cache = _static_cache(model, length)
     positions = torch.arange(prompt, device=device)
-    logits = model(input_ids=input_ids, cache_position=positions, use_cache=True, **cache).logits
+    last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    logits = model(input_ids=input_ids, cache_position=positions, use_cache=True, **cache, **last).logits
     first = logits[:, -1].argmax(-1, keepdim=True)
     del logits
     token, position = first.clone(), torch.full((1,), prompt, dtype=torch.long, device=device)

@@ -89,6 +89,7 @@ def report_data(report: RunReport) -> dict[str, Any]:
         "new_tokens": report.new_tokens,
         "time_to_first_token_ms": _milliseconds(report.time_to_first_token_seconds),
         "decode_tokens_per_second": report.decode_tokens_per_second,
+        "decode_graph": report.decode_graph,
         "full_text": report.full_text,
         "quant": report.quant,
         "full_weights_bytes": report.full_weights_bytes,
@@ -202,7 +203,8 @@ def print_report(report: RunReport, console: Console, *, started: bool = False) 
             f"{report.time_to_first_token_seconds * 1e3:.1f} ms",
         )
         rate = report.decode_tokens_per_second
-        figures.add_row("decode speed (median)", "-" if rate is None else f"{rate:.1f} tokens/s")
+        replayed = ", replayed from a captured CUDA graph" if report.decode_graph else ""
+        figures.add_row(f"decode speed (median{replayed})", "-" if rate is None else f"{rate:.1f} tokens/s")
         figures.add_row(
             f"generation of {report.new_tokens} tokens (median of {len(measured.seconds)})",
             f"{measured.median_seconds * 1e3:.1f} ms",

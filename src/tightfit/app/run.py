@@ -20,7 +20,7 @@ from tightfit import backends
 from tightfit._deprecation import renamed
 from tightfit._format import human_bytes
 from tightfit._validate import check_choice, check_type
-from tightfit.app import kv_cache
+from tightfit.app import captured, kv_cache
 from tightfit.app.budget import KV_CACHE, KV_DECODED, Budgeted, measure_load, plan_run, read_plan
 from tightfit.app.generation import Generation, generate_greedy, prefill_inputs, token_agreement
 from tightfit.app.models import (
@@ -100,6 +100,8 @@ DEFAULT_SENTENCES: tuple[str, ...] = (
 #: What a causal LM continues, and for how many tokens, unless told otherwise.
 DEFAULT_PROMPT = "Once upon a time, in a small village by the sea, there lived"
 DEFAULT_MAX_NEW_TOKENS = 16
+#: ``--graph``: decode from a captured CUDA graph where the run allows it, always (or refuse), never.
+GRAPH_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,12 @@ class RunOptions:
     ``kv_cache`` (a causal LM): the KV cache's format, ``"model"`` (the model's dtype),
     ``"float8"`` (:mod:`tightfit.app.kv_cache`) or ``"auto"``: the model's, unless the
     budget holds the run (or, with ``context="auto"``, a longer context) only with float8.
+
+    ``graph`` (a causal LM): decode by replaying one captured CUDA graph of the step
+    (:mod:`tightfit.app.captured`), which removes the host's work per token, the bound on a
+    small model's decoding speed on a GPU. ``"auto"``: where the run allows it (a CUDA
+    device, every weight on it, the KV cache in the model's dtype); ``"on"``: refused with
+    the reason where it does not; ``"off"``: never.
     """
 
     model: str | None = None
@@ -163,6 +171,7 @@ class RunOptions:
     plan: FitPlan | str | Path | None = None
     max_error: float | str | None = None
     kv_cache: str = "auto"
+    graph: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, Path)):
@@ -239,6 +248,7 @@ class RunOptions:
                     f"{assigned('context', self.context)} plans the KV cache within a budget; give {option('budget')} too"
                 )
         check_choice(option("kv_cache"), self.kv_cache, ("auto", *kv_cache.KV_FORMATS))
+        check_choice(option("graph"), self.graph, GRAPH_CHOICES)
         if self.max_error is not None:
             object.__setattr__(self, "max_error", parse_error(self.max_error, option("max_error")))
             if self.budget is None:
@@ -299,6 +309,7 @@ class RunReport:
     new_tokens: int = 0
     time_to_first_token_seconds: float | None = None  # median over the timed runs
     decode_tokens_per_second: float | None = None  # median; None for a single new token
+    decode_graph: bool | None = None  # decoding replayed a captured CUDA graph (--graph)
     full_text: str | None = None  # what full precision generated, when weights changed
     token_agreement: float | None = None  # greedy next tokens kept, teacher-forced on full_text's tokens
     timeline_path: str | None = None
@@ -368,11 +379,11 @@ def _setup(options: RunOptions | None) -> tuple[RunOptions, backends.Backend, to
             f"{option('prompt')} and {option('max_new_tokens')} apply to causal LMs; {named} is an encoder, "
             f"which embeds sentences"
         )
-    for name, default in (("context", None), ("kv_cache", "auto")):  # options of a causal LM's KV cache
+    for name, default in (("context", None), ("kv_cache", "auto"), ("graph", "auto")):  # a causal LM's decoding
         if kind == ENCODER and getattr(options, name) != default:
             named = "the built-in model" if options.model is None else assigned("model", str(folder))
             raise ValueError(
-                f"{option(name)} applies to causal LMs (their KV cache); {named} is an encoder, which embeds sentences"
+                f"{option(name)} applies to causal LMs (their decoding); {named} is an encoder, which embeds sentences"
             )
     return options, backend, device, folder, kind
 
@@ -446,6 +457,8 @@ def run(options: RunOptions | None = None, *, on_start: Callable[[RunStart], Any
             on_start(replace(start, budgeted=budgeted))
         loaded = measure_load(lambda: load(folder, plan=budgeted.plan, kind=kind, model=job.model)[0], device)
         job.model = loaded.model
+        if isinstance(job, _CausalLM):  # its decoding graph needs headroom
+            job.headroom = options.budget - budgeted.plan.predicted_peak_bytes
         kept: tuple[str, ...] = ()
         changes = not budgeted.plan.applies_nothing
         full_weights = _full_weights_bytes(budgeted.plan) if changes else None
@@ -667,11 +680,42 @@ class _CausalLM:
         if self.kv_format != "model":
             kv_cache.cache_argument(self.model, self.kv_format)  # refused here where the model's cache cannot
         self.synchronize = lambda: backend.synchronize(device)
+        self.graph_choice = options.graph
+        self.graph: bool | None = None  # decided at the first call, with the weights where they run
+        self.headroom: int | None = None  # with a budget: what it leaves above the plan's predicted peak
 
     def call(self) -> Generation:
+        if self.graph is None:
+            self.graph = self._decode_graph()
         return generate_greedy(
-            self.model, self.input_ids, self.max_new_tokens, self.synchronize, kv_format=self.kv_format
+            self.model,
+            self.input_ids,
+            self.max_new_tokens,
+            self.synchronize,
+            graph=self.graph,
+            kv_format=self.kv_format,
         )
+
+    def _decode_graph(self) -> bool:
+        """Whether decoding replays a captured CUDA graph: ``--graph`` where this run allows
+        it; ``on`` where it does not is refused with the reason."""
+        if self.graph_choice == "off" or self.max_new_tokens == 1:
+            return False
+        try:
+            captured.check_capturable(self.model, self.input_ids)
+            if self.kv_format != "model":
+                raise ValueError(f"the KV cache is {self.kv_format}; a captured decode keeps it in the model's dtype")
+            scratch = (self.input_ids.shape[1] + self.max_new_tokens) * self._per_token()
+            if self.headroom is not None and scratch > self.headroom:
+                raise ValueError(
+                    f"capturing warms up on a second static KV cache ({human_bytes(scratch)}), and the budget "
+                    f"leaves {human_bytes(max(self.headroom, 0))} above the plan's predicted peak"
+                )
+        except ValueError as error:
+            if self.graph_choice == "on":
+                raise ValueError(f"{assigned('graph', 'on')}: {error}") from None
+            return False
+        return True
 
     def example_inputs(self) -> dict[str, torch.Tensor]:
         """The prefill over the prompt: what a plan is made for (its KV cache included)."""
@@ -816,6 +860,7 @@ class _CausalLM:
         report.time_to_first_token_seconds = statistics.median(call.prefill_seconds for call in calls)
         rates = [call.decode_tokens_per_second for call in calls if call.decode_tokens_per_second is not None]
         report.decode_tokens_per_second = statistics.median(rates) if rates else None
+        report.decode_graph = self.graph
         if reference is not None:
             report.full_text = self._text(reference.tokens)
             report.token_agreement = token_agreement(self.model, self.input_ids, reference.tokens)

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from tightfit._progress import show_progress
 from tightfit.app.output import print_report, print_start, report_data
-from tightfit.app.run import STORAGE_DTYPE_CHOICES, RunOptions, quant_configs
+from tightfit.app.run import GRAPH_CHOICES, STORAGE_DTYPE_CHOICES, RunOptions, quant_configs
 from tightfit.app.run import run as run_job
 from tightfit.fitting import PLACEMENTS, storage_names
 
@@ -44,6 +44,7 @@ def handle(args: argparse.Namespace, console: Console) -> int:
         plan=args.plan,
         max_error=args.max_error,
         kv_cache=args.kv_cache,
+        graph=args.graph,
     )
     bars = Console(stderr=True)
     with show_progress(bars) if bars.is_terminal and not args.json else nullcontext():  # stderr only, never in --json
@@ -128,6 +129,14 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
         "--offload",
         choices=["cpu", "disk"],
         help="keep weights in CPU memory or memory-mapped files; each block comes onto the device when it runs",
+    )
+    run.add_argument(
+        "--graph",
+        choices=list(GRAPH_CHOICES),
+        default="auto",
+        help="causal LMs: decode by replaying one captured CUDA graph of the step (no host work per token); "
+        "auto: where the run allows it (a CUDA device, every weight on it, the KV cache in the model's dtype); "
+        "on: refused where it does not (default: auto)",
     )
     run.add_argument(
         "--budget",

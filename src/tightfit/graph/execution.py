@@ -18,8 +18,8 @@ the split, as eager autograd frees a saved tensor after the node that needs it.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import copy
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,24 +47,31 @@ EXECUTIONS = ("auto", "fx", "inductor")
 MEMORY_MODES = ("allocator", "arena")
 
 Observer = Callable[[str, Split], None]
-_observers: contextvars.ContextVar[tuple[Observer, ...]] = contextvars.ContextVar(
-    "tightfit_split_observers", default=()
-)
+#: Process-wide, not per thread or context: autograd runs a CUDA graph's backward on a
+#: device thread of its own, whose splits a per-context observer would never see.
+_observers: tuple[Observer, ...] = ()
+_observers_lock = threading.Lock()
 
 
 @contextlib.contextmanager
 def observe_splits(callback: Observer) -> Iterator[None]:
-    """Call ``callback("start" | "end", split)`` around every split that runs in the block.
+    """Call ``callback("start" | "end", split)`` around every split that runs while the
+    block is open, on any thread (a GPU's backward runs on autograd's device thread).
 
     For measurements, such as one region's peak memory (benchmarks/schedules.py).
     """
+    global _observers
     if not callable(callback):
         raise TypeError(f"callback must be callable, got {type(callback).__name__}: {callback!r}")
-    token = _observers.set(_observers.get() + (callback,))
+    with _observers_lock:
+        _observers = (*_observers, callback)
     try:
         yield
     finally:
-        _observers.reset(token)
+        with _observers_lock:
+            kept = list(_observers)
+            kept.remove(callback)
+            _observers = tuple(kept)
 
 
 def _examples(graph_module: torch.fx.GraphModule) -> list[Any]:
@@ -235,7 +242,7 @@ class Program:
         env: dict[torch.fx.Node, Any] = dict(zip(self.placeholders, args))
         args.clear()  # boxed: the caller hands over its references
         env.update(self.constants)
-        observers = _observers.get()
+        observers = _observers
         arenas: dict[str, torch.Tensor] = {}  # memory="arena": one buffer per device, freed when the graph returns
         for step, dead in zip(self.steps, self.dead_after):
             split = step.split

@@ -353,7 +353,7 @@ class Linear4bit(QuantizedLinear):
 
     def _check_op_arguments(self, absmax: torch.Tensor, nested: tuple) -> None:
         state = self.quant_state
-        one_row = torch.empty(1, self.in_features)
+        one_row = torch.empty(1, self.in_features, device=self.weight.device)  # the op checks devices agree
         op_checks.gemv_4bit(one_row, self.weight, list(state.shape), absmax, state.blocksize, state.quant_type, *nested)
         if tuple(state.shape) != (self.out_features, self.in_features):
             raise ValueError(f"quant_state.shape {tuple(state.shape)} is not the layer's")
@@ -401,7 +401,7 @@ class Linear8bit(QuantizedLinear):
 
     def _check_op_arguments(self, absmax: torch.Tensor, nested: tuple) -> None:
         state = self.quant_state
-        one_row = torch.empty(1, self.in_features)
+        one_row = torch.empty(1, self.in_features, device=self.weight.device)  # the op checks devices agree
         op_checks.gemv_blockwise(one_row, self.weight, absmax, state.code, state.blocksize, *nested)
         if tuple(self.weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"weight of shape {tuple(self.weight.shape)} is not the layer's")
