@@ -235,6 +235,26 @@ def test_gpu_prefetch_uses_a_side_stream_and_holds_at_most_two_units():
 
 
 @cuda
+def test_gpu_prefetch_holds_two_units_when_the_copies_bound_the_run():
+    """Big weights and one token: the device waits on the copies, the host runs ahead of
+    it, and each unit's dropped copy stays allocated until the device is done with it.
+    Prefetch waits for the unit before the current one, so two units are held at most."""
+    model = stack(width=2048, depth=8)
+    apply_offloading(model, "cuda")
+    x = torch.randn(1, 2048, device="cuda")
+    unit = tensor_bytes([*model[0].parameters()])
+    with torch.no_grad():
+        model(x)  # records the order
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        for _ in range(3):
+            model(x)
+        torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < 2.5 * unit
+
+
+@cuda
 def test_gpu_a_failed_store_offloads_nothing(monkeypatch):
     model = stack(width=64).cuda()
     saved, pin, calls = snapshot(model), torch.Tensor.pin_memory, []

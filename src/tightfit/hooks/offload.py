@@ -4,7 +4,12 @@ dropped after it.
 
 With ``prefetch``, the first forward records the order units run in; from then on,
 entering a unit starts the copy of the next one on a side stream (backends with
-asynchronous copies), so the copy overlaps the current unit's compute. On the CPU
+asynchronous copies), so the copy overlaps the current unit's compute. Before it starts,
+the host waits until the device is done with the unit before the current one: the host
+runs ahead of the device, and a dropped copy's memory returns to the allocator only once
+the device has passed its last use, so without that wait every unit the host had already
+left could still hold its copy (on a GPU a 1.1B model fitted at 25% allocated 42% over its
+budget). So at most two units' copies are held: the current one and the next. On the CPU
 there is nothing to copy: offloading to the CPU is a no-op there, and to disk computes
 straight from the mapped pages while prefetch asks the OS to read the next unit's
 file ahead (``madvise(WILLNEED)``).
@@ -106,6 +111,8 @@ class _Offload:
             return
         index = self.position.get(id(hook))
         if index is not None and index + 1 < len(self.order):
+            if index >= 1:
+                self.order[index - 1].wait_released()  # its copies' memory is free before the next one's
             self.order[index + 1].prefetch()
 
     def swap_in(self) -> None:
@@ -164,6 +171,7 @@ class OffloadHook(ModuleHook):
         self.files = list({id(file): file for file in files if file is not None}.values())  # the disk files it reads
         self.moves = any(slot.get().device != state.device for slot in slots)
         self._prefetched: tuple[list[torch.Tensor], Any] | None = None
+        self._released: Any = None  # marks, on the compute stream, the end of the last use of its copies
         self._stored: list[torch.Tensor] | None = None  # what the slots held before the copies went in
         self._depth = 0  # forwards of its members running now (a module may run inside itself)
         self._claim = OneForwardAtATime(OFFLOADING)
@@ -237,7 +245,15 @@ class OffloadHook(ModuleHook):
         if self._stored is not None and self.moves:
             for slot, stored in zip(self.slots, self._stored):
                 slot.set(stored)
+            if self.state.side_stream is not None:
+                self._released = self.state.streams.current_stream(self.state.device).record_event()
         self._stored = None
+
+    def wait_released(self) -> None:
+        """Wait until the device is done with this unit's last copies (their memory is then free)."""
+        if self._released is not None:
+            self._released.synchronize()
+            self._released = None
 
     def post_forward(self, module: nn.Module, output: object) -> object:
         self._depth -= 1
