@@ -53,7 +53,7 @@ def assert_speaks_the_command_line(line: str, command: str) -> None:
         (["run", "--repeat", "0"], "--repeat must be an int >= 1, got 0"),
         (
             ["run", "--prompt", "hi"],
-            "--prompt and --max-new-tokens apply to causal LMs; the built-in model is an encoder, which embeds sentences",
+            "--prompt applies to causal LMs; the built-in model is an encoder, which embeds sentences",
         ),
         (
             ["run", "--budget", "40MB", "--storage-dtype", "float16", "--offload", "disk"],
@@ -70,7 +70,7 @@ def assert_speaks_the_command_line(line: str, command: str) -> None:
         (["plan", "--batch", "0"], "--batch must be an int >= 1, got 0"),
         (["plan", "--seq", "100000"], "--seq=100000 is longer than the model takes: 512 (max_position_embeddings)"),
         (["fit", "--budget", "0"], "--budget='0' is not accepted"),
-        (["fit", "--budget", "40MB", "--max-new-tokens", "3"], "--prompt and --max-new-tokens apply to causal LMs"),
+        (["fit", "--budget", "40MB", "--max-new-tokens", "3"], "--max-new-tokens applies to causal LMs"),
         (["fit", "--model", "/nonexistent", "--budget", "1MB"], "--model='/nonexistent' is not a folder"),
     ],
 )

@@ -94,6 +94,6 @@ def test_bad_contexts_are_refused(tiny_llama, options, message):
 
 def test_an_encoder_takes_no_context():
     with pytest.raises(
-        ValueError, match=r"context applies to causal LMs \(their KV cache\); the built-in model is an encoder"
+        ValueError, match=r"context applies to causal LMs; the built-in model is an encoder, which embeds sentences"
     ):
         plan_only(RunOptions(budget="80MB", context=64))

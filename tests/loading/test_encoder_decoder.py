@@ -1,5 +1,5 @@
-"""An encoder-decoder (T5, BART) is neither kind tightfit runs: it is refused by name, not
-run as the encoder its config also describes."""
+"""An encoder-decoder (T5, BART) is of no kind tightfit registers yet: it is refused by
+name, not run as the encoder its config also describes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from tightfit.loading.folder import model_kind  # noqa: E402
 
 @pytest.mark.parametrize("config", [transformers.T5Config(), transformers.BartConfig()], ids=["t5", "bart"])
 def test_an_encoder_decoder_is_refused_by_name(config):
-    with pytest.raises(ValueError, match=rf"is an encoder-decoder \({config.model_type}\).*encoders and causal LMs"):
+    with pytest.raises(
+        ValueError, match=rf"is an encoder-decoder \({config.model_type}\) of no kind.*encoder, causal-lm"
+    ):
         model_kind(config)
 
 

@@ -13,8 +13,8 @@ from rich.table import Table
 
 from tightfit._format import human_bytes
 from tightfit.app.budget import Budgeted
-from tightfit.app.models import ENCODER
 from tightfit.app.run import RunReport, RunStart
+from tightfit.kinds import get_kind
 
 __all__: list[str] = []
 
@@ -107,26 +107,6 @@ def report_data(report: RunReport) -> dict[str, Any]:
     }
 
 
-def _pairs(report: RunReport) -> Table:
-    pairs = Table(title="most similar sentence pairs")
-    for column in ("cosine", "sentence", "sentence"):
-        pairs.add_column(column)
-    for a, b, score in report.pairs:
-        pairs.add_row(f"{score:.3f}", a, b)
-    return pairs
-
-
-def _text(report: RunReport) -> Table:
-    text = Table(title="greedy generation", show_header=False)
-    text.add_column("")
-    text.add_column("", overflow="fold")
-    text.add_row("prompt", report.prompt)
-    text.add_row(f"{report.new_tokens} new tokens", report.generated_text)
-    if report.full_text is not None:
-        text.add_row("full precision", report.full_text)
-    return text
-
-
 def _print_plan(budgeted: Budgeted, budget_bytes: int, console: Console) -> None:
     plan = budgeted.plan
     if plan.applies_nothing:
@@ -143,7 +123,8 @@ def print_start(start: RunStart, console: Console) -> None:
     """What a run prints before it measures: the model, the backend and, with a budget,
     the plan (before any weight is read); flushed, so that it shows at once even where
     stdout is a pipe."""
-    kind = "" if start.kind == ENCODER else " (causal LM)"
+    label = get_kind(start.kind).label
+    kind = f" ({label})" if label else ""
     console.print(f"model    {start.model}{kind}", highlight=False, markup=False)
     console.print(f"backend  {start.backend} ({start.device})", highlight=False, markup=False)
     if start.budgeted is not None:
@@ -176,7 +157,8 @@ def print_report(report: RunReport, console: Console, *, started: bool = False) 
             RunStart(report.model, report.kind, report.backend, report.device, report.budget_bytes, report.budgeted),
             console,
         )
-    console.print(_pairs(report) if report.kind == ENCODER else _text(report))
+    job = get_kind(report.kind).job_class()
+    console.print(job.result_table(report))
     figures = Table(title="measured")
     figures.add_column("figure")
     figures.add_column("value", justify="right")
@@ -189,26 +171,11 @@ def print_report(report: RunReport, console: Console, *, started: bool = False) 
             figures.add_row("kept in 8 bits (later half of the layers)", kept)
         figures.add_row(f"weights in {report.device} memory between forwards", human_bytes(report.device_weights_bytes))
         quality = "not measured (no full-precision reference)" if report.quality is None else f"{report.quality:.4f}"
-        if report.kind == ENCODER:
-            figures.add_row(f"embedding cosine, {report.changes} vs full (lowest)", quality)
-        else:
-            figures.add_row(f"token agreement, {report.changes} vs full", quality)
+        figures.add_row(job.quality_row.format(changes=report.changes), quality)
     else:
         figures.add_row("weights", human_bytes(report.weights_bytes))
-    if report.kind == ENCODER:
-        figures.add_row(f"latency (median of {len(measured.seconds)})", f"{measured.median_seconds * 1e3:.1f} ms")
-    else:
-        figures.add_row(
-            f"time to first token ({report.prompt_tokens}-token prompt, median)",
-            f"{report.time_to_first_token_seconds * 1e3:.1f} ms",
-        )
-        rate = report.decode_tokens_per_second
-        replayed = ", replayed from a captured CUDA graph" if report.decode_graph else ""
-        figures.add_row(f"decode speed (median{replayed})", "-" if rate is None else f"{rate:.1f} tokens/s")
-        figures.add_row(
-            f"generation of {report.new_tokens} tokens (median of {len(measured.seconds)})",
-            f"{measured.median_seconds * 1e3:.1f} ms",
-        )
+    for label, value in job.speed_rows(report, measured):
+        figures.add_row(label, value)
     figures.add_row(f"peak memory, {measured.source}", human_bytes(measured.peak_bytes))
     if report.load_seconds is not None:
         figures.add_row("load: checkpoint streamed into the plan", f"{report.load_seconds:.2f} s")

@@ -8,9 +8,8 @@ measurement."""
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,23 +19,17 @@ from tightfit import backends
 from tightfit._deprecation import renamed
 from tightfit._format import human_bytes
 from tightfit._validate import check_choice, check_type
-from tightfit.app import captured, kv_cache
-from tightfit.app.budget import KV_CACHE, KV_DECODED, Budgeted, measure_load, plan_run, read_plan
-from tightfit.app.generation import Generation, generate_greedy, prefill_inputs, token_agreement
-from tightfit.app.models import (
-    ENCODER,
-    default_model_dir,
-    embed,
-    folder_kind,
-    load_causal_lm,
-    load_encoder,
-    load_tokenizer,
-)
+from tightfit.app import kv_cache
+from tightfit.app.budget import Budgeted, measure_load, plan_run, read_plan
+from tightfit.app.causal_lm_job import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROMPT
+from tightfit.app.jobs import Job
+from tightfit.app.models import ENCODER, default_model_dir, folder_kind
 from tightfit.app.spelling import assigned, option
-from tightfit.fitting import Allow, FitError, FitPlan, held_bytes, parse_size
+from tightfit.fitting import Allow, FitPlan, held_bytes, parse_size
 from tightfit.fitting.quality import parse_error
 from tightfit.hooks import OFFLOAD_TARGETS, apply_layerwise_casting, apply_offloading, resident_bytes
-from tightfit.loading import checkpoint_dtype, load, skeleton, stored_dtypes
+from tightfit.kinds import get_kind, kind_names
+from tightfit.loading import load, skeleton, stored_dtypes
 from tightfit.loading.stored import holds_quantized
 from tightfit.memory import Measurement, measure, tensor_bytes
 from tightfit.memory.plot import check_png_path
@@ -97,9 +90,6 @@ DEFAULT_SENTENCES: tuple[str, ...] = (
     "The film was a great success with critics.",
 )
 
-#: What a causal LM continues, and for how many tokens, unless told otherwise.
-DEFAULT_PROMPT = "Once upon a time, in a small village by the sea, there lived"
-DEFAULT_MAX_NEW_TOKENS = 16
 #: ``--graph``: decode from a captured CUDA graph where the run allows it, always (or refuse), never.
 GRAPH_CHOICES = ("auto", "on", "off")
 
@@ -267,6 +257,10 @@ class RunOptions:
             raise TypeError(f"reference must be a bool, got {type(self.reference).__name__}: {self.reference!r}")
 
 
+#: Each option's default: an option of another kind is refused unless it is left so.
+_DEFAULTS = {option_field.name: option_field.default for option_field in fields(RunOptions)}
+
+
 @dataclass(frozen=True)
 class RunStart:
     """What a run knows before it measures, given to ``run``'s ``on_start``: the
@@ -283,8 +277,10 @@ class RunStart:
 
 @dataclass
 class RunReport:
-    """What a run measured. ``kind`` says which half applies: an encoder's embeddings and
-    cosine, or a causal LM's generated text, speeds and token agreement."""
+    """What a run measured. ``kind`` says which fields apply: an encoder's embeddings and
+    cosine, a causal LM's generated text, speeds and token agreement, or those a
+    registered kind's job fills. ``quality`` is the kind's figure against full precision
+    (``quality_metric`` names it)."""
 
     model: str
     backend: str
@@ -303,6 +299,8 @@ class RunReport:
     offload: str | None = None
     device_weights_bytes: int | None = None  # held in the device's memory between forwards
     kind: str = ENCODER
+    quality: float | None = None  # the kind's figure against full precision, where weights changed
+    quality_metric: str = ""
     prompt: str | None = None  # causal LMs, from here on
     prompt_tokens: int = 0
     generated_text: str | None = None
@@ -329,31 +327,12 @@ class RunReport:
         return None if self.budgeted is None else self.budgeted.predicted_peak_bytes
 
     @property
-    def quality(self) -> float | None:
-        """The quality figure of the kind: lowest cosine or token agreement against full precision."""
-        return self.min_cosine_to_full if self.kind == ENCODER else self.token_agreement
-
-    @property
-    def quality_metric(self) -> str:
-        if self.kind == ENCODER:
-            return "embedding cosine vs full precision (lowest)"
-        return "token agreement vs full precision"
-
-    @property
     def changes(self) -> str | None:
         """What was done to the weights, for labels: ``nf4``, ``float8_e4m3fn + offload disk``, ``plan for 38.1 MiB``."""
         if self.budgeted is not None:
             return None if self.budgeted.plan.applies_nothing else f"plan for {human_bytes(self.budget_bytes)}"
         parts = [self.quant or self.storage_dtype, f"offload {self.offload}" if self.offload else None]
         return " + ".join(p for p in parts if p) or None
-
-
-def _most_similar(embeddings: torch.Tensor, sentences: tuple[str, ...], count: int) -> list[tuple[str, str, float]]:
-    scores = embeddings @ embeddings.T
-    rows, cols = torch.triu_indices(len(sentences), len(sentences), offset=1)
-    values = scores[rows, cols]
-    order = values.argsort(descending=True)[:count]
-    return [(sentences[int(rows[i])], sentences[int(cols[i])], float(values[i])) for i in order]
 
 
 def _setup(options: RunOptions | None) -> tuple[RunOptions, backends.Backend, torch.device, Path, str]:
@@ -372,25 +351,27 @@ def _setup(options: RunOptions | None) -> tuple[RunOptions, backends.Backend, to
         backend = backends.get(options.plan.backend)  # a plan runs where it was made for
         device = backend.resolve_device(options.plan.device if ":" in options.plan.device else None)
     folder = Path(options.model) if options.model is not None else default_model_dir()
-    kind = folder_kind(folder)
-    if kind == ENCODER and (options.prompt is not None or options.max_new_tokens is not None):
+    kind = get_kind(folder_kind(folder))
+    given = [
+        name
+        for other in map(get_kind, kind_names())
+        for name in other.run_options
+        if name not in kind.run_options and getattr(options, name) != _DEFAULTS[name]
+    ]
+    if given:
         named = "the built-in model" if options.model is None else assigned("model", str(folder))
+        owners = sorted({other.noun for other in map(get_kind, kind_names()) if set(given) & set(other.run_options)})
+        verb = "apply" if len(given) > 1 else "applies"
         raise ValueError(
-            f"{option('prompt')} and {option('max_new_tokens')} apply to causal LMs; {named} is an encoder, "
-            f"which embeds sentences"
+            f"{' and '.join(map(option, given))} {verb} to {' and '.join(f'{noun}s' for noun in owners)}; "
+            f"{named} is {kind.described}"
         )
-    for name, default in (("context", None), ("kv_cache", "auto"), ("graph", "auto")):  # a causal LM's decoding
-        if kind == ENCODER and getattr(options, name) != default:
-            named = "the built-in model" if options.model is None else assigned("model", str(folder))
-            raise ValueError(
-                f"{option(name)} applies to causal LMs (their decoding); {named} is an encoder, which embeds sentences"
-            )
-    return options, backend, device, folder, kind
+    return options, backend, device, folder, kind.name
 
 
 def _planned(
     options: RunOptions, backend: backends.Backend, device: torch.device, folder: Path, kind: str
-) -> tuple[_Encoder | _CausalLM, Budgeted]:
+) -> tuple[Job, Budgeted]:
     """The run's job on the skeleton (no weight read: the checkpoint's headers give the
     dtype each tensor is stored in) and its plan for the budget, loading covered."""
     if holds_quantized(folder):
@@ -457,8 +438,7 @@ def run(options: RunOptions | None = None, *, on_start: Callable[[RunStart], Any
             on_start(replace(start, budgeted=budgeted))
         loaded = measure_load(lambda: load(folder, plan=budgeted.plan, kind=kind, model=job.model)[0], device)
         job.model = loaded.model
-        if isinstance(job, _CausalLM):  # its decoding graph needs headroom
-            job.headroom = options.budget - budgeted.plan.predicted_peak_bytes
+        job.headroom = options.budget - budgeted.plan.predicted_peak_bytes
         kept: tuple[str, ...] = ()
         changes = not budgeted.plan.applies_nothing
         full_weights = _full_weights_bytes(budgeted.plan) if changes else None
@@ -506,6 +486,7 @@ def run(options: RunOptions | None = None, *, on_start: Callable[[RunStart], Any
         offload=options.offload,
         device_weights_bytes=on_device,
         kind=kind,
+        quality_metric=type(job).quality_metric,
         budget_bytes=options.budget,
         budgeted=budgeted,
     )
@@ -513,7 +494,7 @@ def run(options: RunOptions | None = None, *, on_start: Callable[[RunStart], Any
         report.load_seconds, report.load_peak_bytes = loaded.seconds, loaded.peak_bytes
         report.load_peak_rss_bytes = loaded.peak_rss_bytes
         if changes and options.reference:
-            reference = _reference(job, kind, folder, device, full_weights)
+            reference = _reference(job, folder, device, full_weights)
     job.fill(report, list(measurement.results), reference)  # what the timed calls returned
     if options.timeline is not None:
         title = f"{Path(report.model).name if options.model else 'all-MiniLM-L6-v2'}, {report.changes or 'as loaded'}, on {device}"
@@ -535,10 +516,9 @@ def _described(options: RunOptions, folder: Path) -> str:
 
 def _job(
     kind: str, folder: Path, device: torch.device, options: RunOptions, backend: backends.Backend, skeleton: Any = None
-) -> _Encoder | _CausalLM:
-    if kind == ENCODER:
-        return _Encoder(folder, device, options, skeleton)
-    return _CausalLM(folder, device, options, backend, skeleton)
+) -> Job:
+    """The run's job for a folder of ``kind`` (:mod:`tightfit.kinds`)."""
+    return get_kind(kind).job_class()(folder, device, options, backend, skeleton)
 
 
 def _full_weights_bytes(plan: Any) -> int:
@@ -546,14 +526,14 @@ def _full_weights_bytes(plan: Any) -> int:
     return sum(entry.bytes_before for entry in plan.entries)
 
 
-def _reference(job: _Encoder | _CausalLM, kind: str, folder: Path, device: torch.device, full_bytes: int) -> Any:
+def _reference(job: Job, folder: Path, device: torch.device, full_bytes: int) -> Any:
     """What the full-precision model produces, for quality: loaded after the measured run,
     only where it takes at most half the memory the machine has free (else None)."""
     free = backends.get("cpu").memory(torch.device("cpu")).free
     if free is None or full_bytes > free // 2:
         return None
     fitted = job.model
-    job.model = (load_encoder if kind == ENCODER else load_causal_lm)(folder, device)[0]
+    job.model = type(job).load_full(folder, device)
     try:
         return job.result()
     finally:
@@ -578,292 +558,6 @@ def _convert(model: torch.nn.Module, options: RunOptions, device: torch.device) 
     if options.offload is not None:
         apply_offloading(model, device, offload_to=options.offload)
     return kept
-
-
-class _Encoder:
-    """Embeds the sentences; quality is the lowest cosine of an embedding against full precision."""
-
-    def __init__(self, folder: Path, device: torch.device, options: RunOptions, skeleton: Any = None) -> None:
-        if skeleton is None:
-            self.model, self.tokenizer = load_encoder(folder, device)
-        else:  # planned first, streamed in later
-            self.model, self.tokenizer = skeleton, load_tokenizer(folder)
-        self.device = device
-        self.sentences = options.sentences
-        self.top_pairs = options.top_pairs
-
-    def call(self) -> None:
-        embed(self.model, self.tokenizer, list(self.sentences), self.device)
-
-    def example_inputs(self) -> dict[str, torch.Tensor]:
-        """The batch ``call`` embeds: what a plan is made for."""
-        return dict(
-            self.tokenizer(list(self.sentences), padding=True, truncation=True, return_tensors="pt").to(self.device)
-        )
-
-    kv_format = None  # an encoder keeps no cache between forwards
-
-    def kv_cache_bytes(self) -> int:
-        """An encoder keeps no cache between forwards."""
-        return 0
-
-    def kv_decoded_bytes(self) -> int:
-        return 0
-
-    def decode_steps(self) -> int:
-        """An encoder's run is the forward planned: nothing follows it."""
-        return 0
-
-    def choose_kv_format(self, planned: Callable[[], Budgeted], kv_format: str, budget: int) -> Budgeted:
-        """An encoder's plan: no cache to choose a format for."""
-        return planned()
-
-    def planned_context(self) -> None:
-        """An encoder has no context to plan."""
-        return None
-
-    def carried_out(self, plan: FitPlan) -> Budgeted:
-        """``plan`` as made before (``--plan``): an encoder reserves nothing."""
-        return Budgeted(plan, self.covers())
-
-    def covers(self) -> str:
-        ids = self.example_inputs()["input_ids"]
-        return f"one forward over the {ids.shape[0]} sentences ({ids.shape[0]} x {ids.shape[1]} tokens)"
-
-    def result(self) -> torch.Tensor:
-        """The embeddings, on the CPU: what quality compares."""
-        return embed(self.model, self.tokenizer, list(self.sentences), self.device).cpu()
-
-    def fill(self, report: RunReport, calls: list, reference: torch.Tensor | None) -> None:
-        embeddings = self.result()
-        report.embedding_dim = int(embeddings.shape[-1])
-        report.pairs = _most_similar(embeddings, self.sentences, self.top_pairs)
-        if reference is not None:
-            report.min_cosine_to_full = float((embeddings * reference).sum(-1).min())
-
-
-class _CausalLM:
-    """Generates ``max_new_tokens`` greedily; quality is the token agreement with full precision."""
-
-    def __init__(
-        self, folder: Path, device: torch.device, options: RunOptions, backend: backends.Backend, skeleton: Any = None
-    ) -> None:
-        if skeleton is None:
-            self.model, self.tokenizer = load_causal_lm(folder, device)
-        else:  # planned first, streamed in later
-            self.model, self.tokenizer = skeleton, load_tokenizer(folder)
-        self.dtype = checkpoint_dtype(self.model.config)
-        self.prompt = DEFAULT_PROMPT if options.prompt is None else options.prompt
-        self.max_new_tokens = DEFAULT_MAX_NEW_TOKENS if options.max_new_tokens is None else options.max_new_tokens
-        self.input_ids = self.tokenizer(self.prompt, return_tensors="pt").input_ids.to(device)
-        self.limit = getattr(self.model.config, "max_position_embeddings", None)
-        length = self.input_ids.shape[1] + self.max_new_tokens
-        if self.limit is not None and length > self.limit:
-            raise ValueError(
-                f"{option('prompt')} ({self.input_ids.shape[1]} tokens) and {assigned('max_new_tokens', self.max_new_tokens)} "
-                f"make {length} positions; the model takes at most {self.limit} (max_position_embeddings in its config.json)"
-            )
-        #: Positions the run's KV cache reaches: the prompt, and every new token but the last fed back.
-        self.run_positions = length - 1
-        self.context = options.context if isinstance(options.context, int) else None
-        if self.context is not None and not self.run_positions <= self.context <= (self.limit or self.context):
-            raise ValueError(
-                f"{assigned('context', self.context)} is outside what this run can use: at least the "
-                f"{self.run_positions} positions it reaches (the {self.input_ids.shape[1]}-token prompt and "
-                f"{self.max_new_tokens - 1} new tokens fed back), at most the model's "
-                f"{self.limit} (max_position_embeddings)"
-            )
-        self.context_note = ""
-        self.context_limited = False  # --context auto: the budget, not the model, set the context
-        self.kv_format = "model" if options.kv_cache == "auto" else options.kv_cache
-        self.kv_note = ""
-        if self.kv_format != "model":
-            kv_cache.cache_argument(self.model, self.kv_format)  # refused here where the model's cache cannot
-        self.synchronize = lambda: backend.synchronize(device)
-        self.graph_choice = options.graph
-        self.graph: bool | None = None  # decided at the first call, with the weights where they run
-        self.headroom: int | None = None  # with a budget: what it leaves above the plan's predicted peak
-
-    def call(self) -> Generation:
-        if self.graph is None:
-            self.graph = self._decode_graph()
-        return generate_greedy(
-            self.model,
-            self.input_ids,
-            self.max_new_tokens,
-            self.synchronize,
-            graph=self.graph,
-            kv_format=self.kv_format,
-        )
-
-    def _decode_graph(self) -> bool:
-        """Whether decoding replays a captured CUDA graph: ``--graph`` where this run allows
-        it; ``on`` where it does not is refused with the reason."""
-        if self.graph_choice == "off" or self.max_new_tokens == 1:
-            return False
-        try:
-            captured.check_capturable(self.model, self.input_ids)
-            if self.kv_format != "model":
-                raise ValueError(f"the KV cache is {self.kv_format}; a captured decode keeps it in the model's dtype")
-            scratch = (self.input_ids.shape[1] + self.max_new_tokens) * self._per_token()
-            if self.headroom is not None and scratch > self.headroom:
-                raise ValueError(
-                    f"capturing warms up on a second static KV cache ({human_bytes(scratch)}), and the budget "
-                    f"leaves {human_bytes(max(self.headroom, 0))} above the plan's predicted peak"
-                )
-        except ValueError as error:
-            if self.graph_choice == "on":
-                raise ValueError(f"{assigned('graph', 'on')}: {error}") from None
-            return False
-        return True
-
-    def example_inputs(self) -> dict[str, torch.Tensor]:
-        """The prefill over the prompt: what a plan is made for (its KV cache included)."""
-        return prefill_inputs(self.model, self.input_ids)
-
-    def kv_cache_bytes(self) -> int:
-        """The KV cache's growth beyond the prompt (whose share the prefill holds) to the
-        context planned for: by default the one-token forwards after the prefill."""
-        return (self.planned_context() - self.input_ids.shape[1]) * self._per_token()
-
-    def kv_decoded_bytes(self) -> int:
-        """A float8 cache's layer decoded while it attends, at the context planned for."""
-        return kv_cache.decoded_bytes(self.model.config, self.dtype, self.kv_format, self.planned_context())
-
-    def decode_steps(self) -> int:
-        """The one-token forwards after the prefill: every new token but the first."""
-        return self.max_new_tokens - 1
-
-    def _per_token(self) -> int:
-        return kv_cache.bytes_per_token(self.model.config, self.dtype, self.kv_format)
-
-    def choose_kv_format(self, planned: Callable[[], Budgeted], kv_format: str, budget: int) -> Budgeted:
-        """``planned()`` with the cache in ``kv_format``; ``"auto"``: the model's dtype,
-        unless the budget holds the run only with a float8 cache, or (``--context auto``)
-        a longer context with one; the choice is said in ``covers``."""
-        if kv_format != "auto":
-            return planned()
-        failed: FitError | None = None
-        try:
-            kept = planned()
-        except FitError as error:
-            kept, failed = None, error
-        if kept is not None and not self.context_limited:
-            return kept
-        chosen = self.context, self.context_note, self.context_limited  # what kept was planned with
-        if failed is not None and failed.smallest_peak_bytes - self.kv_cache_bytes() > budget:
-            raise failed from None  # no cache at all would fit: a smaller one cannot help
-        try:
-            kv_cache.cache_argument(self.model, "float8")
-        except ValueError:  # the model's cache cannot be float8: the model's format's plan, or its error
-            if kept is None:
-                raise failed from None
-            return kept
-        self.kv_format = "float8"
-        try:
-            smaller = planned()
-        except FitError:
-            smaller = None
-        if smaller is None or (kept is not None and smaller.context <= kept.context):
-            self.kv_format = "model"
-            if kept is None:
-                raise failed from None  # the model's format's error: what the caller knows the run by
-            self.context, self.context_note, self.context_limited = chosen  # the float8 attempt moved them
-            return kept
-        model_context = None if kept is None else kept.context
-        self.kv_note = f"; float8 KV cache: in {str(self.dtype).removeprefix('torch.')} the budget holds " + (
-            "no plan of this run" if model_context is None else f"a context of {model_context:,} positions only"
-        )
-        return replace(smaller, covers=self.covers())
-
-    def planned_context(self) -> int:
-        """The positions the KV cache is planned for: ``--context``, or what the run reaches."""
-        return self.run_positions if self.context is None else self.context
-
-    def covers(self) -> str:
-        decoded = self.kv_decoded_bytes()
-        held = f", and one layer of it decoded while it attends ({human_bytes(decoded)})" if decoded else ""
-        cache = kv_cache.describe(self.kv_format, self.model.config, self.dtype)
-        if self.context is None:
-            return (
-                f"the prefill forward over the {self.input_ids.shape[1]}-token prompt, plus the KV cache's growth over "
-                f"the {self.max_new_tokens - 1} one-token decode forwards ({human_bytes(self.kv_cache_bytes())}){held}; "
-                f"{cache}{self.kv_note}"
-            )
-        return (
-            f"the prefill forward over the {self.input_ids.shape[1]}-token prompt, plus the KV cache's growth to a "
-            f"context of {self.context:,} positions ({human_bytes(self.kv_cache_bytes())}{self.context_note}){held}; "
-            f"{cache}{self.kv_note}"
-        )
-
-    def carried_out(self, plan: FitPlan) -> Budgeted:
-        """``plan`` as made before (``--plan``), its context what it reserved for the KV
-        cache; refused where this run's cache would outgrow it."""
-        self.kv_format = "float8" if KV_DECODED in plan.reserved else "model"
-        per_token = self._per_token()
-        self.context = self.input_ids.shape[1] + plan.reserved.get(KV_CACHE, 0) // per_token
-        if self.context < self.run_positions:
-            raise ValueError(
-                f"the plan reserves the KV cache for {self.context} positions with this prompt "
-                f"({human_bytes(plan.reserved.get(KV_CACHE, 0))}); this run reaches {self.run_positions} (the "
-                f"{self.input_ids.shape[1]}-token prompt and {self.max_new_tokens - 1} new tokens fed back): give a "
-                f"smaller {option('max_new_tokens')}, or plan again with {option('context')}"
-            )
-        return Budgeted(plan, self.covers(), self.context, self.kv_format)
-
-    def longest_context(self, plan: Callable[[], Budgeted], budget: int) -> Budgeted:
-        """``plan()`` at the longest context the budget allows (``--context auto``): at least
-        the run's own positions, at most the model's ``max_position_embeddings``. The KV
-        cache's bytes grow linearly with the context, and the rest of the plan needs at
-        least its smallest reachable peak, so one plan at the model's maximum (or the most
-        the budget holds of the cache alone, where that is less) either fits or, failing,
-        tells that peak; the context is then what the budget leaves. A float8 cache's decoded
-        layer grows with the context too, and counts per position beside the growth."""
-        per_token = self._per_token()
-        decoded = kv_cache.decoded_bytes(self.model.config, self.dtype, self.kv_format, 1)  # per position
-        prompt = self.input_ids.shape[1]
-        held = (max(budget - 1, 0) + per_token * prompt) // (per_token + decoded)  # the cache alone, below the budget
-        most = min(self.limit, held) if self.limit is not None else held
-        self.context = max(most, self.run_positions)
-        self.context_limited = self.limit is None or held < self.limit
-        try:
-            budgeted = plan()
-            self.context_note = (
-                ", the longest the budget leaves room for"
-                if self.context_limited
-                else ", the model's max_position_embeddings: the most it takes"
-            )
-        except FitError as error:
-            self.context_limited = True
-            without_cache = error.smallest_peak_bytes - self.kv_cache_bytes() - self.kv_decoded_bytes()
-            room = max(budget - without_cache + per_token * prompt, 0)  # growth (context - prompt) + decoded (context)
-            self.context = min(max(room // (per_token + decoded), prompt), most)
-            if self.context < self.run_positions:
-                self.context = self.run_positions  # the run's own positions: plan() says what is missing
-            self.context_note = ", the longest the budget leaves room for beside the smallest plan of the weights"
-            budgeted = plan()
-        return replace(budgeted, covers=self.covers())
-
-    def result(self) -> Generation:
-        """One generation: what quality compares."""
-        return self.call()
-
-    def _text(self, tokens: tuple[int, ...]) -> str:
-        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
-
-    def fill(self, report: RunReport, calls: list[Generation], reference: Generation | None) -> None:
-        last = calls[-1]
-        report.prompt = self.prompt
-        report.prompt_tokens = int(self.input_ids.shape[1])
-        report.generated_text = self._text(last.tokens)
-        report.new_tokens = len(last.tokens)
-        report.time_to_first_token_seconds = statistics.median(call.prefill_seconds for call in calls)
-        rates = [call.decode_tokens_per_second for call in calls if call.decode_tokens_per_second is not None]
-        report.decode_tokens_per_second = statistics.median(rates) if rates else None
-        report.decode_graph = self.graph
-        if reference is not None:
-            report.full_text = self._text(reference.tokens)
-            report.token_agreement = token_agreement(self.model, self.input_ids, reference.tokens)
 
 
 def weights_bytes(modules: list[torch.nn.Module]) -> int:

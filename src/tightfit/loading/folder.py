@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tightfit._files import read_json
+from tightfit.kinds import CAUSAL_LM, ENCODER, get_kind, kind_of
 from tightfit.loading._config import check_built, check_config, config_errors
 
 __all__ = [
@@ -28,10 +29,6 @@ __all__ = [
     "skeleton",
 ]
 
-ENCODER = "encoder"
-CAUSAL_LM = "causal-lm"
-#: The transformers auto class that builds each kind.
-_AUTO_CLASSES = {ENCODER: "AutoModel", CAUSAL_LM: "AutoModelForCausalLM"}
 #: dtypes a checkpoint's config may name (``torch_dtype``, or ``dtype`` from transformers 5).
 _CONFIG_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -117,36 +114,10 @@ def read_config(path: str | Path) -> Any:
 
 
 def model_kind(config: Any) -> str:
-    """``"causal-lm"`` or ``"encoder"``: what ``tightfit run`` does with a model of this config
-    (a ValueError for an encoder-decoder, which is neither).
-
-    The config's ``architectures`` decide when present (a causal LM class of
-    transformers' ``AutoModelForCausalLM`` mapping, such as ``LlamaForCausalLM``); without
-    them ``is_decoder``, or a model type that has a causal LM and no masked LM (decoder-only
-    families such as Llama and GPT-2; BERT has both and stays an encoder).
-    """
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-    )
-
-    if getattr(config, "is_encoder_decoder", False):  # T5, BART: neither kind; their encoder alone would mislead
-        raise ValueError(
-            f"the model is an encoder-decoder ({getattr(config, 'model_type', None) or type(config).__name__}); "
-            f"tightfit runs and plans encoders and causal LMs for now"
-        )
-    architectures = getattr(config, "architectures", None)
-    if isinstance(architectures, str):  # one name, not a list: transformers reads it so
-        architectures = [architectures]
-    if architectures:
-        causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-        return CAUSAL_LM if any(name in causal for name in architectures) else ENCODER
-    if getattr(config, "is_decoder", False):
-        return CAUSAL_LM
-    model_type = getattr(config, "model_type", None)
-    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
-        return CAUSAL_LM
-    return ENCODER
+    """The name of the kind a transformers config is of (:func:`tightfit.kinds.kind_of`):
+    ``"causal-lm"``, ``"encoder"``, or a kind registered since; a ValueError naming the
+    model type where no kind claims it (an encoder-decoder)."""
+    return kind_of(config).name
 
 
 def folder_kind(path: str | Path) -> str:
@@ -194,12 +165,11 @@ def check_builds(path: str | Path, kind: str) -> None:
     config.json before any weight is read (what ``from_pretrained`` would raise as its
     own error, naming neither)."""
     config = read_config(path)
-    if kind not in _AUTO_CLASSES:
-        raise ValueError(f"kind={kind!r} is not accepted; accepted: {', '.join(_AUTO_CLASSES)}")
+    auto_class = get_kind(kind).auto_class
     import transformers
 
-    auto = getattr(transformers, _AUTO_CLASSES[kind])
-    with config_errors(Path(path) / "config.json", f"build the model ({_AUTO_CLASSES[kind]})"), _parameters_on_meta():
+    auto = getattr(transformers, auto_class)
+    with config_errors(Path(path) / "config.json", f"build the model ({auto_class})"), _parameters_on_meta():
         auto.from_config(config)
 
 
@@ -208,9 +178,7 @@ def skeleton(path: str | Path, kind: str | None = None) -> tuple[nn.Module, Any]
     :func:`model_kind`) built from its config in the checkpoint's dtype, in eval mode,
     parameters on the meta device (tied ones one object), buffers real. No weight is read."""
     config = read_config(path)
-    kind = model_kind(config) if kind is None else kind
-    if kind not in _AUTO_CLASSES:
-        raise ValueError(f"kind={kind!r} is not accepted; accepted: {', '.join(_AUTO_CLASSES)}")
+    auto_class = (kind_of(config) if kind is None else get_kind(kind)).auto_class
     import transformers
 
     file = Path(path) / "config.json"
@@ -218,7 +186,7 @@ def skeleton(path: str | Path, kind: str | None = None) -> tuple[nn.Module, Any]
         dtype = checkpoint_dtype(config)
     except ValueError as error:
         raise ValueError(f"{file}: {error}") from None
-    auto = getattr(transformers, _AUTO_CLASSES[kind])
-    with config_errors(file, f"build the model ({_AUTO_CLASSES[kind]})"), _parameters_on_meta():
+    auto = getattr(transformers, auto_class)
+    with config_errors(file, f"build the model ({auto_class})"), _parameters_on_meta():
         model = auto.from_config(config, dtype=dtype)
     return model.eval(), config

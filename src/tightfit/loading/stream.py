@@ -20,14 +20,15 @@ import torch
 from torch import nn
 
 from tightfit._progress import muted, task
-from tightfit._validate import check_choice, check_type
+from tightfit._validate import check_type
 from tightfit.backends.resolve import resolve_backend
 from tightfit.fitting import Allow, Calibration, FitPlan, fit, parse_size
 from tightfit.fitting.plan import PlanEntry, move_kept, offload_unit
 from tightfit.hooks import apply_offloading
 from tightfit.hooks._disk import MappedRegions
 from tightfit.hooks.offload import offload_in_place
-from tightfit.loading.folder import CAUSAL_LM, ENCODER, model_folder, model_kind, skeleton
+from tightfit.kinds import get_kind
+from tightfit.loading.folder import model_folder, model_kind, skeleton
 from tightfit.loading.safetensors import INDEX_FILE, SINGLE_FILE, Checkpoint
 from tightfit.loading.stored import check_plan_names, holds_quantized
 from tightfit.quant import storage_format
@@ -36,20 +37,19 @@ __all__ = ["default_inputs", "load", "on_meta", "plan_folder", "stored_dtypes", 
 
 #: Tokens per sequence of the inputs a folder is planned for when none are given.
 DEFAULT_TOKENS = 128
-#: Sequences in that batch, per kind: a causal LM generates for one prompt; an encoder embeds a batch.
-_DEFAULT_BATCH = {CAUSAL_LM: 1, ENCODER: 8}
 
 
 def default_inputs(config: Any, kind: str) -> dict[str, torch.Tensor]:
-    """The inputs a folder is planned for when none are given, on the meta device: one
-    prompt of 128 tokens for a causal LM, 8 sequences of 128 for an encoder (fewer tokens
-    where the model's ``max_position_embeddings`` is smaller)."""
-    check_choice("kind", kind, _DEFAULT_BATCH)
+    """The inputs a folder is planned for when none are given, on the meta device: the
+    kind's batch (:class:`tightfit.kinds.ModelKind`: one prompt for a causal LM, 8
+    sequences for an encoder) of 128 tokens each (fewer where the model's
+    ``max_position_embeddings`` is smaller), with an attention mask where the kind has one."""
+    entry = get_kind(kind)
     limit = getattr(config, "max_position_embeddings", None)
     tokens = min(DEFAULT_TOKENS, limit) if isinstance(limit, int) and limit > 0 else DEFAULT_TOKENS
-    shape = (_DEFAULT_BATCH[kind], tokens)
+    shape = (entry.batch, tokens)
     inputs = {"input_ids": torch.zeros(shape, dtype=torch.long, device="meta")}
-    if kind != CAUSAL_LM:
+    if entry.attention_mask:
         inputs["attention_mask"] = torch.ones(shape, dtype=torch.long, device="meta")
     return inputs
 
