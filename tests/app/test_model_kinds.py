@@ -135,7 +135,9 @@ def test_a_registered_kind_is_planned_loaded_and_run(classifier_folder, classifi
 
 
 def test_options_of_another_kind_are_refused_naming_this_one(classifier_folder, classifier_kind):
-    with pytest.raises(ValueError, match=r"max_new_tokens applies to causal LMs; model=.* is a classifier, which labels"):
+    with pytest.raises(
+        ValueError, match=r"max_new_tokens applies to causal LMs; model=.* is a classifier, which labels"
+    ):
         plan_only(RunOptions(model=str(classifier_folder), budget="2MB", max_new_tokens=3))
 
 
