@@ -17,8 +17,9 @@ $(VENV)/.installed-test: pyproject.toml scripts/setup-env.sh
 run: $(VENV)/.installed-run
 	$(VENV)/bin/tightfit run
 
+# Two workers at most: the CI machine has 2 cores, and each worker holds its own models.
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses=2
 
 # The linter and formatter (settings in pyproject.toml); CI runs this before the tests.
 lint: $(VENV)/.installed-test

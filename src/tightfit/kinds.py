@@ -30,10 +30,21 @@ from typing import Any
 
 from tightfit._validate import check_count, check_type
 
-__all__ = ["CAUSAL_LM", "ENCODER", "ModelKind", "get_kind", "kind_names", "kind_of", "register_kind", "unregister_kind"]
+__all__ = [
+    "CAUSAL_LM",
+    "ENCODER",
+    "ENCODER_DECODER",
+    "ModelKind",
+    "get_kind",
+    "kind_names",
+    "kind_of",
+    "register_kind",
+    "unregister_kind",
+]
 
 ENCODER = "encoder"
 CAUSAL_LM = "causal-lm"
+ENCODER_DECODER = "encoder-decoder"
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,8 @@ class ModelKind:
     """One kind of model. ``matches(config)``: whether a transformers config is of this
     kind. ``batch``: sequences of the inputs a folder is planned for when none are given
     (of up to 128 tokens each); ``attention_mask``: whether those inputs carry one.
+    ``decoder_inputs``: whether a planned forward also takes ``decoder_input_ids`` (one
+    start token per sequence: an encoder-decoder's first decoder step).
     ``job``: the class ``tightfit run`` builds for a folder of this kind, or where to
     import it from (``"package.module:Class"``). ``run_options``: the run options that
     apply to this kind only (refused for the others unless left at their defaults).
@@ -53,6 +66,7 @@ class ModelKind:
     batch: int
     job: str | type
     attention_mask: bool = True
+    decoder_inputs: bool = False
     run_options: tuple[str, ...] = field(default=())
     noun: str = "model"
     does: str = "runs"
@@ -131,6 +145,21 @@ def kind_of(config: Any) -> ModelKind:
     )
 
 
+def _is_encoder_decoder(config: Any) -> bool:
+    """A sequence-to-sequence LM (T5, BART): an encoder-decoder of transformers'
+    ``AutoModelForSeq2SeqLM`` mapping, by its ``architectures`` or its model type."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES as SEQ2SEQ
+
+    if not getattr(config, "is_encoder_decoder", False):
+        return False
+    architectures = getattr(config, "architectures", None)
+    if isinstance(architectures, str):
+        architectures = [architectures]
+    if architectures:
+        return any(name in set(SEQ2SEQ.values()) for name in architectures)
+    return getattr(config, "model_type", None) in SEQ2SEQ
+
+
 def _is_encoder(config: Any) -> bool:
     """Anything no other kind claims, but an encoder-decoder (T5, BART): its encoder alone
     would mislead."""
@@ -184,5 +213,19 @@ register_kind(
         noun="causal LM",
         does="generates text",
         label="causal LM",
+    )
+)
+register_kind(
+    ModelKind(
+        name=ENCODER_DECODER,
+        auto_class="AutoModelForSeq2SeqLM",
+        matches=_is_encoder_decoder,
+        batch=1,
+        job="tightfit.app.seq2seq_job:Seq2SeqJob",
+        decoder_inputs=True,
+        run_options=("prompt", "max_new_tokens"),
+        noun="encoder-decoder",
+        does="generates text from text",
+        label="encoder-decoder",
     )
 )

@@ -260,7 +260,11 @@ class CausalLMJob(Job):
         report.decode_graph = self.graph
         if reference is not None:
             report.full_text = self._text(reference.tokens)
-            report.token_agreement = report.quality = token_agreement(self.model, self.input_ids, reference.tokens)
+            report.token_agreement = report.quality = self._agreement(reference.tokens)
+
+    def _agreement(self, reference: tuple[int, ...]) -> float:
+        """The share of ``reference``'s next-token choices this model keeps (teacher-forced)."""
+        return token_agreement(self.model, self.input_ids, reference)
 
     @classmethod
     def load_full(cls, folder: Path, device: torch.device) -> Any:

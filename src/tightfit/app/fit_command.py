@@ -105,8 +105,10 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
         f"({', '.join(PLACEMENTS)}), comma-separated",
     )
     fit.add_argument("--backend", help="backend name or device, e.g. cpu, cuda, cuda:1 (default: best available)")
-    fit.add_argument("--prompt", help="causal LMs: the text the run continues (default: tightfit run's)")
-    fit.add_argument("--max-new-tokens", type=int, help="causal LMs: tokens the run generates (default: 16)")
+    fit.add_argument("--prompt", help="causal LMs and encoder-decoders: the run's prompt (default: tightfit run's)")
+    fit.add_argument(
+        "--max-new-tokens", type=int, help="causal LMs and encoder-decoders: tokens the run generates (default: 16)"
+    )
     add_planner_arguments(fit)
     fit.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     fit.set_defaults(handler=handle)

@@ -15,7 +15,14 @@ from tightfit.app import captured
 from tightfit.app.kv_cache import cache_argument
 from tightfit.memory import mark
 
-__all__ = ["Generation", "generate_greedy", "prefill_inputs", "token_agreement"]
+__all__ = [
+    "Generation",
+    "generate_greedy",
+    "generate_seq2seq",
+    "prefill_inputs",
+    "seq2seq_agreement",
+    "token_agreement",
+]
 
 
 @dataclass(frozen=True)
@@ -131,4 +138,59 @@ def token_agreement(model: Any, input_ids: torch.Tensor, reference: tuple[int, .
     continuation = torch.tensor([reference[:-1]], dtype=torch.long, device=input_ids.device)
     logits = model(input_ids=torch.cat([input_ids, continuation], dim=1), use_cache=False).logits
     predicted = logits[0, input_ids.shape[1] - 1 :].argmax(-1).cpu()
+    return float((predicted == torch.tensor(reference)).float().mean())
+
+
+def decoder_start(model: Any, device: torch.device) -> torch.Tensor:
+    """An encoder-decoder's first decoder input: its ``decoder_start_token_id``, (1, 1)."""
+    start = getattr(model.config, "decoder_start_token_id", None)
+    if start is None:
+        start = getattr(getattr(model, "generation_config", None), "decoder_start_token_id", None)
+    if not isinstance(start, int):
+        raise ValueError(
+            f"the model's config names no decoder_start_token_id (got {start!r}); an encoder-decoder needs one"
+        )
+    return torch.full((1, 1), start, dtype=torch.long, device=device)
+
+
+@torch.inference_mode()
+def generate_seq2seq(model: Any, input_ids: torch.Tensor, max_new_tokens: int, synchronize: Any = None) -> Generation:
+    """Generate exactly ``max_new_tokens`` tokens greedily with an encoder-decoder: the
+    encoder once over the input, then the decoder one token at a time with its cache (the
+    cross-attention's keys and values made at the first step, the self-attention's growing).
+    The first phase (time to first token) is the encoder and the first decoder step."""
+    _check_ids(input_ids)
+    check_type("max_new_tokens", max_new_tokens, int)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    wait = synchronize or (lambda: None)
+    keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    mark("prefill")
+    start = time.perf_counter()
+    encoded = model.get_encoder()(input_ids=input_ids)
+    output = model(encoder_outputs=encoded, decoder_input_ids=decoder_start(model, input_ids.device), use_cache=True)
+    cache = output.cache if "cache" in output else output.past_key_values
+    token = _next_token(output)
+    del output
+    tokens = [int(token)]
+    wait()
+    prefilled = time.perf_counter()
+    mark("decode")
+    for _ in range(max_new_tokens - 1):
+        token = _next_token(model(encoder_outputs=encoded, decoder_input_ids=token, use_cache=True, **{keyword: cache}))
+        tokens.append(int(token))
+    wait()
+    return Generation(tuple(tokens), prefilled - start, time.perf_counter() - prefilled)
+
+
+@torch.inference_mode()
+def seq2seq_agreement(model: Any, input_ids: torch.Tensor, reference: tuple[int, ...]) -> float:
+    """:func:`token_agreement` for an encoder-decoder: one forward, the decoder teacher-forced
+    on the start token and ``reference``'s tokens but the last."""
+    _check_ids(input_ids)
+    if not reference or not all(isinstance(t, int) and not isinstance(t, bool) for t in reference):
+        raise ValueError(f"reference must be a non-empty tuple of token ids, got {reference!r}")
+    forced = torch.tensor([reference[:-1]], dtype=torch.long, device=input_ids.device)
+    decoder_ids = torch.cat([decoder_start(model, input_ids.device), forced], dim=1)
+    predicted = model(input_ids=input_ids, decoder_input_ids=decoder_ids, use_cache=False).logits[0].argmax(-1).cpu()
     return float((predicted == torch.tensor(reference)).float().mean())

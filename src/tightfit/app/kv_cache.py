@@ -32,11 +32,13 @@ _SCALE_BYTES = 4  # float32, one per position and head
 
 
 def _shape(config: Any) -> tuple[int, int, int]:
-    """(layers, KV heads, head dimension) of a causal LM's config."""
+    """(layers, KV heads, head dimension) of the self-attention that caches: a causal LM's,
+    or an encoder-decoder's decoder (T5: ``num_decoder_layers``, ``d_kv``)."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, kv_heads, head_dim
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "d_kv", None) or config.hidden_size // heads
+    layers = getattr(config, "num_decoder_layers", None) if getattr(config, "is_encoder_decoder", False) else None
+    return layers or config.num_hidden_layers, kv_heads, head_dim
 
 
 def bytes_per_token(config: Any, dtype: torch.dtype, kv_format: str = "model") -> int:

@@ -17,6 +17,7 @@ import torch
 
 from tightfit._progress import transformers_bars
 from tightfit._validate import check_count, check_type
+from tightfit.kinds import get_kind
 from tightfit.loading.folder import (
     CAUSAL_LM,
     ENCODER,
@@ -38,6 +39,7 @@ __all__ = [
     "folder_kind",
     "load_causal_lm",
     "load_encoder",
+    "load_model",
     "load_tokenizer",
     "model_kind",
     "model_skeleton",
@@ -115,12 +117,16 @@ def load_tokenizer(path: str | Path) -> Any:
         raise ValueError(f"model={str(folder)!r}: its tokenizer does not load: {error}") from error
 
 
-def _load(path: str | Path, device: torch.device, auto_class: str) -> tuple[Any, Any]:
+def load_model(path: str | Path, device: torch.device, kind: str) -> tuple[Any, Any]:
+    """(model, tokenizer) of ``kind`` (:mod:`tightfit.kinds`: its auto class builds it) from
+    a local Hugging Face folder, on ``device``, in eval mode; a folder whose weights or
+    config will not load is a ValueError naming the file."""
     folder = model_folder(path)
     import transformers
 
+    auto_class = get_kind(kind).auto_class
     _check_weights(folder)
-    check_builds(folder, ENCODER if auto_class == "AutoModel" else CAUSAL_LM)  # a bad config names config.json
+    check_builds(folder, kind)  # a bad config names config.json
     with transformers_bars():
         tokenizer = load_tokenizer(folder)
         try:
@@ -143,12 +149,12 @@ def _load(path: str | Path, device: torch.device, auto_class: str) -> tuple[Any,
 
 def load_encoder(path: str | Path, device: torch.device) -> tuple[Any, Any]:
     """(model, tokenizer) from a local Hugging Face folder, on ``device``, in eval mode."""
-    return _load(path, device, "AutoModel")
+    return load_model(path, device, ENCODER)
 
 
 def load_causal_lm(path: str | Path, device: torch.device) -> tuple[Any, Any]:
     """(model with its LM head, tokenizer) from a local Hugging Face folder, on ``device``, in eval mode."""
-    return _load(path, device, "AutoModelForCausalLM")
+    return load_model(path, device, CAUSAL_LM)
 
 
 def save_causal_lm(

@@ -159,8 +159,13 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
         "not with --budget, --allow, --context or --max-error",
     )
     run.add_argument("--repeat", type=int, default=5, help="timed repetitions (default: 5)")
-    run.add_argument("--prompt", help="causal LMs: the text to continue (default: a fixed story opening)")
-    run.add_argument("--max-new-tokens", type=int, help="causal LMs: tokens to generate greedily (default: 16)")
+    run.add_argument(
+        "--prompt",
+        help="causal LMs: the text to continue; encoder-decoders: their input (default: a fixed story opening)",
+    )
+    run.add_argument(
+        "--max-new-tokens", type=int, help="causal LMs and encoder-decoders: tokens to generate greedily (default: 16)"
+    )
     add_planner_arguments(run)
     run.add_argument("--timeline", help="also write a PNG of memory over one run to this path (needs tightfit[plot])")
     run.add_argument(

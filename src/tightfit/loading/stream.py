@@ -51,6 +51,9 @@ def default_inputs(config: Any, kind: str) -> dict[str, torch.Tensor]:
     inputs = {"input_ids": torch.zeros(shape, dtype=torch.long, device="meta")}
     if entry.attention_mask:
         inputs["attention_mask"] = torch.ones(shape, dtype=torch.long, device="meta")
+    if entry.decoder_inputs:
+        start = getattr(config, "decoder_start_token_id", None) or 0
+        inputs["decoder_input_ids"] = torch.full((entry.batch, 1), start, dtype=torch.long, device="meta")
     return inputs
 
 
