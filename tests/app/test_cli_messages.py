@@ -53,7 +53,7 @@ def assert_speaks_the_command_line(line: str, command: str) -> None:
         (["run", "--repeat", "0"], "--repeat must be an int >= 1, got 0"),
         (
             ["run", "--prompt", "hi"],
-            "--prompt applies to causal LMs; the built-in model is an encoder, which embeds sentences",
+            "--prompt applies to causal LMs and encoder-decoders; the built-in model is an encoder, which embeds sentences",
         ),
         (
             ["run", "--budget", "40MB", "--storage-dtype", "float16", "--offload", "disk"],

@@ -32,9 +32,7 @@ class ClassifierJob(Job):
     quality_row = "label agreement, {changes} vs full"
 
     def __init__(self, folder, device, options, backend, skeleton=None) -> None:
-        super().__init__(folder, device, options, backend, skeleton)
-        self.model = skeleton if skeleton is not None else self.load_full(folder, device)
-        self.tokenizer = load_tokenizer(folder)
+        super().__init__(folder, device, options, backend, skeleton)  # the model (or skeleton) and tokenizer
 
     @classmethod
     def load_full(cls, folder, device) -> Any:
@@ -136,7 +134,8 @@ def test_a_registered_kind_is_planned_loaded_and_run(classifier_folder, classifi
 
 def test_options_of_another_kind_are_refused_naming_this_one(classifier_folder, classifier_kind):
     with pytest.raises(
-        ValueError, match=r"max_new_tokens applies to causal LMs; model=.* is a classifier, which labels"
+        ValueError,
+        match=r"max_new_tokens applies to causal LMs and encoder-decoders; model=.* is a classifier, which labels",
     ):
         plan_only(RunOptions(model=str(classifier_folder), budget="2MB", max_new_tokens=3))
 

@@ -211,7 +211,8 @@ def test_run_options_reject_bad_generation_input(kwargs, error, match):
 
 def test_run_rejects_generation_options_for_an_encoder_and_too_long_generations(tiny_llama):
     with pytest.raises(
-        ValueError, match="^max_new_tokens applies to causal LMs; the built-in model is an encoder, which embeds"
+        ValueError,
+        match="^max_new_tokens applies to causal LMs and encoder-decoders; the built-in model is an encoder, which embeds",
     ):
         run(RunOptions(max_new_tokens=4))
     with pytest.raises(

@@ -19,7 +19,7 @@ from tightfit.app import captured, kv_cache
 from tightfit.app.budget import KV_CACHE, KV_DECODED, Budgeted
 from tightfit.app.generation import Generation, generate_greedy, prefill_inputs, token_agreement
 from tightfit.app.jobs import Job
-from tightfit.app.models import load_causal_lm, load_tokenizer
+from tightfit.app.models import load_causal_lm
 from tightfit.app.spelling import assigned, option
 from tightfit.fitting import FitError, FitPlan
 from tightfit.loading import checkpoint_dtype
@@ -46,14 +46,7 @@ class CausalLMJob(Job):
         self, folder: Path, device: torch.device, options: RunOptions, backend: backends.Backend, skeleton: Any = None
     ) -> None:
         super().__init__(folder, device, options, backend, skeleton)
-        if skeleton is None:
-            self.model, self.tokenizer = load_causal_lm(folder, device)
-        else:  # planned first, streamed in later
-            self.model, self.tokenizer = skeleton, load_tokenizer(folder)
-        self.dtype = checkpoint_dtype(self.model.config)
-        self.prompt = DEFAULT_PROMPT if options.prompt is None else options.prompt
-        self.max_new_tokens = DEFAULT_MAX_NEW_TOKENS if options.max_new_tokens is None else options.max_new_tokens
-        self.input_ids = self.tokenizer(self.prompt, return_tensors="pt").input_ids.to(device)
+        self._take_prompt(options, backend)
         self.limit = getattr(self.model.config, "max_position_embeddings", None)
         length = self.input_ids.shape[1] + self.max_new_tokens
         if self.limit is not None and length > self.limit:
@@ -77,7 +70,6 @@ class CausalLMJob(Job):
         self.kv_note = ""
         if self.kv_format != "model":
             kv_cache.cache_argument(self.model, self.kv_format)  # refused here where the model's cache cannot
-        self.synchronize = lambda: backend.synchronize(device)
         self.graph_choice = options.graph
         self.graph: bool | None = None  # decided at the first call, with the weights where they run
 
@@ -269,6 +261,14 @@ class CausalLMJob(Job):
     @classmethod
     def load_full(cls, folder: Path, device: torch.device) -> Any:
         return load_causal_lm(folder, device)[0]
+
+    def _take_prompt(self, options: RunOptions, backend: backends.Backend) -> None:
+        """The prompt, its ids on the device and the tokens to generate, as ``options`` say."""
+        self.dtype = checkpoint_dtype(self.model.config)
+        self.prompt = DEFAULT_PROMPT if options.prompt is None else options.prompt
+        self.max_new_tokens = DEFAULT_MAX_NEW_TOKENS if options.max_new_tokens is None else options.max_new_tokens
+        self.input_ids = self.tokenizer(self.prompt, return_tensors="pt").input_ids.to(self.device)
+        self.synchronize = lambda: backend.synchronize(self.device)
 
     @staticmethod
     def result_table(report: RunReport) -> Table:

@@ -10,7 +10,7 @@ import torch
 from rich.table import Table
 
 from tightfit.app.jobs import Job
-from tightfit.app.models import embed, load_encoder, load_tokenizer
+from tightfit.app.models import embed, load_encoder
 
 if TYPE_CHECKING:
     from tightfit import backends
@@ -38,10 +38,6 @@ class EncoderJob(Job):
         self, folder: Path, device: torch.device, options: RunOptions, backend: backends.Backend, skeleton: Any = None
     ) -> None:
         super().__init__(folder, device, options, backend, skeleton)
-        if skeleton is None:
-            self.model, self.tokenizer = load_encoder(folder, device)
-        else:  # planned first, streamed in later
-            self.model, self.tokenizer = skeleton, load_tokenizer(folder)
         self.sentences = options.sentences
         self.top_pairs = options.top_pairs
 

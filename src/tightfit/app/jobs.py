@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tightfit.app.budget import Budgeted
+from tightfit.app.models import load_tokenizer
 from tightfit.fitting import FitPlan
 
 if TYPE_CHECKING:  # run.py imports the jobs only at run time, through the kinds' registry
@@ -27,8 +28,9 @@ __all__ = ["Job"]
 
 
 class Job(abc.ABC):
-    """One run's model and what it does with it. ``model`` is loaded, or the skeleton a
-    plan streams the checkpoint into (``skeleton``, the weights still on meta)."""
+    """One run's model and what it does with it. ``model`` is loaded (:meth:`load_full`),
+    or the skeleton a plan streams the checkpoint into (``skeleton``, the weights still on
+    meta); ``tokenizer`` is the folder's."""
 
     #: The quality figure's name in reports (the JSON's ``quality.metric``), and its row's
     #: label in the table (``{changes}``: what was done to the weights).
@@ -43,6 +45,8 @@ class Job(abc.ABC):
         self, folder: Path, device: torch.device, options: RunOptions, backend: backends.Backend, skeleton: Any = None
     ) -> None:
         self.folder, self.device = folder, device
+        self.model = self.load_full(folder, device) if skeleton is None else skeleton
+        self.tokenizer = load_tokenizer(folder)
         #: With a budget: what it leaves above the plan's predicted peak (a job may spend it).
         self.headroom: int | None = None
 

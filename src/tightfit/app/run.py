@@ -352,12 +352,14 @@ def _setup(options: RunOptions | None) -> tuple[RunOptions, backends.Backend, to
         device = backend.resolve_device(options.plan.device if ":" in options.plan.device else None)
     folder = Path(options.model) if options.model is not None else default_model_dir()
     kind = get_kind(folder_kind(folder))
-    given = [
-        name
-        for other in map(get_kind, kind_names())
-        for name in other.run_options
-        if name not in kind.run_options and getattr(options, name) != _DEFAULTS[name]
-    ]
+    given = list(
+        dict.fromkeys(  # in order, once each: an option may be several kinds'
+            name
+            for other in map(get_kind, kind_names())
+            for name in other.run_options
+            if name not in kind.run_options and getattr(options, name) != _DEFAULTS[name]
+        )
+    )
     if given:
         named = "the built-in model" if options.model is None else assigned("model", str(folder))
         owners = sorted({other.noun for other in map(get_kind, kind_names()) if set(given) & set(other.run_options)})

@@ -14,13 +14,12 @@ import torch
 from tightfit._format import human_bytes
 from tightfit.app import kv_cache
 from tightfit.app.budget import Budgeted
-from tightfit.app.causal_lm_job import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROMPT, CausalLMJob
+from tightfit.app.causal_lm_job import CausalLMJob
 from tightfit.app.generation import Generation, decoder_start, generate_seq2seq, seq2seq_agreement
 from tightfit.app.jobs import Job
-from tightfit.app.models import load_model, load_tokenizer
+from tightfit.app.models import load_model
 from tightfit.fitting import FitPlan
 from tightfit.kinds import ENCODER_DECODER
-from tightfit.loading import checkpoint_dtype
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -38,14 +37,8 @@ class Seq2SeqJob(CausalLMJob):
     def __init__(
         self, folder: Path, device: torch.device, options: RunOptions, backend: backends.Backend, skeleton: Any = None
     ) -> None:
-        Job.__init__(self, folder, device, options, backend, skeleton)
-        self.model = self.load_full(folder, device) if skeleton is None else skeleton
-        self.tokenizer = load_tokenizer(folder)
-        self.dtype = checkpoint_dtype(self.model.config)
-        self.prompt = DEFAULT_PROMPT if options.prompt is None else options.prompt
-        self.max_new_tokens = DEFAULT_MAX_NEW_TOKENS if options.max_new_tokens is None else options.max_new_tokens
-        self.input_ids = self.tokenizer(self.prompt, return_tensors="pt").input_ids.to(device)
-        self.synchronize = lambda: backend.synchronize(device)
+        Job.__init__(self, folder, device, options, backend, skeleton)  # not a causal LM's checks and cache
+        self._take_prompt(options, backend)
         self.kv_format = "model"
         self.graph = False  # a captured decode is a causal LM's for now
 
