@@ -60,9 +60,10 @@ from pathlib import Path
 import torch
 
 from tightfit._format import human_bytes
-from tightfit.app.generation import generate_greedy
+from tightfit.app.generation import generate_greedy, generate_seq2seq
 from tightfit.app.models import default_model_dir
 from tightfit.backends.cpu import _read_kib_fields, read_process_memory, reset_process_peak
+from tightfit.kinds import ENCODER_DECODER, kind_of
 from tightfit.loading.folder import CAUSAL_LM, skeleton
 from tightfit.memory import LiveTensorBytes
 from tightfit_launcher import thread_defaults
@@ -335,16 +336,19 @@ def _kept_bytes(model: torch.nn.Module) -> int:
 
 
 def accelerate_worker(folder: str, budget: int, prompt: str, new_tokens: int) -> None:
-    """Load with accelerate under ``max_memory={"cpu": budget}``, generate, print the figures as JSON."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load with accelerate under ``max_memory={"cpu": budget}``, generate, print the figures
+    as JSON. The folder's kind (:mod:`tightfit.kinds`) picks the auto class and the greedy loop."""
+    import transformers
 
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    kind = kind_of(transformers.AutoConfig.from_pretrained(folder, local_files_only=True))
+    generate = generate_seq2seq if kind.name == ENCODER_DECODER else generate_greedy
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
     input_ids = tokenizer(prompt, return_tensors="pt").input_ids
     with tempfile.TemporaryDirectory(prefix="accelerate-offload-") as offload:
         reset_process_peak()
         start = time.perf_counter()
         with LiveTensorBytes("cpu") as loading:
-            model, info = AutoModelForCausalLM.from_pretrained(
+            model, info = getattr(transformers, kind.auto_class).from_pretrained(
                 folder,
                 device_map="auto",
                 max_memory={"cpu": budget},
@@ -361,11 +365,11 @@ def accelerate_worker(folder: str, budget: int, prompt: str, new_tokens: int) ->
         # transformers sets no hf_device_map where it dispatched nothing (all of it in CPU memory)
         placements = list(getattr(model, "hf_device_map", {"": "cpu"}).values())
         kept = _kept_bytes(model)
-        generate_greedy(model, input_ids, new_tokens)  # warm-up, as tightfit run --repeat 1 does
-        timed = generate_greedy(model, input_ids, new_tokens)
+        generate(model, input_ids, new_tokens)  # warm-up, as tightfit run --repeat 1 does
+        timed = generate(model, input_ids, new_tokens)
         weights = [t for t in [*model.parameters(), *model.buffers()] if t.device.type == "cpu"]
         with LiveTensorBytes("cpu", existing=weights) as running:
-            generate_greedy(model, input_ids, new_tokens)
+            generate(model, input_ids, new_tokens)
         peak_rss = read_process_memory()[1]
     counts = {str(place): placements.count(place) for place in sorted(set(map(str, placements)))}
     row = {

@@ -14,8 +14,8 @@ WordPiece tokenizer; nothing is downloaded), under ``--cache-dir``:
 - ``phi3``: fused qkv and gate-up projections;
 - ``gpt2``: tied embeddings, Conv1D layers;
 - ``mixtral-moe``: a mixture of 4 experts per layer, 2 chosen per token;
-- ``t5``: an encoder-decoder (tightfit's kinds are encoder and causal LM: the row says
-  what ``tightfit run`` answers).
+- ``t5``: an encoder-decoder (relative position biases, a tied embedding shared by the
+  encoder, the decoder and the LM head): the prompt is the encoder's input.
 
 The unplanned peak is what ``tightfit fit`` predicts for the unchanged model (the prefill
 of the prompt, the KV cache's growth and loading). Each row: the plan in a line (units per
