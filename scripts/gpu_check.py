@@ -12,13 +12,16 @@ time is recorded and the next one runs):
 2. tests: the Triton kernels against the reference kernels, offloading, and every test
    whose name says CUDA in the graph, memory, fitting and loading suites (on the CPU they
    run or skip as they would in the ordinary suite);
-3. ``benchmarks/cli_runs.py``: ``tightfit run`` as a user types it on a 1.1B causal LM
+3. ``benchmarks/layer_calls.py``: one quantized layer's one-token forward, per call: the
+   host's and the device's time, whether it took the direct path, and the host's most
+   costly functions (what eager decoding pays about 150 times a token);
+4. ``benchmarks/cli_runs.py``: ``tightfit run`` as a user types it on a 1.1B causal LM
    folder: eager and captured-graph decoding, budgets that hold the model and that need
    offloading, each run's peak beside its prediction and the device's whole used memory;
-4. ``benchmarks/decode.py``: decoding at every storage (eager, and replayed from a captured
+5. ``benchmarks/decode.py``: decoding at every storage (eager, and replayed from a captured
    CUDA graph) against transformers and transformers + bitsandbytes, and the fit at 50%
    and 25% against accelerate;
-5. ``benchmarks/quant.py``: each op per call against bitsandbytes and a copy.
+6. ``benchmarks/quant.py``: each op per call against bitsandbytes and a copy.
 
 Results: ``summary.json`` (each step's command, exit status, seconds, and whether it ran
 out of time), ``summary.md`` (the tables), and each step's own files and log.
@@ -61,8 +64,8 @@ GPU_TEST_SELECTION = "cuda or gpu or triton or offload"
 
 #: Each step's time limit in seconds, per device kind, in the order the steps run.
 LIMITS = {
-    "cuda": {"tests": 100, "cli": 170, "decode": 300, "quant": 60},
-    "cpu": {"tests": 240, "cli": 120, "decode": 240, "quant": 120},
+    "cuda": {"tests": 100, "calls": 40, "cli": 200, "decode": 300, "quant": 60},
+    "cpu": {"tests": 240, "calls": 60, "cli": 120, "decode": 240, "quant": 120},
 }
 
 
@@ -125,6 +128,10 @@ def steps(device: str, out: Path) -> list[tuple[str, list[str], Path | None]]:
     tests += ["-k", GPU_TEST_SELECTION, *GPU_TEST_FILES]
     quant = [python, "benchmarks/quant.py", "--device", device, "--json", str(out / "quant.json")]
     quant += ["--numel", str(1 << 16), "--repeat", "1", "--only", "blockwise"] if cpu else []
+    calls = [python, "benchmarks/layer_calls.py", "--device", device]
+    calls += ["--json", str(out / "calls.json"), "--markdown", str(out / "calls.md")] + (
+        ["--calls", "50"] if cpu else []
+    )
     cli = [python, "benchmarks/cli_runs.py", "--device", device]
     cli += ["--json", str(out / "cli.json"), "--markdown", str(out / "cli.md")]
     cli += ["--new-tokens", "6", "--repeat", "1", "--variants", "budget 50%"] if cpu else []
@@ -135,6 +142,7 @@ def steps(device: str, out: Path) -> list[tuple[str, list[str], Path | None]]:
         decode += ["--rows", "transformers", "tightfit", "tightfit nf4", "tightfit budget 50%", "accelerate budget 50%"]
     return [
         ("tests", tests, None),
+        ("calls", calls, out / "calls.md"),
         ("cli", cli, out / "cli.md"),
         ("decode", decode, out / "decode.md"),
         ("quant", quant, out / "quant.log"),
@@ -165,7 +173,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", help="cuda (default), another accelerator, or cpu (small sizes)")
     parser.add_argument("--budget-s", type=float, default=400.0, help="seconds for all steps together (default 400)")
     parser.add_argument(
-        "--skip", nargs="*", default=[], choices=("tests", "cli", "quant", "decode"), help="steps left out"
+        "--skip", nargs="*", default=[], choices=("tests", "calls", "cli", "quant", "decode"), help="steps left out"
     )
     args = parser.parse_args()
     if args.budget_s <= 0:

@@ -29,7 +29,14 @@ def test_cpu_mode_writes_every_figure(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.startswith("gpu-check: ready: have torch")
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert {name: step["returncode"] for name, step in summary["steps"].items()} == {"cli": 0, "decode": 0, "quant": 0}
+    assert {name: step["returncode"] for name, step in summary["steps"].items()} == {
+        "calls": 0,
+        "cli": 0,
+        "decode": 0,
+        "quant": 0,
+    }
+    calls = json.loads((tmp_path / "calls.json").read_text())["rows"]
+    assert calls["nf4"]["direct_path"] and all(row["host_us_per_call"] > 0 for row in calls.values())
     cli = json.loads((tmp_path / "cli.json").read_text())["rows"]["budget 50%"]
     assert (
         cli["decode_tokens_per_second"] > 0
