@@ -37,3 +37,19 @@ def test_config_json_is_read_once_per_version_and_again_when_it_changes(tmp_path
     file.write_text("[1, 2]")
     with pytest.raises(ValueError, match="must hold a JSON object"):
         model_folder(folder)
+
+
+def test_a_budgeted_run_reads_its_config_json_once(tmp_path, monkeypatch):
+    """tightfit's own reads of config.json over a whole budgeted run: one (transformers'
+    tokenizer and config loaders read it too, on their own)."""
+    import tightfit._files as files_module
+    from tightfit.app.run import RunOptions, run
+
+    folder = save_causal_lm(tmp_path / "lm", **TINY_CAUSAL_LM)
+    reads = []
+    real_read = files_module._read_capped
+    monkeypatch.setattr(
+        files_module, "_read_capped", lambda file, limit: reads.append(str(file)) or real_read(file, limit)
+    )
+    run(RunOptions(model=str(folder), budget="30MB", repeat=1, max_new_tokens=2, reference=False))
+    assert [file for file in reads if file.endswith("config.json")] == [str(folder / "config.json")]

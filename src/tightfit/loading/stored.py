@@ -14,7 +14,7 @@ from torch import nn
 
 from tightfit._validate import check_choice, check_non_negative_number, check_type
 from tightfit.fitting import FitPlan
-from tightfit.loading.folder import _CONFIG_DTYPES, read_json
+from tightfit.loading.folder import _CONFIG_DTYPES, read_config
 from tightfit.loading.safetensors import Checkpoint
 from tightfit.quant import Linear4bit, Linear8bit, LinearInt8, storage_format
 from tightfit.quant.state import PACKED_KEY_8BIT, PACKED_KEY_PREFIX
@@ -87,8 +87,9 @@ def stored_storages() -> tuple[str, ...]:
 
 def holds_quantized(folder: Path) -> bool:
     """Whether the folder's weights are stored quantized: a plan saved beside them, or a
-    ``quantization_config`` in its config.json."""
-    return (folder / PLAN_FILE).is_file() or "quantization_config" in read_json(folder / "config.json")
+    ``quantization_config`` in its config.json (the config as checked and read once per
+    version of the file)."""
+    return (folder / PLAN_FILE).is_file() or getattr(read_config(folder), "quantization_config", None) is not None
 
 
 def bitsandbytes_settings(config: object, where: str) -> _Bitsandbytes:
