@@ -77,3 +77,13 @@ def test_a_causal_lms_options_are_refused_naming_the_kind(t5_folder):
         ValueError, match=r"context applies to causal LMs; model=.* is an encoder-decoder, which generates"
     ):
         plan_only(RunOptions(model=str(t5_folder), budget="4MB", context=64))
+
+
+@pytest.mark.parametrize("new_tokens", [0, -1, True, 2.0, "3"])
+def test_generation_refuses_a_bad_number_of_tokens(t5_folder, new_tokens):
+    model = transformers.T5ForConditionalGeneration.from_pretrained(t5_folder).eval()
+    ids = torch.tensor([[101, 2000, 102]])
+    with pytest.raises(ValueError, match=r"max_new_tokens must be an int >= 1, got"):
+        generate_seq2seq(model, ids, new_tokens)
+    with pytest.raises(ValueError, match=r"input_ids must be a \(1, n >= 1\) int64 tensor"):
+        generate_seq2seq(model, ids.float(), 2)

@@ -53,6 +53,11 @@ def _check_ids(input_ids: Any) -> None:
         )
 
 
+def _check_new_tokens(max_new_tokens: Any) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+
+
 def _next_token(output: Any) -> torch.Tensor:
     """The greedy next token of a forward (the last position's logits); the rest of
     ``output`` is dropped here, not held while decoding."""
@@ -90,8 +95,7 @@ def generate_greedy(
     cache's format (:mod:`tightfit.app.kv_cache`; the graph's static cache is the model's).
     """
     _check_ids(input_ids)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    _check_new_tokens(max_new_tokens)
     if synchronize is not None and not callable(synchronize):
         raise TypeError(
             f"synchronize must be None or a callable taking no argument, got "
@@ -160,9 +164,7 @@ def generate_seq2seq(model: Any, input_ids: torch.Tensor, max_new_tokens: int, s
     cross-attention's keys and values made at the first step, the self-attention's growing).
     The first phase (time to first token) is the encoder and the first decoder step."""
     _check_ids(input_ids)
-    check_type("max_new_tokens", max_new_tokens, int)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    _check_new_tokens(max_new_tokens)
     wait = synchronize or (lambda: None)
     keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     mark("prefill")
