@@ -145,6 +145,13 @@ def kind_of(config: Any) -> ModelKind:
     )
 
 
+def _architectures(config: Any) -> set[str]:
+    """The model classes a config names (``architectures``; one name, not a list, is read
+    as transformers reads it)."""
+    architectures = getattr(config, "architectures", None) or ()
+    return {architectures} if isinstance(architectures, str) else set(architectures)
+
+
 def _is_encoder_decoder(config: Any) -> bool:
     """A sequence-to-sequence LM (T5, BART): an encoder-decoder of transformers'
     ``AutoModelForSeq2SeqLM`` mapping, by its ``architectures`` or its model type."""
@@ -152,11 +159,9 @@ def _is_encoder_decoder(config: Any) -> bool:
 
     if not getattr(config, "is_encoder_decoder", False):
         return False
-    architectures = getattr(config, "architectures", None)
-    if isinstance(architectures, str):
-        architectures = [architectures]
+    architectures = _architectures(config)
     if architectures:
-        return any(name in set(SEQ2SEQ.values()) for name in architectures)
+        return not architectures.isdisjoint(SEQ2SEQ.values())
     return getattr(config, "model_type", None) in SEQ2SEQ
 
 
@@ -178,11 +183,9 @@ def _is_causal_lm(config: Any) -> bool:
 
     if getattr(config, "is_encoder_decoder", False):
         return False
-    architectures = getattr(config, "architectures", None)
-    if isinstance(architectures, str):  # one name, not a list: transformers reads it so
-        architectures = [architectures]
+    architectures = _architectures(config)
     if architectures:
-        return any(name in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) for name in architectures)
+        return not architectures.isdisjoint(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     if getattr(config, "is_decoder", False):
         return True
     model_type = getattr(config, "model_type", None)

@@ -5,7 +5,6 @@ the built-in encoder and causal LM, and reported with its own table and quality 
 from __future__ import annotations
 
 import io
-from typing import Any
 
 import pytest
 import torch
@@ -30,13 +29,10 @@ class ClassifierJob(Job):
 
     quality_metric = "label agreement vs full precision"
     quality_row = "label agreement, {changes} vs full"
+    kind = "classifier"  # loaded by its registered auto class
 
     def __init__(self, folder, device, options, backend, skeleton=None) -> None:
         super().__init__(folder, device, options, backend, skeleton)  # the model (or skeleton) and tokenizer
-
-    @classmethod
-    def load_full(cls, folder, device) -> Any:
-        return transformers.AutoModelForSequenceClassification.from_pretrained(folder).to(device).eval()
 
     def example_inputs(self) -> dict[str, torch.Tensor]:
         return dict(self.tokenizer(list(SENTENCES), padding=True, return_tensors="pt").to(self.device))

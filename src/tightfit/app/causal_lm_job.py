@@ -5,48 +5,38 @@ precision."""
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from rich.table import Table
 
 from tightfit._format import human_bytes
 from tightfit.app import captured, kv_cache
 from tightfit.app.budget import KV_CACHE, KV_DECODED, Budgeted
-from tightfit.app.generation import Generation, generate_greedy, prefill_inputs, token_agreement
-from tightfit.app.jobs import Job
-from tightfit.app.models import load_causal_lm
+from tightfit.app.generation import Generation, generate_greedy, prefill_inputs
+from tightfit.app.generation_job import GenerationJob
 from tightfit.app.spelling import assigned, option
 from tightfit.fitting import FitError, FitPlan
-from tightfit.loading import checkpoint_dtype
+from tightfit.kinds import CAUSAL_LM
 
 if TYPE_CHECKING:
     from tightfit import backends
-    from tightfit.app.run import RunOptions, RunReport
-    from tightfit.memory import Measurement
+    from tightfit.app.run import RunOptions
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "DEFAULT_PROMPT", "CausalLMJob"]
-
-#: What a causal LM continues, and for how many tokens, unless told otherwise.
-DEFAULT_PROMPT = "Once upon a time, in a small village by the sea, there lived"
-DEFAULT_MAX_NEW_TOKENS = 16
+__all__ = ["CausalLMJob"]
 
 
-class CausalLMJob(Job):
-    """Generates ``max_new_tokens`` greedily; quality is the token agreement with full precision."""
+class CausalLMJob(GenerationJob):
+    """Generates ``max_new_tokens`` greedily from the prompt, its KV cache and context planned."""
 
-    quality_metric = "token agreement vs full precision"
-    quality_row = "token agreement, {changes} vs full"
+    kind = CAUSAL_LM
 
     def __init__(
         self, folder: Path, device: torch.device, options: RunOptions, backend: backends.Backend, skeleton: Any = None
     ) -> None:
         super().__init__(folder, device, options, backend, skeleton)
-        self._take_prompt(options, backend)
         self.limit = getattr(self.model.config, "max_position_embeddings", None)
         length = self.input_ids.shape[1] + self.max_new_tokens
         if self.limit is not None and length > self.limit:
@@ -118,10 +108,6 @@ class CausalLMJob(Job):
     def kv_decoded_bytes(self) -> int:
         """A float8 cache's layer decoded while it attends, at the context planned for."""
         return kv_cache.decoded_bytes(self.model.config, self.dtype, self.kv_format, self.planned_context())
-
-    def decode_steps(self) -> int:
-        """The one-token forwards after the prefill: every new token but the first."""
-        return self.max_new_tokens - 1
 
     def _per_token(self) -> int:
         return kv_cache.bytes_per_token(self.model.config, self.dtype, self.kv_format)
@@ -232,67 +218,3 @@ class CausalLMJob(Job):
             self.context_note = ", the longest the budget leaves room for beside the smallest plan of the weights"
             budgeted = plan()
         return replace(budgeted, covers=self.covers())
-
-    def result(self) -> Generation:
-        """One generation: what quality compares."""
-        return self.call()
-
-    def _text(self, tokens: tuple[int, ...]) -> str:
-        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
-
-    def fill(self, report: RunReport, calls: list[Generation], reference: Generation | None) -> None:
-        last = calls[-1]
-        report.prompt = self.prompt
-        report.prompt_tokens = int(self.input_ids.shape[1])
-        report.generated_text = self._text(last.tokens)
-        report.new_tokens = len(last.tokens)
-        report.time_to_first_token_seconds = statistics.median(call.prefill_seconds for call in calls)
-        rates = [call.decode_tokens_per_second for call in calls if call.decode_tokens_per_second is not None]
-        report.decode_tokens_per_second = statistics.median(rates) if rates else None
-        report.decode_graph = self.graph
-        if reference is not None:
-            report.full_text = self._text(reference.tokens)
-            report.token_agreement = report.quality = self._agreement(reference.tokens)
-
-    def _agreement(self, reference: tuple[int, ...]) -> float:
-        """The share of ``reference``'s next-token choices this model keeps (teacher-forced)."""
-        return token_agreement(self.model, self.input_ids, reference)
-
-    @classmethod
-    def load_full(cls, folder: Path, device: torch.device) -> Any:
-        return load_causal_lm(folder, device)[0]
-
-    def _take_prompt(self, options: RunOptions, backend: backends.Backend) -> None:
-        """The prompt, its ids on the device and the tokens to generate, as ``options`` say."""
-        self.dtype = checkpoint_dtype(self.model.config)
-        self.prompt = DEFAULT_PROMPT if options.prompt is None else options.prompt
-        self.max_new_tokens = DEFAULT_MAX_NEW_TOKENS if options.max_new_tokens is None else options.max_new_tokens
-        self.input_ids = self.tokenizer(self.prompt, return_tensors="pt").input_ids.to(self.device)
-        self.synchronize = lambda: backend.synchronize(self.device)
-
-    @staticmethod
-    def result_table(report: RunReport) -> Table:
-        text = Table(title="greedy generation", show_header=False)
-        text.add_column("")
-        text.add_column("", overflow="fold")
-        text.add_row("prompt", report.prompt)
-        text.add_row(f"{report.new_tokens} new tokens", report.generated_text)
-        if report.full_text is not None:
-            text.add_row("full precision", report.full_text)
-        return text
-
-    @staticmethod
-    def speed_rows(report: RunReport, measured: Measurement) -> list[tuple[str, str]]:
-        rate = report.decode_tokens_per_second
-        replayed = ", replayed from a captured CUDA graph" if report.decode_graph else ""
-        return [
-            (
-                f"time to first token ({report.prompt_tokens}-token prompt, median)",
-                f"{report.time_to_first_token_seconds * 1e3:.1f} ms",
-            ),
-            (f"decode speed (median{replayed})", "-" if rate is None else f"{rate:.1f} tokens/s"),
-            (
-                f"generation of {report.new_tokens} tokens (median of {len(measured.seconds)})",
-                f"{measured.median_seconds * 1e3:.1f} ms",
-            ),
-        ]

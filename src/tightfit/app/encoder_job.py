@@ -10,7 +10,8 @@ import torch
 from rich.table import Table
 
 from tightfit.app.jobs import Job
-from tightfit.app.models import embed, load_encoder
+from tightfit.app.models import embed
+from tightfit.kinds import ENCODER
 
 if TYPE_CHECKING:
     from tightfit import backends
@@ -31,6 +32,7 @@ def _most_similar(embeddings: torch.Tensor, sentences: tuple[str, ...], count: i
 class EncoderJob(Job):
     """Embeds the sentences; quality is the lowest cosine of an embedding against full precision."""
 
+    kind = ENCODER
     quality_metric = "embedding cosine vs full precision (lowest)"
     quality_row = "embedding cosine, {changes} vs full (lowest)"
 
@@ -64,10 +66,6 @@ class EncoderJob(Job):
         report.pairs = _most_similar(embeddings, self.sentences, self.top_pairs)
         if reference is not None:
             report.min_cosine_to_full = report.quality = float((embeddings * reference).sum(-1).min())
-
-    @classmethod
-    def load_full(cls, folder: Path, device: torch.device) -> Any:
-        return load_encoder(folder, device)[0]
 
     @staticmethod
     def result_table(report: RunReport) -> Table:

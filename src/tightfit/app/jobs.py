@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tightfit.app.budget import Budgeted
-from tightfit.app.models import load_tokenizer
+from tightfit.app.models import load_model, load_tokenizer
 from tightfit.fitting import FitPlan
 
 if TYPE_CHECKING:  # run.py imports the jobs only at run time, through the kinds' registry
@@ -28,9 +28,9 @@ __all__ = ["Job"]
 
 
 class Job(abc.ABC):
-    """One run's model and what it does with it. ``model`` is loaded (:meth:`load_full`),
-    or the skeleton a plan streams the checkpoint into (``skeleton``, the weights still on
-    meta); ``tokenizer`` is the folder's."""
+    """One run's model and what it does with it. ``model`` is loaded as its ``kind``'s auto
+    class builds it (:mod:`tightfit.kinds`), or is the skeleton a plan streams the
+    checkpoint into (``skeleton``, the weights still on meta); ``tokenizer`` is the folder's."""
 
     #: The quality figure's name in reports (the JSON's ``quality.metric``), and its row's
     #: label in the table (``{changes}``: what was done to the weights).
@@ -39,21 +39,26 @@ class Job(abc.ABC):
     #: The KV cache's format where the kind keeps one between forwards.
     kv_format: str | None = None
 
+    #: The registered kind (:mod:`tightfit.kinds`) whose auto class loads the model.
+    kind: str
+
     model: Any
 
     def __init__(
         self, folder: Path, device: torch.device, options: RunOptions, backend: backends.Backend, skeleton: Any = None
     ) -> None:
         self.folder, self.device = folder, device
-        self.model = self.load_full(folder, device) if skeleton is None else skeleton
-        self.tokenizer = load_tokenizer(folder)
+        if skeleton is None:
+            self.model, self.tokenizer = load_model(folder, device, self.kind)
+        else:  # planned first, streamed in later
+            self.model, self.tokenizer = skeleton, load_tokenizer(folder)
         #: With a budget: what it leaves above the plan's predicted peak (a job may spend it).
         self.headroom: int | None = None
 
     @classmethod
-    @abc.abstractmethod
     def load_full(cls, folder: Path, device: torch.device) -> Any:
         """The full-precision model of ``folder`` on ``device``: the quality reference."""
+        return load_model(folder, device, cls.kind)[0]
 
     @abc.abstractmethod
     def call(self) -> Any:

@@ -21,7 +21,7 @@ from tightfit._format import human_bytes
 from tightfit._validate import check_choice, check_type
 from tightfit.app import kv_cache
 from tightfit.app.budget import Budgeted, measure_load, plan_run, read_plan
-from tightfit.app.causal_lm_job import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROMPT
+from tightfit.app.generation_job import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROMPT
 from tightfit.app.jobs import Job
 from tightfit.app.models import ENCODER, default_model_dir, folder_kind
 from tightfit.app.spelling import assigned, option

@@ -47,7 +47,7 @@ EXECUTIONS = ("auto", "fx", "inductor")
 MEMORY_MODES = ("allocator", "arena")
 
 Observer = Callable[[str, Split], None]
-#: Process-wide, not per thread or context: autograd runs a CUDA graph's backward on a
+#: Process-wide, not per thread or context: autograd runs the backward of a graph on CUDA on a
 #: device thread of its own, whose splits a per-context observer would never see.
 _observers: tuple[Observer, ...] = ()
 _observers_lock = threading.Lock()
