@@ -14,8 +14,8 @@ import torch
 
 import tightfit
 from tightfit.fitting import FitPlan, PlanEntry, held_bytes
+from tightfit.fitting.execute import offload_unit
 from tightfit.fitting.options import PLACEMENTS, TIED_DECODE, find_units, options_for, storage_names
-from tightfit.fitting.plan import offload_unit
 from tightfit.hooks import OFFLOADING, apply_layerwise_casting
 from tightfit.hooks.registry import HookRegistry
 from tightfit.loading import Checkpoint, plan_folder

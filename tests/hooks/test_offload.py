@@ -80,7 +80,7 @@ def test_prefetch_learns_the_order_and_reads_the_next_file_ahead(tmp_path, monke
     x = torch.randn(2, 32)
     model(x)  # first pass: records the order
     state = state_of(model[0])
-    assert [HookRegistry.get(m).hook(OFFLOADING) for m in model] == state.order and read_ahead == []
+    assert [HookRegistry.get(m).hook(OFFLOADING) for m in model] == state.schedule.order and read_ahead == []
     model(x)
     assert read_ahead == ["0", "1", "2"]
     remove_offloading(model)
@@ -223,7 +223,7 @@ def test_gpu_prefetch_uses_a_side_stream_and_holds_at_most_two_units():
     x = torch.randn(8, 512, device="cuda")
     model(x)
     state = state_of(model[0])
-    assert len(state.order) == 6 and state.side_stream is not None
+    assert len(state.schedule.order) == 6 and state.side_stream is not None
     unit = tensor_bytes([*model[0].parameters()])
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import tightfit
 from tightfit.app.cli import main
 from tightfit.app.models import save_causal_lm
 from tightfit.fitting import FitError
+from tightfit.hooks import OFFLOADING, OFFLOADING_SCHEDULE, HookRegistry
 from tightfit.loading import Checkpoint, plan_folder, skeleton
 from tightfit.loading import stream as streaming
 from tightfit.memory import LiveTensorBytes
@@ -82,6 +84,46 @@ def test_streamed_equals_from_pretrained_and_apply_within_the_predicted_load_pea
     with torch.inference_mode():
         assert torch.equal(model(IDS).logits, reference(IDS).logits)
     assert tightfit.fitting.held_bytes(model, "cpu") == plan.predicted_weights_bytes
+
+
+def _offloaded(model):
+    """Each offloaded unit's name -> where its tensors live, and the prefetch schedules."""
+    hooks = {
+        name: r.hook(OFFLOADING) for name, m in model.named_modules() if (r := HookRegistry.get(m)) and OFFLOADING in r
+    }
+    schedules = {id(hook.schedule) for hook in hooks.values()}
+    return {name: hook.state.offload_to for name, hook in hooks.items()}, schedules
+
+
+def test_streamed_units_are_placed_as_apply_places_them_and_prefetch_one_another(folder):
+    # one executor for both: mapped, converted and CPU units, each offloaded as it streams in, end in one schedule
+    _, base = plan_folder(folder, 8_000_000, example_inputs={"input_ids": IDS}, calibration=figures())
+    edits = {
+        "model.layers.1": {"placement": "disk"},  # mapped from the checkpoint in place
+        "model.layers.2": {"placement": "disk", "storage": "nf4"},  # quantized, written to an offload file
+        "model.layers.3": {"placement": "cpu"},
+    }
+    plan = replace(base, entries=tuple(replace(e, **edits.get(e.module, {})) for e in base.entries))
+    streamed, _ = tightfit.load(folder, plan=plan)
+    applied = _reference(folder, plan)
+    expected = {"model.embed_tokens": "disk", "model.layers.1": "disk", "model.layers.2": "disk"}
+    expected |= {"model.layers.3": "cpu", "lm_head": "disk"}
+    for model in (streamed, applied):
+        where, schedules = _offloaded(model)
+        assert where == expected and len(schedules) == 1
+        assert [name for name, m in model.named_modules() if OFFLOADING_SCHEDULE in (HookRegistry.get(m) or ())] == [""]
+    with torch.inference_mode():
+        assert torch.equal(streamed(IDS).logits, applied(IDS).logits)
+    order = HookRegistry.get(streamed.lm_head).hook(OFFLOADING).schedule.order
+    names = {id(HookRegistry.get(m).hook(OFFLOADING)): name for name, m in streamed.named_modules() if name in expected}
+    assert [names[id(hook)] for hook in order] == list(expected)  # learnt once: each unit prefetches the next
+
+
+def test_a_loaded_plan_with_hints_runs_them(folder):
+    _, base = plan_folder(folder, 40_000_000, example_inputs={"input_ids": IDS}, calibration=figures())
+    hints = {"model.layers.0": {"schedule": "dfs", "slice_dim": 0, "slices": 2}}
+    model, _ = tightfit.load(folder, plan=replace(base, hints=hints, runtime="compiled", applies_nothing=False))
+    assert tightfit.fitting.remove_hints(model) == ["model.layers.0"]
 
 
 def test_a_quantized_plan_changes_the_weights_it_names(folder):

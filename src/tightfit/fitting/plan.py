@@ -17,12 +17,12 @@ import tightfit.graph
 from tightfit._deprecation import renamed
 from tightfit._files import parse_json
 from tightfit._validate import check_count, check_type
+from tightfit.fitting.execute import PlanExecutor
 from tightfit.fitting.options import PLACEMENTS, TIED_DECODE, storage_names
 from tightfit.fitting.quality import parse_error
-from tightfit.fitting.regions import add_hints, check_module_hints
+from tightfit.fitting.regions import check_module_hints
 from tightfit.fitting.table import render
-from tightfit.hooks import OFFLOADING, HookRegistry, apply_offloading
-from tightfit.quant import move_unregistered, storage_format, storage_formats
+from tightfit.quant import storage_format
 
 __all__ = ["FitPlan", "PlanEntry"]
 
@@ -222,12 +222,14 @@ class FitPlan:
 
     # -- apply ------------------------------------------------------------------------
     def apply(self, model: nn.Module) -> nn.Module:
-        """Store ``model``'s units as planned (each storage as its format in the storage
-        catalogue applies it: quantizing, casting to float8), then offload them (in that
-        order, in place), then move what stays on the device there (a model loaded on the
-        CPU and planned for an accelerator), then wrap the hinted modules' forward in
-        ``tightfit.hint(...)`` (``tightfit.fitting.remove_hints(model)`` undoes that);
-        returns ``model``. With ``applies_nothing`` it changes nothing.
+        """Carry the plan out on ``model``, in place, unit by unit, as
+        :func:`tightfit.load` does while streaming
+        (:class:`~tightfit.fitting.execute.PlanExecutor`): each unit stored as planned (its
+        format in the storage catalogue applies it: quantizing, casting to float8), then kept
+        on the device (moved there: a model loaded on the CPU and planned for an accelerator)
+        or offloaded; the offloaded units prefetch one another; the hinted modules' forward
+        is wrapped in ``tightfit.hint(...)`` (``tightfit.fitting.remove_hints(model)`` undoes
+        that). Returns ``model``. With ``applies_nothing`` it changes nothing.
 
         Hints are no-ops in eager mode: a plan with hints meets its predicted peak only
         when the model runs as :meth:`compile` returns it."""
@@ -236,25 +238,11 @@ class FitPlan:
         if self.applies_nothing:
             return model
 
-        for storage in storage_formats():
-            chosen = frozenset(leaf for e in self.entries if e.storage == storage.name for leaf in e.leaves)
-            if chosen:
-                storage.apply(model, chosen)
-        device = torch.device(self.device)
-        placements = [p for p in ("disk", "cpu") if any(e.placement == p for e in self.entries)]
-        # the placement of tied units takes the call over the model: one over their common parent would find it hooked
-        placements.sort(key=lambda p: not any(len(e.modules) > 1 for e in self.entries if e.placement == p))
-        for position, placement in enumerate(placements):
-            entries = [e for e in self.entries if e.placement == placement]
-            if position == 0:  # one call over the model: its units prefetch one another, tied modules share a copy
-                units = {name for e in entries for name in e.modules}
-                apply_offloading(model, device, offload_to=placement, granularity=lambda name, _: name in units)  # noqa: B023 (called within this iteration)
-            else:  # offloading refuses a second call over a hooked tree: one call per unit (tied ones went first)
-                for entry in sorted(entries, key=lambda e: e.module):
-                    offload_unit(model, entry, device)
-        move_kept(model, {e.module for e in self.entries if e.placement != "device"}, device)
-        if self.hints:
-            add_hints(model, self.hints)
+        executor = PlanExecutor(model, self, torch.device(self.device))
+        for entry in executor.entries:
+            executor.store(entry)
+            executor.place(entry)
+        executor.finish()
         return model
 
     def compile(self, model: nn.Module) -> nn.Module:
@@ -358,38 +346,6 @@ def check_reserved(name: str, reserved: Any) -> dict[str, int]:
             raise TypeError(f"{name} keys must be non-empty str (what the bytes are for), got {what!r}")
         _check_bytes(name, repr(what), size)
     return dict(reserved)
-
-
-def offload_unit(model: nn.Module, entry: PlanEntry, device: torch.device) -> None:
-    """Offload ``entry``'s unit of ``model`` to its placement, in a call of its own. A unit
-    of tied weights is one call over its modules' common parent whose granularity picks
-    them: they share one stored copy, which each one's forward brings onto the device."""
-    names = entry.modules
-    if len(names) == 1:
-        apply_offloading(model.get_submodule(entry.module), device, offload_to=entry.placement, granularity="model")
-        return
-    parts = [name.split(".") for name in names]
-    common = next((i for i, level in enumerate(zip(*parts)) if len(set(level)) > 1), min(map(len, parts)))
-    parent = ".".join(parts[0][:common])
-    picked = {name.removeprefix(f"{parent}.") if parent else name for name in names}
-    apply_offloading(
-        model.get_submodule(parent), device, offload_to=entry.placement, granularity=lambda name, _: name in picked
-    )
-
-
-def move_kept(model: nn.Module, offloaded: set[str], device: torch.device) -> None:
-    """Move every tensor outside the offloaded units onto ``device`` (a no-op where they
-    are). Offloaded units (and every module an offloading hook handles: a tied unit's other
-    modules) stay in their storage; the tensors their layers hold outside parameters and
-    buffers (quantization scales and maps, which offloading does not move) go to the
-    device, where their forward decodes."""
-    hooked = {name for name, module in model.named_modules() if (r := HookRegistry.get(module)) and OFFLOADING in r}
-    offloaded = set(offloaded) | hooked
-    for name, module in model.named_modules():
-        if any(name == unit or name.startswith(f"{unit}.") for unit in offloaded):
-            move_unregistered(module, device)
-            continue
-        module._apply(lambda tensor: tensor.to(device), recurse=False)
 
 
 __getattr__ = renamed(__name__, Plan=("FitPlan", lambda: FitPlan))

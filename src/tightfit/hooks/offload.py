@@ -69,26 +69,12 @@ class _Record:
     version: int = 0  # ``tensor._version`` when it became a view: a change made in place shows
 
 
-class _Offload:
-    """State shared by the hooks of one ``apply_offloading`` call."""
+class _Schedule:
+    """The order offloaded units run in, learnt in the first forward, and the prefetch it
+    drives: shared by the units of one ``apply_offloading`` call, or of a whole model
+    whose units were offloaded one by one (:func:`link_offloading`)."""
 
-    def __init__(
-        self,
-        device: torch.device,
-        offload_to: str,
-        folder: Path | None,
-        streams: ModuleType | None,
-        target: torch.device | None = None,
-    ) -> None:
-        self.device = device
-        self.offload_to = offload_to  # "disk", or the device the stored copies live on ("cpu", "cuda:1")
-        self.target = target  # that device; None for the disk
-        self.folder = folder
-        self.records: dict[int, _Record] = {}
-        self.files: list[MappedFile | MappedRegions] = []
-        self.pending: list[tuple[_Record, MappedFile, str]] = []  # written to disk, not yet swapped in
-        self.streams = streams  # torch.cuda-like module when the backend copies asynchronously
-        self.side_stream = streams.Stream(device) if streams is not None else None
+    def __init__(self) -> None:
         self.order: list[OffloadHook] = []
         self.position: dict[int, int] = {}
         self.recording = True
@@ -114,6 +100,34 @@ class _Offload:
             if index >= 1:
                 self.order[index - 1].wait_released()  # its copies' memory is free before the next one's
             self.order[index + 1].prefetch()
+
+
+class _Offload:
+    """State shared by the hooks of one ``apply_offloading`` call."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        offload_to: str,
+        folder: Path | None,
+        streams: ModuleType | None,
+        target: torch.device | None = None,
+    ) -> None:
+        self.device = device
+        self.offload_to = offload_to  # "disk", or the device the stored copies live on ("cpu", "cuda:1")
+        self.target = target  # that device; None for the disk
+        self.folder = folder
+        self.records: dict[int, _Record] = {}
+        self.files: list[MappedFile | MappedRegions] = []
+        self.pending: list[tuple[_Record, MappedFile, str]] = []  # written to disk, not yet swapped in
+        self.streams = streams  # torch.cuda-like module when the backend copies asynchronously
+        self.side_stream = streams.Stream(device) if streams is not None else None
+        self.schedule = _Schedule()
+
+    @property
+    def prefetches(self) -> bool:
+        """Whether prefetch does anything here: a side-stream copy, or a file read ahead."""
+        return self.streams is not None or self.offload_to == "disk"
 
     def swap_in(self) -> None:
         """Point every tensor written to disk at its view of the file (the last step of applying)."""
@@ -165,6 +179,7 @@ class OffloadHook(ModuleHook):
 
     def __init__(self, state: _Offload, slots: list[Slot], members: list[nn.Module] | None = None) -> None:
         self.state = state
+        self.schedule = state.schedule
         self.slots = slots
         self.members = members or []  # the modules it is registered on, in order (empty: one module)
         files = (state.records[id(slot.get())].file for slot in slots if id(slot.get()) in state.records)
@@ -232,7 +247,7 @@ class OffloadHook(ModuleHook):
                     for slot, copy in zip(self.slots, self._onload()):
                         slot.set(copy)
                 self._stored = stored
-                self.state.entered(self)
+                self.schedule.entered(self)
         except BaseException:
             if self._depth == 0:
                 self._restore()
@@ -278,26 +293,26 @@ class _ScheduleHook(ModuleHook):
 
     order = 0
 
-    def __init__(self, state: _Offload) -> None:
-        self.state = state
+    def __init__(self, schedule: _Schedule) -> None:
+        self.schedule = schedule
         self._claim = OneForwardAtATime(OFFLOADING_SCHEDULE)
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._claim.enter(module)
         try:
-            self.state.start_pass()
+            self.schedule.start_pass()
         except BaseException:
             self._claim.exit()
             raise
         return args, kwargs
 
     def post_forward(self, module: nn.Module, output: object) -> object:
-        self.state.end_pass()
+        self.schedule.end_pass()
         self._claim.exit()
         return output
 
     def abort(self, module: nn.Module) -> None:
-        self.state.end_pass()
+        self.schedule.end_pass()
         self._claim.exit()
 
 
@@ -472,8 +487,29 @@ def _hook(module: nn.Module, units: list[Unit], state: _Offload, prefetch: bool)
             hook.diffusers_name = None
         for member in unit.members:
             HookRegistry.of(member).register(OFFLOADING, hook)
-    if prefetch and (state.streams is not None or state.offload_to == "disk"):
-        HookRegistry.of(module).register(OFFLOADING_SCHEDULE, _ScheduleHook(state))
+    if prefetch and state.prefetches:
+        HookRegistry.of(module).register(OFFLOADING_SCHEDULE, _ScheduleHook(state.schedule))
+
+
+def link_offloading(module: nn.Module) -> None:
+    """One prefetch schedule over every offloaded unit under ``module``, however many
+    calls offloaded them (a plan's units, offloaded one by one as a checkpoint streams in,
+    to CPU memory and to disk): entering a unit prefetches the next whichever call
+    offloaded it, as within one ``apply_offloading`` call. Private to tightfit."""
+    hooks = list(
+        {
+            id(hook): hook for m in _hooked(module, OFFLOADING) for hook in [HookRegistry.get(m).hook(OFFLOADING)]
+        }.values()
+    )
+    if not hooks:
+        return
+    schedule = _Schedule()
+    for hook in hooks:
+        hook.schedule = schedule
+    for submodule in _hooked(module, OFFLOADING_SCHEDULE):
+        HookRegistry.get(submodule).remove(OFFLOADING_SCHEDULE)
+    if any(hook.state.prefetches for hook in hooks):
+        HookRegistry.of(module).register(OFFLOADING_SCHEDULE, _ScheduleHook(schedule))
 
 
 def offload_in_place(module: nn.Module, device: str | torch.device, files: list[MappedRegions]) -> None:

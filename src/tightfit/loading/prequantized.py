@@ -29,10 +29,10 @@ from tightfit._progress import muted, task
 from tightfit._validate import check_type
 from tightfit.backends.resolve import resolve_backend
 from tightfit.fitting import Allow, Calibration, FitError, FitPlan, fit, parse_size
+from tightfit.fitting.execute import PlanExecutor
 from tightfit.fitting.outliers import assumed_outliers
-from tightfit.fitting.plan import PlanEntry, move_kept, offload_unit
+from tightfit.fitting.plan import PlanEntry
 from tightfit.hooks import ModuleHook
-from tightfit.hooks.offload import offload_in_place
 from tightfit.hooks.registry import HookRegistry
 from tightfit.loading.folder import checkpoint_dtype, model_kind, read_json, skeleton
 from tightfit.loading.safetensors import Checkpoint
@@ -49,13 +49,14 @@ from tightfit.loading.stored import (
     swap_modules,
 )
 from tightfit.loading.stream import (
+    _check_filled,
     _converts,
     _map_unit,
     _read_unit,
     _Slots,
     _sources,
     _stored_dtypes,
-    _stream_tied,
+    _stream_entry,
     default_inputs,
     on_meta,
 )
@@ -326,40 +327,34 @@ def _fill_float8(module: nn.Module, leaf: StoredLeaf, checkpoint: Checkpoint, sl
     slots.fill(meta, weight.to(meta.dtype) * scale.to(meta.dtype))
 
 
-def _place(model: nn.Module, unit: nn.Module, entry: PlanEntry, plan: FitPlan, device: torch.device) -> None:
-    """Put a loaded unit where ``plan`` says, as :func:`tightfit.loading.stream` does."""
-    if entry.kind == "rest":
-        move_kept(model, {e.module for e in plan.entries if e.placement != "device"}, device)
-    elif entry.placement == "device":
-        move_kept(unit, set(), device)
-    else:
-        offload_unit(model, entry, device)
-
-
 def _stream(
     model: nn.Module, checkpoint: Checkpoint, plan: FitPlan, layout: dict[str, StoredLeaf], device: Any
 ) -> None:
     """Read ``checkpoint`` into ``model`` (a skeleton on meta whose quantized leaves are
-    shells) unit by unit, placing each as ``plan`` says. A unit on disk whose tensors are
-    all stored as they are used (in the skeleton's dtypes) is mapped from the file in
-    place; one that converts a tensor is read and written to an offload file."""
+    shells) unit by unit, each stored and placed by the plan's executor as soon as it is
+    read. A unit holding no quantized leaf streams as in a plain checkpoint; in one that
+    does, each shell loads its stored entries as they are, float8 leaves are cast again
+    from their stored values, and on disk it is mapped from the file in place where none
+    of its tensors converts."""
     slots = _Slots(model)
     sources = _sources(model, slots, checkpoint)
     pending = {leaf.name: leaf for leaf in layout.values() if leaf.storage != "keep"}
     names = set(sources.values()) | {key for leaf in pending.values() for key in leaf.keys}
+    executor = PlanExecutor(model, plan, device)
     with task(f"reading {len(plan.entries)} units", sum(checkpoint.entries[n].nbytes for n in names)) as advance:
         with muted():
-            for entry in plan.entries:
-                if _stream_tied(model, entry, checkpoint, slots, sources, advance, device):
-                    continue  # tied weights: stored as they are (bitsandbytes leaves them so)
+            for entry in executor.entries:
                 unit = model if entry.kind == "rest" else model.get_submodule(entry.module)
                 inside = [
                     (name, module)
                     for name, module in unit.named_modules(prefix="" if entry.kind == "rest" else entry.module)
                     if name in pending
                 ]
-                cast = frozenset(name for name, _ in inside if pending[name].storage == "float8")
-                for name in sorted(cast):
+                if not inside:
+                    _stream_entry(executor, entry, checkpoint, slots, sources, advance)
+                    continue
+                cast = sorted(name for name, _ in inside if pending[name].storage == "float8")
+                for name in cast:
                     _fill_float8(dict(inside)[name], pending[name], checkpoint, slots, advance)
                 mapped = entry.placement == "disk" and not cast and not _converts(unit, checkpoint, sources)
                 files = _map_unit(unit, entry.module, checkpoint, slots, sources, advance) if mapped else []
@@ -369,14 +364,10 @@ def _stream(
                         _load_shell(module, pending[name], checkpoint, advance)
                     del pending[name]
                 if cast:
-                    storage_format("float8").apply(model, cast)
-                if mapped:
-                    offload_in_place(unit, device, files)
-                else:
-                    _place(model, unit, entry, plan, device)
-    left = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
-    if left is not None:
-        raise ValueError(f"plan covers no unit holding {left!r}; it was made for another model than {plan.model}")
+                    executor.store(entry, cast)
+                executor.place(entry, files)
+    _check_filled(model, plan)
+    executor.finish()
     model.eval()
 
 

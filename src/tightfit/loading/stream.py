@@ -23,10 +23,9 @@ from tightfit._progress import muted, task
 from tightfit._validate import check_type
 from tightfit.backends.resolve import resolve_backend
 from tightfit.fitting import Allow, Calibration, FitPlan, fit, parse_size
-from tightfit.fitting.plan import PlanEntry, move_kept, offload_unit
-from tightfit.hooks import apply_offloading
+from tightfit.fitting.execute import PlanExecutor
+from tightfit.fitting.plan import PlanEntry
 from tightfit.hooks._disk import MappedRegions
-from tightfit.hooks.offload import offload_in_place
 from tightfit.kinds import get_kind
 from tightfit.loading.folder import model_folder, model_kind, skeleton
 from tightfit.loading.safetensors import INDEX_FILE, SINGLE_FILE, Checkpoint
@@ -369,67 +368,61 @@ def _map_unit(
     return list(files.values())
 
 
-def _stream_tied(
-    model: nn.Module,
+def _stream_entry(
+    executor: PlanExecutor,
     entry: PlanEntry,
     checkpoint: Checkpoint,
     slots: _Slots,
     sources: dict[int, str],
     advance: Any,
-    device: torch.device,
-) -> bool:
-    """Stream a unit of tied weights (modules sharing a weight, :attr:`PlanEntry.modules`;
-    stored as it is) and say so; False for any other unit. On disk, each of its modules
-    computes from the checkpoint mapped in place, hooked to bring the shared view onto the
-    device for its own forward, where the checkpoint stores it in the skeleton's dtype;
-    otherwise the unit is read, then kept on the device or offloaded as one
-    (:func:`~tightfit.fitting.plan.offload_unit`)."""
-    names = entry.modules
-    if len(names) < 2:
-        return False
+) -> None:
+    """Read ``entry``'s unit into place, and have ``executor`` store and place it. A unit
+    kept as it is on disk is mapped from the checkpoint in place (each of its modules: a
+    unit of tied weights computes from the one shared view) where its tensors are stored
+    in the skeleton's dtypes; any other unit is read (and converted), then stored and
+    placed: a quantized unit on disk is written to an offload file."""
+    model = executor.model
+    names = entry.modules if entry.kind != "rest" else ("",)
     modules = [model.get_submodule(name) for name in names]
-    if entry.placement == "disk" and not any(_converts(module, checkpoint, sources) for module in modules):
-        mapped = [_map_unit(module, name, checkpoint, slots, sources, advance) for name, module in zip(names, modules)]
-        for module in modules:
-            offload_in_place(module, device, [file for files in mapped for file in files])
-        return True
+    as_stored = (
+        entry.kind != "rest"
+        and entry.placement == "disk"
+        and not storage_format(entry.storage).decodes
+        and not any(_converts(module, checkpoint, sources) for module in modules)
+    )
+    if as_stored:
+        mapped = [
+            file
+            for name, module in zip(names, modules)
+            for file in _map_unit(module, name, checkpoint, slots, sources, advance)
+        ]
+        executor.place(entry, mapped)
+        return
     for module in modules:
         _read_unit(module, checkpoint, slots, sources, advance)
-    if entry.placement == "device":
-        for module in modules:
-            move_kept(module, set(), device)
-    else:
-        offload_unit(model, entry, device)
-    return True
+    executor.store(entry)
+    executor.place(entry)
+
+
+def _check_filled(model: nn.Module, plan: FitPlan) -> None:
+    """A ValueError where a tensor of ``model`` is still on meta: ``plan`` (a saved one,
+    edited or made for another model) has no unit holding it."""
+    left = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+    if left is not None:
+        raise ValueError(f"plan covers no unit holding {left!r}; it was made for another model than {plan.model}")
 
 
 def stream(model: nn.Module, checkpoint: Checkpoint, plan: FitPlan, device: torch.device) -> None:
-    """Read ``checkpoint`` into ``model`` (a skeleton on meta) unit by unit as ``plan`` says.
-    A unit kept as it is on disk is mapped from the checkpoint in place where its tensors
-    are stored in the skeleton's dtypes; else it is read, converted and written to an
-    offload file, as a quantized unit on disk is."""
+    """Read ``checkpoint`` into ``model`` (a skeleton on meta) unit by unit as ``plan``
+    says, each unit stored and placed by the plan's executor as soon as it is read
+    (:class:`~tightfit.fitting.execute.PlanExecutor`, which ``FitPlan.apply`` runs too)."""
     slots = _Slots(model)
     sources = _sources(model, slots, checkpoint)
     total = sum(checkpoint.entries[name].nbytes for name in set(sources.values()))
+    executor = PlanExecutor(model, plan, device)
     with task(f"reading and converting {len(plan.entries)} units", total) as advance, muted():
-        for entry in plan.entries:
-            if _stream_tied(model, entry, checkpoint, slots, sources, advance, device):
-                continue
-            unit = model if entry.kind == "rest" else model.get_submodule(entry.module)
-            storage = storage_format(entry.storage)
-            as_stored = entry.placement == "disk" and not storage.decodes and not _converts(unit, checkpoint, sources)
-            if as_stored:  # computed from the checkpoint's pages; converted units are written to an offload file
-                offload_in_place(unit, device, _map_unit(unit, entry.module, checkpoint, slots, sources, advance))
-                continue
-            _read_unit(unit, checkpoint, slots, sources, advance)
-            if storage.decodes and entry.leaves:
-                storage.apply(model, frozenset(entry.leaves))
-            if entry.kind == "rest":  # everything outside the offloaded units, on the device
-                move_kept(model, {e.module for e in plan.entries if e.placement != "device"}, device)
-            elif entry.placement == "device":
-                move_kept(model.get_submodule(entry.module), set(), device)  # quantizing replaced its leaves
-            else:
-                apply_offloading(
-                    model.get_submodule(entry.module), device, offload_to=entry.placement, granularity="model"
-                )
+        for entry in executor.entries:
+            _stream_entry(executor, entry, checkpoint, slots, sources, advance)
+    _check_filled(model, plan)
+    executor.finish()
     model.eval()
