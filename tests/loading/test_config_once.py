@@ -1,6 +1,7 @@
-"""A run asks for a folder's config several times; config.json is checked and read once per
-version of the file, and a file changed or replaced since is checked and read again (a cache
-must never hide a broken or different config)."""
+"""A run resolves its backend once, and asks for a folder's config several times:
+config.json is checked and read once per version of the file, and a file changed or
+replaced since is checked and read again (a cache must never hide a broken or different
+config)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,18 @@ def test_a_budgeted_run_reads_its_config_json_once(tmp_path, monkeypatch):
     )
     run(RunOptions(model=str(folder), budget="30MB", repeat=1, max_new_tokens=2, reference=False))
     assert [file for file in reads if file.endswith("config.json")] == [str(folder / "config.json")]
+
+
+def test_a_budgeted_run_resolves_its_backend_once(tmp_path, monkeypatch):
+    """The run resolves its backend and device once (``_setup``) and passes them down: the
+    planner, the memory plan it traces with, and the load that streams the checkpoint into
+    the plan resolve nothing again."""
+    import tightfit.backends.resolve as resolve_module
+    from tightfit.app.run import RunOptions, run
+
+    folder = save_causal_lm(tmp_path / "lm", **TINY_CAUSAL_LM)
+    again = []
+    real_resolve = resolve_module._resolve
+    monkeypatch.setattr(resolve_module, "_resolve", lambda backend: again.append(backend) or real_resolve(backend))
+    report = run(RunOptions(model=str(folder), budget="30MB", repeat=1, max_new_tokens=2, reference=False))
+    assert report.device == "cpu" and again == []

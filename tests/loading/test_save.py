@@ -13,9 +13,11 @@ import torch
 from torch import nn
 
 import tightfit
+from tightfit.backends.resolve import ResolvedBackend
 from tightfit.fitting import held_bytes
 from tightfit.loading import Checkpoint
 from tightfit.loading import prequantized as loading
+from tightfit.loading import stream as streaming
 from tightfit.quant import QuantState
 from zoo.lm import figures
 from zoo.peer import PeerCheck, spec_model
@@ -132,12 +134,12 @@ def test_loading_a_saved_folder_refuses_what_only_a_new_plan_would_use(saved, mo
     folder, _ = saved
     with pytest.raises(ValueError, match="calibration apply only to a new plan; pass budget too"):
         tightfit.load(folder, calibration=figures())
-    resolve = loading.resolve_backend
+    resolve = streaming.resolve_backend
 
     def with_an_accelerator(backend):  # as a machine with one resolves it
-        return ([], torch.device("cuda:0")) if backend == "cuda" else resolve(backend)
+        return ResolvedBackend([], torch.device("cuda:0")) if backend == "cuda" else resolve(backend)
 
-    monkeypatch.setattr(loading, "resolve_backend", with_an_accelerator)
+    monkeypatch.setattr(streaming, "resolve_backend", with_an_accelerator)
     with pytest.raises(ValueError, match=r"backend='cuda' is cuda:0, but the plan is for cpu; pass budget too"):
         tightfit.load(folder, backend="cuda")
 

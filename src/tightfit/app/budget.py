@@ -31,6 +31,7 @@ from tightfit._files import read_json
 from tightfit._format import human_bytes
 from tightfit.app.spelling import assigned, option
 from tightfit.backends.cpu import read_process_memory, reset_process_peak
+from tightfit.backends.resolve import ResolvedBackend
 from tightfit.fitting import PLACEMENTS, Allow, FitError, FitPlan, fit, storage_names
 from tightfit.loading.stream import on_meta
 from tightfit.memory import LiveTensorBytes
@@ -70,7 +71,7 @@ def plan_run(
     example_inputs: dict,
     budget_bytes: int,
     *,
-    device: torch.device,
+    backend: ResolvedBackend,
     allow: Allow | None,
     kv_cache_bytes: int,
     covers: str,
@@ -81,7 +82,7 @@ def plan_run(
     decode_steps: int = 0,
 ) -> Budgeted:
     """Fit ``model`` for ``example_inputs`` (the forward the run makes, a causal LM's
-    prefill) into ``budget_bytes`` with ``kv_cache_bytes`` (the cache's growth while
+    prefill) on the run's ``backend`` (resolved once, by the run) into ``budget_bytes`` with ``kv_cache_bytes`` (the cache's growth while
     decoding) reserved; ``fit`` raises FitError when nothing fits. The run is eager, where region
     hints save nothing, so the planner may not add them. ``loading``: ``model`` is a
     skeleton on meta whose checkpoint will stream into the plan; the inputs go to meta too;
@@ -102,7 +103,7 @@ def plan_run(
             model,
             on_meta(example_inputs) if loading else example_inputs,
             budget_bytes,
-            backend=device,
+            backend=backend,
             allow=replace(allow or Allow(), hints=False),
             loading=loading,
             stored_dtypes=stored_dtypes,
@@ -117,7 +118,7 @@ def plan_run(
         smallest = error.smallest_peak_bytes
         raise FitError(
             no_fit_message(
-                budget_bytes, smallest, error.parts, device=device, allow=allow, kv_cache_bytes=kv_cache_bytes
+                budget_bytes, smallest, error.parts, device=backend.device, allow=allow, kv_cache_bytes=kv_cache_bytes
             ),
             budget_bytes=budget_bytes,
             smallest_peak_bytes=smallest,

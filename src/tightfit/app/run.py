@@ -25,6 +25,7 @@ from tightfit.app.generation_job import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROMPT
 from tightfit.app.jobs import Job
 from tightfit.app.models import ENCODER, default_model_dir, folder_kind
 from tightfit.app.spelling import assigned, option
+from tightfit.backends.resolve import ResolvedBackend
 from tightfit.fitting import Allow, FitPlan, held_bytes, parse_size
 from tightfit.fitting.quality import parse_error
 from tightfit.hooks import OFFLOAD_TARGETS, apply_layerwise_casting, apply_offloading, resident_bytes
@@ -392,7 +393,7 @@ def _planned(
             job.model,
             job.example_inputs(),
             options.budget,
-            device=device,
+            backend=ResolvedBackend([backend], device),
             allow=options.allow,
             kv_cache_bytes=job.kv_cache_bytes(),
             kv_decoded_bytes=job.kv_decoded_bytes(),
@@ -438,7 +439,10 @@ def run(options: RunOptions | None = None, *, on_start: Callable[[RunStart], Any
         job, budgeted = _planned(options, backend, device, folder, kind)
         if on_start is not None:
             on_start(replace(start, budgeted=budgeted))
-        loaded = measure_load(lambda: load(folder, plan=budgeted.plan, kind=kind, model=job.model)[0], device)
+        resolved = ResolvedBackend([backend], device)
+        loaded = measure_load(
+            lambda: load(folder, plan=budgeted.plan, kind=kind, model=job.model, backend=resolved)[0], device
+        )
         job.model = loaded.model
         job.headroom = options.budget - budgeted.plan.predicted_peak_bytes
         kept: tuple[str, ...] = ()

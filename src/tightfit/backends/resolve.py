@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -10,11 +10,28 @@ from tightfit._validate import check_type
 from tightfit.backends import registry
 from tightfit.backends.base import Backend
 
-__all__ = ["resolve_backend"]
+__all__ = ["ResolvedBackend", "resolve_backend"]
 
 
-def resolve_backend(backend: Any) -> tuple[list[Backend], torch.device]:
-    """The backends to place on (highest priority first) and the device the model is planned on."""
+class ResolvedBackend(NamedTuple):
+    """What :func:`resolve_backend` gives: the backends to place on (highest priority
+    first) and the device. A caller holding one passes it on as ``backend=``, and it is
+    not resolved again: a run resolves its backend once."""
+
+    backends: list[Backend]
+    device: torch.device
+
+
+def resolve_backend(backend: Any) -> ResolvedBackend:
+    """The backends to place on (highest priority first) and the device the model is
+    planned on; a :class:`ResolvedBackend` is taken as it is."""
+    if isinstance(backend, ResolvedBackend):
+        return backend
+    backends, device = _resolve(backend)
+    return ResolvedBackend(backends, device)
+
+
+def _resolve(backend: Any) -> tuple[list[Backend], torch.device]:
     if backend is None:
         chosen = registry.default()
         others = [b for b in registry.available() if b is not chosen]

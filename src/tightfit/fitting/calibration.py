@@ -321,7 +321,11 @@ def calibrate(backend: Any = None, *, remeasure: bool = False) -> Calibration:
 
     check_type("remeasure", remeasure, bool)
     backends, device = resolve_backend(backend)
-    chosen = backends[0]
+    return figures_of(backends[0], device, remeasure=remeasure)
+
+
+def figures_of(chosen: Any, device: torch.device, *, remeasure: bool = False) -> Calibration:
+    """:func:`calibrate` for a backend and device resolved already (the planner's)."""
     path = cache_path(chosen.name, _device_name(device))
     if path.is_file() and not remeasure:
         try:

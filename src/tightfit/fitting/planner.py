@@ -14,7 +14,7 @@ from torch import nn
 from tightfit._format import human_bytes
 from tightfit._validate import check_count, check_type
 from tightfit.fitting.allow import Allow
-from tightfit.fitting.calibration import Calibration, calibrate
+from tightfit.fitting.calibration import Calibration, figures_of
 from tightfit.fitting.options import Option, Unit, find_units, options_for, with_decode
 from tightfit.fitting.outliers import ASSUMED_OUTLIER_FRACTION, observe_outliers
 from tightfit.fitting.plan import FitPlan, PlanEntry, check_reserved
@@ -274,10 +274,11 @@ def fit(
     check_type("loading", loading, bool)
     if stored_dtypes is not None:
         _check_stored_dtypes(stored_dtypes, loading)
-    backends, device = resolve_backend(backend)
-    figures = calibration if calibration is not None else calibrate(backends[0], remeasure=remeasure)
+    resolved = resolve_backend(backend)
+    backends, device = resolved
+    figures = calibration if calibration is not None else figures_of(backends[0], device, remeasure=remeasure)
     _check_calibration(figures, backends[0].name, device)
-    memory, rows, call_rows, spans = _trace(model, args, kwargs, backends[0])
+    memory, rows, call_rows, spans = _trace(model, args, kwargs, resolved)
     planned = memory.devices.get(str(device))
     activations = planned.live_peak_bytes + planned.inputs_bytes if planned else 0
     peak_node = planned.peak_node if planned else None

@@ -27,7 +27,6 @@ from tightfit._files import read_text
 from tightfit._format import human_bytes
 from tightfit._progress import muted, task
 from tightfit._validate import check_type
-from tightfit.backends.resolve import resolve_backend
 from tightfit.fitting import Allow, Calibration, FitError, FitPlan, fit, parse_size
 from tightfit.fitting.execute import PlanExecutor
 from tightfit.fitting.outliers import assumed_outliers
@@ -52,6 +51,7 @@ from tightfit.loading.stream import (
     _check_filled,
     _converts,
     _map_unit,
+    _plan_device,
     _read_unit,
     _Slots,
     _sources,
@@ -371,26 +371,6 @@ def _stream(
     model.eval()
 
 
-def _plan_device(plan: FitPlan, backend: Any) -> torch.device:
-    """The device a plan used as it is loads onto: its own; a ValueError where this
-    machine lacks it or ``backend`` names another (a budget plans placements for that)."""
-    try:
-        _, device = resolve_backend(plan.device)
-    except (ValueError, RuntimeError) as error:
-        raise ValueError(
-            f"the plan is for {plan.device}, which this machine cannot use ({error}); pass budget to plan "
-            f"placements for this machine (the stored storages stay)"
-        ) from None
-    if backend is not None:
-        _, wanted = resolve_backend(backend)
-        if wanted != device:
-            raise ValueError(
-                f"backend={backend!r} is {wanted}, but the plan is for {plan.device}; pass budget too, to plan "
-                f"placements for {wanted} (the stored storages stay), or leave backend out"
-            )
-    return device
-
-
 def _saved_plan(folder: Path) -> FitPlan | None:
     file = folder / PLAN_FILE
     if not file.is_file():
@@ -477,7 +457,7 @@ def load_quantized(
         )
         size = parse_size(budget, "budget")
         plan = _plan(model, layout, checkpoint, inputs, size, backend, allow, calibration, compute)
-        _, device = resolve_backend(plan.device)
+        device = torch.device(plan.device)  # the device the planner resolved
     else:
         plan = fixed
         device = _plan_device(plan, backend)

@@ -182,7 +182,8 @@ def load(
     The plan is made first, from the config and the checkpoint's headers
     (:func:`plan_folder`; ``FitError`` before any weight is read when nothing fits), or
     given as ``plan`` (then ``budget``,
-    ``example_inputs``, ``allow``, ``calibration`` and ``max_error`` are refused;
+    ``example_inputs``, ``allow``, ``calibration`` and ``max_error`` are refused, and a
+    ``backend`` must be the plan's device: it is checked, not planned for;
     ``max_error`` is :func:`tightfit.fit`'s, refused for a checkpoint stored quantized,
     whose storage is not the planner's to choose). The safetensors
     checkpoint is then read unit by unit, each unit converted and placed as planned, in
@@ -228,8 +229,8 @@ def load(
             kind=kind,
             model=model,
         )
-    checkpoint = None
-    if plan is not None:
+    checkpoint, given = None, plan is not None
+    if given:
         if model is None:
             model, _ = skeleton(path, kind)
         check_type("model", model, nn.Module)
@@ -255,7 +256,8 @@ def load(
             kind=kind,
             max_error=max_error,
         )
-    _, device = resolve_backend(plan.device)
+    # a plan made here names the device the planner resolved; a given one is resolved on this machine
+    device = _plan_device(plan, backend) if given else torch.device(plan.device)
     stream(model, checkpoint if checkpoint is not None else Checkpoint(path), plan, device)  # the headers planned
     return model, plan
 
@@ -402,6 +404,26 @@ def _stream_entry(
         _read_unit(module, checkpoint, slots, sources, advance)
     executor.store(entry)
     executor.place(entry)
+
+
+def _plan_device(plan: FitPlan, backend: Any) -> torch.device:
+    """The device a plan used as it is loads onto: its own; a ValueError where this
+    machine lacks it or ``backend`` names another (a budget plans placements for that)."""
+    if backend is not None:
+        wanted = resolve_backend(backend).device
+        if str(wanted) != plan.device:
+            raise ValueError(
+                f"backend={backend!r} is {wanted}, but the plan is for {plan.device}; pass budget too, to plan "
+                f"placements for {wanted}, or leave backend out"
+            )
+        return wanted
+    try:
+        return resolve_backend(plan.device).device
+    except (ValueError, RuntimeError) as error:
+        raise ValueError(
+            f"the plan is for {plan.device}, which this machine cannot use ({error}); pass budget to plan "
+            f"placements for this machine"
+        ) from None
 
 
 def _check_filled(model: nn.Module, plan: FitPlan) -> None:
