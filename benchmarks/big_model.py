@@ -283,10 +283,11 @@ def _plan_summary(plan: dict) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda item: -item[1]))
 
 
-def run_tightfit(folder: Path, budget: int, prompt: str, new_tokens: int) -> dict:
-    """One ``tightfit run`` as a user types it; the row's figures and the report (plan entries shortened)."""
+def run_tightfit(folder: Path, budget: int, prompt: str, new_tokens: int, options: tuple[str, ...] = ()) -> dict:
+    """One ``tightfit run`` as a user types it (``options`` added to its command line); the
+    row's figures and the report (plan entries shortened)."""
     command = [str(TIGHTFIT), "run", "--model", str(folder), "--budget", str(budget), "--prompt", prompt]
-    command += ["--max-new-tokens", str(new_tokens), "--repeat", "1", "--no-reference", "--json"]
+    command += ["--max-new-tokens", str(new_tokens), "--repeat", "1", "--no-reference", "--json", *options]
     report, happened = _subprocess(command, f"tightfit, budget {human_bytes(budget)}")
     if report is None:
         return {"tool": "tightfit", "ok": False, **happened}

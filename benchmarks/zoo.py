@@ -13,7 +13,9 @@ WordPiece tokenizer; nothing is downloaded), under ``--cache-dir``:
 - ``mistral``: sliding-window attention (a window of 64);
 - ``phi3``: fused qkv and gate-up projections;
 - ``gpt2``: tied embeddings, Conv1D layers;
-- ``mixtral-moe``: a mixture of 4 experts per layer, 2 chosen per token;
+- ``mixtral-moe``: a mixture of 4 experts per layer, 2 chosen per token, saved with its
+  experts stacked as the model holds them (``save_original_format=False``: tightfit does
+  not yet stream the per-expert layout that transformers converts on loading);
 - ``t5``: an encoder-decoder (relative position biases, a tied embedding shared by the
   encoder, the decoder and the LM head): the prompt is the encoder's input.
 
@@ -30,6 +32,7 @@ Run: python benchmarks/zoo.py [--models llama3-gqa,gpt2] [--fractions 0.6,0.4,0.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -96,7 +99,7 @@ def model_folder(name: str, cache: Path) -> Path:
     torch.manual_seed(0)
     model = getattr(transformers, auto).from_config(config).eval()
     folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, save_original_format=False)  # MoE experts stacked, as the model holds them
     tokenizer.save_pretrained(folder)
     (folder / MARKER).write_text(json.dumps({"parameters": sum(p.numel() for p in model.parameters())}))
     return folder
@@ -143,6 +146,11 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(ARCHITECTURES), help="comma-separated, of the names above")
     parser.add_argument("--fractions", default="0.6,0.4,0.25")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--units",
+        default="layers,blocks",
+        help="tightfit run --units values, each a row of its own (comma-separated; default: layers,blocks)",
+    )
     parser.add_argument("--cache-dir", type=Path, default=CACHE)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "zoo.json")
     args = parser.parse_args()
@@ -151,6 +159,8 @@ def main() -> None:
     if unknown:
         parser.error(f"--models: {', '.join(unknown)} unknown; known: {', '.join(ARCHITECTURES)}")
     fractions = [float(text) for text in args.fractions.split(",") if text]
+    unit_sizes = [text for text in args.units.split(",") if text]
+    runners = [(f"tightfit/{size}", functools.partial(run_tightfit, options=("--units", size))) for size in unit_sizes]
     results = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "new_tokens": args.new_tokens, "models": {}}
     for name in names:
         folder = model_folder(name, args.cache_dir.expanduser())
@@ -161,10 +171,10 @@ def main() -> None:
         print(f"\n{name}: unplanned peak {human_bytes(full) if full else '-'} {refused}", flush=True)
         for fraction in fractions if full else []:
             budget = int(full * fraction)
-            for tool, runner in (("tightfit", run_tightfit), ("accelerate", run_accelerate)):
+            for tool, runner in [*runners, ("accelerate", run_accelerate)]:
                 row = runner(folder, budget, prompt, args.new_tokens)
                 row.update(tool=tool, fraction=fraction, budget_bytes=budget)
-                if tool == "tightfit" and row.get("ok"):
+                if tool.startswith("tightfit") and row.get("ok"):
                     row["plan"] = row["plan"] if isinstance(row["plan"], dict) else _plan_summary(row["plan"])
                 row.pop("report", None)
                 entry["rows"].append(row)

@@ -203,7 +203,11 @@ def test_from_json_names_the_field_of_the_wrong_type(field, value, message):
         ("seconds", -1.0, r"PlanEntry.seconds must be a finite number >= 0"),
         ("storage", "gguf", r"PlanEntry.storage='gguf' is not accepted; accepted: keep, float8"),
         ("placement", "cloud", r"PlanEntry.placement='cloud' is not accepted; accepted: device, cpu, disk"),
-        ("kind", "block", r"PlanEntry.kind='block' is not accepted; accepted: layer, linear, embedding, rest"),
+        (
+            "kind",
+            "stage",
+            r"PlanEntry.kind='stage' is not accepted; accepted: layer, block, expert, linear, embedding, rest",
+        ),
         ("why", None, r"PlanEntry.why must be a str"),
         ("leaves", "0", r"PlanEntry.leaves must be a tuple of str"),
         ("leaves", [1], r"PlanEntry.leaves must be a tuple of str"),

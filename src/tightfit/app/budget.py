@@ -80,6 +80,7 @@ def plan_run(
     stored_dtypes: dict[str, torch.dtype] | None = None,
     max_error: float | None = None,
     decode_steps: int = 0,
+    units: str = "layers",
 ) -> Budgeted:
     """Fit ``model`` for ``example_inputs`` (the forward the run makes, a causal LM's
     prefill) on the run's ``backend`` (resolved once, by the run) into ``budget_bytes`` with ``kv_cache_bytes`` (the cache's growth while
@@ -91,7 +92,7 @@ def plan_run(
     ``max_error``: ``fit``'s bound on the plan's expected error (None: its default);
     ``kv_decoded_bytes``: a float8 cache's layer decoded while it attends, reserved too;
     ``decode_steps``: the one-token forwards after ``example_inputs``' (a causal LM's
-    decode), which the plan's time counts beside it."""
+    decode), which the plan's time counts beside it; ``units``: ``fit``'s."""
     if kv_cache_bytes >= budget_bytes:
         raise ValueError(
             f"{assigned('budget', budget_bytes)} ({human_bytes(budget_bytes)}) leaves nothing for the model: the KV "
@@ -111,6 +112,7 @@ def plan_run(
             or None,
             max_error=max_error,
             decode_steps=decode_steps,
+            units=units,
         )
     except FitError as error:
         if error.smallest_peak_bytes <= budget_bytes:  # the budget fits, the error bound does not: said as it is

@@ -53,6 +53,7 @@ def handle(args: argparse.Namespace, console: Console) -> int:
             allow=args.allow,
             max_error=args.max_error,
             kv_cache=args.kv_cache,
+            units=args.units,
         )
     )
     plan = budgeted.plan

@@ -27,6 +27,7 @@ from tightfit.app.models import ENCODER, default_model_dir, folder_kind
 from tightfit.app.spelling import assigned, option
 from tightfit.backends.resolve import ResolvedBackend
 from tightfit.fitting import Allow, FitPlan, held_bytes, parse_size
+from tightfit.fitting.options import UNIT_SIZES
 from tightfit.fitting.quality import parse_error
 from tightfit.hooks import OFFLOAD_TARGETS, apply_layerwise_casting, apply_offloading, resident_bytes
 from tightfit.kinds import get_kind, kind_names
@@ -140,6 +141,10 @@ class RunOptions:
     small model's decoding speed on a GPU. ``"auto"``: where the run allows it (a CUDA
     device, every weight on it, the KV cache in the model's dtype); ``"on"``: refused with
     the reason where it does not; ``"off"``: never.
+
+    ``units`` (with a budget): what the planner decides for per layer, ``"layers"`` (a
+    whole layer) or ``"blocks"`` (its attention, its feed-forward network, each expert of
+    a mixture of experts; :func:`tightfit.fit`'s ``units``).
     """
 
     model: str | None = None
@@ -163,6 +168,7 @@ class RunOptions:
     max_error: float | str | None = None
     kv_cache: str = "auto"
     graph: str = "auto"
+    units: str = "layers"
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, Path)):
@@ -240,6 +246,12 @@ class RunOptions:
                 )
         check_choice(option("kv_cache"), self.kv_cache, ("auto", *kv_cache.KV_FORMATS))
         check_choice(option("graph"), self.graph, GRAPH_CHOICES)
+        check_choice(option("units"), self.units, UNIT_SIZES)
+        if self.units != "layers" and (self.budget is None or self.plan is not None):
+            raise ValueError(
+                f"{assigned('units', self.units)} is how the fit planner cuts layers into units; it plans only with "
+                f"{option('budget')}, not with {option('plan')} (made with its own units)"
+            )
         if self.max_error is not None:
             object.__setattr__(self, "max_error", parse_error(self.max_error, option("max_error")))
             if self.budget is None:
@@ -402,6 +414,7 @@ def _planned(
             stored_dtypes=dtypes,
             max_error=options.max_error,
             decode_steps=job.decode_steps(),
+            units=options.units,
         )
 
     def planned() -> Budgeted:

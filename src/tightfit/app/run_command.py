@@ -14,6 +14,7 @@ from tightfit.app.output import print_report, print_start, report_data
 from tightfit.app.run import GRAPH_CHOICES, STORAGE_DTYPE_CHOICES, RunOptions, quant_configs
 from tightfit.app.run import run as run_job
 from tightfit.fitting import PLACEMENTS, storage_names
+from tightfit.fitting.options import UNIT_SIZES
 
 __all__: list[str] = []
 
@@ -45,6 +46,7 @@ def handle(args: argparse.Namespace, console: Console) -> int:
         max_error=args.max_error,
         kv_cache=args.kv_cache,
         graph=args.graph,
+        units=args.units,
     )
     bars = Console(stderr=True)
     with show_progress(bars) if bars.is_terminal and not args.json else nullcontext():  # stderr only, never in --json
@@ -67,7 +69,7 @@ def context_value(text: str) -> int | str:
 
 
 def add_planner_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--context``, ``--kv-cache`` and ``--max-error`` for ``run`` and ``fit``: the same words in both."""
+    """``--context``, ``--kv-cache``, ``--max-error`` and ``--units`` for ``run`` and ``fit``: the same words in both."""
     parser.add_argument(
         "--kv-cache",
         choices=["auto", "model", "float8"],
@@ -81,6 +83,13 @@ def add_planner_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PCT",
         help="with --budget: the most expected error the plan may take to meet it, e.g. 10%% lets 4-bit in "
         "(default: 3%%, 8-bit class, exceeded only where the budget needs more, and said so)",
+    )
+    parser.add_argument(
+        "--units",
+        choices=list(UNIT_SIZES),
+        default="layers",
+        help="with --budget: what the planner decides for, per layer: the whole layer, or its blocks (attention, "
+        "feed-forward network, each expert of a mixture of experts) (default: layers)",
     )
     parser.add_argument(
         "--context",

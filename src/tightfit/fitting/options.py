@@ -79,6 +79,9 @@ class Unit:
     constructors compute them: rotary frequencies, position ids; a checkpoint is not read
     into them), so they are in memory before the first unit streams in; a buffer on the
     meta device is read with its unit.
+    ``active_share``: the share of the unit's weights a one-token forward reads: an
+    expert's (a list's, or the stacked experts') is the router's top-k over the number of
+    experts; 1 for any other unit.
     ``converted``: its tensors that the checkpoint stores in another dtype than the
     model's (``stored_dtypes`` of :func:`find_units`): loading reads and converts them,
     so the unit cannot be mapped from the checkpoint in place; ``read_bytes``: the largest
@@ -86,7 +89,7 @@ class Unit:
     """
 
     name: str
-    kind: str  # "layer", "linear", "embedding" or "rest"
+    kind: str  # "layer", "block" (part of one), "expert", "linear", "embedding" or "rest"
     weights: tuple[tuple[str, str, tuple[int, ...], torch.dtype], ...]  # (name, type, shape, dtype)
     bytes: int
     other_bytes: int  # tensors in the unit that are not leaf weights (biases, norms)
@@ -97,6 +100,7 @@ class Unit:
     buffer_bytes: int = 0  # of bytes, its buffers: computed by the skeleton, alive before loading starts
     converted: tuple[str, ...] = ()  # tensors stored in another dtype than the model's: read and converted
     read_bytes: int = 0  # the largest of those as stored, beside its converted copy while it is read
+    active_share: float = 1.0  # of its weights, the share one token reads (an expert: top-k of the experts)
 
     def takes(self, storage: StorageFormat) -> bool:
         """Whether ``storage`` applies to a leaf of this unit: one of its leaf types, in a
@@ -189,15 +193,90 @@ def _stored_bytes(module: nn.Module) -> int:
     return tensor_bytes(_tensors(module).values())
 
 
-def _groups(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
-    stack = set(layer_stack(model) or largest_repeated_list(model, _stored_bytes))  # GPT-2's Conv1D: by bytes
+#: How finely a layer of the stack is cut into units: whole (``"layers"``), or into its
+#: attention, its feed-forward network and each expert of a mixture of experts (``"blocks"``).
+UNIT_SIZES = ("layers", "blocks")
+
+
+def layer_names(model: nn.Module) -> tuple[str, ...]:
+    """The model's stack of repeated layers: by their ``nn.Linear`` weights, else by bytes (GPT-2's Conv1D)."""
+    return layer_stack(model) or largest_repeated_list(model, _stored_bytes)
+
+
+def _holds_weights(module: nn.Module) -> bool:
+    """Whether ``module`` holds a matrix or more (a norm's vector is not worth a unit)."""
+    return any(parameter.dim() >= 2 for parameter in module.parameters())
+
+
+def _stacked_experts(module: nn.Module) -> bool:
+    """Experts held as one module: parameters of three dimensions or more (expert x rows x columns)."""
+    return any(parameter.dim() >= 3 for parameter in module.parameters(recurse=False))
+
+
+def _experts(module: nn.Module) -> bool:
+    """Whether ``module`` is a mixture of experts: a child holds its experts, as a list of
+    modules of one type or stacked in one module."""
+    for child in module.children():
+        listed = isinstance(child, nn.ModuleList) and len(child) > 1 and len({type(c) for c in child}) == 1
+        if (listed and _holds_weights(child)) or _stacked_experts(child):
+            return True
+    return False
+
+
+def _blocks(name: str, layer: nn.Module) -> list[tuple[str, str, nn.Module]]:
+    """``layer``'s parts that hold weights, each a unit: its attention and its feed-forward
+    network (``"block"``); in a mixture of experts, each expert of a list, or the module
+    holding them stacked (``"expert"``), and its router and shared parts (``"block"``).
+    Norms stay with the rest of the model."""
+    parts = []
+    for child_name, child in layer.named_children():
+        if not _holds_weights(child):
+            continue
+        qualified = f"{name}.{child_name}"
+        if not _experts(child):
+            parts.append((qualified, "block", child))
+            continue
+        for part_name, part in child.named_children():
+            inner = f"{qualified}.{part_name}"
+            if isinstance(part, nn.ModuleList) and _holds_weights(part):
+                parts.extend((f"{inner}.{index}", "expert", expert) for index, expert in enumerate(part))
+            elif _stacked_experts(part):
+                parts.append((inner, "expert", part))
+            elif _holds_weights(part):
+                parts.append((inner, "block", part))
+    return parts
+
+
+def _active_share(model: nn.Module, name: str) -> float:
+    """The share of an expert unit's weights one token reads: the top-k its mixture routes
+    each token to (``top_k`` or ``num_experts_per_tok`` of the mixture, its router or the
+    model's config) over its number of experts; 1 where either is not found."""
+    parts = name.split(".")
+    module = model.get_submodule(name)
+    stacked = [p for p in module.parameters(recurse=False) if p.dim() >= 3]
+    if stacked:
+        experts, parts = stacked[0].shape[0], parts[:-1]  # the stacked experts' module sits in the mixture
+    else:
+        experts, parts = len(model.get_submodule(".".join(parts[:-1]))), parts[:-2]  # a list's expert
+    mixture = model.get_submodule(".".join(parts))
+    config = getattr(model, "config", None)
+    for holder in (mixture, *mixture.children(), config):
+        top_k = next((getattr(holder, key) for key in ("top_k", "num_experts_per_tok") if hasattr(holder, key)), None)
+        if isinstance(top_k, int) and not isinstance(top_k, bool) and 0 < top_k:
+            return min(1.0, top_k / experts)
+    return 1.0
+
+
+def _groups(model: nn.Module, unit_size: str = "layers") -> list[tuple[str, str, nn.Module]]:
+    stack = set(layer_names(model))
     groups: list[tuple[str, str, nn.Module]] = []
     inside: set[str] = set()
     for name, module in model.named_modules():
         if any(name == prefix or name.startswith(prefix + ".") for prefix in inside):
             continue
         if name in stack:
-            groups.append((name, "layer", module))
+            parts = _blocks(name, module) if unit_size == "blocks" else []
+            groups.extend(parts or [(name, "layer", module)])
             inside.add(name)
         elif isinstance(module, (nn.Linear, nn.Embedding)) and isinstance(
             getattr(module, "weight", None), torch.Tensor
@@ -219,7 +298,7 @@ def _tied_groups(groups: list[tuple[str, str, nn.Module]]) -> list[list[tuple[st
 
     first: dict[int, int] = {}  # tensor id -> the first group holding it
     for index, (_, kind, module) in enumerate(groups):
-        for key in _tensors(module) if kind != "layer" else ():
+        for key in _tensors(module) if kind in ("linear", "embedding") else ():
             if key in first:
                 low, high = sorted((root(index), root(first[key])))
                 parent[high] = low
@@ -231,8 +310,13 @@ def _tied_groups(groups: list[tuple[str, str, nn.Module]]) -> list[list[tuple[st
     return sorted(joined.values(), key=lambda members: len(members) == 1)  # stable
 
 
-def find_units(model: nn.Module, stored_dtypes: Mapping[str, torch.dtype] | None = None) -> list[Unit]:
+def find_units(
+    model: nn.Module, stored_dtypes: Mapping[str, torch.dtype] | None = None, unit_size: str = "layers"
+) -> list[Unit]:
     """The model's units: units of tied weights first, then the others in module order, the rest last.
+
+    ``unit_size`` (:data:`UNIT_SIZES`): each layer of the stack one unit, or its parts
+    (:func:`_blocks`): attention, feed-forward network, each expert.
 
     Linear and Embedding modules outside the layer stack that share a weight (tied weights:
     GPT-2's ``transformer.wte`` and ``lm_head``) are one unit, named after the first of
@@ -272,7 +356,7 @@ def find_units(model: nn.Module, stored_dtypes: Mapping[str, torch.dtype] | None
     deciders = dtype_deciders(model)  # model.dtype reads them: layerwise casting leaves them as they are
     pins = compile_patterns("pins", model_pins(model))
     units, covered = [], {}
-    for members in _tied_groups(_groups(model)):
+    for members in _tied_groups(_groups(model, unit_size)):
         name, kind, _ = members[0]
         modules = [module for _, _, module in members]
         tensors = {key: t for module in modules for key, t in _tensors(module).items()}
@@ -303,7 +387,22 @@ def find_units(model: nn.Module, stored_dtypes: Mapping[str, torch.dtype] | None
         no_decode = TIED_DECODE if any(inner[key] > 1 for key in firsts) else ""  # another module of it holds one
         other = tensor_bytes(v for k, v in tensors.items() if k not in firsts)
         size = tensor_bytes(tensors.values())
-        units.append(Unit(name, kind, weights, size, other, "", no_cast, tied, no_decode, **loading(modules, tensors)))
+        share = _active_share(model, name) if kind == "expert" else 1.0
+        units.append(
+            Unit(
+                name,
+                kind,
+                weights,
+                size,
+                other,
+                "",
+                no_cast,
+                tied,
+                no_decode,
+                **loading(modules, tensors),
+                active_share=share,
+            )
+        )
         covered.update(tensors)
     rest = {k: v for k, v in _tensors(model).items() if k not in covered}
     if rest:
@@ -325,6 +424,7 @@ def options_for(
     outliers: dict[str, int] | None = None,
     call_rows: dict[str, int] | None = None,
     loading: bool = False,
+    one_token: bool = False,
 ) -> list[Option]:
     """The options of ``unit`` that ``storages`` and ``placements`` allow, each with bytes and seconds.
 
@@ -339,19 +439,23 @@ def options_for(
     the LM head reads every row per forward, the embedding the rows it looks up; offloaded
     on an accelerator, each leaf's forward copies it onto the device.
     ``loading``: the plan covers streaming the unit in from a checkpoint on this (host)
-    device: each option's ``load_bytes`` (:func:`_load_bytes`).
+    device: each option's ``load_bytes`` (:func:`_load_bytes`). ``one_token``: ``rows``
+    are a one-token forward's (a decode step), which reads an expert's weights only where
+    the token is routed to it (:attr:`Unit.active_share`).
     """
     if unit.fixed:
         storages, placements = frozenset({"keep"}), frozenset({"device"})
     on_host = device.type == "cpu"
+    # one token reads its routed experts' weights only (a mapped file: only their pages); a prompt reads them all
+    share = unit.active_share if one_token else 1.0
     options = []
     for storage in storage_formats():
         if storage.name not in storages or (storage.decodes and not unit.takes(storage)):
             continue
         kinds = {leaf_type.__name__ for leaf_type in storage.leaf_types}
         stored, held_offloaded, decoded, decode_seconds, compute_seconds = unit.other_bytes, 0, 0, 0.0, 0.0
-        touched, noise, energy, converting, shrunk = unit.other_bytes, 0.0, 0.0, 0, 0
-        read, token_seconds = unit.other_bytes, 0.0  # bytes read from memory per forward; few-token leaves' seconds
+        touched, noise, energy, converting, shrunk = int(unit.other_bytes * share), 0.0, 0.0, 0, 0
+        read, token_seconds = touched, 0.0  # bytes read from memory per forward; few-token leaves' seconds
         again = 0  # tied leaves' weights: stored with the first leaf, copied onto the device again for each use
         for name, kind, shape, dtype in unit.weights:
             leaf = storage if kind in kinds else storage_format("keep")  # a leaf the storage does not apply to stays

@@ -27,7 +27,7 @@ from tightfit.quant import storage_format
 __all__ = ["FitPlan", "PlanEntry"]
 
 _FORMAT = "tightfit.plan/1"
-_KINDS = ("layer", "linear", "embedding", "rest")
+_KINDS = ("layer", "block", "expert", "linear", "embedding", "rest")
 #: How a plan's prediction runs the model: op by op (``eager``), or as
 #: ``torch.compile(model, backend=tightfit.graph.compiler(execution="fx"))`` runs it (``compiled``).
 _RUNTIMES = ("eager", "compiled")
@@ -50,7 +50,8 @@ def _check_seconds(owner: str, name: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class PlanEntry:
-    """The decision for one unit (a layer of the stack, a Linear or Embedding, or the rest).
+    """The decision for one unit (a layer of the stack, or a block or an expert of one; a
+    Linear or Embedding; or the rest).
 
     ``leaves``: the Linear / Embedding modules whose weights ``storage`` applies to;
     ``bytes_before`` / ``bytes_after``: the unit's tensors as they are and as planned;

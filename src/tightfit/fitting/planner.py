@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from tightfit._format import human_bytes
-from tightfit._validate import check_count, check_type
+from tightfit._validate import check_choice, check_count, check_type
 from tightfit.fitting.allow import Allow
 from tightfit.fitting.calibration import Calibration, figures_of
-from tightfit.fitting.options import Option, Unit, find_units, options_for, with_decode
+from tightfit.fitting.options import UNIT_SIZES, Option, Unit, find_units, layer_names, options_for, with_decode
 from tightfit.fitting.outliers import ASSUMED_OUTLIER_FRACTION, observe_outliers
 from tightfit.fitting.plan import FitPlan, PlanEntry, check_reserved
 from tightfit.fitting.quality import DEFAULT_MAX_ERROR, expected_error, parse_error, percent
@@ -191,6 +191,7 @@ def fit(
     reserve: Mapping[str, int] | None = None,
     max_error: float | str | None = None,
     decode_steps: int = 0,
+    units: str = "layers",
 ) -> FitPlan:
     """A :class:`FitPlan` whose predicted device peak for ``model(*example_inputs)`` (or
     ``model(**example_inputs)`` for a dict) is within ``budget`` at the least predicted time.
@@ -247,6 +248,12 @@ def fit(
     after its prefill): the time the planner minimizes is the traced forward's plus this
     many one-token forwards', each priced with the one-token figures (memory-bound: the
     bytes a weight reads count, not its rows), so prefill and decode are priced apart.
+
+    ``units``: what the planner decides for, per layer of the stack: the whole layer
+    (``"layers"``), or each of its blocks (``"blocks"``: its attention, its feed-forward
+    network, and in a mixture of experts each expert, its router and shared parts apart),
+    so that a layer may keep its attention on the device and move its feed-forward weights
+    off, or a MoE layer keep its shared parts and move its experts.
     """
     from tightfit.backends.resolve import resolve_backend
 
@@ -267,6 +274,8 @@ def fit(
     units_budget = budget_bytes - reserved_bytes
     bound = DEFAULT_MAX_ERROR if max_error is None else parse_error(max_error)
     check_count("decode_steps", decode_steps)
+    check_choice("units", units, UNIT_SIZES)
+    unit_size = units  # the name is the list of units below
     allowed = Allow.coerce(allow)
     if calibration is not None:
         check_type("calibration", calibration, Calibration)
@@ -283,7 +292,7 @@ def fit(
     activations = planned.live_peak_bytes + planned.inputs_bytes if planned else 0
     peak_node = planned.peak_node if planned else None
     live = _live_while_computing(memory, device, spans, activations)
-    units = find_units(model, stored_dtypes)
+    units = find_units(model, stored_dtypes, unit_size)
     weights = sum(math.prod(shape) for unit in units for name, _, shape, _ in unit.weights if name not in unit.tied)
     max_energy = bound**2 * weights
 
@@ -303,7 +312,7 @@ def fit(
         for unit in units:
             prefill = options_for(unit, rows=rows, call_rows=call_rows, **settings)
             if decode_steps:
-                decode = options_for(unit, rows=one_row, call_rows=one_row, **settings)
+                decode = options_for(unit, rows=one_row, call_rows=one_row, one_token=True, **settings)
                 prefill = [with_decode(p, d, decode_steps) for p, d in zip(prefill, decode)]
             built.append(prefill)
         return built
@@ -344,7 +353,7 @@ def fit(
                 smallest_peak_bytes=choice.peak_bytes + reserved_bytes,
                 parts=_parts(units, options, choice, activations, peak_node),
             )
-        layers = [unit.name for unit in units if unit.kind == "layer"]
+        layers = list(layer_names(model))
         if choice is None and allowed.hints and layers:
             sliced, tried, refused = slice_layers(
                 model, args, kwargs, backends[0], layers, str(device), units_budget - full.held_bytes

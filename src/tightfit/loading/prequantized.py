@@ -139,6 +139,7 @@ def _plan(
     allow: Allow | Mapping[str, Any] | None,
     calibration: Calibration | None,
     compute: torch.dtype | None,
+    units: str = "layers",
 ) -> FitPlan:
     """Placements for the stored model within ``budget``: :func:`tightfit.fit` on the
     skeleton with a stand-in for each quantized leaf and only ``keep`` allowed (storages
@@ -183,6 +184,7 @@ def _plan(
             calibration=calibration,
             loading=True,
             stored_dtypes=_stored_dtypes(model, checkpoint),  # a plain leaf stored in another dtype is converted
+            units=units,
         )
     except FitError as error:
         raise FitError(
@@ -394,6 +396,7 @@ def load_quantized(
     calibration: Calibration | None,
     kind: str | None,
     model: nn.Module | None = None,
+    units: str = "layers",
 ) -> tuple[nn.Module, FitPlan]:
     """:func:`tightfit.load` for a folder that :func:`holds_quantized`: (model, plan).
 
@@ -417,6 +420,7 @@ def load_quantized(
             )
         given = [name for name, value in (("example_inputs", example_inputs), ("allow", allow)) if value is not None]
         given += ["calibration"] if calibration is not None else []
+        given += ["units"] if units != "layers" else []
         if given:
             raise ValueError(
                 f"{', '.join(given)} apply only to a new plan; pass budget too, or leave them out to load "
@@ -456,7 +460,7 @@ def load_quantized(
             default_inputs(config, kind or model_kind(config)) if example_inputs is None else on_meta(example_inputs)
         )
         size = parse_size(budget, "budget")
-        plan = _plan(model, layout, checkpoint, inputs, size, backend, allow, calibration, compute)
+        plan = _plan(model, layout, checkpoint, inputs, size, backend, allow, calibration, compute, units)
         device = torch.device(plan.device)  # the device the planner resolved
     else:
         plan = fixed

@@ -113,6 +113,7 @@ def _plan_folder(
     calibration: Calibration | None,
     kind: str | None,
     max_error: float | str | None = None,
+    units: str = "layers",
 ) -> tuple[nn.Module, FitPlan, Checkpoint | None]:
     """:func:`plan_folder`, and the checkpoint whose headers it read (None where the folder holds none yet)."""
     model, config = skeleton(folder, kind)  # the folder checked first
@@ -128,6 +129,7 @@ def _plan_folder(
         loading=True,
         stored_dtypes=_stored_dtypes(model, checkpoint),
         max_error=max_error,
+        units=units,
     )
     return model, plan, checkpoint
 
@@ -142,6 +144,7 @@ def plan_folder(
     calibration: Calibration | None = None,
     kind: str | None = None,
     max_error: float | str | None = None,
+    units: str = "layers",
 ) -> tuple[nn.Module, FitPlan]:
     """(skeleton, plan): the plan of a local Hugging Face folder for ``budget``, covering
     loading, made from its config.json and, where the folder holds its safetensors
@@ -160,6 +163,7 @@ def plan_folder(
         calibration=calibration,
         kind=kind,
         max_error=max_error,
+        units=units,
     )
     return model, plan
 
@@ -176,15 +180,16 @@ def load(
     kind: str | None = None,
     model: nn.Module | None = None,
     max_error: float | str | None = None,
+    units: str = "layers",
 ) -> tuple[nn.Module, FitPlan]:
     """(model, plan): a local Hugging Face folder's model, streamed into a plan for ``budget``.
 
     The plan is made first, from the config and the checkpoint's headers
     (:func:`plan_folder`; ``FitError`` before any weight is read when nothing fits), or
-    given as ``plan`` (then ``budget``,
-    ``example_inputs``, ``allow``, ``calibration`` and ``max_error`` are refused, and a
-    ``backend`` must be the plan's device: it is checked, not planned for;
-    ``max_error`` is :func:`tightfit.fit`'s, refused for a checkpoint stored quantized,
+    given as ``plan`` (then ``budget``, ``example_inputs``, ``allow``, ``calibration``,
+    ``max_error`` and ``units`` are refused, and a ``backend`` must be the plan's device:
+    it is checked, not planned for; ``max_error`` and ``units`` are
+    :func:`tightfit.fit`'s, ``max_error`` refused for a checkpoint stored quantized,
     whose storage is not the planner's to choose). The safetensors
     checkpoint is then read unit by unit, each unit converted and placed as planned, in
     the dtype the checkpoint's config names (``torch_dtype``). ``kind``: ``"causal-lm"``
@@ -205,6 +210,7 @@ def load(
                 ("allow", allow),
                 ("calibration", calibration),
                 ("max_error", max_error),
+                ("units", None if units == "layers" else units),
             )
             if value is not None
         ]
@@ -228,6 +234,7 @@ def load(
             calibration=calibration,
             kind=kind,
             model=model,
+            units=units,
         )
     checkpoint, given = None, plan is not None
     if given:
@@ -255,6 +262,7 @@ def load(
             calibration=calibration,
             kind=kind,
             max_error=max_error,
+            units=units,
         )
     # a plan made here names the device the planner resolved; a given one is resolved on this machine
     device = _plan_device(plan, backend) if given else torch.device(plan.device)
@@ -315,9 +323,18 @@ def _sources(model: nn.Module, slots: _Slots, checkpoint: Checkpoint) -> dict[in
                 f"checkpoint tensor {found!r} has dtype {entry.dtype}; the model's {names[0]} is {expected.dtype}"
             )
     if missing:
+        used = set(sources.values())
+        unknown = [name for name in checkpoint.entries if name not in used]
+        layout = (
+            f"; it holds {len(unknown)} tensors the model does not name ({', '.join(unknown[:3])} ...): a layout "
+            f"transformers converts while loading (a mixture of experts stored expert by expert), which tightfit "
+            f"does not stream; save the model again with save_pretrained(folder, save_original_format=False)"
+            if unknown
+            else ""
+        )
         raise ValueError(
             f"the checkpoint in {checkpoint.folder} lacks {len(missing)} of the model's tensors: "
-            f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+            f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}{layout}"
         )
     return sources
 
