@@ -25,8 +25,8 @@ storage/placement), predicted against measured peak over loading and the whole g
 within the budget or not, time to first token and decode tokens/s; accelerate's row the
 same where it runs. Prompt: 128 tokens; 64 new tokens (``--new-tokens``).
 
-Run: python benchmarks/zoo.py [--models llama3-gqa,gpt2] [--fractions 0.6,0.4,0.25]
-(writes benchmarks/results/zoo.json and prints the tables)
+Run: python benchmarks/zoo.py [--models llama3-gqa,gpt2] [--fractions 0.6,0.4,0.25] [--units layers,blocks]
+(writes benchmarks/results/zoo.json and zoo.md beside it, and prints the rows as they come)
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -141,6 +143,93 @@ def _row_line(row: dict) -> str:
     )
 
 
+def cpu_name() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it ("" where it does not)."""
+    try:
+        return next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        return ""
+
+
+def _mib(value: int | None) -> str:
+    return f"{value / 2**20:.1f}" if value else "-"
+
+
+def markdown(results: dict) -> str:
+    """The run as a page: one row per model, budget and tightfit unit size, accelerate's
+    row of the same budget beside it, and what the rows show, counted from them."""
+    lines = [
+        "# The zoo: causal LMs and an encoder-decoder at shares of their unplanned peak",
+        "",
+        f"`{results['command']}` ({results['started']} to {results.get('finished', '?')}, {results['cpu']}, "
+        f"load average {results.get('loadavg', 0):.2f} at the end; figures in `zoo.json`). Each model is built "
+        "from a transformers config (random weights, float32, the default model's 30,522-token vocabulary), "
+        f"prompt {PROMPT_TOKENS} tokens, {results['new_tokens']} new tokens; `tightfit run --budget` (with "
+        '`--units layers` and `--units blocks`) against transformers + accelerate (`device_map="auto"`, '
+        '`max_memory={"cpu": budget}`) at the same budget, each in its own process. Peaks in MiB over loading '
+        'and the whole generation; "pred/meas" is tightfit\'s predicted peak over its measured one; TTFT in ms; '
+        "decode in tokens/s; the ratio is tightfit's decode over accelerate's.",
+        "",
+        "| model | budget (MiB) | units | within | measured | pred/meas | TTFT | decode | accelerate within "
+        "| measured | decode | ratio | tightfit's plan (units) |",
+        "|---|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---|",
+    ]
+    ratios_within, ratios_over, predictions, rows, within = [], [], [], 0, 0
+    for name, entry in results["models"].items():
+        if entry["refused"]:
+            lines.append(f"| {name} | - | - | refused: {entry['refused']} |" + " |" * 9)
+        by_fraction: dict[float, list[dict]] = {}
+        for row in entry["rows"]:
+            by_fraction.setdefault(row["fraction"], []).append(row)
+        for fraction, found in by_fraction.items():
+            peer = next((row for row in found if row["tool"] == "accelerate"), {})
+            for row in (row for row in found if row["tool"].startswith("tightfit")):
+                budget = f"{fraction:.0%} ({_mib(row['budget_bytes'])})"
+                units = row["tool"].split("/", 1)[-1]
+                if not row.get("ok"):
+                    lines.append(f"| {name} | {budget} | {units} | failed |" + " |" * 9)
+                    continue
+                rows += 1
+                within += bool(row["within_budget"])
+                predictions.append(row["predicted_over_measured"])
+                ratio = None
+                peer_cells = "failed | - | - | -"
+                if peer.get("ok"):
+                    ratio = row["decode_tokens_per_second"] / peer["decode_tokens_per_second"]
+                    (ratios_within if peer["within_budget"] else ratios_over).append(ratio)
+                    peer_cells = (
+                        f"{'yes' if peer['within_budget'] else 'NO'} | {_mib(peer['measured_peak_bytes'])} "
+                        f"| {peer['decode_tokens_per_second']:.1f} | {ratio:.2f}x"
+                    )
+                plan = ", ".join(f"{count} {what}" for what, count in row["plan"].items())
+                lines.append(
+                    f"| {name} | {budget} | {units} | {'yes' if row['within_budget'] else 'NO'} "
+                    f"| {_mib(row['measured_peak_bytes'])} | {row['predicted_over_measured']:.3f} "
+                    f"| {row['time_to_first_token_s'] * 1000:.0f} | {row['decode_tokens_per_second']:.1f} "
+                    f"| {peer_cells} | {plan} |"
+                )
+    close = sum(1 for value in predictions if abs(value - 1) <= 0.03)
+    lines += [
+        "",
+        "Counted from the rows above:",
+        "",
+        f"- tightfit within the budget: {within} of {rows} rows; predicted over measured "
+        f"{min(predictions, default=0):.3f} to {max(predictions, default=0):.3f}, within 3% on {close} rows.",
+        f"- Where accelerate stays within the budget: tightfit decodes {_span(ratios_within)} as fast "
+        f"({sum(r >= 1 for r in ratios_within)} of {len(ratios_within)} rows at least as fast).",
+        f"- Where accelerate is over the budget: tightfit (within it) decodes {_span(ratios_over)} as fast.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _span(ratios: list[float]) -> str:
+    return f"{min(ratios):.2f}x to {max(ratios):.2f}x" if ratios else "-"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(ARCHITECTURES), help="comma-separated, of the names above")
@@ -161,7 +250,13 @@ def main() -> None:
     fractions = [float(text) for text in args.fractions.split(",") if text]
     unit_sizes = [text for text in args.units.split(",") if text]
     runners = [(f"tightfit/{size}", functools.partial(run_tightfit, options=("--units", size))) for size in unit_sizes]
-    results = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "new_tokens": args.new_tokens, "models": {}}
+    results = {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "cpu": cpu_name(),
+        "new_tokens": args.new_tokens,
+        "command": " ".join(["python", "benchmarks/zoo.py", *sys.argv[1:]]),
+        "models": {},
+    }
     for name in names:
         folder = model_folder(name, args.cache_dir.expanduser())
         prompt = prompt_text(folder)
@@ -181,6 +276,10 @@ def main() -> None:
                 print(f" {fraction:.0%} of it, {human_bytes(budget)}:\n{_row_line(row)}", flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
+    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    results["loadavg"] = os.getloadavg()[0]
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(results))
 
 
 if __name__ == "__main__":

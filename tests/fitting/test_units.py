@@ -49,6 +49,14 @@ def test_a_layers_blocks_are_its_attention_and_its_feed_forward_network():
     assert [unit.name for unit in find_units(llama()) if unit.kind == "layer"] == ["model.layers.0", "model.layers.1"]
 
 
+def test_a_list_of_blocks_gives_a_unit_each():
+    # T5's layers hold their self-attention, cross-attention and feed-forward network in a list
+    config = transformers.T5Config(vocab_size=500, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16)
+    units = find_units(transformers.T5ForConditionalGeneration(config), unit_size="blocks")
+    blocks = [unit.name for unit in units if unit.kind == "block"]
+    assert blocks == [f"decoder.block.{i}.layer.{j}" for i in range(2) for j in range(3)]
+
+
 def test_a_mixture_of_experts_moves_its_experts_before_its_attention_and_computes_the_same():
     model = mixtral()
     units = {unit.name: unit.kind for unit in find_units(model, unit_size="blocks")}

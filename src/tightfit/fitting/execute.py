@@ -42,10 +42,7 @@ class PlanExecutor:
         """The plan's entries in the order they are carried out: tied units first (one is
         offloaded over its modules' common parent, which must hold no offloaded unit yet),
         the rest of the model last (it moves what no unit holds)."""
-        entries = self.plan.entries
-        return tuple(
-            sorted(entries, key=lambda e: (e.kind == "rest", len(e.modules) < 2))  # stable: the plan's order within
-        )
+        return tuple(sorted(self.plan.entries, key=lambda e: (e.kind == "rest", len(e.modules) < 2)))  # stable
 
     def store(self, entry: PlanEntry, leaves: Sequence[str] | None = None) -> None:
         """Convert ``entry``'s leaves (or those of them given) to its storage: quantize, cast

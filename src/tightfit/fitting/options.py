@@ -225,7 +225,7 @@ def _experts(module: nn.Module) -> bool:
 
 def _blocks(name: str, layer: nn.Module) -> list[tuple[str, str, nn.Module]]:
     """``layer``'s parts that hold weights, each a unit: its attention and its feed-forward
-    network (``"block"``); in a mixture of experts, each expert of a list, or the module
+    network (``"block"``; each of a list of them); in a mixture of experts, each expert of a list, or the module
     holding them stacked (``"expert"``), and its router and shared parts (``"block"``).
     Norms stay with the rest of the model."""
     parts = []
@@ -233,6 +233,9 @@ def _blocks(name: str, layer: nn.Module) -> list[tuple[str, str, nn.Module]]:
         if not _holds_weights(child):
             continue
         qualified = f"{name}.{child_name}"
+        if isinstance(child, nn.ModuleList):  # blocks listed (T5's self-attention, cross-attention, feed-forward)
+            parts.extend((f"{qualified}.{index}", "block", block) for index, block in enumerate(child))
+            continue
         if not _experts(child):
             parts.append((qualified, "block", child))
             continue

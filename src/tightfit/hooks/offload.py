@@ -496,11 +496,8 @@ def link_offloading(module: nn.Module) -> None:
     calls offloaded them (a plan's units, offloaded one by one as a checkpoint streams in,
     to CPU memory and to disk): entering a unit prefetches the next whichever call
     offloaded it, as within one ``apply_offloading`` call. Private to tightfit."""
-    hooks = list(
-        {
-            id(hook): hook for m in _hooked(module, OFFLOADING) for hook in [HookRegistry.get(m).hook(OFFLOADING)]
-        }.values()
-    )
+    found = (HookRegistry.get(m).hook(OFFLOADING) for m in _hooked(module, OFFLOADING))
+    hooks = list({id(hook): hook for hook in found}.values())  # a unit of several blocks has one hook on each
     if not hooks:
         return
     schedule = _Schedule()
