@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tightfit
-from tightfit.fitting.options import find_units
+from tightfit.fitting.options import UNIT_SIZES, find_units
 from zoo.lm import figures
 
 transformers = pytest.importorskip("transformers")
@@ -127,3 +129,13 @@ def test_units_is_checked():
         ValueError, match="units=.blocks. is how the fit planner cuts layers into units; it plans only with budget"
     ):
         RunOptions(units="blocks")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.one_of(st.text(max_size=12), st.integers(), st.none(), st.lists(st.text(max_size=3), max_size=2)))
+def test_any_other_units_is_refused_naming_it(value):
+    if value in UNIT_SIZES:
+        return
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises((ValueError, TypeError), match="units"):
+        tightfit.fit(model, torch.zeros(1, 4), 1 << 20, calibration=figures(), units=value)
