@@ -225,9 +225,9 @@ def _experts(module: nn.Module) -> bool:
 
 def _blocks(name: str, layer: nn.Module) -> list[tuple[str, str, nn.Module]]:
     """``layer``'s parts that hold weights, each a unit: its attention and its feed-forward
-    network (``"block"``; each of a list of them); in a mixture of experts, each expert of a list, or the module
-    holding them stacked (``"expert"``), and its router and shared parts (``"block"``).
-    Norms stay with the rest of the model."""
+    network (``"block"``; each of a list of them); in a mixture of experts, each expert of
+    a list, or the module holding them stacked (``"expert"``), and its router and shared
+    parts (``"block"``). Norms stay with the rest of the model."""
     parts = []
     for child_name, child in layer.named_children():
         if not _holds_weights(child):
