@@ -139,3 +139,14 @@ def test_any_other_units_is_refused_naming_it(value):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises((ValueError, TypeError), match="units"):
         tightfit.fit(model, torch.zeros(1, 4), 1 << 20, calibration=figures(), units=value)
+
+
+def test_experts_stored_expert_by_expert_are_refused_saying_how_to_save_them(tmp_path):
+    # transformers writes Mixtral's experts one by one (the hub's layout) and stacks them while loading
+    mixtral().save_pretrained(tmp_path / "original")
+    with pytest.raises(ValueError, match="a layout transformers converts while loading.*save_original_format=False"):
+        tightfit.load(tmp_path / "original", 1 << 30, example_inputs={"input_ids": IDS}, calibration=figures())
+    mixtral().save_pretrained(tmp_path / "stacked", save_original_format=False)
+    model, _ = tightfit.load(tmp_path / "stacked", 1 << 30, example_inputs={"input_ids": IDS}, calibration=figures())
+    with torch.inference_mode():
+        assert torch.equal(model(IDS).logits, mixtral()(IDS).logits)
