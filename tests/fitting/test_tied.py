@@ -14,7 +14,7 @@ import torch
 
 import tightfit
 from tightfit.fitting import FitPlan, PlanEntry, held_bytes
-from tightfit.fitting.execute import offload_unit
+from tightfit.fitting.execute import offload_units
 from tightfit.fitting.options import PLACEMENTS, TIED_DECODE, find_units, options_for, storage_names
 from tightfit.hooks import OFFLOADING, apply_layerwise_casting
 from tightfit.hooks.registry import HookRegistry
@@ -214,13 +214,13 @@ def test_a_tied_plan_applies_on_a_plain_module_and_round_trips_json():
     assert torch.equal(model(ids), reference)
 
 
-def test_offload_unit_gives_tied_modules_one_stored_copy():
+def test_offload_units_gives_tied_modules_one_stored_copy():
     model = tiny_lm(vocab=64)
     model.head.weight = model.embed.weight
     ids = token_ids(vocab=64)
     reference = model(ids)
     entry = PlanEntry("embed", "embedding", "keep", "disk", 1, 1, 0, 0.0, "", leaves=("embed", "head"))
-    offload_unit(model, entry, torch.device("cpu"))
+    offload_units(model, [entry], torch.device("cpu"))
     assert _offloaded(model) == {"embed", "head"}
     hooks = [HookRegistry.get(m).hook(OFFLOADING) for m in (model.embed, model.head)]
     state = hooks[0].state
@@ -251,3 +251,30 @@ def test_one_casting_call_over_tied_modules_shares_one_stored_copy():
     assert model.embed.weight.dtype == torch.float8_e4m3fn
     assert torch.equal(model.embed.weight_scale, model.head.weight_scale)
     assert torch.allclose(model(ids), reference, rtol=0, atol=0.05 * reference.abs().max().item())
+
+
+class _TwoTied(torch.nn.Module):
+    """Two embeddings, each tied to a head of its own: two units of tied weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e1, self.e2 = torch.nn.Embedding(64, 16), torch.nn.Embedding(64, 16)
+        self.h1, self.h2 = torch.nn.Linear(16, 64, bias=False), torch.nn.Linear(16, 64, bias=False)
+        self.h1.weight, self.h2.weight = self.e1.weight, self.e2.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.h1(self.e1(ids)) + self.h2(self.e2(ids))
+
+
+def test_two_tied_units_off_the_device_are_offloaded_together():
+    # one call over their common parent (the model) for both: a second call would find it hooked
+    torch.manual_seed(0)
+    model, ids = _TwoTied().eval(), token_ids(vocab=64)
+    reference = model(ids)
+    plan = tightfit.fit(model, ids, 1 << 30, calibration=figures())
+    tied = [e for e in plan.entries if len(e.modules) > 1]
+    assert [e.modules for e in tied] == [("e1", "h1"), ("e2", "h2")]
+    moved = tuple(dataclasses.replace(e, placement="disk") if len(e.modules) > 1 else e for e in plan.entries)
+    dataclasses.replace(plan, entries=moved, applies_nothing=False).apply(model)
+    assert _offloaded(model) == {"e1", "h1", "e2", "h2"}
+    assert torch.equal(model(ids), reference)

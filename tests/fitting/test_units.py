@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tightfit
-from tightfit.fitting.options import UNIT_SIZES, find_units
+from tightfit.fitting.options import UNIT_SIZES, find_units, options_for
 from zoo.lm import figures
 
 transformers = pytest.importorskip("transformers")
@@ -150,3 +150,42 @@ def test_experts_stored_expert_by_expert_are_refused_saying_how_to_save_them(tmp
     model, _ = tightfit.load(tmp_path / "stacked", 1 << 30, example_inputs={"input_ids": IDS}, calibration=figures())
     with torch.inference_mode():
         assert torch.equal(model(IDS).logits, mixtral()(IDS).logits)
+
+
+class _ListedMoE(torch.nn.Module):
+    """A router scoring 4 experts held as a list, beside a depthwise convolution (3-D kernels, not experts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(16, 16, 4, groups=16)
+        self.mix = torch.nn.Linear(16, 16)
+        self.gate = torch.nn.Linear(16, 4, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.top_k = 1
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mixer = torch.nn.Sequential(torch.nn.Conv1d(16, 16, 4, groups=16), torch.nn.Linear(16, 16))
+        self.moe = _ListedMoE()
+
+
+def test_experts_are_what_a_router_scores_and_a_token_reads_its_top_k_of_them():
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(_Layer() for _ in range(2))
+    units = {unit.name: unit for unit in find_units(model, unit_size="blocks")}
+    assert units["layers.0.mixer"].kind == "block"  # a convolution whose channels a Linear matches is no expert
+    assert [units[f"layers.0.moe.experts.{i}"].kind for i in range(4)] == ["expert"] * 4
+    expert = units["layers.0.moe.experts.0"]
+    assert expert.active_share == 0.25
+    settings = dict(
+        storages=frozenset({"keep"}),
+        placements=frozenset({"device"}),
+        device=torch.device("cpu"),
+        rows={name: 1 for name, *_ in expert.weights},
+        live={},
+        figures=figures(),
+    )
+    prompt, token = (options_for(expert, one_token=flag, **settings)[0].seconds for flag in (False, True))
+    assert token == pytest.approx(prompt / 4)  # a token reads one of the four experts

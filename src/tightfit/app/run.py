@@ -363,6 +363,7 @@ def _setup(options: RunOptions | None) -> tuple[RunOptions, backends.Backend, to
             )
         backend = backends.get(options.plan.backend)  # a plan runs where it was made for
         device = backend.resolve_device(options.plan.device if ":" in options.plan.device else None)
+    device = torch.device("cpu") if device.type == "cpu" else device  # tensors say "cpu", never "cpu:0"
     folder = Path(options.model) if options.model is not None else default_model_dir()
     kind = get_kind(folder_kind(folder))
     given = list(

@@ -20,12 +20,12 @@ from tightfit.fitting.regions import add_hints
 from tightfit.hooks import OFFLOADING, HookRegistry, apply_offloading
 from tightfit.hooks._disk import MappedRegions
 from tightfit.hooks.offload import link_offloading, offload_in_place
-from tightfit.quant import move_unregistered, storage_format
+from tightfit.quant import move_unregistered, storage_format, storage_formats
 
 if TYPE_CHECKING:
     from tightfit.fitting.plan import FitPlan, PlanEntry
 
-__all__ = ["PlanExecutor", "move_kept", "offload_unit"]
+__all__ = ["PlanExecutor", "move_kept", "offload_units"]
 
 
 class PlanExecutor:
@@ -36,6 +36,7 @@ class PlanExecutor:
     def __init__(self, model: nn.Module, plan: FitPlan, device: torch.device) -> None:
         self.model, self.plan, self.device = model, plan, device
         self.offloaded = {entry.module for entry in plan.entries if entry.placement != "device"}
+        self._tied_done: set[str] = set()  # tied units offloaded already, with another of their placement
 
     @property
     def entries(self) -> tuple[PlanEntry, ...]:
@@ -52,6 +53,16 @@ class PlanExecutor:
         if storage.decodes and chosen:
             storage.apply(self.model, chosen)
 
+    def store_all(self) -> None:
+        """:meth:`store` for every entry, one catalogue ``apply`` per storage (a model whose
+        weights are all in memory: ``FitPlan.apply``; a format's ``apply`` walks the model)."""
+        for storage in storage_formats():
+            chosen = frozenset(
+                leaf for entry in self.plan.entries if entry.storage == storage.name for leaf in entry.leaves
+            )
+            if storage.decodes and chosen:
+                storage.apply(self.model, chosen)
+
     def place(self, entry: PlanEntry, mapped: Sequence[MappedRegions] = ()) -> None:
         """Put ``entry``'s unit where the plan says: kept on the device, or offloaded to CPU
         memory or disk (``mapped``: the checkpoint's files its tensors are views of already,
@@ -65,8 +76,27 @@ class PlanExecutor:
         elif mapped:
             for name in entry.modules:
                 offload_in_place(self.model.get_submodule(name), self.device, list(mapped))
+        elif len(entry.modules) > 1:
+            self._offload_tied(entry)
         else:
-            offload_unit(self.model, entry, self.device)
+            offload_units(self.model, [entry], self.device)
+
+    def _offload_tied(self, entry: PlanEntry) -> None:
+        """Offload a unit of tied weights together with every other one of its placement
+        whose weights are in memory (all of them in ``FitPlan.apply``): one call over their
+        common parent, which a second call would find hooked already."""
+        if entry.module in self._tied_done:
+            return
+        group = [
+            other
+            for other in self.plan.entries
+            if len(other.modules) > 1
+            and other.placement == entry.placement
+            and other.module not in self._tied_done
+            and (other is entry or not _on_meta(self.model, other))
+        ]
+        offload_units(self.model, group, self.device)
+        self._tied_done.update(other.module for other in group)
 
     def finish(self) -> None:
         """Link every offloaded unit into one prefetch schedule, and wrap the hinted modules'
@@ -80,20 +110,22 @@ class PlanExecutor:
             add_hints(self.model, self.plan.hints)
 
 
-def offload_unit(model: nn.Module, entry: PlanEntry, device: torch.device) -> None:
-    """Offload ``entry``'s unit of ``model`` to its placement, in a call of its own. A unit
-    of tied weights is one call over its modules' common parent whose granularity picks
-    them: they share one stored copy, which each one's forward brings onto the device."""
-    names = entry.modules
+def offload_units(model: nn.Module, entries: Sequence[PlanEntry], device: torch.device) -> None:
+    """Offload ``entries``' units of ``model`` (one placement) in one call. One module is a
+    call over it; units of tied weights are one call over their modules' common parent whose
+    granularity picks them: the modules sharing a weight share one stored copy, which each
+    one's forward brings onto the device."""
+    names = [name for entry in entries for name in entry.modules]
+    placement = entries[0].placement
     if len(names) == 1:
-        apply_offloading(model.get_submodule(entry.module), device, offload_to=entry.placement, granularity="model")
+        apply_offloading(model.get_submodule(names[0]), device, offload_to=placement, granularity="model")
         return
     parts = [name.split(".") for name in names]
     common = next((i for i, level in enumerate(zip(*parts)) if len(set(level)) > 1), min(map(len, parts)))
     parent = ".".join(parts[0][:common])
     picked = {name.removeprefix(f"{parent}.") if parent else name for name in names}
     apply_offloading(
-        model.get_submodule(parent), device, offload_to=entry.placement, granularity=lambda name, _: name in picked
+        model.get_submodule(parent), device, offload_to=placement, granularity=lambda name, _: name in picked
     )
 
 
@@ -110,3 +142,13 @@ def move_kept(model: nn.Module, offloaded: set[str], device: torch.device) -> No
             move_unregistered(module, device)
             continue
         module._apply(lambda tensor: tensor.to(device), recurse=False)
+
+
+def _on_meta(model: nn.Module, entry: PlanEntry) -> bool:
+    """Whether a tensor of ``entry``'s modules is still on meta (not read in yet)."""
+    return any(
+        t.is_meta
+        for name in entry.modules
+        for m in [model.get_submodule(name)]
+        for t in [*m.parameters(), *m.buffers()]
+    )

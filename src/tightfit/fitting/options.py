@@ -209,16 +209,25 @@ def _holds_weights(module: nn.Module) -> bool:
 
 
 def _stacked_experts(module: nn.Module) -> bool:
-    """Experts held as one module: parameters of three dimensions or more (expert x rows x columns)."""
-    return any(parameter.dim() >= 3 for parameter in module.parameters(recurse=False))
+    """Experts held as one module: parameters of three dimensions or more (expert x rows x
+    columns) in a module of the model's own (a convolution's kernels are not experts)."""
+    ours = not type(module).__module__.startswith("torch.nn.")
+    return ours and any(parameter.dim() >= 3 for parameter in module.parameters(recurse=False))
 
 
 def _experts(module: nn.Module) -> bool:
-    """Whether ``module`` is a mixture of experts: a child holds its experts, as a list of
-    modules of one type or stacked in one module."""
-    for child in module.children():
+    """Whether ``module`` is a mixture of experts: a child holds its experts (a list of
+    modules of one type, or stacked in one module: parameters of three dimensions), as many
+    as a sibling router scores (a Linear's outputs, or the rows of a child's own matrix)."""
+    children = list(module.children())
+    routes = {child.out_features for child in children if isinstance(child, nn.Linear)}
+    routes |= {p.shape[0] for child in children for p in child.parameters(recurse=False) if p.dim() == 2}
+    for child in children:
         listed = isinstance(child, nn.ModuleList) and len(child) > 1 and len({type(c) for c in child}) == 1
-        if (listed and _holds_weights(child)) or _stacked_experts(child):
+        if listed and _holds_weights(child) and len(child) in routes:
+            return True
+        stacked = [p for p in child.parameters(recurse=False) if p.dim() >= 3]
+        if _stacked_experts(child) and stacked[0].shape[0] in routes:
             return True
     return False
 
@@ -471,12 +480,12 @@ def options_for(
             numel, count = math.prod(shape), rows.get(name, 0)
             few_tokens = kind == "Linear" and 0 < count <= FEW_TOKENS and leaf.name in figures.token_seconds
             if few_tokens:  # the few-token kernels' measured seconds, reading and decoding included
-                token_seconds += numel * figures.token_seconds[leaf.name]
-                touched += size
+                token_seconds += share * numel * figures.token_seconds[leaf.name]
+                touched += int(share * size)
             elif kind == "Linear":
-                compute_seconds += 2 * numel * count / figures.matmul_flops
-                touched += size
-                read += size
+                compute_seconds += share * 2 * numel * count / figures.matmul_flops
+                touched += int(share * size)
+                read += int(share * size)
             else:  # an embedding kept as it is reads only the rows it looks up (whole pages from a file)
                 looked_up = min(size, count * max(size // shape[0], _PAGE)) if not leaf.decodes else size
                 touched += looked_up
@@ -486,7 +495,7 @@ def options_for(
                 shrunk += numel * dtype.itemsize - size
                 noise += numel * leaf.noise
                 energy += numel * leaf.noise**2
-                decode_seconds += 0.0 if few_tokens else numel * figures.decode_seconds[leaf.name]
+                decode_seconds += 0.0 if few_tokens else share * numel * figures.decode_seconds[leaf.name]
                 columns = 0
                 if leaf.outlier_threshold is not None:
                     columns = assumed_outliers(shape[1]) if outliers is None else outliers.get(name, 0)

@@ -240,8 +240,8 @@ class FitPlan:
             return model
 
         executor = PlanExecutor(model, self, torch.device(self.device))
+        executor.store_all()
         for entry in executor.entries:
-            executor.store(entry)
             executor.place(entry)
         executor.finish()
         return model

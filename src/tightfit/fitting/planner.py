@@ -356,7 +356,7 @@ def fit(
         layers = list(layer_names(model))
         if choice is None and allowed.hints and layers:
             sliced, tried, refused = slice_layers(
-                model, args, kwargs, backends[0], layers, str(device), units_budget - full.held_bytes
+                model, args, kwargs, resolved, layers, str(device), units_budget - full.held_bytes
             )
             choice = full if sliced is not None else None
         if choice is None:

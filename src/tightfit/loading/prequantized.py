@@ -197,7 +197,7 @@ def _plan(
         ) from None
     finally:
         swap_modules(model, originals)
-    units = [entry.module for entry in plan.entries if entry.kind != "rest"]
+    planned = [entry.module for entry in plan.entries if entry.kind != "rest"]
     load_peak = plan.predicted_load_peak_bytes + reserve + checking
     peak = max(plan.predicted_peak_bytes + reserve, load_peak)
     weights = plan.predicted_weights_bytes + reserve
@@ -209,7 +209,7 @@ def _plan(
         predicted_transient_bytes=peak - weights - plan.predicted_activation_bytes,
         full_peak_bytes=plan.full_peak_bytes + reserve,
         predicted_load_peak_bytes=load_peak,
-        entries=tuple(_described(entry, quantized, units, states) for entry in plan.entries),
+        entries=tuple(_described(entry, quantized, planned, states) for entry in plan.entries),
     )
 
 
