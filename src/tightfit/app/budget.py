@@ -83,8 +83,9 @@ def plan_run(
     units: str = "layers",
 ) -> Budgeted:
     """Fit ``model`` for ``example_inputs`` (the forward the run makes, a causal LM's
-    prefill) on the run's ``backend`` (resolved once, by the run) into ``budget_bytes`` with ``kv_cache_bytes`` (the cache's growth while
-    decoding) reserved; ``fit`` raises FitError when nothing fits. The run is eager, where region
+    prefill) on the run's ``backend`` (resolved once, by the run) into ``budget_bytes``
+    with ``kv_cache_bytes`` (the cache's growth while decoding) reserved; ``fit`` raises
+    FitError when nothing fits. The run is eager, where region
     hints save nothing, so the planner may not add them. ``loading``: ``model`` is a
     skeleton on meta whose checkpoint will stream into the plan; the inputs go to meta too;
     ``stored_dtypes``: the dtypes its checkpoint's headers give its tensors

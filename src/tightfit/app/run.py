@@ -348,8 +348,9 @@ class RunReport:
         return " + ".join(p for p in parts if p) or None
 
 
-def _setup(options: RunOptions | None) -> tuple[RunOptions, backends.Backend, torch.device, Path, str]:
-    """The options checked, the backend and device, the model folder and its kind."""
+def _setup(options: RunOptions | None) -> tuple[RunOptions, ResolvedBackend, Path, str]:
+    """The options checked, the backend and device (resolved here, once for the run, and
+    passed down), the model folder and its kind."""
     options = options or RunOptions()
     if not isinstance(options, RunOptions):
         raise TypeError(f"options must be RunOptions, got {type(options).__name__}")
@@ -382,12 +383,10 @@ def _setup(options: RunOptions | None) -> tuple[RunOptions, backends.Backend, to
             f"{' and '.join(map(option, given))} {verb} to {' and '.join(f'{noun}s' for noun in owners)}; "
             f"{named} is {kind.described}"
         )
-    return options, backend, device, folder, kind.name
+    return options, ResolvedBackend([backend], device), folder, kind.name
 
 
-def _planned(
-    options: RunOptions, backend: backends.Backend, device: torch.device, folder: Path, kind: str
-) -> tuple[Job, Budgeted]:
+def _planned(options: RunOptions, resolved: ResolvedBackend, folder: Path, kind: str) -> tuple[Job, Budgeted]:
     """The run's job on the skeleton (no weight read: the checkpoint's headers give the
     dtype each tensor is stored in) and its plan for the budget, loading covered."""
     if holds_quantized(folder):
@@ -396,7 +395,7 @@ def _planned(
             f"tightfit.save wrote): tightfit run and fit plan full-precision checkpoints for now; load it with "
             f"tightfit.load(folder, budget) from Python"
         )
-    job = _job(kind, folder, device, options, backend, skeleton(folder, kind)[0])
+    job = _job(kind, folder, resolved.device, options, resolved.backends[0], skeleton(folder, kind)[0])
     if options.plan is not None:
         return job, job.carried_out(options.plan)
     dtypes = stored_dtypes(job.model, folder)
@@ -406,7 +405,7 @@ def _planned(
             job.model,
             job.example_inputs(),
             options.budget,
-            backend=ResolvedBackend([backend], device),
+            backend=resolved,
             allow=options.allow,
             kv_cache_bytes=job.kv_cache_bytes(),
             kv_decoded_bytes=job.kv_decoded_bytes(),
@@ -430,10 +429,10 @@ def plan_only(options: RunOptions) -> Budgeted:
     checkpoint's headers (the dtypes its tensors are stored in): no weight byte is read
     (``tightfit fit``, the dry run). ``options.budget`` is needed;
     raises :class:`tightfit.FitError` when nothing fits."""
-    options, backend, device, folder, kind = _setup(options)
+    options, resolved, folder, kind = _setup(options)
     if options.budget is None:
         raise ValueError(f"{option('budget')} is needed to plan (bytes or a size such as '6GB')")
-    return _planned(options, backend, device, folder, kind)[1]
+    return _planned(options, resolved, folder, kind)[1]
 
 
 def run(options: RunOptions | None = None, *, on_start: Callable[[RunStart], Any] | None = None) -> RunReport:
@@ -446,14 +445,14 @@ def run(options: RunOptions | None = None, *, on_start: Callable[[RunStart], Any
     """
     if on_start is not None and not callable(on_start):
         raise TypeError(f"on_start must be None or a callable, got {type(on_start).__name__}: {on_start!r}")
-    options, backend, device, folder, kind = _setup(options)
+    options, resolved, folder, kind = _setup(options)
+    backend, device = resolved.backends[0], resolved.device
     budgeted, loaded = None, None
     start = RunStart(_described(options, folder), kind, backend.name, str(device), options.budget)
     if options.budget is not None:  # plan from the config, then stream the checkpoint into the plan
-        job, budgeted = _planned(options, backend, device, folder, kind)
+        job, budgeted = _planned(options, resolved, folder, kind)
         if on_start is not None:
             on_start(replace(start, budgeted=budgeted))
-        resolved = ResolvedBackend([backend], device)
         loaded = measure_load(
             lambda: load(folder, plan=budgeted.plan, kind=kind, model=job.model, backend=resolved)[0], device
         )

@@ -20,7 +20,7 @@ from tightfit.fitting.regions import add_hints
 from tightfit.hooks import OFFLOADING, HookRegistry, apply_offloading
 from tightfit.hooks._disk import MappedRegions
 from tightfit.hooks.offload import link_offloading, offload_in_place
-from tightfit.quant import move_unregistered, storage_format, storage_formats
+from tightfit.quant import StorageFormat, move_unregistered, storage_format, storage_formats
 
 if TYPE_CHECKING:
     from tightfit.fitting.plan import FitPlan, PlanEntry
@@ -48,20 +48,17 @@ class PlanExecutor:
     def store(self, entry: PlanEntry, leaves: Sequence[str] | None = None) -> None:
         """Convert ``entry``'s leaves (or those of them given) to its storage: quantize, cast
         (the storage catalogue's ``apply``); nothing for weights kept as they are."""
-        storage = storage_format(entry.storage)
-        chosen = frozenset(entry.leaves if leaves is None else leaves)
-        if storage.decodes and chosen:
-            storage.apply(self.model, chosen)
+        self._store(storage_format(entry.storage), entry.leaves if leaves is None else leaves)
 
     def store_all(self) -> None:
         """:meth:`store` for every entry, one catalogue ``apply`` per storage (a model whose
         weights are all in memory: ``FitPlan.apply``; a format's ``apply`` walks the model)."""
         for storage in storage_formats():
-            chosen = frozenset(
-                leaf for entry in self.plan.entries if entry.storage == storage.name for leaf in entry.leaves
-            )
-            if storage.decodes and chosen:
-                storage.apply(self.model, chosen)
+            self._store(storage, [leaf for e in self.plan.entries if e.storage == storage.name for leaf in e.leaves])
+
+    def _store(self, storage: StorageFormat, leaves: Sequence[str]) -> None:
+        if storage.decodes and leaves:
+            storage.apply(self.model, frozenset(leaves))
 
     def place(self, entry: PlanEntry, mapped: Sequence[MappedRegions] = ()) -> None:
         """Put ``entry``'s unit where the plan says: kept on the device, or offloaded to CPU
@@ -146,9 +143,5 @@ def move_kept(model: nn.Module, offloaded: set[str], device: torch.device) -> No
 
 def _on_meta(model: nn.Module, entry: PlanEntry) -> bool:
     """Whether a tensor of ``entry``'s modules is still on meta (not read in yet)."""
-    return any(
-        t.is_meta
-        for name in entry.modules
-        for m in [model.get_submodule(name)]
-        for t in [*m.parameters(), *m.buffers()]
-    )
+    modules = [model.get_submodule(name) for name in entry.modules]
+    return any(t.is_meta for module in modules for t in [*module.parameters(), *module.buffers()])

@@ -208,11 +208,13 @@ def _holds_weights(module: nn.Module) -> bool:
     return any(parameter.dim() >= 2 for parameter in module.parameters())
 
 
-def _stacked_experts(module: nn.Module) -> bool:
-    """Experts held as one module: parameters of three dimensions or more (expert x rows x
-    columns) in a module of the model's own (a convolution's kernels are not experts)."""
-    ours = not type(module).__module__.startswith("torch.nn.")
-    return ours and any(parameter.dim() >= 3 for parameter in module.parameters(recurse=False))
+def _stacked_experts(module: nn.Module) -> int:
+    """How many experts ``module`` holds stacked: the first dimension of its parameters of
+    three dimensions or more (expert x rows x columns), in a module of the model's own (a
+    convolution's kernels are not experts); 0 for any other module."""
+    if type(module).__module__.startswith("torch.nn."):
+        return 0
+    return next((int(p.shape[0]) for p in module.parameters(recurse=False) if p.dim() >= 3), 0)
 
 
 def _experts(module: nn.Module) -> bool:
@@ -226,8 +228,8 @@ def _experts(module: nn.Module) -> bool:
         listed = isinstance(child, nn.ModuleList) and len(child) > 1 and len({type(c) for c in child}) == 1
         if listed and _holds_weights(child) and len(child) in routes:
             return True
-        stacked = [p for p in child.parameters(recurse=False) if p.dim() >= 3]
-        if _stacked_experts(child) and stacked[0].shape[0] in routes:
+        stacked = _stacked_experts(child)
+        if stacked and stacked in routes:
             return True
     return False
 
@@ -265,9 +267,9 @@ def _active_share(model: nn.Module, name: str) -> float:
     model's config) over its number of experts; 1 where either is not found."""
     parts = name.split(".")
     module = model.get_submodule(name)
-    stacked = [p for p in module.parameters(recurse=False) if p.dim() >= 3]
-    if stacked:
-        experts, parts = stacked[0].shape[0], parts[:-1]  # the stacked experts' module sits in the mixture
+    experts = _stacked_experts(module)
+    if experts:
+        parts = parts[:-1]  # the stacked experts' module sits in the mixture
     else:
         experts, parts = len(model.get_submodule(".".join(parts[:-1]))), parts[:-2]  # a list's expert
     mixture = model.get_submodule(".".join(parts))
