@@ -197,6 +197,7 @@ def test_lora_style_adapters_stay_trainable_around_a_float8_base():
 
 
 def test_multihead_attention_reads_child_weights_and_still_works():
+    torch.manual_seed(0)  # float8's error depends on the random weights and inputs: fixed ones
     attention = nn.MultiheadAttention(16, 2, batch_first=True)
     model = nn.Sequential(nn.Linear(16, 16))
     model.append(nn.Identity())
