@@ -1,5 +1,5 @@
 """The KV cache and the context as terms of a causal LM's plan (``--context N|auto``): the
-cache's bytes predicted to the byte, reserved in the plan, and the longest context the
+cache's bytes predicted to the byte, held in the plan's traced decode step, and the longest context the
 budget allows chosen with what limited it; a run at that context stays within the budget."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tightfit.app.budget import KV_CACHE
 from tightfit.app.kv_cache import bytes_per_token, cache_argument
 from tightfit.app.models import load_causal_lm, load_tokenizer
 from tightfit.app.run import DEFAULT_PROMPT, RunOptions, plan_only, run
@@ -38,15 +37,14 @@ def test_the_cache_holds_to_the_byte_what_is_predicted(tiny_llama, kv_format):
     assert held == per_token * 17
 
 
-def test_context_n_is_reserved_in_the_plan(tiny_llama):
-    prompt = _prompt_tokens(tiny_llama)
+def test_context_n_is_the_context_of_the_plan_s_last_decode_step(tiny_llama):
     budgeted = plan_only(RunOptions(model=str(tiny_llama), budget="8MB", max_new_tokens=2, context=40))
-    per_token = budgeted.kv_cache_bytes // (40 - prompt)
-    assert budgeted.context == 40 and budgeted.plan.reserved == {KV_CACHE: (40 - prompt) * per_token}
-    assert "growth to a context of 40 positions" in budgeted.covers
+    per_token = bytes_per_token(load_causal_lm(tiny_llama, torch.device("cpu"))[0].config, torch.float32)
     plan = budgeted.plan
-    assert plan.predicted_peak_bytes >= plan.predicted_weights_bytes + plan.reserved_bytes
-    assert "reserved on the device outside the weights and the planned forward: KV cache" in str(plan)
+    assert budgeted.context == 40 and plan.kv_cache == {"format": "model", "context": 40, "bytes": 40 * per_token}
+    assert "its KV cache at a context of 40 positions" in budgeted.covers
+    assert plan.phase_peaks["decode"] >= plan.predicted_weights_bytes + 40 * per_token  # the whole cache, held
+    assert "last decode step" in str(plan) and "KV cache (model) at 40 positions" in str(plan)
 
 
 def test_context_auto_takes_the_model_s_maximum_where_the_budget_has_room(tiny_llama):
@@ -56,14 +54,15 @@ def test_context_auto_takes_the_model_s_maximum_where_the_budget_has_room(tiny_l
 
 def test_context_auto_limited_by_the_budget_and_a_run_at_that_context_stays_within_it(tiny_llama):
     prompt = _prompt_tokens(tiny_llama)
-    with pytest.raises(FitError) as caught:  # the smallest plan of the weights, with the run's own cache
-        plan_only(RunOptions(model=str(tiny_llama), budget=1000, max_new_tokens=2))
-    per_token = plan_only(RunOptions(model=str(tiny_llama), budget="8MB", max_new_tokens=2)).kv_cache_bytes
-    weights_smallest = caught.value.smallest_peak_bytes - per_token  # one token of growth at max_new_tokens=2
-    budget = weights_smallest + (40 - prompt) * per_token + per_token // 2
-    budgeted = plan_only(RunOptions(model=str(tiny_llama), budget=budget, max_new_tokens=2, context="auto"))
+    with pytest.raises(FitError) as caught:  # the smallest plan at a context of 40, which a budget of it fits exactly
+        plan_only(RunOptions(model=str(tiny_llama), budget=20_000, max_new_tokens=2, context=40))
+    budget = caught.value.smallest_peak_bytes
+    options = {"model": str(tiny_llama), "budget": budget, "max_new_tokens": 2, "kv_cache": "model"}
+    budgeted = plan_only(RunOptions(context="auto", **options))
     assert budgeted.context == 40 and "the longest the budget leaves room for" in budgeted.covers
     assert budgeted.predicted_peak_bytes <= budget
+    with pytest.raises(FitError):  # one position more does not fit: 40 is the longest
+        plan_only(RunOptions(context=41, **options))
     report = run(
         RunOptions(
             model=str(tiny_llama),
@@ -97,3 +96,17 @@ def test_an_encoder_takes_no_context():
         ValueError, match=r"context applies to causal LMs; the built-in model is an encoder, which embeds sentences"
     ):
         plan_only(RunOptions(budget="80MB", context=64))
+
+
+@pytest.mark.parametrize("kv_format", ["model", "float8"])
+def test_the_last_decode_step_is_traced_and_its_peak_predicted_to_the_byte(tiny_llama, kv_format):
+    # the run reaches the model's whole context: its last decode step, the cache at its longest,
+    # holds more than the prefill of the short prompt, and the plan's peak is that step's
+    prompt = load_tokenizer(tiny_llama)("Once", return_tensors="pt").input_ids.shape[1]
+    options = {"model": str(tiny_llama), "budget": "8MB", "kv_cache": kv_format, "repeat": 1, "reference": False}
+    report = run(RunOptions(prompt="Once", max_new_tokens=MAX_POSITIONS - prompt, **options))
+    plan = report.budgeted.plan
+    assert plan.kv_cache["context"] == MAX_POSITIONS - 1 and plan.kv_cache["format"] == kv_format
+    assert plan.phase_peaks["decode"] > plan.phase_peaks["prefill"]
+    assert plan.predicted_peak_bytes == plan.phase_peaks["decode"]
+    assert report.predicted_peak_bytes == report.measurement.peak_bytes

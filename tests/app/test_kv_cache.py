@@ -1,5 +1,5 @@
 """The KV cache's format as a choice of the run (``--kv-cache model|float8|auto``): float8
-keeps what the model computes close, its decoded layer is reserved, ``auto`` takes float8
+keeps what the model computes close, its decoded layer is in the traced decode step, ``auto`` takes float8
 only where the budget needs it and says so, and a run at the context chosen stays within
 the budget."""
 
@@ -10,7 +10,6 @@ import json
 import pytest
 import torch
 
-from tightfit.app.budget import KV_DECODED
 from tightfit.app.cli import main
 from tightfit.app.generation import generate_greedy
 from tightfit.app.kv_cache import bytes_per_token, cache_argument, decoded_bytes
@@ -64,14 +63,19 @@ def long_context_llama(tmp_path_factory):
 def test_auto_takes_float8_only_where_the_budget_needs_it_and_a_run_at_its_context_stays_within(long_context_llama):
     options = {"model": str(long_context_llama), "max_new_tokens": 2, "context": "auto", "allow": "keep,disk"}
     roomy = plan_only(RunOptions(budget="4MB", **options))
-    assert roomy.kv_format == "model" and roomy.context == 64 and KV_DECODED not in roomy.plan.reserved
+    assert roomy.kv_format == "model" and roomy.context == 64 and roomy.plan.kv_cache["format"] == "model"
     tight = plan_only(RunOptions(budget=230_000, **options))
     kept = plan_only(RunOptions(budget=230_000, kv_cache="model", **options))
     assert kept.kv_format == "model" and kept.context < 64
     assert tight.kv_format == "float8" and tight.context == 64
     assert f"float8 KV cache: in float32 the budget holds a context of {kept.context:,} positions only" in tight.covers
-    assert tight.plan.reserved[KV_DECODED] == 2 * 2 * 32 * 64 * 4  # one layer's keys and values, float32
-    assert tight.predicted_peak_bytes <= 230_000
+    assert tight.plan.kv_cache == {
+        "format": "float8",
+        "context": 64,
+        "bytes": 64
+        * bytes_per_token(transformers.AutoConfig.from_pretrained(long_context_llama), torch.float32, "float8"),
+    }
+    assert tight.predicted_peak_bytes == max(tight.plan.phase_peaks.values()) <= 230_000
     prompt = 17
     report = run(
         RunOptions(
@@ -92,7 +96,7 @@ def test_a_saved_float8_plan_is_carried_out_as_float8(tiny_llama, tmp_path, caps
     arguments = ["--model", str(tiny_llama), "--budget", "8MB", "--max-new-tokens", "3", "--kv-cache", "float8"]
     assert main(["fit", *arguments, "--json"]) == 0
     made = json.loads(capsys.readouterr().out)
-    assert made["kv_cache_format"] == "float8" and KV_DECODED in made["plan"]["reserved"]
+    assert made["kv_cache_format"] == "float8" and made["plan"]["kv_cache"]["format"] == "float8"
     (tmp_path / "plan.json").write_text(json.dumps(made))
     report = run(RunOptions(model=str(tiny_llama), plan=tmp_path / "plan.json", max_new_tokens=3, repeat=1))
     assert report.budgeted.kv_format == "float8" and report.measurement.peak_bytes <= report.predicted_peak_bytes

@@ -113,7 +113,7 @@ def test_cli_json_on_the_default_model_fits_the_budget(capsys):
     assert data["predicted_over_measured"] == pytest.approx(data["predicted_peak_bytes"] / data["measured_peak_bytes"])
     assert 0.99 < data["predicted_over_measured"] < 1.1  # measured 1.002
     assert data["device_weights_bytes"] == plan["predicted_weights_bytes"]  # held_bytes after apply, to the byte
-    assert data["applies_nothing"] is False and data["kv_cache_growth_bytes"] == 0
+    assert data["applies_nothing"] is False and data["kv_cache_bytes"] == 0
     assert data["prediction_covers"] == "one forward over the 8 sentences (8 x 12 tokens)"
     assert data["min_cosine_to_full"] > 0.99 and data["quality"]["value"] == data["min_cosine_to_full"]
     assert any(entry["placement"] != "device" or entry["storage"] != "keep" for entry in plan["entries"])
@@ -142,15 +142,14 @@ def lm_report(tiny_llama, tmp_path_factory):
 
 def test_causal_lm_generation_fits_and_the_prediction_covers_it(lm_report):
     budgeted = lm_report.budgeted
+    prompt = lm_report.prompt_tokens
+    assert budgeted.context == prompt + 5  # 6 new tokens: 5 fed back after the prefill
+    assert budgeted.kv_cache_bytes == budgeted.context * TINY_KV_BYTES_PER_TOKEN
+    assert budgeted.plan.budget_bytes == 4_000_000 and budgeted.plan.reserved == {}  # the cache is in the decode trace
+    phases = budgeted.plan.phase_peaks
+    assert budgeted.predicted_peak_bytes == budgeted.plan.predicted_peak_bytes == max(phases.values()) <= 4_000_000
     assert (
-        budgeted.kv_cache_bytes == 5 * TINY_KV_BYTES_PER_TOKEN
-    )  # 6 new tokens: 5 one-token forwards after the prefill
-    assert budgeted.plan.budget_bytes == 4_000_000  # the units fit in the budget less the reservation
-    assert budgeted.plan.reserved == {"KV cache growth while decoding": budgeted.kv_cache_bytes}
-    assert budgeted.predicted_peak_bytes == budgeted.plan.predicted_peak_bytes <= 4_000_000
-    assert (
-        "prefill forward over the" in budgeted.covers
-        and "KV cache's growth over the 5 one-token decode forwards" in budgeted.covers
+        "prefill forward over the" in budgeted.covers and "last of the 5 one-token decode forwards" in budgeted.covers
     )
     measured = lm_report.measurement.peak_bytes
     assert measured <= lm_report.budget_bytes == 4_000_000
@@ -169,10 +168,7 @@ def test_causal_lm_timeline_is_written(lm_report):
 def test_cli_table_shows_the_plan_and_the_prediction_against_the_measurement(tiny_llama, capsys):
     assert main(["run", "--model", str(tiny_llama), "--budget", "4MB", "--repeat", "1", "--max-new-tokens", "3"]) == 0
     out = capsys.readouterr().out
-    assert (
-        "reserved on the device outside the weights and the planned forward: KV cache growth while decoding 512 B"
-        in out
-    )
+    assert "last decode step" in out and "KV cache (model) at 19 positions 4.8 KiB (4,864 B) inside it" in out
     assert "fit plan: LlamaForCausalLM on cpu" in out and "model.embed_tokens" in out
     for row in (
         "budget: predicted against measured",
@@ -205,8 +201,8 @@ def test_a_budget_above_the_model_s_needs_applies_nothing(tiny_llama, capsys):
     )
     data = json.loads(capsys.readouterr().out)
     assert data["applies_nothing"] is True and data["within_budget"] is True and data["token_agreement"] is None
-    assert data["plan"]["reserved"] == {"KV cache growth while decoding": 3 * TINY_KV_BYTES_PER_TOKEN}
-    assert data["predicted_peak_bytes"] == data["plan"]["full_peak_bytes"]  # the reservation counted in both
+    assert data["plan"]["kv_cache"]["bytes"] == data["context"] * TINY_KV_BYTES_PER_TOKEN
+    assert data["predicted_peak_bytes"] == data["plan"]["full_peak_bytes"]  # the decode step counted in both
     assert data["measured_peak_bytes"] <= data["predicted_peak_bytes"]
     assert all(entry["storage"] == "keep" and entry["placement"] == "device" for entry in data["plan"]["entries"])
 
@@ -216,8 +212,8 @@ def test_allow_is_respected_and_a_budget_nothing_meets_is_a_fit_error(tiny_llama
     assert {(e.storage, e.placement) for e in run(options).budgeted.plan.changed_entries()} == {("keep", "disk")}
     with pytest.raises(
         FitError,
-        match=r"^budget=7000000 \(6.7 MiB\) cannot be met on cpu, 256 B of it kept for the KV cache's growth while "
-        r"decoding: the smallest peak the planner reaches with allow='device' is .*Give budget='\d+(\.\d)?MB' or more, "
+        match=r"^budget=7000000 \(6.7 MiB\) cannot be met on cpu, 4.5 KiB of it for the KV cache at the last decode "
+        r"step: the smallest peak the planner reaches with allow='device' is .*Give budget='\d+(\.\d)?MB' or more, "
         r"or allow more than allow='device'$",
     ) as caught:
         run(
@@ -257,10 +253,10 @@ def test_cli_no_fit_exits_non_zero_with_the_fit_error_also_under_python_O(tiny_l
     assert "Traceback" not in done.stdout + done.stderr
 
 
-def test_a_budget_below_the_kv_cache_growth_is_refused(tiny_llama):
+def test_a_budget_below_the_kv_cache_is_refused(tiny_llama):
     with pytest.raises(
         ValueError,
-        match=r"^budget=200 \(200 B\) leaves nothing for the model: the KV cache's growth while decoding "
-        r"alone needs 256 B \(256 B\); give a smaller max_new_tokens or a larger budget$",
+        match=r"^budget=200 \(200 B\) leaves nothing for the model: the KV cache at 18 positions alone needs "
+        r"4.5 KiB \(4,608 B\); give a shorter prompt, a smaller max_new_tokens or a larger budget$",
     ):
         run(RunOptions(model=str(tiny_llama), budget=200, max_new_tokens=2))

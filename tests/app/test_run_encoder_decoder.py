@@ -9,7 +9,6 @@ import pytest
 import torch
 from rich.console import Console
 
-from tightfit.app.budget import KV_CACHE
 from tightfit.app.generation import generate_seq2seq
 from tightfit.app.models import default_model_dir, load_tokenizer
 from tightfit.app.output import print_report
@@ -64,12 +63,14 @@ def test_within_a_budget_the_decoders_cache_is_planned_and_the_run_stays_within(
     budget = weights // 4  # the tied embedding cannot stay on the device
     report = run(RunOptions(model=str(t5_folder), repeat=1, max_new_tokens=6, budget=budget))
     plan = report.budgeted.plan
-    assert (
-        report.measured_peak_bytes <= budget and plan.reserved[KV_CACHE] == 5 * 2 * 2 * 4 * 16 * 4
-    )  # steps x K,V x layers x heads x d_kv x float32
+    assert report.measured_peak_bytes <= budget and plan.kv_cache == {
+        "format": "model",
+        "context": 6,
+        "bytes": 6 * 2 * 2 * 4 * 16 * 4,  # positions x K,V x layers x heads x d_kv x float32
+    }
     assert abs(report.predicted_peak_bytes / report.measured_peak_bytes - 1) < 0.01
     assert report.quality == 1.0  # placements only: every value as stored
-    assert "decoder's self-attention cache growing over the 5 one-token decode forwards" in report.budgeted.covers
+    assert "last of the 5 one-token decode forwards, its self-attention cache at 6 positions" in report.budgeted.covers
 
 
 def test_a_causal_lms_options_are_refused_naming_the_kind(t5_folder):

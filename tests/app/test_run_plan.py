@@ -37,7 +37,7 @@ def test_the_plan_alone_as_to_json_writes_it_runs_too(tiny_llama, saved_plan, tm
     alone = tmp_path / "alone.json"
     alone.write_text(json.dumps(json.loads(saved_plan.read_text())["plan"]))
     options = RunOptions(model=str(tiny_llama), plan=str(alone), max_new_tokens=2)
-    assert options.budget == 4_000_000 and options.plan.reserved
+    assert options.budget == 4_000_000 and options.plan.kv_cache["context"] == 30
 
 
 @pytest.mark.parametrize(
@@ -47,7 +47,7 @@ def test_the_plan_alone_as_to_json_writes_it_runs_too(tiny_llama, saved_plan, tm
             dict(budget="4MB"),
             r"plan carries out a plan made before, with its own budget, placements and context; drop budget",
         ),
-        (dict(max_new_tokens=20), r"the plan reserves the KV cache for 30 positions .* this run reaches \d+"),
+        (dict(max_new_tokens=20), r"the plan's KV cache holds 30 positions; this run reaches \d+"),
     ],
 )
 def test_what_the_plan_does_not_cover_is_refused(tiny_llama, saved_plan, extra, message):

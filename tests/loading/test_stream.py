@@ -183,7 +183,7 @@ def test_the_dry_run_reads_no_weight_file(folder, tmp_path, capsys):
     assert main(["fit", str(folder), "--budget", "20MB", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["plan"]["entries"] == dry["plan"]["entries"]
     assert dry["plan"]["covers_load"] is True and dry["predicted_peak_bytes"] <= 20_000_000
-    assert main(["fit", str(bare), "--budget", "200KB"]) == 2
+    assert main(["fit", str(bare), "--budget", "100KB"]) == 2
     assert "cannot be met" in capsys.readouterr().err
 
 

@@ -2,11 +2,11 @@
 inputs, and what its prediction covers (``--allow`` is :meth:`tightfit.fitting.Allow.parse`).
 
 A plan is made for one forward. An encoder's run is that forward (plus pooling), so the
-plan's peak is the prediction. A causal LM's run is a generation: the prefill forward over
-the prompt, then one-token forwards whose KV cache grows by a fixed number of bytes per
-token; the plan is made for the prefill with the cache's growth as a reservation of the
-plan (``fit(..., reserve=...)``: the units fit in the budget less it, and the plan's peak
-counts it), so that the whole generation stays within the budget.
+plan's peak is the prediction. A generation is the prefill forward over the prompt, then
+one-token forwards whose KV cache grows with every token: the plan is made for the prefill
+and for the last decode step, traced at the longest context (``fit(..., decode=...)``),
+whose peak holds the whole cache where the prefill's activations are gone; the plan's
+peak is the larger, so that the whole generation stays within the budget.
 
 When nothing fits, the error is said again for the run (:func:`no_fit_message`): the
 budget as the user gave it, what the planner could reach with what was allowed, and
@@ -33,16 +33,11 @@ from tightfit.app.spelling import assigned, option
 from tightfit.backends.cpu import read_process_memory, reset_process_peak
 from tightfit.backends.resolve import ResolvedBackend
 from tightfit.fitting import PLACEMENTS, Allow, FitError, FitPlan, fit, storage_names
+from tightfit.fitting.traced import DecodeTrace
 from tightfit.loading.stream import on_meta
 from tightfit.memory import LiveTensorBytes
 
 __all__: list[str] = []
-
-
-#: What a causal LM's KV cache growth is reserved as in its plan.
-KV_CACHE = "KV cache growth while decoding"
-#: What a float8 KV cache's layer decoded for its attention is reserved as.
-KV_DECODED = "one layer's float8 KV cache decoded while it attends"
 
 
 @dataclass(frozen=True)
@@ -58,8 +53,8 @@ class Budgeted:
 
     @property
     def kv_cache_bytes(self) -> int:
-        """A causal LM's KV cache growth while decoding, reserved in the plan (0 for an encoder)."""
-        return self.plan.reserved.get(KV_CACHE, 0)
+        """A generation's KV cache at the longest context planned (0 for an encoder)."""
+        return self.plan.kv_cache.get("bytes", 0)
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -73,32 +68,31 @@ def plan_run(
     *,
     backend: ResolvedBackend,
     allow: Allow | None,
-    kv_cache_bytes: int,
     covers: str,
-    kv_decoded_bytes: int = 0,
+    decode: DecodeTrace | None = None,
     loading: bool = False,
     stored_dtypes: dict[str, torch.dtype] | None = None,
     max_error: float | None = None,
     decode_steps: int = 0,
     units: str = "layers",
 ) -> Budgeted:
-    """Fit ``model`` for ``example_inputs`` (the forward the run makes, a causal LM's
-    prefill) on the run's ``backend`` (resolved once, by the run) into ``budget_bytes``
-    with ``kv_cache_bytes`` (the cache's growth while decoding) reserved; ``fit`` raises
+    """Fit ``model`` for ``example_inputs`` (the forward the run makes, a generation's
+    prefill) and ``decode`` (a generation's last decode step; None for an encoder) on the
+    run's ``backend`` (resolved once, by the run) into ``budget_bytes``; ``fit`` raises
     FitError when nothing fits. The run is eager, where region
     hints save nothing, so the planner may not add them. ``loading``: ``model`` is a
     skeleton on meta whose checkpoint will stream into the plan; the inputs go to meta too;
     ``stored_dtypes``: the dtypes its checkpoint's headers give its tensors
     (:func:`tightfit.loading.stored_dtypes`), for a plan that counts their conversion;
     ``max_error``: ``fit``'s bound on the plan's expected error (None: its default);
-    ``kv_decoded_bytes``: a float8 cache's layer decoded while it attends, reserved too;
     ``decode_steps``: the one-token forwards after ``example_inputs``' (a causal LM's
     decode), which the plan's time counts beside it; ``units``: ``fit``'s."""
+    kv_cache_bytes = decode.kv_cache_bytes if decode is not None else 0
     if kv_cache_bytes >= budget_bytes:
         raise ValueError(
             f"{assigned('budget', budget_bytes)} ({human_bytes(budget_bytes)}) leaves nothing for the model: the KV "
-            f"cache's growth while decoding alone needs {human_bytes(kv_cache_bytes)} ({kv_cache_bytes:,} B); give a "
-            f"smaller {option('max_new_tokens')} or a larger {option('budget')}"
+            f"cache at {decode.context:,} positions alone needs {human_bytes(kv_cache_bytes)} ({kv_cache_bytes:,} B); "
+            f"give a shorter prompt, a smaller {option('max_new_tokens')} or a larger {option('budget')}"
         )
     try:
         plan = fit(
@@ -109,11 +103,10 @@ def plan_run(
             allow=replace(allow or Allow(), hints=False),
             loading=loading,
             stored_dtypes=stored_dtypes,
-            reserve={what: size for what, size in ((KV_CACHE, kv_cache_bytes), (KV_DECODED, kv_decoded_bytes)) if size}
-            or None,
             max_error=max_error,
             decode_steps=decode_steps,
             units=units,
+            decode=decode,
         )
     except FitError as error:
         if error.smallest_peak_bytes <= budget_bytes:  # the budget fits, the error bound does not: said as it is
@@ -183,7 +176,7 @@ def no_fit_message(
     listed = "; ".join(f"{what}: {human_bytes(size)}" for what, size in parts[:4])
     message = f"{assigned('budget', budget_bytes)} ({human_bytes(budget_bytes)}) cannot be met on {device}"
     if kv_cache_bytes:
-        message += f", {human_bytes(kv_cache_bytes)} of it kept for the KV cache's growth while decoding"
+        message += f", {human_bytes(kv_cache_bytes)} of it for the KV cache at the last decode step"
     message += (
         f": the smallest peak the planner reaches {reach} is {human_bytes(smallest_peak_bytes)} "
         f"({smallest_peak_bytes:,} B), dominated by {parts[0][0]}. Largest parts: {listed}. "

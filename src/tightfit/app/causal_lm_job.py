@@ -14,18 +14,23 @@ import torch
 
 from tightfit._format import human_bytes
 from tightfit.app import captured, kv_cache
-from tightfit.app.budget import KV_CACHE, KV_DECODED, Budgeted
-from tightfit.app.generation import Generation, generate_greedy, prefill_inputs
+from tightfit.app.budget import Budgeted
+from tightfit.app.generation import Generation, generate_greedy, next_token, prefill_inputs
 from tightfit.app.generation_job import GenerationJob
 from tightfit.app.spelling import assigned, option
 from tightfit.fitting import FitError, FitPlan
+from tightfit.fitting.traced import DECODE, DecodeTrace
 from tightfit.kinds import CAUSAL_LM
 
 if TYPE_CHECKING:
     from tightfit import backends
     from tightfit.app.run import RunOptions
+    from tightfit.memory.simulate import Calls
 
-__all__ = ["CausalLMJob"]
+__all__ = ["CONTEXT_PLANS", "CausalLMJob"]
+
+#: The most plans ``--context auto`` makes while closing in on the longest context that fits.
+CONTEXT_PLANS = 8
 
 
 class CausalLMJob(GenerationJob):
@@ -101,13 +106,26 @@ class CausalLMJob(GenerationJob):
         return prefill_inputs(self.model, self.input_ids)
 
     def kv_cache_bytes(self) -> int:
-        """The KV cache's growth beyond the prompt (whose share the prefill holds) to the
-        context planned for: by default the one-token forwards after the prefill."""
-        return (self.planned_context() - self.input_ids.shape[1]) * self._per_token()
+        """The KV cache's bytes at the context planned for."""
+        return self.planned_context() * self._per_token()
 
-    def kv_decoded_bytes(self) -> int:
-        """A float8 cache's layer decoded while it attends, at the context planned for."""
-        return kv_cache.decoded_bytes(self.model.config, self.dtype, self.kv_format, self.planned_context())
+    def decode_trace(self) -> DecodeTrace | None:
+        """The last decode step at the context planned for: a forward over ``context - 1``
+        positions fills the cache (as the prefill and the decode steps before it did), then
+        the next token's forward, holding what :func:`generate_greedy` holds between them."""
+        if not self.decode_steps():
+            return None
+        model, kv_format, context = self.model, self.kv_format, self.planned_context()
+
+        def script(calls: Calls) -> None:
+            cache = kv_cache.cache_argument(model, kv_format)
+            history = torch.zeros(1, context - 1, dtype=torch.long, device=calls.device)
+            token = next_token(calls.call(**prefill_inputs(model, history), use_cache=True, **cache))
+            del history
+            calls.phase(DECODE)
+            calls.call(input_ids=token, use_cache=True, **cache)
+
+        return DecodeTrace(script, context, kv_format, self.kv_cache_bytes())
 
     def _per_token(self) -> int:
         return kv_cache.bytes_per_token(self.model.config, self.dtype, self.kv_format)
@@ -156,31 +174,28 @@ class CausalLMJob(GenerationJob):
         return self.run_positions if self.context is None else self.context
 
     def covers(self) -> str:
-        decoded = self.kv_decoded_bytes()
-        held = f", and one layer of it decoded while it attends ({human_bytes(decoded)})" if decoded else ""
         cache = kv_cache.describe(self.kv_format, self.model.config, self.dtype)
-        if self.context is None:
-            return (
-                f"the prefill forward over the {self.input_ids.shape[1]}-token prompt, plus the KV cache's growth over "
-                f"the {self.max_new_tokens - 1} one-token decode forwards ({human_bytes(self.kv_cache_bytes())}){held}; "
-                f"{cache}{self.kv_note}"
-            )
+        at = f"{self.planned_context():,} positions ({human_bytes(self.kv_cache_bytes())}{self.context_note})"
+        if self.context is not None:
+            at = f"a context of {at}"
         return (
-            f"the prefill forward over the {self.input_ids.shape[1]}-token prompt, plus the KV cache's growth to a "
-            f"context of {self.context:,} positions ({human_bytes(self.kv_cache_bytes())}{self.context_note}){held}; "
-            f"{cache}{self.kv_note}"
+            f"the prefill forward over the {self.input_ids.shape[1]}-token prompt, and the last of the "
+            f"{self.max_new_tokens - 1} one-token decode forwards, its KV cache at {at}; {cache}{self.kv_note}"
         )
 
     def carried_out(self, plan: FitPlan) -> Budgeted:
-        """``plan`` as made before (``--plan``), its context what it reserved for the KV
-        cache; refused where this run's cache would outgrow it."""
-        self.kv_format = "float8" if KV_DECODED in plan.reserved else "model"
-        per_token = self._per_token()
-        self.context = self.input_ids.shape[1] + plan.reserved.get(KV_CACHE, 0) // per_token
+        """``plan`` as made before (``--plan``), its context and KV format what its last
+        decode step was traced with; refused where this run's cache would outgrow it."""
+        if not plan.kv_cache:
+            raise ValueError(
+                "the plan traced no decode step (it was not made for a generation, or by a tightfit before KV "
+                f"caches were planned); plan this run again with tightfit fit {option('json')}"
+            )
+        self.kv_format = plan.kv_cache["format"]
+        self.context = plan.kv_cache["context"]
         if self.context < self.run_positions:
             raise ValueError(
-                f"the plan reserves the KV cache for {self.context} positions with this prompt "
-                f"({human_bytes(plan.reserved.get(KV_CACHE, 0))}); this run reaches {self.run_positions} (the "
+                f"the plan's KV cache holds {self.context} positions; this run reaches {self.run_positions} (the "
                 f"{self.input_ids.shape[1]}-token prompt and {self.max_new_tokens - 1} new tokens fed back): give a "
                 f"smaller {option('max_new_tokens')}, or plan again with {option('context')}"
             )
@@ -188,33 +203,43 @@ class CausalLMJob(GenerationJob):
 
     def longest_context(self, plan: Callable[[], Budgeted], budget: int) -> Budgeted:
         """``plan()`` at the longest context the budget allows (``--context auto``): at least
-        the run's own positions, at most the model's ``max_position_embeddings``. The KV
-        cache's bytes grow linearly with the context, and the rest of the plan needs at
-        least its smallest reachable peak, so one plan at the model's maximum (or the most
-        the budget holds of the cache alone, where that is less) either fits or, failing,
-        tells that peak; the context is then what the budget leaves. A float8 cache's decoded
-        layer grows with the context too, and counts per position beside the growth."""
-        per_token = self._per_token()
-        decoded = kv_cache.decoded_bytes(self.model.config, self.dtype, self.kv_format, 1)  # per position
-        prompt = self.input_ids.shape[1]
-        held = (max(budget - 1, 0) + per_token * prompt) // (per_token + decoded)  # the cache alone, below the budget
-        most = min(self.limit, held) if self.limit is not None else held
-        self.context = max(most, self.run_positions)
-        self.context_limited = self.limit is None or held < self.limit
-        try:
-            budgeted = plan()
-            self.context_note = (
-                ", the longest the budget leaves room for"
-                if self.context_limited
-                else ", the model's max_position_embeddings: the most it takes"
-            )
-        except FitError as error:
-            self.context_limited = True
-            without_cache = error.smallest_peak_bytes - self.kv_cache_bytes() - self.kv_decoded_bytes()
-            room = max(budget - without_cache + per_token * prompt, 0)  # growth (context - prompt) + decoded (context)
-            self.context = min(max(room // (per_token + decoded), prompt), most)
-            if self.context < self.run_positions:
-                self.context = self.run_positions  # the run's own positions: plan() says what is missing
-            self.context_note = ", the longest the budget leaves room for beside the smallest plan of the weights"
-            budgeted = plan()
+        the run's own positions, at most the model's ``max_position_embeddings``.
+
+        The last decode step's peak grows with the context by about the cache's bytes a
+        position (a float8 cache's decoded layer too): the first plan is at the most the
+        budget holds of the cache alone; one over the budget steps down by its smallest
+        peak's excess over the bytes a position, one within steps up by the room it leaves;
+        the longest context that fits and the shortest that does not close in on each
+        other, in at most :data:`CONTEXT_PLANS` plans (the longest that fitted is kept)."""
+        slope = self._per_token() + kv_cache.decoded_bytes(self.model.config, self.dtype, self.kv_format, 1)
+        held = max(budget - 1, 0) // slope  # the cache alone below the budget
+        most = max(min(self.limit, held) if self.limit is not None else held, self.run_positions)
+        fitted: tuple[int, Budgeted] | None = None
+        over = most + 1  # the shortest context known not to fit
+        self.context = most
+        for _ in range(CONTEXT_PLANS):
+            try:
+                budgeted = plan()
+            except FitError as error:
+                if self.context == self.run_positions:
+                    raise  # the run's own positions do not fit: the error says what is missing
+                over = self.context
+                guess = self.context - max(-(-(error.smallest_peak_bytes - budget) // slope), 1)
+            else:
+                fitted = self.context, budgeted
+                guess = self.context + max((budget - budgeted.predicted_peak_bytes) // slope, 1)
+            shortest = fitted[0] + 1 if fitted is not None else self.run_positions
+            if shortest >= over:
+                break
+            self.context = min(max(guess, shortest), over - 1)
+        if fitted is None:
+            self.context = self.run_positions
+            fitted = self.context, plan()  # fits, or says what is missing
+        self.context, budgeted = fitted
+        self.context_limited = self.context != self.limit
+        self.context_note = (
+            ", the longest the budget leaves room for"
+            if self.context_limited
+            else ", the model's max_position_embeddings: the most it takes"
+        )
         return replace(budgeted, covers=self.covers())

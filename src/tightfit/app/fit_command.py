@@ -60,7 +60,7 @@ def handle(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         data = {
             "predicted_peak_bytes": budgeted.predicted_peak_bytes,
-            "kv_cache_growth_bytes": budgeted.kv_cache_bytes,
+            "kv_cache_bytes": budgeted.kv_cache_bytes,
             "context": budgeted.context,
             "kv_cache_format": budgeted.kv_format,
             "prediction_covers": budgeted.covers,

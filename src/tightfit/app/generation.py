@@ -12,13 +12,14 @@ import torch
 
 from tightfit._validate import check_type
 from tightfit.app import captured
-from tightfit.app.kv_cache import cache_argument
+from tightfit.app.kv_cache import cache_argument, cache_keyword
 from tightfit.memory import mark
 
 __all__ = [
     "Generation",
     "generate_greedy",
     "generate_seq2seq",
+    "next_token",
     "prefill_inputs",
     "seq2seq_agreement",
     "token_agreement",
@@ -58,7 +59,7 @@ def _check_new_tokens(max_new_tokens: Any) -> None:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
 
 
-def _next_token(output: Any) -> torch.Tensor:
+def next_token(output: Any) -> torch.Tensor:
     """The greedy next token of a forward (the last position's logits); the rest of
     ``output`` is dropped here, not held while decoding."""
     return output.logits[:, -1].argmax(-1, keepdim=True)
@@ -115,13 +116,13 @@ def generate_greedy(
     mark("prefill")
     start = time.perf_counter()
     cache = cache_argument(model, kv_format)
-    token = _next_token(model(**prefill_inputs(model, input_ids), use_cache=True, **cache))
+    token = next_token(model(**prefill_inputs(model, input_ids), use_cache=True, **cache))
     tokens = [int(token)]
     wait()
     prefilled = time.perf_counter()
     mark("decode")
     for _ in range(max_new_tokens - 1):
-        token = _next_token(model(input_ids=token, use_cache=True, **cache))
+        token = next_token(model(input_ids=token, use_cache=True, **cache))
         tokens.append(int(token))
     wait()
     return Generation(tuple(tokens), prefilled - start, time.perf_counter() - prefilled)
@@ -166,20 +167,20 @@ def generate_seq2seq(model: Any, input_ids: torch.Tensor, max_new_tokens: int, s
     _check_ids(input_ids)
     _check_new_tokens(max_new_tokens)
     wait = synchronize or (lambda: None)
-    keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    keyword = cache_keyword(model)
     mark("prefill")
     start = time.perf_counter()
     encoded = model.get_encoder()(input_ids=input_ids)
     output = model(encoder_outputs=encoded, decoder_input_ids=decoder_start(model, input_ids.device), use_cache=True)
     cache = output.cache if "cache" in output else output.past_key_values
-    token = _next_token(output)
+    token = next_token(output)
     del output
     tokens = [int(token)]
     wait()
     prefilled = time.perf_counter()
     mark("decode")
     for _ in range(max_new_tokens - 1):
-        token = _next_token(model(encoder_outputs=encoded, decoder_input_ids=token, use_cache=True, **{keyword: cache}))
+        token = next_token(model(encoder_outputs=encoded, decoder_input_ids=token, use_cache=True, **{keyword: cache}))
         tokens.append(int(token))
     wait()
     return Generation(tuple(tokens), prefilled - start, time.perf_counter() - prefilled)

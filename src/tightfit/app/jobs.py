@@ -16,6 +16,7 @@ import torch
 from tightfit.app.budget import Budgeted
 from tightfit.app.models import load_model, load_tokenizer
 from tightfit.fitting import FitPlan
+from tightfit.fitting.traced import DecodeTrace
 
 if TYPE_CHECKING:  # run.py imports the jobs only at run time, through the kinds' registry
     from rich.table import Table
@@ -92,13 +93,10 @@ class Job(abc.ABC):
     def speed_rows(report: RunReport, measured: Measurement) -> list[tuple[str, str]]:
         """The report's speed figures: (label, value) rows."""
 
-    def kv_cache_bytes(self) -> int:
-        """Bytes the plan reserves for a cache that grows after the planned forward."""
-        return 0
-
-    def kv_decoded_bytes(self) -> int:
-        """Bytes the plan reserves for a cache's layer decoded while it is read."""
-        return 0
+    def decode_trace(self) -> DecodeTrace | None:
+        """The last one-token forward after the planned one, for the plan to trace at the
+        longest context (None: the run makes no such forward)."""
+        return None
 
     def decode_steps(self) -> int:
         """Forwards after the planned one that the plan prices (one token each)."""

@@ -134,8 +134,13 @@ def cache_argument(model: Any, kv_format: str = "model") -> dict[str, Any]:
         cache = DynamicCache()
     if kv_format == "float8":
         _store_float8(cache, config)
-    parameters = inspect.signature(model.forward).parameters
-    return {"cache" if "cache" in parameters else "past_key_values": cache}
+    return {cache_keyword(model): cache}
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword ``model``'s forward takes its cache by: ``cache`` from transformers 5.x,
+    ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _store_float8(cache: Any, config: Any) -> None:

@@ -534,9 +534,14 @@ def options_for(
 
 def with_decode(prefill: Option, decode: Option, steps: int) -> Option:
     """``prefill`` (an option priced for the traced forward) with ``steps`` one-token
-    forwards of the same option (``decode``) added to its time and cost; its bytes are the
-    traced forward's, the larger."""
-    return replace(prefill, seconds=prefill.seconds + steps * decode.seconds, cost=prefill.cost + steps * decode.cost)
+    forwards of the same option (``decode``) added to its time and cost; its bytes held are
+    the same, and it computes at the larger of the two peaks."""
+    return replace(
+        prefill,
+        seconds=prefill.seconds + steps * decode.seconds,
+        cost=prefill.cost + steps * decode.cost,
+        compute_peak_bytes=max(prefill.compute_peak_bytes, decode.compute_peak_bytes),
+    )
 
 
 def _load_bytes(unit: Unit, storage: StorageFormat, placement: str, converting: int, held: int) -> int:

@@ -145,6 +145,12 @@ class FitPlan:
     ``max_error``: the bound it was planned under; ``quality``: the two in words, and why
     where the budget forced the plan above a default bound. ``decode_steps``: the one-token
     forwards after the traced one that ``predicted_seconds`` and ``full_seconds`` include.
+
+    ``phase_peaks``: the predicted peak of each phase of a generation ("prefill": the traced
+    forward; "decode": the last one-token forward, the KV cache at its longest), where the
+    last decode step was traced too (``fit(..., decode=...)``); ``predicted_peak_bytes`` is
+    the larger. ``kv_cache``: that cache's ``format``, ``context`` (positions) and ``bytes``
+    there, inside the decode phase's activations ({} without one).
     """
 
     model: str
@@ -173,6 +179,8 @@ class FitPlan:
     max_error: float | None = None
     quality: str = ""
     decode_steps: int = 0
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+    kv_cache: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("model", "backend", "device", "int8_outliers", "quality"):
@@ -209,6 +217,8 @@ class FitPlan:
                 raise TypeError(f"FitPlan.{name} must be a dict or None, got {type(value).__name__}: {value!r}")
         object.__setattr__(self, "hints", check_module_hints("FitPlan.hints", self.hints))
         object.__setattr__(self, "reserved", check_reserved("FitPlan.reserved", self.reserved))
+        object.__setattr__(self, "phase_peaks", _check_phase_peaks(self.phase_peaks))
+        object.__setattr__(self, "kv_cache", _check_kv_cache(self.kv_cache))
         object.__setattr__(self, "predicted_error", parse_error(self.predicted_error, "FitPlan.predicted_error"))
         if self.max_error is not None:
             object.__setattr__(self, "max_error", parse_error(self.max_error, "FitPlan.max_error"))
@@ -336,6 +346,37 @@ class FitPlan:
             )
         except (TypeError, ValueError) as error:  # a key missing, or a field of the wrong type (the error names it)
             raise ValueError(f"plan JSON does not describe a plan: {error}") from None
+
+
+_PHASES = ("prefill", "decode")
+_KV_CACHE_KEYS = {"format": str, "context": int, "bytes": int}
+
+
+def _check_phase_peaks(peaks: Any) -> dict[str, int]:
+    if not isinstance(peaks, dict):
+        raise TypeError(f"FitPlan.phase_peaks must be a dict of phase -> bytes, got {type(peaks).__name__}: {peaks!r}")
+    if peaks and sorted(peaks) != sorted(_PHASES):
+        raise ValueError(f"FitPlan.phase_peaks must name the phases {', '.join(_PHASES)} or none, got {sorted(peaks)}")
+    for phase, size in peaks.items():
+        _check_bytes("FitPlan.phase_peaks", repr(phase), size)
+    return dict(peaks)
+
+
+def _check_kv_cache(kv_cache: Any) -> dict[str, Any]:
+    if not isinstance(kv_cache, dict):
+        raise TypeError(f"FitPlan.kv_cache must be a dict, got {type(kv_cache).__name__}: {kv_cache!r}")
+    if kv_cache and set(kv_cache) != set(_KV_CACHE_KEYS):
+        raise ValueError(
+            f"FitPlan.kv_cache must have the keys {', '.join(_KV_CACHE_KEYS)} or none, got {sorted(kv_cache)}"
+        )
+    for key, kind in _KV_CACHE_KEYS.items():
+        if key in kv_cache:
+            value = kv_cache[key]
+            if isinstance(value, bool) or not isinstance(value, kind) or (kind is int and value < 0):
+                raise ValueError(
+                    f"FitPlan.kv_cache[{key!r}] must be a {kind.__name__}{' >= 0' if kind is int else ''}, got {value!r}"
+                )
+    return dict(kv_cache)
 
 
 def check_reserved(name: str, reserved: Any) -> dict[str, int]:

@@ -22,6 +22,7 @@ from tightfit.fitting.quality import DEFAULT_MAX_ERROR, expected_error, parse_er
 from tightfit.fitting.regions import Sliced, slice_layers
 from tightfit.fitting.search import Choice, peak_of, search
 from tightfit.fitting.size import parse_size
+from tightfit.fitting.traced import DECODE, DecodeTrace, Traced, trace_decode, trace_forward
 from tightfit.quant import storage_formats
 
 __all__ = ["FitError", "fit"]
@@ -60,62 +61,23 @@ def _split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]
     )
 
 
-def _trace(
-    model: nn.Module, args: tuple, kwargs: dict, backend: Any
-) -> tuple[Any, dict[str, int], dict[str, int], dict[str, list[tuple[int, int]]]]:
-    """The eager memory plan of one forward; the rows each Linear / Embedding computed in
-    it, summed over its calls (what its time scales with) and the most of one call (what
-    the buffers of one call scale with); and the steps of the plan's timeline each one's
-    forward covered."""
-    from tightfit.memory import plan_memory
-    from tightfit.memory.simulate import current_step
-
-    rows: dict[str, int] = {}
-    call_rows: dict[str, int] = {}
-    spans: dict[str, list[tuple[int, int]]] = {}
-    starts: dict[str, list[int | None]] = {}
-    handles = []
-
-    def enter(name: str, module: nn.Module, inputs: tuple) -> None:
-        x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
-        if x is not None:
-            count = x.numel() // module.in_features if isinstance(module, nn.Linear) else x.numel()
-            rows[name] = rows.get(name, 0) + count
-            call_rows[name] = max(call_rows.get(name, 0), count)
-        starts.setdefault(name, []).append(current_step())
-
-    def leave(name: str) -> None:
-        start, end = starts[name].pop(), current_step()
-        if start is not None and end is not None:
-            spans.setdefault(name, []).append((start, end))
-
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            handles.append(module.register_forward_pre_hook(lambda m, inputs, name=name: enter(name, m, inputs)))
-            handles.append(module.register_forward_hook(lambda m, inputs, output, name=name: leave(name)))
-    try:
-        memory = plan_memory(model, *args, kwargs=kwargs, backend=backend, runtime="eager")
-    finally:
-        for handle in handles:
-            handle.remove()
-    return memory, rows, call_rows, spans
-
-
-def _live_while_computing(
-    memory: Any, device: torch.device, spans: dict[str, list[tuple[int, int]]], fallback: int
+def _phase_peaks(
+    phase_options: dict[str, list[list[Option]]],
+    picks: tuple[int, ...],
+    prefill: Traced,
+    last_step: Traced | None,
+    reserved_bytes: int,
 ) -> dict[str, int]:
-    """Per leaf, the most activation and input bytes alive during its forward (``fallback``
-    where the timeline cannot tell: the whole activation peak)."""
-    key = str(device)
-    if key not in memory.devices:
+    """The chosen plan's predicted peak in each phase (the prefill, the last decode step):
+    the weights held, that phase's activations or a unit decoding in it, the onloaded
+    copies, what is reserved; {} without a traced decode step."""
+    if last_step is None:
         return {}
-    live = memory.live_bytes(key)
-    inputs = memory.devices[key].inputs_bytes
-    found = {}
-    for name, ranges in spans.items():
-        steps = [live[step] for start, end in ranges for step in range(start, min(end, len(live)))]
-        found[name] = inputs + max(steps) if steps else fallback
-    return found
+    peaks = {}
+    for phase, traced in (("prefill", prefill), (DECODE, last_step)):
+        choice = peak_of(phase_options[phase], picks, traced.activation_bytes)
+        peaks[phase] = choice.held_bytes + choice.compute_bytes + choice.onload_bytes + reserved_bytes
+    return peaks
 
 
 def _why(unit: Unit, option: Option, keep: Option, applies_nothing: bool) -> str:
@@ -192,6 +154,7 @@ def fit(
     max_error: float | str | None = None,
     decode_steps: int = 0,
     units: str = "layers",
+    decode: DecodeTrace | None = None,
 ) -> FitPlan:
     """A :class:`FitPlan` whose predicted device peak for ``model(*example_inputs)`` (or
     ``model(**example_inputs)`` for a dict) is within ``budget`` at the least predicted time.
@@ -254,6 +217,12 @@ def fit(
     network, and in a mixture of experts each expert, its router and shared parts apart),
     so that a layer may keep its attention on the device and move its feed-forward weights
     off, or a MoE layer keep its shared parts and move its experts.
+
+    ``decode``: a generation's last one-token forward at its longest context
+    (:class:`~tightfit.fitting.traced.DecodeTrace`; needs ``decode_steps``), traced too: the
+    plan's peak is the larger of the traced forward's (the prefill) and that step's, where
+    the KV cache is largest and the prefill's activations are gone, each with the weights
+    and what the units decode and onload; ``plan.phase_peaks`` gives both.
     """
     from tightfit.backends.resolve import resolve_backend
 
@@ -274,6 +243,10 @@ def fit(
     units_budget = budget_bytes - reserved_bytes
     bound = DEFAULT_MAX_ERROR if max_error is None else parse_error(max_error)
     check_count("decode_steps", decode_steps)
+    if decode is not None:
+        check_type("decode", decode, DecodeTrace)
+        if not decode_steps:
+            raise ValueError("decode (the last decode step, traced) needs decode_steps >= 1: the one-token forwards")
     check_choice("units", units, UNIT_SIZES)
     unit_size = units  # the name is the list of units below
     allowed = Allow.coerce(allow)
@@ -287,37 +260,47 @@ def fit(
     backends, device = resolved
     figures = calibration if calibration is not None else figures_of(backends[0], device, remeasure=remeasure)
     _check_calibration(figures, backends[0].name, device)
-    memory, rows, call_rows, spans = _trace(model, args, kwargs, resolved)
-    planned = memory.devices.get(str(device))
-    activations = planned.live_peak_bytes + planned.inputs_bytes if planned else 0
-    peak_node = planned.peak_node if planned else None
-    live = _live_while_computing(memory, device, spans, activations)
+    prefill, leaves = trace_forward(model, args, kwargs, resolved)
+    rows, call_rows = leaves.rows, leaves.call_rows
+    last_step = trace_decode(model, decode, device) if decode is not None else None
+    activations, peak_node = prefill.activation_bytes, prefill.peak_node
+    if last_step is not None and last_step.activation_bytes > activations:
+        activations = last_step.activation_bytes
+        peak_node = (
+            f"{last_step.peak_node} of the last decode step, its KV cache of {human_bytes(decode.kv_cache_bytes)} at "
+            f"{decode.context:,} positions among them"
+        )
     units = find_units(model, stored_dtypes, unit_size)
     weights = sum(math.prod(shape) for unit in units for name, _, shape, _ in unit.weights if name not in unit.tied)
     max_energy = bound**2 * weights
 
     one_row = dict.fromkeys(rows, 1)  # a decode step: one token through every leaf
 
-    def build(outliers: dict[str, int] | None) -> list[list[Option]]:
+    def build(outliers: dict[str, int] | None) -> tuple[list[list[Option]], dict[str, list[list[Option]]]]:
+        """Each unit's options for the whole run, and (with a traced decode step) for the
+        prefill alone and the last decode step alone, whose peaks the plan reports apart."""
         settings = dict(
             storages=allowed.storage,
             placements=allowed.placement,
             device=device,
-            live=live,
             figures=figures,
             outliers=outliers,
             loading=loading,
         )
-        built = []
+        built: list[list[Option]] = []
+        phases: dict[str, list[list[Option]]] = {"prefill": [], DECODE: []}
         for unit in units:
-            prefill = options_for(unit, rows=rows, call_rows=call_rows, **settings)
+            first = options_for(unit, rows=rows, call_rows=call_rows, live=prefill.live, **settings)
+            phases["prefill"].append(first)
             if decode_steps:
-                decode = options_for(unit, rows=one_row, call_rows=one_row, one_token=True, **settings)
-                prefill = [with_decode(p, d, decode_steps) for p, d in zip(prefill, decode)]
-            built.append(prefill)
-        return built
+                step_live = last_step.live if last_step is not None else prefill.live
+                one = options_for(unit, rows=one_row, call_rows=one_row, one_token=True, live=step_live, **settings)
+                phases[DECODE].append(one)
+                first = [with_decode(p, d, decode_steps) for p, d in zip(first, one)]
+            built.append(first)
+        return built, phases if last_step is not None else {}
 
-    options = build(None)
+    options, phase_options = build(None)
     outliers, not_observed = None, ""
     sliced: Sliced | None = None  # DFS hints, chosen only when no storage or placement meets the budget
     tried: tuple[int, ...] = ()
@@ -340,7 +323,7 @@ def fit(
         ]
         if thresholds:  # only these storages' options depend on the data; a real forward when it can run
             outliers, not_observed = _observe(model, args, kwargs, device, min(thresholds))
-            options = build(outliers) if outliers is not None else options
+            options, phase_options = build(outliers) if outliers is not None else (options, phase_options)
         found = search(options, units_budget, activations, max_energy)
         choice, forced = found.best, found.forced
         if forced and max_error is not None and choice is not None:
@@ -423,6 +406,8 @@ def fit(
         predicted_load_peak_bytes=load_peak,
         reserved=reserved,
         decode_steps=decode_steps,
+        phase_peaks=_phase_peaks(phase_options, choice.picks, prefill, last_step, reserved_bytes),
+        kv_cache=decode.summary() if decode is not None else {},
         predicted_error=error,
         max_error=bound,
         quality=_quality(error, bound, max_error is None, forced),

@@ -33,6 +33,18 @@ def render(plan: FitPlan) -> str:
         f"; unchanged model {human_bytes(plan.full_peak_bytes)}",
         f"time model, weight work {_priced(plan)} (ranks plans; not a latency) {_ms(plan.predicted_seconds)} (unchanged {_ms(plan.full_seconds)})",
     ]
+    if plan.phase_peaks:
+        cache = plan.kv_cache
+        lines.append(
+            f"by phase: prefill {human_bytes(plan.phase_peaks['prefill'])}; last decode step "
+            f"{human_bytes(plan.phase_peaks['decode'])}"
+            + (
+                f", the KV cache ({cache['format']}) at {cache['context']:,} positions {human_bytes(cache['bytes'])} "
+                f"({cache['bytes']:,} B) inside it"
+                if cache
+                else ""
+            )
+        )
     if plan.reserved:
         held = "; ".join(f"{what} {human_bytes(size)} ({size:,} B)" for what, size in plan.reserved.items())
         lines.append(f"reserved on the device outside the weights and the planned forward: {held}")

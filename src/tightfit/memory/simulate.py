@@ -7,7 +7,9 @@ runs the module once on fake tensors (no real byte allocated) under the lifetime
 that measures real runs (:class:`tightfit.memory.LiveTensorBytes`): it records, for every
 storage an op creates, the step it is born and the step after which no Python object
 refers to it any longer, which is what the caching allocator or ``malloc`` sees in a
-real run. Training runs the backward from the loss too; the loss stays alive to the end
+real run. :func:`simulate_calls` runs a script of several calls instead (a generation's
+decode step after the forward that fills its cache), each step labelled with the phase the
+script names. Training runs the backward from the loss too; the loss stays alive to the end
 and the gradients too, as ``.grad`` does; the other outputs are dropped before the
 backward, as a training step that keeps only the loss drops them.
 """
@@ -15,7 +17,8 @@ backward, as a training step that keeps only the loss drops them.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,7 +28,7 @@ from tightfit.memory._meta_kernels import lenient_meta_kernels
 from tightfit.memory.measure import LiveTensorBytes
 from tightfit.memory.trace import _flatten, _loss_outputs
 
-__all__ = ["current_step", "simulate_eager"]
+__all__ = ["Calls", "current_step", "simulate_calls", "simulate_eager"]
 
 _SIMULATION: contextvars.ContextVar[LiveTensorBytes | None] = contextvars.ContextVar(
     "tightfit_simulation", default=None
@@ -112,4 +115,52 @@ def simulate_eager(
         buffers=_buffers(recorder, kept),
         weights=_bytes_by_device(flat.state),
         inputs=_bytes_by_device(flat.fakes),
+    )
+
+
+@dataclass(frozen=True)
+class Calls:
+    """What the script of :func:`simulate_calls` is given: ``call(*args, **kwargs)`` runs the
+    model on its fake weights; ``phase(label)`` labels the steps from here on; tensors the
+    script makes itself are fake (it runs under the fake mode) and belong on ``device``."""
+
+    call: Callable[..., Any]
+    phase: Callable[[str], None]
+    device: torch.device
+
+
+def simulate_calls(model: torch.nn.Module, script: Callable[[Calls], None], *, device: torch.device) -> Timeline:
+    """The timeline of ``script(calls)``: eager calls of ``model`` in inference (no grad), on
+    fake tensors, with what the script holds between them alive as it holds it (a KV cache
+    the calls fill). Steps are labelled with the phases the script names ("" before the first)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    if not callable(script):
+        raise TypeError(f"script must be a callable taking Calls, got {type(script).__name__}: {script!r}")
+    mode = FakeTensorMode()
+    flat = _flatten(model, (), {}, mode, device, False)
+    weights = dict(zip(flat.names, flat.state))
+    recorder = LiveTensorBytes(None)
+
+    def phase(label: str) -> None:
+        if not isinstance(label, str):
+            raise TypeError(f"phase label must be a str, got {type(label).__name__}: {label!r}")
+        recorder.phase = label
+
+    calls = Calls(lambda *args, **kwargs: functional_call(model, weights, args, kwargs), phase, device)
+    token = _SIMULATION.set(recorder)
+    try:
+        with mode, recorder, lenient_meta_kernels(), torch.no_grad():
+            script(calls)
+    finally:
+        _SIMULATION.reset(token)
+    if not recorder.steps:
+        raise ValueError(f"the script ran no op of {type(model).__name__}; there is nothing to plan")
+    return Timeline(
+        steps=recorder.steps,
+        step_graphs=recorder.step_phases,
+        buffers=_buffers(recorder, []),
+        weights=_bytes_by_device(flat.state),
+        inputs={},
     )
