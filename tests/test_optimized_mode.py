@@ -20,7 +20,7 @@ import tightfit.graph
 import tightfit.graph.alloc
 import tightfit.fitting, tightfit.memory, tightfit.app.generation
 FIG = dict(backend="cpu", device_name="test", torch_version=torch.__version__, matmul_flops=1e10, device_bandwidth=1e10,
-           host_to_device_bandwidth=None, disk_bandwidth=1e9, decode_seconds=dict.fromkeys(("float8", "8bit", "int8", "nf4", "fp4"), 0.0))
+           host_to_device_bandwidth=None, disk_bandwidth=1e9, decode_seconds=dict.fromkeys(("bfloat16", "float8", "8bit", "int8", "nf4", "fp4"), 0.0))
 import torch.fx
 import os, tempfile, tightfit.app.models
 class Branches(torch.nn.Module):

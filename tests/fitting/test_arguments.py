@@ -53,7 +53,7 @@ def test_a_single_tensor_is_one_positional_input():
 @pytest.mark.parametrize(
     "allow, error, message",
     [
-        ({"storage": {"keep", "gguf"}}, ValueError, "'gguf', which is not accepted; accepted: keep, float8"),
+        ({"storage": {"keep", "gguf"}}, ValueError, "'gguf', which is not accepted; accepted: keep, bfloat16, float8"),
         ({"placement": {"device", "cloud"}}, ValueError, "'cloud', which is not accepted; accepted: device, cpu, disk"),
         ({"storage": "keep"}, TypeError, "allow storage must be a set of str"),
         ({"storage": {"nf4"}}, ValueError, "lacks 'keep', which is always allowed"),
@@ -74,7 +74,7 @@ def test_allow_defaults_and_coercion():
     assert Allow() == Allow.coerce(None) == Allow.coerce({})
     assert Allow.coerce({"storage": ["keep", "float8"]}).storage == frozenset({"keep", "float8"})
     assert Allow().to_dict() == {
-        "storage": ["8bit", "float8", "fp4", "int8", "keep", "nf4"],
+        "storage": ["8bit", "bfloat16", "float8", "fp4", "int8", "keep", "nf4"],
         "placement": ["cpu", "device", "disk"],
         "hints": True,
     }

@@ -69,7 +69,7 @@ def test_real_measurement_gives_valid_figures_under_its_own_progress(measured_ca
     assert re.fullmatch(r"calibrating cpu \(once, about \d+ s\)", tasks[1]), tasks
     assert figures_now.host_to_device_bandwidth is None
     assert figures_now.matmul_flops > 0 and figures_now.disk_bandwidth > 0
-    assert set(figures_now.decode_seconds) == {"float8", "8bit", "int8", "nf4", "fp4"}
+    assert set(figures_now.decode_seconds) == {"bfloat16", "float8", "8bit", "int8", "nf4", "fp4"}
 
 
 @pytest.mark.parametrize(
@@ -80,15 +80,15 @@ def test_real_measurement_gives_valid_figures_under_its_own_progress(measured_ca
         (dict(device_bandwidth=True), "device_bandwidth must be a finite number > 0"),
         (dict(decode_seconds={"float8": 0.0}), "decode_seconds lacks"),
         (
-            dict(decode_seconds={"float8": -1, "8bit": 0, "int8": 0, "nf4": 0, "fp4": 0}),
+            dict(decode_seconds={"bfloat16": 0, "float8": -1, "8bit": 0, "int8": 0, "nf4": 0, "fp4": 0}),
             r"decode_seconds\['float8'\] must be",
         ),
         (
-            dict(decode_seconds={"float8": 0, "8bit": 0, "int8": 0, "nf4": 0, "fp4": 0, "gguf": 0}),
-            "decode_seconds has unknown storage\\(s\\) 'gguf'; accepted: float8, 8bit, int8, nf4, fp4",
+            dict(decode_seconds={"bfloat16": 0, "float8": 0, "8bit": 0, "int8": 0, "nf4": 0, "fp4": 0, "gguf": 0}),
+            "decode_seconds has unknown storage\\(s\\) 'gguf'; accepted: bfloat16, float8, 8bit, int8, nf4, fp4",
         ),
         (
-            dict(decode_seconds={"float8": 0, "8bit": 0, "int8": 0, "nf4": 0, "fp4": 0, "keep": 0}),
+            dict(decode_seconds={"bfloat16": 0, "float8": 0, "8bit": 0, "int8": 0, "nf4": 0, "fp4": 0, "keep": 0}),
             "decode_seconds has unknown storage\\(s\\) 'keep'",
         ),
     ],

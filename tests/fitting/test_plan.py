@@ -201,7 +201,7 @@ def test_from_json_names_the_field_of_the_wrong_type(field, value, message):
     [
         ("held_bytes", "many", r"PlanEntry.held_bytes must be an int >= 0 \(bytes\), got 'many'"),
         ("seconds", -1.0, r"PlanEntry.seconds must be a finite number >= 0"),
-        ("storage", "gguf", r"PlanEntry.storage='gguf' is not accepted; accepted: keep, float8"),
+        ("storage", "gguf", r"PlanEntry.storage='gguf' is not accepted; accepted: keep, bfloat16, float8"),
         ("placement", "cloud", r"PlanEntry.placement='cloud' is not accepted; accepted: device, cpu, disk"),
         (
             "kind",

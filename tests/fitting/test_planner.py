@@ -62,7 +62,7 @@ def test_more_bits_kept_when_they_fit():
 
 def test_a_less_precise_storage_is_not_chosen_for_speed():
     # fp4 decodes faster than nf4 here; it saves no memory over nf4, so nf4 stays
-    fast_fp4 = figures(decode_seconds={"float8": 0, "8bit": 0, "int8": 0, "nf4": 1e-9, "fp4": 0})
+    fast_fp4 = figures(decode_seconds={"bfloat16": 0, "float8": 0, "8bit": 0, "int8": 0, "nf4": 1e-9, "fp4": 0})
     allow = {"storage": {"keep", "nf4", "fp4"}}
     plan = tightfit.fit(four_linears(), (X,), "450KiB", allow=allow, calibration=fast_fp4, max_error=1.0)
     assert "nf4" in {e.storage for e in plan.entries} and "fp4" not in {e.storage for e in plan.entries}
@@ -72,11 +72,13 @@ def test_time_model_decides_between_disk_and_quantization():
     model = four_linears()
     allow = {"storage": {"keep", "nf4"}, "placement": {"device", "disk"}}
     slow_decode = figures(
-        decode_seconds={"float8": 0, "8bit": 0, "int8": 0, "nf4": 1e-6, "fp4": 0}, disk_bandwidth=1e12
+        decode_seconds={"bfloat16": 0, "float8": 0, "8bit": 0, "int8": 0, "nf4": 1e-6, "fp4": 0}, disk_bandwidth=1e12
     )
     plan = tightfit.fit(model, (X,), "400KiB", allow=allow, calibration=slow_decode)
     assert {e.storage for e in plan.entries} == {"keep"} and [e.placement for e in plan.entries].count("disk") == 3
-    slow_disk = figures(decode_seconds={"float8": 0, "8bit": 0, "int8": 0, "nf4": 1e-12, "fp4": 0}, disk_bandwidth=1e3)
+    slow_disk = figures(
+        decode_seconds={"bfloat16": 0, "float8": 0, "8bit": 0, "int8": 0, "nf4": 1e-12, "fp4": 0}, disk_bandwidth=1e3
+    )
     plan = tightfit.fit(model, (X,), "600KiB", allow=allow, calibration=slow_disk, max_error=1.0)
     assert {e.placement for e in plan.entries} == {"device"} and "nf4" in {e.storage for e in plan.entries}
 
@@ -211,7 +213,9 @@ def test_cpu_placement_is_not_offered_on_the_cpu():
 def _float8_and_int8(int8_share: float) -> list:
     unit = Unit("a", "linear", (("a", "Linear", (256, 256), torch.float32),), 256 * 256 * 4, 0)
     decode = 1e-8
-    figs = figures(decode_seconds={"float8": decode, "8bit": 0, "int8": decode * int8_share, "nf4": 0, "fp4": 0})
+    figs = figures(
+        decode_seconds={"bfloat16": 0, "float8": decode, "8bit": 0, "int8": decode * int8_share, "nf4": 0, "fp4": 0}
+    )
     return options_for(
         unit,
         storages=frozenset({"float8", "int8"}),
@@ -331,7 +335,8 @@ def _one_linear_options(rows: int, token_seconds: dict) -> dict:
         rows={"a": rows},
         live={},
         figures=figures(
-            decode_seconds={"float8": 0, "8bit": 0, "int8": 0, "nf4": 1e-6, "fp4": 0}, token_seconds=token_seconds
+            decode_seconds={"bfloat16": 0, "float8": 0, "8bit": 0, "int8": 0, "nf4": 1e-6, "fp4": 0},
+            token_seconds=token_seconds,
         ),
     )
     return {option.storage: option.seconds for option in options}
@@ -355,7 +360,7 @@ def test_decode_steps_price_one_token_forwards_apart_from_the_traced_one():
     model = four_linears()
     prefill = torch.randn(64, 256)
     figs = figures(
-        decode_seconds={"float8": 0, "8bit": 0, "int8": 1e-7, "nf4": 0, "fp4": 0},
+        decode_seconds={"bfloat16": 0, "float8": 0, "8bit": 0, "int8": 1e-7, "nf4": 0, "fp4": 0},
         token_seconds={"keep": 1e-10, "int8": 1e-10},
         disk_bandwidth=1e8,
     )

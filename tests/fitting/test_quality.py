@@ -19,7 +19,10 @@ from zoo.lm import figures
 
 X = torch.randn(8, 256)
 # int8 decodes more slowly than nf4, nf4 for free and disk is slow: unbounded, nf4 on the device is the fastest way to fit
-FIGURES = figures(decode_seconds={"float8": 1e-7, "8bit": 1e-7, "int8": 2e-8, "nf4": 0, "fp4": 0}, disk_bandwidth=1e7)
+FIGURES = figures(
+    decode_seconds={"bfloat16": 1e-7, "float8": 1e-7, "8bit": 1e-7, "int8": 2e-8, "nf4": 0, "fp4": 0},
+    disk_bandwidth=1e7,
+)
 ANY_PLACE = {"storage": {"keep", "int8", "nf4"}, "placement": {"device", "disk"}}
 ON_DEVICE = {"storage": {"keep", "int8", "nf4"}, "placement": {"device"}}
 UNIT = 256 * 256 * 4

@@ -75,10 +75,11 @@ def four_linears() -> nn.Module:
 
 
 def test_builtin_formats_and_their_bytes():
-    assert storage_names() == ("keep", "float8", "8bit", "int8", "nf4", "fp4")
+    assert storage_names() == ("keep", "bfloat16", "float8", "8bit", "int8", "nf4", "fp4")
     shape, numel = (256, 512), 256 * 512
     expected = {
         "keep": numel * 4,
+        "bfloat16": numel * 2,
         "float8": numel + 256 * 4,
         "8bit": numel + 32 * 4 + 256 * 4,
         "int8": numel + 256 * 4,
@@ -86,7 +87,7 @@ def test_builtin_formats_and_their_bytes():
         "fp4": numel // 2 + numel // 64 * 4 + 16 * 4,
     }
     assert {f.name: f.stored_bytes(shape, torch.float32) for f in storage_formats()} == expected
-    assert [f.rank for f in storage_formats()] == [0, 1, 1, 1, 2, 3]
+    assert [f.rank for f in storage_formats()] == [0, 1, 2, 2, 2, 3, 4]
     assert [f.name for f in storage_formats() if not f.decodes] == ["keep"]
 
 
@@ -133,7 +134,7 @@ def test_registering_twice_and_unregistering_keep_are_refused(half):
         unregister_format("keep")
     with pytest.raises(TypeError, match="storage must be StorageFormat"):
         register_format("half")
-    with pytest.raises(ValueError, match="storage format 'tape' is not registered; registered: keep, float8"):
+    with pytest.raises(ValueError, match="storage format 'tape' is not registered; registered: keep, bfloat16, float8"):
         storage_format("tape")
     assert isinstance(storage_format("half"), StorageFormat)
 

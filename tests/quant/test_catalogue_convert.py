@@ -36,6 +36,9 @@ def test_converting_allocates_at_most_the_declared_scratch(storage, dtype, shape
     model = nn.Sequential(nn.Linear(shape[1], shape[0], bias=False)).to(dtype).eval()
     gc.collect()  # an earlier test's weights freed inside the measurement would lower the allocator's count
     peak = allocated_peak(lambda: storage.apply(model, frozenset({"0"})))
+    if model[0].weight.dtype == dtype:  # left as it is (bfloat16 storage of a 2-byte weight): nothing converted
+        assert peak == 0 and storage.convert_bytes(shape, dtype) == 0
+        return
     declared = storage.stored_bytes(shape, dtype) + storage.convert_bytes(shape, dtype)
     assert peak <= declared
     # exact, but for 8-bit's 4 KiB floor for small weights and float8's row scales (4 bytes a row)

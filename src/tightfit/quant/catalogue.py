@@ -1,5 +1,5 @@
 """The storage catalogue: one :class:`StorageFormat` per way a weight can be stored
-(``keep``, ``float8``, ``8bit``, ``int8``, ``nf4``, ``fp4``).
+(``keep``, ``bfloat16``, ``float8``, ``8bit``, ``int8``, ``nf4``, ``fp4``).
 
 A format declares what every layer above needs to know of it: its name, its precision
 rank, its bytes for a weight's shape (stored; held on the device when its layer is
@@ -25,7 +25,7 @@ from torch import nn
 from tightfit import ops
 from tightfit._validate import check_type
 from tightfit.hooks import _diffusers
-from tightfit.hooks.casting import apply_layerwise_casting, dtype_deciders
+from tightfit.hooks.casting import COMPUTE_DTYPES, apply_layerwise_casting, dtype_deciders
 from tightfit.ops import _cpu_int8_rows
 from tightfit.quant.config import (
     Blockwise8Config,
@@ -155,22 +155,59 @@ def _keep_apply(model: nn.Module, leaves: frozenset[str]) -> None:
     """Kept weights stay as they are."""
 
 
+def _cast_leaves(model: nn.Module, leaves: frozenset[str], storage: str, dtype: torch.dtype, scale: str | None) -> None:
+    """Store the named leaves' weights in ``dtype``, each computing in its own dtype. One
+    casting call per leaf, each leaf its own root: a model whose other units were cast
+    already (streamed in unit by unit) takes more; a weight that ``model.dtype`` reads is
+    refused. A weight in a compute dtype no wider than ``dtype`` (a float16 one, for
+    bfloat16) stays as it is: storing it so would save nothing and change its values
+    (float16 in bfloat16 loses 3 bits of mantissa)."""
+    chosen = [(name, module) for name, module in model.named_modules() if name in leaves]
+    deciders = dtype_deciders(model)
+    for name, module in chosen:
+        if id(module.weight) in deciders:
+            raise ValueError(f"{name}.weight is what model.dtype reads; {storage} storage would change that dtype")
+    with _diffusers.within(model):  # a diffusers model's get_parameter_dtype sees the compute dtype
+        for _, module in chosen:
+            weight = module.weight.dtype
+            if weight in COMPUTE_DTYPES and weight.itemsize <= dtype.itemsize and weight != dtype:
+                continue
+            apply_layerwise_casting(module, dtype, weight, granularity="model", skip=(), scale=scale)
+
+
+def _bfloat16_bytes(shape: Shape, dtype: torch.dtype) -> int:
+    return math.prod(shape) * min(dtype.itemsize, 2)  # a weight of 2 bytes or fewer stays as it is
+
+
+def _bfloat16_apply(model: nn.Module, leaves: frozenset[str]) -> None:
+    _cast_leaves(model, leaves, "bfloat16", torch.bfloat16, None)  # float32's range: no scale
+
+
+def _bfloat16_decoded(shape: Shape, rows: int, outliers: int, dtype: torch.dtype) -> int:
+    """A weight wider than 2 bytes is upcast to its dtype for each forward; one of 2 bytes
+    or fewer stays as it is and decodes nothing."""
+    return _decoded_copy(shape, rows, outliers, dtype) if dtype.itemsize > 2 else 0
+
+
+def _bfloat16_convert_bytes(shape: Shape, dtype: torch.dtype) -> int:
+    """The finite check of a weight it casts (``torch.isfinite``: a copy of its magnitudes
+    and three boolean masks), which runs before the 2-byte result exists: its bytes less
+    the result's; nothing where the weight stays as it is."""
+    return math.prod(shape) * (dtype.itemsize + 3 - 2) if dtype.itemsize > 2 else 0
+
+
+def _bfloat16_probe(linear: nn.Linear, x: torch.Tensor) -> tuple[Callable[[], Any], None]:
+    """The casting hook's upcast of a weight stored in bfloat16."""
+    stored = linear.weight.detach().to(torch.bfloat16)
+    return (lambda: ops.cast(stored, torch.float32)), None
+
+
 def _float8_bytes(shape: Shape, dtype: torch.dtype) -> int:
     return math.prod(shape) + shape[0] * 4  # one byte a value, a power-of-two float32 scale per row
 
 
 def _float8_apply(model: nn.Module, leaves: frozenset[str]) -> None:
-    """One casting call per leaf, each leaf its own root: a model whose other units were
-    cast already (streamed in unit by unit) takes more; a weight that ``model.dtype``
-    reads keeps its dtype."""
-    chosen = [(name, module) for name, module in model.named_modules() if name in leaves]
-    deciders = dtype_deciders(model)
-    for name, module in chosen:
-        if id(module.weight) in deciders:
-            raise ValueError(f"{name}.weight is what model.dtype reads; float8 storage would change that dtype")
-    with _diffusers.within(model):  # a diffusers model's get_parameter_dtype sees the compute dtype
-        for _, module in chosen:
-            apply_layerwise_casting(module, FLOAT8_DTYPE, module.weight.dtype, granularity="model", skip=())
+    _cast_leaves(model, leaves, "float8", FLOAT8_DTYPE, "channel")
 
 
 def _float8_convert_bytes(shape: Shape, dtype: torch.dtype) -> int:
@@ -286,8 +323,20 @@ def _builtin() -> list[StorageFormat]:
     return [
         StorageFormat("keep", 0, 0.0, _keep_bytes, _keep_apply, leaf_types=(nn.Linear, nn.Embedding)),
         StorageFormat(
-            "float8",
+            "bfloat16",
             1,
+            0.0017,
+            _bfloat16_bytes,
+            _bfloat16_apply,
+            transient_bytes=_bfloat16_decoded,
+            decode_probe=_bfloat16_probe,
+            leaf_types=(nn.Linear, nn.Embedding),
+            casts=True,
+            convert_bytes=_bfloat16_convert_bytes,
+        ),
+        StorageFormat(
+            "float8",
+            2,
             0.026,
             _float8_bytes,
             _float8_apply,
@@ -299,7 +348,7 @@ def _builtin() -> list[StorageFormat]:
         ),
         quantized_format(
             "8bit",
-            1,
+            2,
             0.013,
             blockwise8,
             Linear8bit,
@@ -309,7 +358,7 @@ def _builtin() -> list[StorageFormat]:
         ),
         quantized_format(
             "int8",
-            1,
+            2,
             0.011,
             int8,
             LinearInt8,
@@ -318,10 +367,10 @@ def _builtin() -> list[StorageFormat]:
             convert_bytes=_int8_convert_bytes,
         ),
         quantized_format(
-            "nf4", 2, 0.092, nf4, Linear4bit, stored_4bit, held_offloaded=held_4bit, convert_bytes=scratch_4bit
+            "nf4", 3, 0.092, nf4, Linear4bit, stored_4bit, held_offloaded=held_4bit, convert_bytes=scratch_4bit
         ),
         quantized_format(
-            "fp4", 3, 0.122, fp4, Linear4bit, stored_4bit, held_offloaded=held_4bit, convert_bytes=scratch_4bit
+            "fp4", 4, 0.122, fp4, Linear4bit, stored_4bit, held_offloaded=held_4bit, convert_bytes=scratch_4bit
         ),
     ]
 
