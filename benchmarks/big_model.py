@@ -50,6 +50,7 @@ import json
 import os
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -283,11 +284,14 @@ def _plan_summary(plan: dict) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda item: -item[1]))
 
 
-def run_tightfit(folder: Path, budget: int, prompt: str, new_tokens: int, options: tuple[str, ...] = ()) -> dict:
-    """One ``tightfit run`` as a user types it (``options`` added to its command line); the
-    row's figures and the report (plan entries shortened)."""
+def run_tightfit(
+    folder: Path, budget: int, prompt: str, new_tokens: int, options: tuple[str, ...] = (), repeat: int = 1
+) -> dict:
+    """One ``tightfit run`` as a user types it (``options`` added to its command line), its
+    speeds the median of ``repeat`` timed generations; the row's figures and the report
+    (plan entries shortened)."""
     command = [str(TIGHTFIT), "run", "--model", str(folder), "--budget", str(budget), "--prompt", prompt]
-    command += ["--max-new-tokens", str(new_tokens), "--repeat", "1", "--no-reference", "--json", *options]
+    command += ["--max-new-tokens", str(new_tokens), "--repeat", str(repeat), "--no-reference", "--json", *options]
     report, happened = _subprocess(command, f"tightfit, budget {human_bytes(budget)}")
     if report is None:
         return {"tool": "tightfit", "ok": False, **happened}
@@ -307,6 +311,7 @@ def run_tightfit(folder: Path, budget: int, prompt: str, new_tokens: int, option
         "load_seconds": report["load_seconds"],
         "time_to_first_token_s": report["time_to_first_token_ms"] / 1000,
         "decode_tokens_per_second": report["decode_tokens_per_second"],
+        "weights_bytes": sum(entry["bytes_after"] for entry in plan["entries"]),  # as stored, wherever they live
         "generated_text": report["generated_text"],
         **happened,
     }
@@ -315,10 +320,11 @@ def run_tightfit(folder: Path, budget: int, prompt: str, new_tokens: int, option
     return row
 
 
-def run_accelerate(folder: Path, budget: int, prompt: str, new_tokens: int) -> dict:
-    """transformers + accelerate in a fresh process (this file's ``--accelerate-worker``)."""
+def run_accelerate(folder: Path, budget: int, prompt: str, new_tokens: int, repeat: int = 1) -> dict:
+    """transformers + accelerate in a fresh process (this file's ``--accelerate-worker``), its
+    speeds the median of ``repeat`` timed generations."""
     command = [sys.executable, str(Path(__file__).resolve()), "--accelerate-worker", str(folder), str(budget)]
-    command += [prompt, str(new_tokens)]
+    command += [prompt, str(new_tokens), str(repeat)]
     row, happened = _subprocess(command, f"accelerate, budget {human_bytes(budget)}")
     if row is None:
         return {"tool": "accelerate", "ok": False, **happened}
@@ -336,9 +342,10 @@ def _kept_bytes(model: torch.nn.Module) -> int:
     return sum(storages.values())
 
 
-def accelerate_worker(folder: str, budget: int, prompt: str, new_tokens: int) -> None:
-    """Load with accelerate under ``max_memory={"cpu": budget}``, generate, print the figures
-    as JSON. The folder's kind (:mod:`tightfit.kinds`) picks the auto class and the greedy loop."""
+def accelerate_worker(folder: str, budget: int, prompt: str, new_tokens: int, repeat: int = 1) -> None:
+    """Load with accelerate under ``max_memory={"cpu": budget}``, generate (a warm-up, then
+    ``repeat`` timed generations: their median speeds), print the figures as JSON. The
+    folder's kind (:mod:`tightfit.kinds`) picks the auto class and the greedy loop."""
     import transformers
 
     kind = kind_of(transformers.AutoConfig.from_pretrained(folder, local_files_only=True))
@@ -366,8 +373,8 @@ def accelerate_worker(folder: str, budget: int, prompt: str, new_tokens: int) ->
         # transformers sets no hf_device_map where it dispatched nothing (all of it in CPU memory)
         placements = list(getattr(model, "hf_device_map", {"": "cpu"}).values())
         kept = _kept_bytes(model)
-        generate(model, input_ids, new_tokens)  # warm-up, as tightfit run --repeat 1 does
-        timed = generate(model, input_ids, new_tokens)
+        generate(model, input_ids, new_tokens)  # warm-up, as tightfit run does
+        timings = [generate(model, input_ids, new_tokens) for _ in range(repeat)]  # medians, as tightfit run's
         weights = [t for t in [*model.parameters(), *model.buffers()] if t.device.type == "cpu"]
         with LiveTensorBytes("cpu", existing=weights) as running:
             generate(model, input_ids, new_tokens)
@@ -377,17 +384,18 @@ def accelerate_worker(folder: str, budget: int, prompt: str, new_tokens: int) ->
         "plan": {f"hf_device_map {place}": count for place, count in counts.items()},
         "offloads_to_disk": "disk" in counts,
         "prompt_tokens": int(input_ids.shape[1]),
-        "new_tokens": len(timed.tokens),
+        "new_tokens": len(timings[-1].tokens),
         "kept_weights_bytes": kept,
+        "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),  # offloaded ones on meta too
         "load_peak_live_bytes": loading.peak,
         "run_peak_live_bytes": running.peak,
         "measured_peak_bytes": max(loading.peak, running.peak),
         "peak_rss_bytes": peak_rss,
         "load_peak_rss_bytes": load_rss,
         "load_seconds": load_seconds,
-        "time_to_first_token_s": timed.prefill_seconds,
-        "decode_tokens_per_second": timed.decode_tokens_per_second,
-        "generated_text": tokenizer.decode(list(timed.tokens), skip_special_tokens=True),
+        "time_to_first_token_s": statistics.median(timed.prefill_seconds for timed in timings),
+        "decode_tokens_per_second": statistics.median(timed.decode_tokens_per_second for timed in timings),
+        "generated_text": tokenizer.decode(list(timings[-1].tokens), skip_special_tokens=True),
     }
     print(json.dumps(row))
 
@@ -571,12 +579,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="results JSON (default: benchmarks/results/big_model[_huge].json)")
     parser.add_argument("--huge", action="store_true", help="the 32 GB checkpoint, budget 4 GB, tightfit only")
     parser.add_argument(
-        "--accelerate-worker", nargs=4, metavar=("DIR", "BUDGET", "PROMPT", "NEW_TOKENS"), help=argparse.SUPPRESS
+        "--accelerate-worker",
+        nargs=5,
+        metavar=("DIR", "BUDGET", "PROMPT", "NEW_TOKENS", "REPEAT"),
+        help=argparse.SUPPRESS,
     )
     args = parser.parse_args()
     if args.accelerate_worker:
-        folder, budget, prompt, new_tokens = args.accelerate_worker
-        accelerate_worker(folder, int(budget), prompt, int(new_tokens))
+        folder, budget, prompt, new_tokens, repeat = args.accelerate_worker
+        accelerate_worker(folder, int(budget), prompt, int(new_tokens), int(repeat))
         return
     name = "big_model_huge.json" if args.huge else "big_model.json"
     out = args.out or REPO / "benchmarks" / "results" / name

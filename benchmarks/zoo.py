@@ -23,9 +23,16 @@ The unplanned peak is what ``tightfit fit`` predicts for the unchanged model (th
 of the prompt, the KV cache's growth and loading). Each row: the plan in a line (units per
 storage/placement), predicted against measured peak over loading and the whole generation,
 within the budget or not, time to first token and decode tokens/s; accelerate's row the
-same where it runs. Prompt: 128 tokens; 64 new tokens (``--new-tokens``).
+same where it runs. Prompt: 128 tokens; 64 new tokens (``--new-tokens``). Speeds are the
+median of ``--repeat`` timed generations (3) after a warm-up, in each tool's process; the
+tools take turns going first from one budget to the next. Each decode speed is also given
+as a fraction of its roof: the machine's read bandwidth (:class:`_common.ReadRoof`, sampled
+before the first model and after each) over the bytes of the weights as the run stores them
+(tightfit's plan: every unit as stored, wherever it lives; accelerate: the model's bfloat16
+weights), read once per token: for the mixture of experts, which reads only the routed
+experts, an upper bound of the bytes, so its fraction is understated.
 
-Run: python benchmarks/zoo.py [--models llama3-gqa,gpt2] [--fractions 0.6,0.4,0.25] [--units layers,blocks]
+Run: python benchmarks/zoo.py [--models llama3-gqa,gpt2] [--fractions 0.6,0.4,0.25] [--units layers,blocks] [--repeat 3]
 (writes benchmarks/results/zoo.json and zoo.md beside it, and prints the rows as they come)
 """
 
@@ -40,6 +47,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import ReadRoof
 from big_model import _plan_summary, run_accelerate, run_tightfit
 
 from tightfit._format import human_bytes
@@ -172,16 +180,23 @@ def markdown(results: dict) -> str:
         '`--units layers` and `--units blocks`) against transformers + accelerate (`device_map="auto"`, '
         '`max_memory={"cpu": budget}`) at the same budget, each in its own process. Peaks in MiB over loading '
         'and the whole generation; "pred/meas" is tightfit\'s predicted peak over its measured one; TTFT in ms; '
-        "decode in tokens/s; the ratio is tightfit's decode over accelerate's.",
+        f"decode in tokens/s, the median of {results.get('repeat', 1)} timed generations, and as a share of its "
+        "roof (read bandwidth over the weights' bytes as stored, read once a token); the ratio is tightfit's "
+        f"decode over accelerate's. Read bandwidth: {results['roof']['described']}.",
         "",
-        "| model | budget (MiB) | units | within | measured | pred/meas | TTFT | decode | accelerate within "
-        "| measured | decode | ratio | tightfit's plan (units) |",
-        "|---|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---|",
+        "| model | budget (MiB) | units | within | measured | pred/meas | TTFT | decode | of roof | accelerate within "
+        "| measured | decode | of roof | ratio | tightfit's plan (units) |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
     ]
+    bandwidth = results["roof"]["bytes_per_second"]
+
+    def of_roof(row: dict) -> str:
+        return f"{row['decode_tokens_per_second'] * row['weights_bytes'] / bandwidth:.0%}"
+
     ratios_within, ratios_over, predictions, rows, within = [], [], [], 0, 0
     for name, entry in results["models"].items():
         if entry["refused"]:
-            lines.append(f"| {name} | - | - | refused: {entry['refused']} |" + " |" * 9)
+            lines.append(f"| {name} | - | - | refused: {entry['refused']} |" + " |" * 11)
         by_fraction: dict[float, list[dict]] = {}
         for row in entry["rows"]:
             by_fraction.setdefault(row["fraction"], []).append(row)
@@ -191,26 +206,26 @@ def markdown(results: dict) -> str:
                 budget = f"{fraction:.0%} ({_mib(row['budget_bytes'])})"
                 units = row["tool"].split("/", 1)[-1]
                 if not row.get("ok"):
-                    lines.append(f"| {name} | {budget} | {units} | failed |" + " |" * 9)
+                    lines.append(f"| {name} | {budget} | {units} | failed |" + " |" * 11)
                     continue
                 rows += 1
                 within += bool(row["within_budget"])
                 predictions.append(row["predicted_over_measured"])
                 ratio = None
-                peer_cells = "failed | - | - | -"
+                peer_cells = "failed | - | - | - | -"
                 if peer.get("ok"):
                     ratio = row["decode_tokens_per_second"] / peer["decode_tokens_per_second"]
                     (ratios_within if peer["within_budget"] else ratios_over).append(ratio)
                     peer_cells = (
                         f"{'yes' if peer['within_budget'] else 'NO'} | {_mib(peer['measured_peak_bytes'])} "
-                        f"| {peer['decode_tokens_per_second']:.1f} | {ratio:.2f}x"
+                        f"| {peer['decode_tokens_per_second']:.1f} | {of_roof(peer)} | {ratio:.2f}x"
                     )
                 plan = ", ".join(f"{count} {what}" for what, count in row["plan"].items())
                 lines.append(
                     f"| {name} | {budget} | {units} | {'yes' if row['within_budget'] else 'NO'} "
                     f"| {_mib(row['measured_peak_bytes'])} | {row['predicted_over_measured']:.3f} "
                     f"| {row['time_to_first_token_s'] * 1000:.0f} | {row['decode_tokens_per_second']:.1f} "
-                    f"| {peer_cells} | {plan} |"
+                    f"| {of_roof(row)} | {peer_cells} | {plan} |"
                 )
     close = sum(1 for value in predictions if abs(value - 1) <= 0.03)
     lines += [
@@ -240,6 +255,7 @@ def main() -> None:
         default="layers,blocks",
         help="tightfit run --units values, each a row of its own (comma-separated; default: layers,blocks)",
     )
+    parser.add_argument("--repeat", type=int, default=3, help="timed generations per run, their median (default: 3)")
     parser.add_argument("--cache-dir", type=Path, default=CACHE)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "zoo.json")
     args = parser.parse_args()
@@ -249,11 +265,18 @@ def main() -> None:
         parser.error(f"--models: {', '.join(unknown)} unknown; known: {', '.join(ARCHITECTURES)}")
     fractions = [float(text) for text in args.fractions.split(",") if text]
     unit_sizes = [text for text in args.units.split(",") if text]
-    runners = [(f"tightfit/{size}", functools.partial(run_tightfit, options=("--units", size))) for size in unit_sizes]
+    runners = [
+        (f"tightfit/{size}", functools.partial(run_tightfit, options=("--units", size), repeat=args.repeat))
+        for size in unit_sizes
+    ]
+    peer = ("accelerate", functools.partial(run_accelerate, repeat=args.repeat))
+    roof = ReadRoof()
+    roof.measure()
     results = {
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cpu": cpu_name(),
         "new_tokens": args.new_tokens,
+        "repeat": args.repeat,
         "command": " ".join(["python", "benchmarks/zoo.py", *sys.argv[1:]]),
         "models": {},
     }
@@ -264,9 +287,9 @@ def main() -> None:
         entry = {"unplanned_peak_bytes": full, "refused": refused, "rows": []}
         results["models"][name] = entry
         print(f"\n{name}: unplanned peak {human_bytes(full) if full else '-'} {refused}", flush=True)
-        for fraction in fractions if full else []:
+        for turn, fraction in enumerate(fractions if full else []):
             budget = int(full * fraction)
-            for tool, runner in [*runners, ("accelerate", run_accelerate)]:
+            for tool, runner in [*runners, peer] if turn % 2 == 0 else [peer, *runners]:
                 row = runner(folder, budget, prompt, args.new_tokens)
                 row.update(tool=tool, fraction=fraction, budget_bytes=budget)
                 if tool.startswith("tightfit") and row.get("ok"):
@@ -274,6 +297,8 @@ def main() -> None:
                 row.pop("report", None)
                 entry["rows"].append(row)
                 print(f" {fraction:.0%} of it, {human_bytes(budget)}:\n{_row_line(row)}", flush=True)
+        roof.measure()
+        results["roof"] = {"bytes_per_second": roof.bandwidth, "described": roof.describe()}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
