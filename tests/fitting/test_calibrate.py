@@ -70,6 +70,10 @@ def test_real_measurement_gives_valid_figures_under_its_own_progress(measured_ca
     assert figures_now.host_to_device_bandwidth is None
     assert figures_now.matmul_flops > 0 and figures_now.disk_bandwidth > 0
     assert set(figures_now.decode_seconds) == {"bfloat16", "float8", "8bit", "int8", "nf4", "fp4"}
+    # one-token figures per compute dtype; bfloat16 storage of a bfloat16 layer changes nothing, and has none
+    assert set(figures_now.token_seconds) == {"bfloat16", "float32"}
+    assert set(figures_now.token_seconds["float32"]) == {"keep", "bfloat16", "float8", "8bit", "int8", "nf4", "fp4"}
+    assert set(figures_now.token_seconds["bfloat16"]) == {"keep", "float8", "8bit", "int8", "nf4", "fp4"}
 
 
 @pytest.mark.parametrize(
@@ -96,6 +100,27 @@ def test_real_measurement_gives_valid_figures_under_its_own_progress(measured_ca
 def test_bad_figures_rejected(change, message):
     with pytest.raises(ValueError, match=message):
         figures(**change)
+
+
+@pytest.mark.parametrize(
+    "token_seconds, error, message",
+    [
+        ({"keep": 1e-10}, ValueError, "token_seconds has unknown dtype 'keep'"),  # one dtype's figures, as cached before
+        ({"float32": 1e-10}, TypeError, r"token_seconds\['float32'\] must be dict"),
+        (
+            {"bf16": {"keep": 1e-10}},
+            ValueError,
+            "token_seconds has unknown dtype 'bf16'; accepted: a torch dtype's name",
+        ),
+        ({"float32": {"gguf": 1e-10}}, ValueError, r"token_seconds\['float32'\] has unknown storage 'gguf'"),
+        ({"float32": {"keep": 0}}, ValueError, r"token_seconds\['float32'\]\['keep'\] must be a finite number > 0"),
+        ({"float32": {"keep": True}}, ValueError, r"token_seconds\['float32'\]\['keep'\] must be a finite number"),
+        ([], TypeError, "token_seconds must be dict"),
+    ],
+)
+def test_bad_one_token_figures_rejected(token_seconds, error, message):
+    with pytest.raises(error, match=message):
+        figures(token_seconds=token_seconds)
 
 
 def test_round_trip_and_unknown_keys():

@@ -345,13 +345,15 @@ def _one_linear_options(rows: int, token_seconds: dict) -> dict:
 def test_few_token_forwards_are_priced_by_the_one_token_figures():
     """Up to FEW_TOKENS rows, a Linear costs its storage's measured one-token seconds per weight
     (the fused kernels read the codes in the product); above, the decode and matmul figures."""
-    fast_nf4 = {"keep": 2e-9, "nf4": 1e-9}
+    fast_nf4 = {"float32": {"keep": 2e-9, "nf4": 1e-9}}
     few = _one_linear_options(tightfit.ops.FEW_TOKENS, fast_nf4)
     assert few["keep"] == pytest.approx(256 * 256 * 2e-9) and few["nf4"] == pytest.approx(256 * 256 * 1e-9)
     many = _one_linear_options(tightfit.ops.FEW_TOKENS + 1, fast_nf4)
     assert many["nf4"] > 256 * 256 * 1e-6 > many["keep"]  # the slow decode figure prices it
-    unmeasured = _one_linear_options(1, {"keep": 2e-9})  # a storage without a one-token figure: the old terms
-    assert unmeasured["nf4"] > 256 * 256 * 1e-6
+    unmeasured = _one_linear_options(1, {"float32": {"keep": 2e-9}})  # a storage without a one-token figure
+    assert unmeasured["nf4"] > 256 * 256 * 1e-6  # the decode and matmul terms
+    other_dtype = _one_linear_options(1, {"bfloat16": {"keep": 2e-9, "nf4": 1e-9}})  # figures of bfloat16 layers
+    assert other_dtype["nf4"] > 256 * 256 * 1e-6 and other_dtype["keep"] != pytest.approx(256 * 256 * 2e-9)
 
 
 def test_decode_steps_price_one_token_forwards_apart_from_the_traced_one():
@@ -361,7 +363,7 @@ def test_decode_steps_price_one_token_forwards_apart_from_the_traced_one():
     prefill = torch.randn(64, 256)
     figs = figures(
         decode_seconds={"bfloat16": 0, "float8": 0, "8bit": 0, "int8": 1e-7, "nf4": 0, "fp4": 0},
-        token_seconds={"keep": 1e-10, "int8": 1e-10},
+        token_seconds={"float32": {"keep": 1e-10, "int8": 1e-10}},
         disk_bandwidth=1e8,
     )
     allow = {"storage": {"keep", "int8"}, "placement": {"device", "disk"}}

@@ -48,6 +48,7 @@ SECONDS_PER_FIGURE = 0.5
 _MIN_SAMPLES = 3
 _PROBE_FEATURES, _PROBE_ROWS = 1024, 64  # the layer and the batch the decode probes run on
 _TOKEN_FEATURES = 1024  # the layer the one-token probes run on (2 MiB in bf16; larger cost seconds per calibration)
+_TOKEN_DTYPES = ("bfloat16", "float32")  # the compute dtypes the one-token probes run in
 
 _FIGURES = ("matmul_flops", "device_bandwidth", "host_to_device_bandwidth", "disk_bandwidth")
 
@@ -59,10 +60,11 @@ class Calibration:
     ``host_to_device_bandwidth`` is None where the device is the host (the CPU): nothing
     is copied there. ``decode_seconds`` maps each storage of the catalogue that decodes
     (float8, 8bit, int8, nf4, fp4 and any registered since) to the extra seconds a
-    forward spends per weight stored so. ``token_seconds`` maps storages (``keep``
-    included) to the whole seconds per weight of a one-token forward of a layer stored
-    so, which the few-token kernels run without decoding the weight first; a storage
-    without one is priced by the decode and matmul figures.
+    forward spends per weight stored so. ``token_seconds`` maps a layer's compute dtype
+    (``"bfloat16"``, ``"float32"``) to storages (``keep`` included) to the whole seconds per
+    weight of a one-token forward of such a layer stored so (the few-token kernels read the
+    stored bytes in the product; a kept float32 layer reads twice a bfloat16 one's bytes); a
+    storage or dtype without one is priced by the decode and matmul figures.
     """
 
     backend: str
@@ -74,7 +76,7 @@ class Calibration:
     disk_bandwidth: float
     decode_seconds: dict[str, float] = field(default_factory=dict)
     measured_seconds: float = 0.0  # how long calibrating took
-    token_seconds: dict[str, float] = field(default_factory=dict)
+    token_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("backend", "device_name", "torch_version"):
@@ -103,11 +105,20 @@ class Calibration:
                 raise ValueError(f"decode_seconds[{key!r}] must be a finite number >= 0, got {value!r}")
         check_type("token_seconds", self.token_seconds, dict)
         names = [storage.name for storage in storage_formats()]
-        for key, value in self.token_seconds.items():
-            if key not in names:
-                raise ValueError(f"token_seconds has unknown storage {key!r}; accepted: {', '.join(names)}")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
-                raise ValueError(f"token_seconds[{key!r}] must be a finite number > 0, got {value!r}")
+        for dtype, figures in self.token_seconds.items():
+            if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+                raise ValueError(
+                    f"token_seconds has unknown dtype {dtype!r}; accepted: a torch dtype's name, such as "
+                    f"{', '.join(_TOKEN_DTYPES)}"
+                )
+            check_type(f"token_seconds[{dtype!r}]", figures, dict)
+            for key, value in figures.items():
+                if key not in names:
+                    raise ValueError(
+                        f"token_seconds[{dtype!r}] has unknown storage {key!r}; accepted: {', '.join(names)}"
+                    )
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+                    raise ValueError(f"token_seconds[{dtype!r}][{key!r}] must be a finite number > 0, got {value!r}")
 
     @classmethod
     def fixed(cls, **changes: Any) -> Calibration:
@@ -241,21 +252,28 @@ def _probes(
     return probes
 
 
-def _token_probes(device: torch.device) -> dict[str, Callable[[], Any]]:
-    """Each storage's one-token forward of a :data:`_TOKEN_FEATURES` squared bf16 layer,
-    applied as a plan applies it (the storage's own ``apply``), run once: the few-token
-    kernels read the stored bytes in the product, so a one-token forward is priced by its
-    own figure, not by a decode plus a matmul."""
+def _token_probes(device: torch.device) -> dict[tuple[str, str], Callable[[], Any]]:
+    """Per compute dtype of :data:`_TOKEN_DTYPES`, each storage's one-token forward of a
+    :data:`_TOKEN_FEATURES` squared layer of it, applied as a plan applies it (the storage's
+    own ``apply``), run once: the few-token kernels read the stored bytes in the product, so
+    a one-token forward is priced by its own figure, not by a decode plus a matmul. A storage
+    that would store such a layer in as many bytes as it has (bfloat16 of a bfloat16 layer)
+    changes nothing there, and has no figure."""
     torch.manual_seed(0)
-    x = torch.randn(1, _TOKEN_FEATURES, device=device, dtype=torch.bfloat16)
+    shape = (_TOKEN_FEATURES, _TOKEN_FEATURES)
     probes = {}
-    for storage in storage_formats():
-        if nn.Linear not in storage.leaf_types:
-            continue
-        model = nn.Sequential(nn.Linear(_TOKEN_FEATURES, _TOKEN_FEATURES, bias=False)).to(device, torch.bfloat16)
-        storage.apply(model, frozenset({"0"}))
-        probes[storage.name] = functools.partial(model, x)
-        probes[storage.name]()
+    for name in _TOKEN_DTYPES:
+        dtype = getattr(torch, name)
+        x = torch.randn(1, _TOKEN_FEATURES, device=device, dtype=dtype)
+        for storage in storage_formats():
+            if nn.Linear not in storage.leaf_types:
+                continue
+            if storage.name != "keep" and storage.stored_bytes(shape, dtype) >= math.prod(shape) * dtype.itemsize:
+                continue
+            model = nn.Sequential(nn.Linear(*shape, bias=False)).to(device, dtype)
+            storage.apply(model, frozenset({"0"}))
+            probes[name, storage.name] = functools.partial(model, x)
+            probes[name, storage.name]()
     return probes
 
 
@@ -289,8 +307,8 @@ def _measure(backend: Any, device: torch.device) -> Calibration:
             works[f"decode {name}"] = work
             if baseline is not None:
                 works[f"baseline {name}"] = baseline
-        for name, work in tokens.items():
-            works[f"token {name}"] = work
+        for (dtype, name), work in tokens.items():
+            works[f"token {dtype} {name}"] = work
         count = 1 + len(works)  # the disk, then the figures sampled in turns
         about = math.ceil(count * SECONDS_PER_FIGURE * 1.25)  # and a quarter again for first calls and slow rounds
         with task(f"calibrating {backend.name} (once, about {about} s)", count) as advance:
@@ -311,7 +329,10 @@ def _measure(backend: Any, device: torch.device) -> Calibration:
         disk_bandwidth=disk,
         decode_seconds=decode,
         measured_seconds=time.perf_counter() - start,
-        token_seconds={name: least[f"token {name}"] / _TOKEN_FEATURES**2 for name in tokens},
+        token_seconds={
+            dtype: {name: least[f"token {dtype} {name}"] / _TOKEN_FEATURES**2 for kind, name in tokens if kind == dtype}
+            for dtype in _TOKEN_DTYPES
+        },
     )
 
 
@@ -333,7 +354,7 @@ def figures_of(chosen: Any, device: torch.device, *, remeasure: bool = False) ->
             if "token_seconds" in data:  # figures cached before one-token forwards were measured are stale
                 return Calibration.from_dict(data)
         except (ValueError, TypeError):
-            pass  # a stale or damaged cache file is measured again and rewritten
+            pass  # a stale (one-token figures of one dtype) or damaged cache file is measured again and rewritten
     figures = _measure(chosen, device)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -480,9 +480,10 @@ def options_for(
                 stored += size
                 held_offloaded += leaf.held_offloaded(shape, dtype)
             numel, count = math.prod(shape), rows.get(name, 0)
-            few_tokens = kind == "Linear" and 0 < count <= FEW_TOKENS and leaf.name in figures.token_seconds
+            per_weight = figures.token_seconds.get(str(dtype).removeprefix("torch."), {}).get(leaf.name)
+            few_tokens = kind == "Linear" and 0 < count <= FEW_TOKENS and per_weight is not None
             if few_tokens:  # the few-token kernels' measured seconds, reading and decoding included
-                token_seconds += share * numel * figures.token_seconds[leaf.name]
+                token_seconds += share * numel * per_weight
                 touched += int(share * size)
             elif kind == "Linear":
                 compute_seconds += share * 2 * numel * count / figures.matmul_flops
