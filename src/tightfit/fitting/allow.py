@@ -34,7 +34,7 @@ def _every_storage() -> frozenset[str]:
 
 @dataclass(frozen=True)
 class Allow:
-    """Storages (the storage catalogue's formats: ``keep``, ``float8``, ``8bit``, ``int8``,
+    """Storages (the storage catalogue's formats: ``keep``, ``bfloat16``, ``float8``, ``8bit``, ``int8``,
     ``nf4``, ``fp4`` and any registered since) and placements (``device``, ``cpu``,
     ``disk``) the planner may choose from, and whether it may add region hints (``hints``:
     DFS slicing of the layer stack, which saves memory only under ``torch.compile`` with

@@ -59,7 +59,7 @@ class Calibration:
 
     ``host_to_device_bandwidth`` is None where the device is the host (the CPU): nothing
     is copied there. ``decode_seconds`` maps each storage of the catalogue that decodes
-    (float8, 8bit, int8, nf4, fp4 and any registered since) to the extra seconds a
+    (bfloat16, float8, 8bit, int8, nf4, fp4 and any registered since) to the extra seconds a
     forward spends per weight stored so. ``token_seconds`` maps a layer's compute dtype
     (``"bfloat16"``, ``"float32"``) to storages (``keep`` included) to the whole seconds per
     weight of a one-token forward of such a layer stored so (the few-token kernels read the
