@@ -105,7 +105,11 @@ def test_bad_figures_rejected(change, message):
 @pytest.mark.parametrize(
     "token_seconds, error, message",
     [
-        ({"keep": 1e-10}, ValueError, "token_seconds has unknown dtype 'keep'"),  # one dtype's figures, as cached before
+        (
+            {"keep": 1e-10},
+            ValueError,
+            "token_seconds has unknown dtype 'keep'",
+        ),  # one dtype's figures, as cached before
         ({"float32": 1e-10}, TypeError, r"token_seconds\['float32'\] must be dict"),
         (
             {"bf16": {"keep": 1e-10}},
