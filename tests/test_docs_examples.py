@@ -85,6 +85,11 @@ VOLATILE = (
     ),
     ("the process's RSS", re.compile(r"\bRSS\b"), re.compile(r"\d[\d.,]*\s?[KMGT]?i?B\b")),
     ("free and total memory", re.compile(r"\bfree /"), re.compile(r"\d[\d.,]*\s?[KMGT]?i?B\b")),
+    (
+        "memory available when planned",
+        re.compile(r"of memory available when planned"),
+        re.compile(r"\d[\d.,]*\s?[KMGT]?i?B(?= of memory available)"),
+    ),
 )
 
 #: Shown outputs not compared, by (page, the block's first line), and why.

@@ -18,7 +18,7 @@ def twice():
     hooks.apply_layerwise_casting(model, torch.float8_e4m3fn, torch.float32)
 import tightfit.graph
 import tightfit.graph.alloc
-import tightfit.fitting, tightfit.memory, tightfit.app.generation
+import tightfit.fitting, tightfit.fitting.traced, tightfit.memory, tightfit.app.generation
 FIG = dict(backend="cpu", device_name="test", torch_version=torch.__version__, matmul_flops=1e10, device_bandwidth=1e10,
            host_to_device_bandwidth=None, disk_bandwidth=1e9, decode_seconds=dict.fromkeys(("bfloat16", "float8", "8bit", "int8", "nf4", "fp4"), 0.0))
 import torch.fx
@@ -129,6 +129,16 @@ checks = [
     (lambda: tightfit.fitting.held_bytes(layer(), 5), TypeError),
     (lambda: tightfit.fitting.Calibration(**{**FIG, "decode_seconds": {**FIG["decode_seconds"], "gguf": 0.0}}), ValueError),
     (lambda: tightfit.fit(layer(), torch.ones(2, 4), "1MB", calibration=tightfit.fitting.Calibration(**{**FIG, "backend": "cuda"})), ValueError),
+    (lambda: tightfit.fitting.Calibration(**{**FIG, "token_seconds": {"keep": 1e-10}}), ValueError),
+    (lambda: tightfit.fitting.Calibration(**{**FIG, "cached_read_bandwidth": 0}), ValueError),
+    (lambda: tightfit.fitting.Calibration(**{**FIG, "token_seconds": {"float32": {"keep": 0}}}), ValueError),
+    (lambda: tightfit.fitting.traced.DecodeTrace("script", 5, "model", 0), TypeError),
+    (lambda: tightfit.fitting.traced.DecodeTrace(print, 0, "model", 0), ValueError),
+    (lambda: tightfit.fitting.traced.DecodeTrace(print, 5, "", 0), ValueError),
+    (lambda: tightfit.fit(layer(), torch.ones(2, 4), "1MB", calibration=tightfit.fitting.Calibration(**FIG), decode=3, decode_steps=1), TypeError),
+    (lambda: tightfit.fit(layer(), torch.ones(2, 4), "1MB", calibration=tightfit.fitting.Calibration(**FIG), decode=tightfit.fitting.traced.DecodeTrace(print, 5, "model", 0)), ValueError),
+    (lambda: tightfit.fitting.FitPlan.from_json(tightfit.fit(layer(), torch.ones(2, 4), "1MB", calibration=tightfit.fitting.Calibration(**FIG)).to_json().replace('"phase_peaks": {}', '"phase_peaks": {"prefill": 1}')), ValueError),
+    (lambda: tightfit.fitting.FitPlan.from_json(tightfit.fit(layer(), torch.ones(2, 4), "1MB", calibration=tightfit.fitting.Calibration(**FIG)).to_json().replace('"kv_cache": {}', '"kv_cache": {"format": "model"}')), ValueError),
     (lambda: tightfit.memory.AllocatedBytes("bogus", read=lambda: 0), ValueError),
     (lambda: tightfit.memory.mark(3), TypeError),
     (lambda: tightfit.app.generation.generate_greedy(None, torch.ones(1, 2, dtype=torch.long), 1, synchronize=3), TypeError),
@@ -158,4 +168,4 @@ print(f"{len(checks)} checks raised as documented")
 def test_bad_inputs_raise_under_python_O():
     done = subprocess.run([sys.executable, "-O", "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "98 checks raised as documented" in done.stdout
+    assert "108 checks raised as documented" in done.stdout

@@ -22,7 +22,9 @@ def counted(monkeypatch, tmp_path):
 
     def fake_measure(backend, device):
         calls.append(device)
-        return figures(device_name=calibrate_impl._device_name(device), matmul_flops=1e9 + len(calls))
+        return figures(
+            device_name=calibrate_impl._device_name(device), matmul_flops=1e9 + len(calls), cached_read_bandwidth=2e10
+        )
 
     monkeypatch.setattr(calibrate_impl, "_measure", fake_measure)
     return calls

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tightfit
+from tightfit.app.kv_cache import cache_argument
 from tightfit.fitting import FitPlan
 from tightfit.fitting.traced import DECODE, DecodeTrace
 from zoo.lm import figures
@@ -36,15 +37,15 @@ def llama() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
 
 
-def last_step(context: int) -> DecodeTrace:
+def last_step(model: torch.nn.Module, context: int) -> DecodeTrace:
     """The decode step after ``context - 1`` positions, as tightfit run's generation makes it."""
 
     def script(calls) -> None:
-        cache = transformers.DynamicCache()
+        cache = cache_argument(model)  # the keyword this transformers takes it by
         ids = torch.zeros(1, context - 1, dtype=torch.long, device=calls.device)
-        token = calls.call(input_ids=ids, use_cache=True, past_key_values=cache).logits[:, -1:].argmax(-1)
+        token = calls.call(input_ids=ids, use_cache=True, **cache).logits[:, -1:].argmax(-1)
         calls.phase(DECODE)
-        calls.call(input_ids=token, use_cache=True, past_key_values=cache)
+        calls.call(input_ids=token, use_cache=True, **cache)
 
     return DecodeTrace(script, context, "model", context * PER_TOKEN)
 
@@ -55,7 +56,7 @@ def plan(model: torch.nn.Module, budget: int, decode: DecodeTrace | None = None,
 
 def test_the_plan_s_peak_is_the_larger_phase_and_says_both():
     model = llama()
-    short, long = plan(model, 1 << 30, last_step(12)), plan(model, 1 << 30, last_step(4000))
+    short, long = plan(model, 1 << 30, last_step(model, 12)), plan(model, 1 << 30, last_step(model, 4000))
     for made in (short, long):
         assert made.predicted_peak_bytes == max(made.phase_peaks.values())
         assert made.full_peak_bytes == made.predicted_peak_bytes  # the budget covers the unchanged model
@@ -71,10 +72,10 @@ def test_the_plan_s_peak_is_the_larger_phase_and_says_both():
 
 def test_a_budget_the_prefill_meets_but_the_long_decode_does_not_moves_more_off_the_device():
     model = llama()
-    long = plan(model, 1 << 30, last_step(4000))
+    long = plan(model, 1 << 30, last_step(model, 4000))
     budget = (long.phase_peaks["prefill"] + long.phase_peaks[DECODE]) // 2
     unaware = plan(model, budget)  # the prefill alone: the budget covers the unchanged model
-    aware = plan(model, budget, last_step(4000))
+    aware = plan(model, budget, last_step(model, 4000))
     assert unaware.applies_nothing and not aware.applies_nothing
     assert aware.predicted_peak_bytes <= budget and aware.predicted_weights_bytes < unaware.predicted_weights_bytes
 
@@ -82,7 +83,7 @@ def test_a_budget_the_prefill_meets_but_the_long_decode_does_not_moves_more_off_
 def test_decode_needs_decode_steps_and_a_decode_trace():
     model = llama()
     with pytest.raises(ValueError, match="decode .* needs decode_steps >= 1"):
-        tightfit.fit(model, PROMPT, 1 << 30, calibration=figures(), decode=last_step(12))
+        tightfit.fit(model, PROMPT, 1 << 30, calibration=figures(), decode=last_step(model, 12))
     with pytest.raises(TypeError, match="decode must be"):
         plan(model, 1 << 30, decode={"context": 12})
 
@@ -116,13 +117,14 @@ def test_a_bad_decode_trace_is_refused_naming_the_field(context, kv_format, kv_b
         ("phase_peaks", {"prefill": 10, "decode": -1}, "phase_peaks"),
         ("phase_peaks", [1, 2], "phase_peaks must be a dict"),
         ("kv_cache", {"format": "model"}, "must have the keys format, context, bytes"),
-        ("kv_cache", {"format": "model", "context": -2, "bytes": 0}, r"kv_cache\['context'\] must be a int >= 0"),
+        ("kv_cache", {"format": "model", "context": -2, "bytes": 0}, r"kv_cache\['context'\] must be an int >= 0"),
         ("kv_cache", {"format": 3, "context": 2, "bytes": 0}, r"kv_cache\['format'\] must be a str"),
         ("kv_cache", {"format": "model", "context": 2, "bytes": math.inf}, r"kv_cache\['bytes'\]"),
     ],
 )
 def test_a_plan_with_bad_phases_or_cache_is_refused(field, value, message):
-    made = plan(llama(), 1 << 30, last_step(12))
+    model = llama()
+    made = plan(model, 1 << 30, last_step(model, 12))
     data = made.to_dict() | {field: value}
     data.pop("format")
     data["entries"] = made.entries

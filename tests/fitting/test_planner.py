@@ -380,3 +380,44 @@ def test_decode_steps_price_one_token_forwards_apart_from_the_traced_one():
     )
     with pytest.raises(ValueError, match=r"decode_steps must be an int >= 0, got -1"):
         tightfit.fit(model, (prefill,), budget, calibration=figs, decode_steps=-1)
+
+
+def _available(monkeypatch, free: int | None) -> None:
+    """The host's memory as the planner reads it: ``free`` bytes available."""
+    from tightfit.backends.base import MemoryInfo
+    from tightfit.backends.cpu import CPUBackend
+
+    monkeypatch.setattr(CPUBackend, "memory", lambda self, device=None: MemoryInfo(None, free, None, None, "test"))
+
+
+@pytest.mark.parametrize("free", [1 << 40, 1 << 19, None], ids=["roomy", "tight", "unknown"])
+def test_disk_reads_are_priced_from_the_page_cache_only_where_the_model_fits_in_available_memory(monkeypatch, free):
+    # int8 decodes slowly and disk is slower: where the page cache holds the mapped weights (the
+    # model's 1 MiB fits in what the host has available), disk costs what memory does and wins
+    model = four_linears()
+    figs = figures(
+        decode_seconds={"bfloat16": 0, "float8": 0, "8bit": 0, "int8": 1e-7, "nf4": 0, "fp4": 0},
+        disk_bandwidth=1e7,  # a unit's 256 KiB read in 26 ms, its int8 decode 6.6 ms
+        cached_read_bandwidth=1e10,
+    )
+    _available(monkeypatch, free)
+    allow = {"storage": {"keep", "int8"}, "placement": {"device", "disk"}}
+    plan = tightfit.fit(model, (X,), 700 * 1024, allow=allow, calibration=figs)
+    changed = {(e.storage, e.placement) for e in plan.changed_entries()}
+    if free == 1 << 40:
+        assert changed == {("keep", "disk")} and plan.disk_reads.startswith("from the page cache at 10.0 GB/s")
+        assert "units on disk read from the page cache" in str(plan)
+    else:  # priced at the cold disk's 0.01 GB/s a forward: int8 is faster
+        assert changed == {("int8", "device")} and plan.disk_reads == ""
+    allow_disk = {"storage": {"keep"}, "placement": {"device", "disk"}}
+    cold = tightfit.fit(model, (X,), 700 * 1024, allow=allow_disk, calibration=figures(disk_bandwidth=1e8))
+    assert cold.disk_reads.endswith("no page-cache read figure in the calibration")
+    if free == 1 << 19:
+        tight = tightfit.fit(model, (X,), 700 * 1024, allow=allow_disk, calibration=figs)
+        assert tight.disk_reads.endswith("the model's 1.0 MiB may not stay in the page cache (512.0 KiB available)")
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), True, "fast"])
+def test_a_bad_page_cache_figure_is_refused(value):
+    with pytest.raises((ValueError, TypeError), match="cached_read_bandwidth must be a finite number > 0"):
+        figures(cached_read_bandwidth=value)

@@ -18,12 +18,14 @@ from tightfit.fitting.plan import FitPlan, PlanEntry
 from tightfit.fitting.planner import FitError, fit
 from tightfit.fitting.regions import add_hints, remove_hints
 from tightfit.fitting.size import parse_size
+from tightfit.fitting.traced import DecodeTrace
 
 __all__ = [
     "PLACEMENTS",
     "STORAGES",
     "Allow",
     "Calibration",
+    "DecodeTrace",
     "FitError",
     "FitPlan",
     "PlanEntry",

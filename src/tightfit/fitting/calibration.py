@@ -50,7 +50,8 @@ _PROBE_FEATURES, _PROBE_ROWS = 1024, 64  # the layer and the batch the decode pr
 _TOKEN_FEATURES = 1024  # the layer the one-token probes run on (2 MiB in bf16; larger cost seconds per calibration)
 _TOKEN_DTYPES = ("bfloat16", "float32")  # the compute dtypes the one-token probes run in
 
-_FIGURES = ("matmul_flops", "device_bandwidth", "host_to_device_bandwidth", "disk_bandwidth")
+_FIGURES = ("matmul_flops", "device_bandwidth", "host_to_device_bandwidth", "disk_bandwidth", "cached_read_bandwidth")
+_OPTIONAL = ("host_to_device_bandwidth", "cached_read_bandwidth")  # None: not measured on this device
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,10 @@ class Calibration:
     """Figures of one device, in units per second, and decode costs in seconds per weight.
 
     ``host_to_device_bandwidth`` is None where the device is the host (the CPU): nothing
-    is copied there. ``decode_seconds`` maps each storage of the catalogue that decodes
+    is copied there. ``cached_read_bandwidth``: a copy out of a file's pages mapped into
+    memory while the page cache holds them, counted as ``device_bandwidth`` counts its copy
+    (the CPU only; None where not measured: reads from a mapped file are then priced at
+    ``disk_bandwidth``). ``decode_seconds`` maps each storage of the catalogue that decodes
     (bfloat16, float8, 8bit, int8, nf4, fp4 and any registered since) to the extra seconds a
     forward spends per weight stored so. ``token_seconds`` maps a layer's compute dtype
     (``"bfloat16"``, ``"float32"``) to storages (``keep`` included) to the whole seconds per
@@ -77,13 +81,14 @@ class Calibration:
     decode_seconds: dict[str, float] = field(default_factory=dict)
     measured_seconds: float = 0.0  # how long calibrating took
     token_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    cached_read_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("backend", "device_name", "torch_version"):
             check_type(name, getattr(self, name), str)
         for name in _FIGURES:
             value = getattr(self, name)
-            if value is None and name == "host_to_device_bandwidth":
+            if value is None and name in _OPTIONAL:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
@@ -231,6 +236,17 @@ def _disk_bandwidth(nbytes: int) -> float:
     return len(data) / max(statistics.median(samples), 1e-9)
 
 
+def _page_cached(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of a file mapped into memory (``torch.from_file``, as a checkpoint's pages
+    are), read once so that the page cache holds them; the file is gone, its mapping stays."""
+    with tempfile.NamedTemporaryFile(prefix="tightfit-calibrate-") as handle:
+        handle.write(b"\x01" * nbytes)
+        handle.flush()
+        mapped = torch.from_file(handle.name, shared=False, size=nbytes, dtype=torch.uint8)
+        mapped.sum()  # every page read in
+    return mapped
+
+
 def _probes(
     device: torch.device, sync: Callable[[], Any], advance: Callable[[int], None]
 ) -> dict[str, tuple[Any, Any]]:
@@ -295,6 +311,9 @@ def _measure(backend: Any, device: torch.device) -> Calibration:
         block = torch.ones(16 << 20, dtype=torch.uint8, device=device)
         target = torch.zeros_like(block)  # written once first: the copies time memory, not page faults
         works = {"matmul": lambda: a @ b, "copy": lambda: target.copy_(block)}
+        if device.type == "cpu":
+            mapped = _page_cached(block.numel())
+            works["cached read"] = lambda: target.copy_(mapped)
         if device.type != "cpu":
             pinned = backend.capabilities().async_copy
             host = (
@@ -327,6 +346,7 @@ def _measure(backend: Any, device: torch.device) -> Calibration:
         device_bandwidth=2 * block.numel() / least["copy"],  # a copy reads and writes each byte
         host_to_device_bandwidth=block.numel() / least["host_to_device"] if "host_to_device" in least else None,
         disk_bandwidth=disk,
+        cached_read_bandwidth=2 * block.numel() / least["cached read"] if "cached read" in least else None,  # as copy
         decode_seconds=decode,
         measured_seconds=time.perf_counter() - start,
         token_seconds={
@@ -351,7 +371,8 @@ def figures_of(chosen: Any, device: torch.device, *, remeasure: bool = False) ->
     if path.is_file() and not remeasure:
         try:
             data = read_json(path)
-            if "token_seconds" in data:  # figures cached before one-token forwards were measured are stale
+            # stale: cached before one-token forwards (or, on the CPU, page-cache reads) were measured
+            if "token_seconds" in data and (device.type != "cpu" or data.get("cached_read_bandwidth")):
                 return Calibration.from_dict(data)
         except (ValueError, TypeError):
             pass  # a stale (one-token figures of one dtype) or damaged cache file is measured again and rewritten

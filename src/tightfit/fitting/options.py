@@ -439,6 +439,7 @@ def options_for(
     call_rows: dict[str, int] | None = None,
     loading: bool = False,
     one_token: bool = False,
+    page_cached: bool = False,
 ) -> list[Option]:
     """The options of ``unit`` that ``storages`` and ``placements`` allow, each with bytes and seconds.
 
@@ -455,7 +456,10 @@ def options_for(
     ``loading``: the plan covers streaming the unit in from a checkpoint on this (host)
     device: each option's ``load_bytes`` (:func:`_load_bytes`). ``one_token``: ``rows``
     are a one-token forward's (a decode step), which reads an expert's weights only where
-    the token is routed to it (:attr:`Unit.active_share`).
+    the token is routed to it (:attr:`Unit.active_share`). ``page_cached``: the host's page
+    cache holds what is mapped from disk, so a unit there reads it at the figures'
+    ``cached_read_bandwidth`` (what reading mapped pages costs above reading memory), not
+    at ``disk_bandwidth``.
     """
     if unit.fixed:
         storages, placements = frozenset({"keep"}), frozenset({"device"})
@@ -513,7 +517,9 @@ def options_for(
             if placement != "device" and not on_host:
                 onload = stored - held
                 seconds += (onload + again) / figures.host_to_device_bandwidth
-            if placement == "disk":
+            if placement == "disk" and on_host and page_cached:
+                seconds += touched * max(0.0, 1 / figures.cached_read_bandwidth - 1 / figures.device_bandwidth)
+            elif placement == "disk":
                 seconds += (touched if on_host else stored + again) / figures.disk_bandwidth
             options.append(
                 Option(

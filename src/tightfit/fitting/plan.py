@@ -150,7 +150,9 @@ class FitPlan:
     forward; "decode": the last one-token forward, the KV cache at its longest), where the
     last decode step was traced too (``fit(..., decode=...)``); ``predicted_peak_bytes`` is
     the larger. ``kv_cache``: that cache's ``format``, ``context`` (positions) and ``bytes``
-    there, inside the decode phase's activations ({} without one).
+    there, inside the decode phase's activations ({} without one). ``disk_reads``: how the
+    time model priced the reads of the units on disk ("" where none is), from the page cache
+    or from the disk, and why.
     """
 
     model: str
@@ -181,9 +183,10 @@ class FitPlan:
     decode_steps: int = 0
     phase_peaks: dict[str, int] = field(default_factory=dict)
     kv_cache: dict[str, Any] = field(default_factory=dict)
+    disk_reads: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("model", "backend", "device", "int8_outliers", "quality"):
+        for name in ("model", "backend", "device", "int8_outliers", "quality", "disk_reads"):
             _check_str("FitPlan", name, getattr(self, name))
         for name in (
             "budget_bytes",
@@ -373,9 +376,8 @@ def _check_kv_cache(kv_cache: Any) -> dict[str, Any]:
         if key in kv_cache:
             value = kv_cache[key]
             if isinstance(value, bool) or not isinstance(value, kind) or (kind is int and value < 0):
-                raise ValueError(
-                    f"FitPlan.kv_cache[{key!r}] must be a {kind.__name__}{' >= 0' if kind is int else ''}, got {value!r}"
-                )
+                wanted = "an int >= 0" if kind is int else f"a {kind.__name__}"
+                raise ValueError(f"FitPlan.kv_cache[{key!r}] must be {wanted}, got {value!r}")
     return dict(kv_cache)
 
 

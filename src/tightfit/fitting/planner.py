@@ -61,6 +61,29 @@ def _split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]
     )
 
 
+def _disk_reads(units: list[Unit], figures: Calibration, backend: Any, device: torch.device) -> tuple[bool, str]:
+    """Whether the CPU's page cache will hold what a plan maps from disk, and the time
+    model's assumption in words: it will where the whole model fits in the memory the host
+    has available now (then a mapped unit reads at the figures' ``cached_read_bandwidth``,
+    measured on pages the cache holds); else every read is priced at ``disk_bandwidth``."""
+    if device.type != "cpu":
+        return False, f"from disk at {figures.disk_bandwidth / 1e9:.2f} GB/s, then copied to {device}"
+    model = sum(unit.bytes for unit in units)
+    available = backend.memory(device).free
+    if figures.cached_read_bandwidth is None or available is None or model > available:
+        why = (
+            "no page-cache read figure in the calibration"
+            if figures.cached_read_bandwidth is None
+            else f"the model's {human_bytes(model)} may not stay in the page cache "
+            f"({'unknown' if available is None else human_bytes(available)} available)"
+        )
+        return False, f"from disk at {figures.disk_bandwidth / 1e9:.2f} GB/s each forward: {why}"
+    return True, (
+        f"from the page cache at {figures.cached_read_bandwidth / 1e9:.1f} GB/s: the model's {human_bytes(model)} "
+        f"fit in the {human_bytes(available)} of memory available when planned"
+    )
+
+
 def _phase_peaks(
     phase_options: dict[str, list[list[Option]]],
     picks: tuple[int, ...],
@@ -275,6 +298,7 @@ def fit(
     max_energy = bound**2 * weights
 
     one_row = dict.fromkeys(rows, 1)  # a decode step: one token through every leaf
+    page_cached, disk_reads = _disk_reads(units, figures, backends[0], device)
 
     def build(outliers: dict[str, int] | None) -> tuple[list[list[Option]], dict[str, list[list[Option]]]]:
         """Each unit's options for the whole run, and (with a traced decode step) for the
@@ -286,6 +310,7 @@ def fit(
             figures=figures,
             outliers=outliers,
             loading=loading,
+            page_cached=page_cached,
         )
         built: list[list[Option]] = []
         phases: dict[str, list[list[Option]]] = {"prefill": [], DECODE: []}
@@ -408,6 +433,7 @@ def fit(
         decode_steps=decode_steps,
         phase_peaks=_phase_peaks(phase_options, choice.picks, prefill, last_step, reserved_bytes),
         kv_cache=decode.summary() if decode is not None else {},
+        disk_reads=disk_reads if any(entry.placement == "disk" for entry in entries) else "",
         predicted_error=error,
         max_error=bound,
         quality=_quality(error, bound, max_error is None, forced),

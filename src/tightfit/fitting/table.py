@@ -55,6 +55,8 @@ def render(plan: FitPlan) -> str:
             f"loading covered: peak {human_bytes(plan.predicted_load_peak_bytes)} while the checkpoint streams in "
             f"(weights held + the largest unit as read and converting)"
         )
+    if plan.disk_reads:
+        lines.append(f"units on disk read {plan.disk_reads}")
     if plan.int8_outliers:
         lines.append(f"int8 outlier columns {plan.int8_outliers}")
     if plan.hints:
