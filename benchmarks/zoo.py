@@ -27,10 +27,10 @@ same where it runs. Prompt: 128 tokens; 64 new tokens (``--new-tokens``). Speeds
 median of ``--repeat`` timed generations (3) after a warm-up, in each tool's process; the
 tools take turns going first from one budget to the next. Each decode speed is also given
 as a fraction of its roof: the machine's read bandwidth (:class:`_common.ReadRoof`, sampled
-before the first model and after each) over the bytes of the weights as the run stores them
-(tightfit's plan: every unit as stored, wherever it lives; accelerate: the model's bfloat16
-weights), read once per token: for the mixture of experts, which reads only the routed
-experts, an upper bound of the bytes, so its fraction is understated.
+before the first model and after each) over the bytes a token reads: every parameter but
+an input embedding's (one row of it), of a mixture's experts the routed share, each at the
+bytes the run stores a parameter in (tightfit's plan: its weights as stored over the
+model's parameters; accelerate: bfloat16). The KV cache's reads are left out.
 
 Run: python benchmarks/zoo.py [--models llama3-gqa,gpt2] [--fractions 0.6,0.4,0.25] [--units layers,blocks] [--repeat 3]
 (writes benchmarks/results/zoo.json and zoo.md beside it, and prints the rows as they come)
@@ -151,6 +151,29 @@ def _row_line(row: dict) -> str:
     )
 
 
+def read_per_token(folder: Path) -> tuple[int, int]:
+    """(parameters a decode token reads, all parameters) of the folder's model, built on
+    meta from its config: every parameter but an input embedding's (a token reads one row
+    of it, unless the LM head shares it), and of a mixture's stacked experts the routed
+    share (top-k of the experts)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    auto = ARCHITECTURES[folder.name][2]
+    with torch.device("meta"):
+        model = getattr(transformers, auto).from_config(config)
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    read_by_linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    share = getattr(config, "num_experts_per_tok", 1) / getattr(config, "num_local_experts", 1)
+    read = total = 0
+    for parameter in model.parameters():
+        total += parameter.numel()
+        if id(parameter) in embedded and id(parameter) not in read_by_linear:
+            continue
+        read += parameter.numel() * (share if parameter.dim() == 3 else 1)
+    return int(read), total
+
+
 def cpu_name() -> str:
     """The CPU's model name, as /proc/cpuinfo gives it ("" where it does not)."""
     try:
@@ -181,7 +204,8 @@ def markdown(results: dict) -> str:
         '`max_memory={"cpu": budget}`) at the same budget, each in its own process. Peaks in MiB over loading '
         'and the whole generation; "pred/meas" is tightfit\'s predicted peak over its measured one; TTFT in ms; '
         f"decode in tokens/s, the median of {results.get('repeat', 1)} timed generations, and as a share of its "
-        "roof (read bandwidth over the weights' bytes as stored, read once a token); the ratio is tightfit's "
+        "roof (read bandwidth over the bytes a token reads: every parameter but an input embedding's, a "
+        "mixture's routed experts only, at the bytes the run stores a parameter in); the ratio is tightfit's "
         f"decode over accelerate's. Read bandwidth: {results['roof']['described']}.",
         "",
         "| model | budget (MiB) | units | within | measured | pred/meas | TTFT | decode | of roof | accelerate within "
@@ -190,8 +214,13 @@ def markdown(results: dict) -> str:
     ]
     bandwidth = results["roof"]["bytes_per_second"]
 
-    def of_roof(row: dict) -> str:
-        return f"{row['decode_tokens_per_second'] * row['weights_bytes'] / bandwidth:.0%}"
+    def of_roof(row: dict, name: str) -> str:
+        """Decode speed over the roof: the bandwidth over the bytes a token reads, the
+        parameters it reads (:func:`read_per_token`) at the bytes a parameter is stored in
+        (the run's weights as stored over the model's parameters)."""
+        read, parameters = results["models"][name]["read_per_token"]
+        per_token = read * row["weights_bytes"] / parameters
+        return f"{row['decode_tokens_per_second'] * per_token / bandwidth:.0%}"
 
     ratios_within, ratios_over, predictions, rows, within = [], [], [], 0, 0
     for name, entry in results["models"].items():
@@ -218,14 +247,14 @@ def markdown(results: dict) -> str:
                     (ratios_within if peer["within_budget"] else ratios_over).append(ratio)
                     peer_cells = (
                         f"{'yes' if peer['within_budget'] else 'NO'} | {_mib(peer['measured_peak_bytes'])} "
-                        f"| {peer['decode_tokens_per_second']:.1f} | {of_roof(peer)} | {ratio:.2f}x"
+                        f"| {peer['decode_tokens_per_second']:.1f} | {of_roof(peer, name)} | {ratio:.2f}x"
                     )
                 plan = ", ".join(f"{count} {what}" for what, count in row["plan"].items())
                 lines.append(
                     f"| {name} | {budget} | {units} | {'yes' if row['within_budget'] else 'NO'} "
                     f"| {_mib(row['measured_peak_bytes'])} | {row['predicted_over_measured']:.3f} "
                     f"| {row['time_to_first_token_s'] * 1000:.0f} | {row['decode_tokens_per_second']:.1f} "
-                    f"| {of_roof(row)} | {peer_cells} | {plan} |"
+                    f"| {of_roof(row, name)} | {peer_cells} | {plan} |"
                 )
     close = sum(1 for value in predictions if abs(value - 1) <= 0.03)
     lines += [
@@ -284,7 +313,7 @@ def main() -> None:
         folder = model_folder(name, args.cache_dir.expanduser())
         prompt = prompt_text(folder)
         full, refused = unplanned_peak(folder, prompt, args.new_tokens)
-        entry = {"unplanned_peak_bytes": full, "refused": refused, "rows": []}
+        entry = {"unplanned_peak_bytes": full, "refused": refused, "read_per_token": read_per_token(folder), "rows": []}
         results["models"][name] = entry
         print(f"\n{name}: unplanned peak {human_bytes(full) if full else '-'} {refused}", flush=True)
         for turn, fraction in enumerate(fractions if full else []):

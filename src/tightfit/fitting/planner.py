@@ -245,7 +245,8 @@ def fit(
     (:class:`~tightfit.fitting.traced.DecodeTrace`; needs ``decode_steps``), traced too: the
     plan's peak is the larger of the traced forward's (the prefill) and that step's, where
     the KV cache is largest and the prefill's activations are gone, each with the weights
-    and what the units decode and onload; ``plan.phase_peaks`` gives both.
+    and what the units decode and onload (and, ``loading``, the load's where it is larger);
+    ``plan.phase_peaks`` gives both phases'.
     """
     from tightfit.backends.resolve import resolve_backend
 

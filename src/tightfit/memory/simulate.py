@@ -74,6 +74,26 @@ def _bytes_by_device(tensors: Sequence[torch.Tensor]) -> dict[str, int]:
     return totals
 
 
+def _timeline(
+    recorder: LiveTensorBytes,
+    kept: Sequence[torch.Tensor],
+    state: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    nothing: str,
+) -> Timeline:
+    """What ``recorder`` saw as a timeline (``kept``: the outputs, alive to the end; the
+    weights and inputs by device); ``nothing``: the error's words where it saw no op."""
+    if not recorder.steps:
+        raise ValueError(f"{nothing}; there is nothing to plan")
+    return Timeline(
+        steps=recorder.steps,
+        step_graphs=recorder.step_phases,
+        buffers=_buffers(recorder, kept),
+        weights=_bytes_by_device(state),
+        inputs=_bytes_by_device(inputs),
+    )
+
+
 def simulate_eager(
     model: torch.nn.Module,
     example_inputs: Sequence[Any],
@@ -107,15 +127,7 @@ def simulate_eager(
                     kept = list(flat(*flat.state, *flat.fakes))
     finally:
         _SIMULATION.reset(token)
-    if not recorder.steps:
-        raise ValueError(f"{type(model).__name__} ran no op; there is nothing to plan")
-    return Timeline(
-        steps=recorder.steps,
-        step_graphs=recorder.step_phases,
-        buffers=_buffers(recorder, kept),
-        weights=_bytes_by_device(flat.state),
-        inputs=_bytes_by_device(flat.fakes),
-    )
+    return _timeline(recorder, kept, flat.state, flat.fakes, f"{type(model).__name__} ran no op")
 
 
 @dataclass(frozen=True)
@@ -155,12 +167,4 @@ def simulate_calls(model: torch.nn.Module, script: Callable[[Calls], None], *, d
             script(calls)
     finally:
         _SIMULATION.reset(token)
-    if not recorder.steps:
-        raise ValueError(f"the script ran no op of {type(model).__name__}; there is nothing to plan")
-    return Timeline(
-        steps=recorder.steps,
-        step_graphs=recorder.step_phases,
-        buffers=_buffers(recorder, []),
-        weights=_bytes_by_device(flat.state),
-        inputs={},
-    )
+    return _timeline(recorder, [], flat.state, [], f"the script ran no op of {type(model).__name__}")
