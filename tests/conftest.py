@@ -1,6 +1,8 @@
 """Shared fixtures: every test starts with fresh backend discovery and fresh fallback warnings;
-the fit planner's calibration cache lives in a folder of the session, not the user's
-(``measured_calibration`` measures this CPU's figures into it once); the session's child
+the fit planner's calibration cache lives in a folder of the session, not the user's, and
+holds the docs' figures, so that plans come out the same everywhere and no worker or child
+process measures them (``measured_calibration`` measures this CPU's figures once, into a
+folder of its own); the session's child
 processes may cache their bytecode; ``older_objects_frozen`` keeps a measurement's garbage
 collection to what its module made. The report's header names the CPU and the paths its
 features select, so a run says what it covered (tests that need another path pin it
@@ -64,8 +66,11 @@ def _fresh_state(monkeypatch):
 
 @pytest.fixture(autouse=True, scope="session")
 def _calibration_cache(tmp_path_factory):
+    from zoo.lm import cache_docs_calibration
+
     before = os.environ.get("TIGHTFIT_CACHE_DIR")
     os.environ["TIGHTFIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("tightfit-cache"))
+    cache_docs_calibration()  # plans read the docs' figures, not this CPU's measured in each worker and child
     yield
     if before is None:
         os.environ.pop("TIGHTFIT_CACHE_DIR", None)
@@ -74,15 +79,15 @@ def _calibration_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def measured_calibration(_calibration_cache):
-    """This CPU's figures measured once for the session (about 8 s), with the progress tasks
-    shown meanwhile, and cached in the session's folder: a command run with a budget reads
-    them there instead of measuring them again."""
+def measured_calibration(_calibration_cache, tmp_path_factory):
+    """This CPU's figures measured once for the session (about 15 s), with the progress
+    tasks shown meanwhile, cached in a folder of their own: the session's keeps the docs'."""
     from tightfit.fitting import calibration
 
     tasks = []
     shown = calibration.task
     with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TIGHTFIT_CACHE_DIR", str(tmp_path_factory.mktemp("measured-calibration")))
         patch.setattr(
             calibration, "task", lambda description, total: tasks.append(description) or shown(description, total)
         )

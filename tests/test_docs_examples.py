@@ -38,7 +38,6 @@ the CPU is the only one.
 from __future__ import annotations
 
 import difflib
-import json
 import os
 import re
 import shlex
@@ -50,6 +49,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from zoo.lm import cache_docs_calibration
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [
@@ -70,7 +71,6 @@ PAGES = [
 ]
 #: Pages with outputs but no Python example of their own.
 OUTPUT_PAGES = [*PAGES, "docs/backends.md"]
-CALIBRATION = ROOT / "docs" / "examples" / "calibration-cpu.json"
 
 #: (what is masked, the lines it applies to, the figure masked): what the machine's load
 #: or memory decides, never the code.
@@ -310,8 +310,6 @@ def docs_int8_path(monkeypatch):
 def docs_calibration(tmp_path_factory, monkeypatch):
     """The pages' calibration, cached under this machine's name in a fresh folder; the
     native kernels are the session's (a command in a child process built them again: 10 s)."""
-    from tightfit.fitting.calibration import _device_name, cache_path
-
     folder = tmp_path_factory.getbasetemp() / "docs-calibration"
     kernels = Path(os.environ["TIGHTFIT_CACHE_DIR"]) / "kernels"
     if not (folder / "kernels").exists():
@@ -319,11 +317,7 @@ def docs_calibration(tmp_path_factory, monkeypatch):
         folder.mkdir(exist_ok=True)
         (folder / "kernels").symlink_to(kernels, target_is_directory=True)
     monkeypatch.setenv("TIGHTFIT_CACHE_DIR", str(folder))
-    figures = json.loads(CALIBRATION.read_text())
-    figures.update(device_name=_device_name(torch.device("cpu")), torch_version=torch.__version__)
-    path = cache_path("cpu", figures["device_name"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(figures))
+    cache_docs_calibration()
 
 
 @pytest.fixture(scope="module")

@@ -129,7 +129,6 @@ def tightfit(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.usefixtures("measured_calibration")  # measured once for the session, not by this command
 def test_a_budget_nothing_meets_suggests_one_the_user_can_type_and_it_fits(tiny_llama, capsys):
     """The real command: the refusal names --budget and --allow as typed, and the budget it
     suggests, typed back as it is written (to the command's own parser, in this process), is met."""

@@ -23,6 +23,23 @@ TINY_CAUSAL_LM = {
 }
 
 
+#: The docs' calibration: figures measured once on the pages' machine (docs/fit.md).
+DOCS_CALIBRATION = Path(__file__).resolve().parents[2] / "docs" / "examples" / "calibration-cpu.json"
+
+
+def cache_docs_calibration() -> None:
+    """Put the docs' calibration in ``$TIGHTFIT_CACHE_DIR`` under this machine's name and
+    torch, so that plans read it instead of measuring this CPU (and come out the same on
+    every machine)."""
+    from tightfit.fitting.calibration import _device_name, cache_path
+
+    figures = json.loads(DOCS_CALIBRATION.read_text())
+    figures.update(device_name=_device_name(torch.device("cpu")), torch_version=torch.__version__)
+    path = cache_path("cpu", figures["device_name"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(figures))
+
+
 def figures(**changes) -> Calibration:
     """Deterministic figures (``Calibration.fixed``): 10 GFLOP/s, 10 GB/s memory, 1 GB/s
     disk, decoding free unless changed."""
