@@ -22,12 +22,10 @@ forward, batch 1, ``WINDOW`` bytes predicted each):
   so too; the embedding is kept in both. Beside each: the storage's ``noise`` and the
   plan-style expected error of that choice (``sqrt(sum(numel x noise^2) / all Linear and
   Embedding weights)``, as ``plan.predicted_error`` counts it);
-- ``tightfit.load(folder, budget, example_inputs=..., max_error=..., allow=DEVICE_ONLY)`` at shares of the
+- ``tightfit.load(folder, budget, example_inputs=..., max_error=...)`` at shares of the
   unplanned peak (``plan.full_peak_bytes`` of a plan at a huge budget, for the evaluation
   forward's input and the loading), with the default bound (``max_error=None``, 3%) and
-  unbounded (``max_error=1.0``); every weight on the device (:data:`DEVICE_ONLY`): with disk
-  allowed, where the host's page cache holds the model, the planner puts weights on disk
-  before it quantizes any, and every plan here would be lossless;
+  unbounded (``max_error=1.0``);
 - the context ``tightfit run --context auto`` chooses at the same budgets
   (``plan_only(RunOptions(..., context="auto"))``, the default prompt).
 
@@ -66,8 +64,6 @@ from torch import nn
 from torch.nn import functional as F
 
 REPO = Path(__file__).resolve().parent.parent
-#: The plans' placements: the device only, so that storages meet the budget and quality is at stake.
-DEVICE_ONLY = {"placement": ["device"]}
 RESULTS = REPO / "benchmarks" / "results"
 #: The model: a small Llama, bytes as tokens, LM head not tied to the embedding.
 CONFIG = dict(
@@ -348,7 +344,7 @@ def plan_rows(
         for label, bound in (("default (3%)", None), ("unbounded (1.0)", 1.0)):
             row: dict = {"fraction": fraction, "budget_bytes": budget, "bound": label, "max_error": bound}
             try:
-                model, plan = tightfit.load(folder, budget, example_inputs=inputs, max_error=bound, allow=DEVICE_ONLY)
+                model, plan = tightfit.load(folder, budget, example_inputs=inputs, max_error=bound)
             except (tightfit.FitError, ValueError, RuntimeError) as error:
                 row["error"] = f"{type(error).__name__}: {' '.join(str(error).split())}"
                 rows.append(row)
@@ -594,9 +590,7 @@ def report(results: dict) -> str:
         "",
         f"Unplanned peak (`plan.full_peak_bytes` at a huge budget, the evaluation forward and loading): "
         f"{human_bytes(results['full_peak_bytes'])} ({results['full_peak_bytes']:,} B). Each plan made and loaded "
-        "by `tightfit.load(folder, budget, example_inputs={'input_ids': <1 x 256>}, max_error=..., "
-        "allow={'placement': ['device']})`: every weight on the device, so that the budget is met by storage (with "
-        "disk allowed, the planner puts weights on disk, read from the page cache, before it quantizes any). "
+        "by `tightfit.load(folder, budget, example_inputs={'input_ids': <1 x 256>}, max_error=...)`. "
         "*plan*: units per storage/placement.",
         "",
     ]
