@@ -12,7 +12,7 @@ import torch
 
 from tightfit._validate import check_type
 from tightfit.app import captured
-from tightfit.app.kv_cache import cache_argument, cache_keyword
+from tightfit.app.kv_cache import cache_argument, cache_keyword, returned_cache
 from tightfit.memory import mark
 
 __all__ = [
@@ -172,7 +172,7 @@ def generate_seq2seq(model: Any, input_ids: torch.Tensor, max_new_tokens: int, s
     start = time.perf_counter()
     encoded = model.get_encoder()(input_ids=input_ids)
     output = model(encoder_outputs=encoded, decoder_input_ids=decoder_start(model, input_ids.device), use_cache=True)
-    cache = output.cache if "cache" in output else output.past_key_values
+    cache = returned_cache(output)
     token = next_token(output)
     del output
     tokens = [int(token)]

@@ -137,6 +137,12 @@ def cache_argument(model: Any, kv_format: str = "model") -> dict[str, Any]:
     return {cache_keyword(model): cache}
 
 
+def returned_cache(output: Any) -> Any:
+    """The cache a forward returns (an encoder-decoder makes its own at the first step),
+    under the name this transformers gives it: ``cache`` from 5.x, ``past_key_values`` before."""
+    return output.cache if "cache" in output else output.past_key_values
+
+
 def cache_keyword(model: Any) -> str:
     """The keyword ``model``'s forward takes its cache by: ``cache`` from transformers 5.x,
     ``past_key_values`` before."""

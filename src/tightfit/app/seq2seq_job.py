@@ -57,7 +57,7 @@ class Seq2SeqJob(GenerationJob):
             output = calls.call(input_ids=ids, decoder_input_ids=history, use_cache=True)
             del ids, start, history
             encoded = (output.encoder_last_hidden_state,)
-            cache = output.cache if "cache" in output else output.past_key_values
+            cache = kv_cache.returned_cache(output)
             token = next_token(output)
             del output
             calls.phase(DECODE)

@@ -314,7 +314,7 @@ def _measure(backend: Any, device: torch.device) -> Calibration:
         if device.type == "cpu":
             mapped = _page_cached(block.numel())
             works["cached read"] = lambda: target.copy_(mapped)
-        if device.type != "cpu":
+        else:
             pinned = backend.capabilities().async_copy
             host = (
                 torch.empty(16 << 20, dtype=torch.uint8).pin_memory()

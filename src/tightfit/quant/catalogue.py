@@ -170,6 +170,8 @@ def _cast_leaves(model: nn.Module, leaves: frozenset[str], storage: str, dtype: 
     with _diffusers.within(model):  # a diffusers model's get_parameter_dtype sees the compute dtype
         for _, module in chosen:
             weight = module.weight.dtype
+            # one already in ``dtype`` goes on: casting refuses a second application, and hooks
+            # nothing on a weight stored as it computes
             if weight in COMPUTE_DTYPES and weight.itemsize <= dtype.itemsize and weight != dtype:
                 continue
             apply_layerwise_casting(module, dtype, weight, granularity="model", skip=(), scale=scale)
