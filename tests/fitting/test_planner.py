@@ -281,6 +281,53 @@ def test_the_load_peak_counts_the_skeletons_buffers_from_the_first_unit_streamed
     assert choice.peak_bytes >= choice.load_peak_bytes
 
 
+def test_bytes_held_while_loading_raise_the_load_peak_above_each_unit_once_and_not_the_runs():
+    model = _WithBuffer().eval()
+    units = [_keep_or_int8_on_device_or_disk(u) for u in find_units(model)]
+    picks = (0, 0, 0)
+    assert peak_of(units, picks, 0, 333).load_peak_bytes == peak_of(units, picks, 0).load_peak_bytes + 333
+    x = torch.randn(4, 64)
+    plain = tightfit.fit(model, (x,), "1MiB", calibration=figures(), loading=True)
+    held = {"checking": 5000}
+    reserved = {"scales": 700}
+    plan = tightfit.fit(
+        model, (x,), "1MiB", calibration=figures(), loading=True, reserve=reserved, reserve_loading=held
+    )
+    assert plan.reserved == reserved and plan.reserved_loading == held
+    assert plan.predicted_load_peak_bytes == plain.predicted_load_peak_bytes + 700 + 5000
+    assert plan.predicted_peak_bytes == max(plain.predicted_peak_bytes + 700, plan.predicted_load_peak_bytes)
+    assert "checking 4.9 KiB (5,000 B)" in str(plan)
+    # the load's reservation is what leaves no room: the error names it among the parts
+    tight = plain.predicted_peak_bytes + 700 + 10
+    with pytest.raises(FitError, match="held while loading") as raised:
+        tightfit.fit(
+            model,
+            (x,),
+            tight,
+            allow={"placement": {"device"}, "storage": {"keep"}},
+            calibration=figures(),
+            loading=True,
+            reserve=reserved,
+            reserve_loading=held,
+        )
+    assert ("checking", 5000) in raised.value.parts
+
+
+@pytest.mark.parametrize(
+    ("keywords", "match"),
+    [
+        (dict(reserve_loading={"checking": 10}), "needs loading=True"),
+        (dict(loading=True, reserve_loading={"checking": -1}), "reserve_loading"),
+        (dict(loading=True, reserve_loading={"": 1}), "reserve_loading keys"),
+        (dict(loading=True, reserve_loading=[1]), "reserve_loading must be a dict"),
+        (dict(reserve={"kv": 2**40}), "cannot be met: what is reserved"),
+    ],
+)
+def test_bad_reservations_are_refused_naming_the_argument(keywords, match):
+    with pytest.raises((TypeError, ValueError, FitError), match=match):
+        tightfit.fit(_WithBuffer().eval(), (torch.randn(4, 64),), "1MiB", calibration=figures(), **keywords)
+
+
 def test_a_buffer_on_meta_is_read_with_its_unit_and_not_counted_from_the_start():
     # a pre-quantized layer's stand-in registers its packed weight as a buffer on meta: the
     # checkpoint fills it when its unit streams in (counting it from the start over-predicted

@@ -110,7 +110,7 @@ def test_4bit_loads_as_stored_and_equals_the_specification_and_transformers_bit_
     assert storages["model.layers.0"] == storages["model.layers.1"] == name.removesuffix("-double")
     assert storages["lm_head"] == storages["model.embed_tokens"] == "keep"
     assert len(next(e for e in plan.entries if e.module == "model.layers.0").leaves) == 7
-    assert held_bytes(model, "cpu") == plan.predicted_weights_bytes
+    assert held_bytes(model, "cpu") == plan.predicted_weights_bytes + plan.reserved_bytes  # the scales reserved
     peer = PeerCheck()
     transformers_agrees(peer, reference, expected)
     peer.settle()
@@ -155,7 +155,7 @@ def test_tied_embeddings_stay_tied_and_quantized_layers_map_from_disk(tmp_path, 
     expected = logits(spec_model(tmp_path / "bnb"))
     assert torch.equal(logits(model), expected)
     assert load_peaks[0] <= plan.predicted_load_peak_bytes <= 1.05 * load_peaks[0]
-    assert held_bytes(model, "cpu") == plan.predicted_weights_bytes
+    assert held_bytes(model, "cpu") == plan.predicted_weights_bytes + plan.reserved_bytes  # the scales reserved
     saved = tightfit.save(model, plan, tmp_path / "saved")
     assert "lm_head.weight" not in Checkpoint(saved).entries  # the tied weight once, as transformers writes it
     reloaded, _ = tightfit.load(saved)
@@ -201,12 +201,39 @@ def test_a_budget_moves_units_to_disk_within_the_predicted_load_peak(bnb, load_p
     assert {e.module for e in plan.entries if e.placement == "disk"} == {"model.embed_tokens", "lm_head"}
     assert load_peaks[0] <= plan.predicted_load_peak_bytes <= plan.predicted_peak_bytes <= budget
     assert plan.predicted_load_peak_bytes <= 1.05 * load_peaks[0]
-    assert held_bytes(model, "cpu") == plan.predicted_weights_bytes
+    assert held_bytes(model, "cpu") == plan.predicted_weights_bytes + plan.reserved_bytes  # the scales reserved
     expected = logits(spec_model(folder))
     assert torch.equal(logits(model), expected)
     peer = PeerCheck()
     transformers_agrees(peer, reference, expected)
     peer.settle()
+
+
+def test_the_scales_and_their_checking_are_terms_of_the_plan_in_its_table_json_and_errors(bnb):
+    folder, _ = bnb("nf4-double")
+    _, plan = tightfit.load(folder, 5_000_000, example_inputs={"input_ids": IDS}, calibration=figures())
+    checkpoint = Checkpoint(folder)
+    scales = sum(
+        entry.nbytes
+        for key, entry in checkpoint.entries.items()
+        if key.endswith(("weight.absmax", "weight.quant_map", "weight.nested_absmax", "weight.nested_quant_map"))
+    ) + 4 * sum(key.endswith("weight.nested_absmax") for key in checkpoint.entries)  # the nested offset, a float32
+    assert plan.reserved == {loading.SCALES: scales}
+    assert list(plan.reserved_loading) == [loading.CHECKING] and plan.reserved_loading[loading.CHECKING] > 0
+    assert (
+        plan.predicted_load_peak_bytes
+        >= plan.predicted_weights_bytes + scales + plan.reserved_loading[loading.CHECKING]
+    )
+    held = sum(entry.held_bytes for entry in plan.entries)
+    assert held == plan.predicted_weights_bytes  # the scales are not counted twice
+    table = str(plan)
+    assert f"{loading.SCALES} " in table and f"{loading.CHECKING} " in table
+    assert tightfit.FitPlan.from_json(plan.to_json()) == plan
+    needed = scales + plan.reserved_loading[loading.CHECKING]
+    with pytest.raises(FitError, match="reserved besides the weights") as raised:
+        tightfit.load(folder, needed, example_inputs={"input_ids": IDS}, calibration=figures())
+    assert raised.value.smallest_peak_bytes == needed
+    assert dict(raised.value.parts) == {**plan.reserved, **plan.reserved_loading}
 
 
 def test_plain_weights_stored_in_another_dtype_are_converted_to_disk_within_the_predicted_load_peak(
@@ -230,7 +257,7 @@ def test_plain_weights_stored_in_another_dtype_are_converted_to_disk_within_the_
     assert all("converted from the checkpoint's dtype" in e.why for e in on_disk)
     assert load_peaks[0] <= plan.predicted_load_peak_bytes <= plan.predicted_peak_bytes <= budget
     assert plan.predicted_load_peak_bytes <= 1.05 * load_peaks[0]
-    assert held_bytes(model, "cpu") == plan.predicted_weights_bytes
+    assert held_bytes(model, "cpu") == plan.predicted_weights_bytes + plan.reserved_bytes  # the scales reserved
     kept, _ = tightfit.load(folder, "100MB", calibration=figures())
     assert torch.equal(logits(model), logits(kept))
 

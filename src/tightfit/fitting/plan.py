@@ -139,7 +139,9 @@ class FitPlan:
     ``reserved``: bytes the run holds on the device outside the weights and the planned
     forward, by what they are for (a causal LM's KV cache growing to its context): the
     planner fits the units into the budget less these, and ``predicted_peak_bytes`` and
-    ``full_peak_bytes`` count them (:attr:`reserved_bytes`).
+    ``full_peak_bytes`` count them (:attr:`reserved_bytes`). ``reserved_loading``: bytes
+    held only while the checkpoint streams in (a stored-quantized unit's entries checked
+    as it loads), counted in ``predicted_load_peak_bytes`` above each unit as it loads.
 
     ``predicted_error``: the plan's expected error (:mod:`tightfit.fitting.quality`);
     ``max_error``: the bound it was planned under; ``quality``: the two in words, and why
@@ -177,6 +179,7 @@ class FitPlan:
     covers_load: bool = False
     predicted_load_peak_bytes: int = 0
     reserved: dict[str, int] = field(default_factory=dict)
+    reserved_loading: dict[str, int] = field(default_factory=dict)
     predicted_error: float = 0.0
     max_error: float | None = None
     quality: str = ""
@@ -220,6 +223,7 @@ class FitPlan:
                 raise TypeError(f"FitPlan.{name} must be a dict or None, got {type(value).__name__}: {value!r}")
         object.__setattr__(self, "hints", check_module_hints("FitPlan.hints", self.hints))
         object.__setattr__(self, "reserved", check_reserved("FitPlan.reserved", self.reserved))
+        object.__setattr__(self, "reserved_loading", check_reserved("FitPlan.reserved_loading", self.reserved_loading))
         object.__setattr__(self, "phase_peaks", _check_phase_peaks(self.phase_peaks))
         object.__setattr__(self, "kv_cache", _check_kv_cache(self.kv_cache))
         object.__setattr__(self, "predicted_error", parse_error(self.predicted_error, "FitPlan.predicted_error"))

@@ -174,6 +174,7 @@ def fit(
     loading: bool = False,
     stored_dtypes: Mapping[str, torch.dtype] | None = None,
     reserve: Mapping[str, int] | None = None,
+    reserve_loading: Mapping[str, int] | None = None,
     max_error: float | str | None = None,
     decode_steps: int = 0,
     units: str = "layers",
@@ -223,6 +224,10 @@ def fit(
     forward, by what they are for (``{"KV cache growth to 2,048 tokens": n}``): the units
     are fitted into the budget less their sum, and the plan keeps them as
     ``plan.reserved``, counted in its peaks and shown in its table, JSON and errors.
+    ``reserve_loading`` (with ``loading`` only): bytes held on the device only while the
+    checkpoint streams in (checking a unit's stored entries), by what they are for: counted
+    in the load's peak above each unit as it loads, not in the run's, kept as
+    ``plan.reserved_loading``.
 
     ``max_error``: the most expected error the plan may take to meet the budget (a
     fraction, or a percentage string ``"3%"``; :mod:`tightfit.fitting.quality`): among the
@@ -254,15 +259,22 @@ def fit(
     args, kwargs = _split_inputs(example_inputs)
     budget_bytes = parse_size(budget, "budget")
     reserved = check_reserved("reserve", dict(reserve) if isinstance(reserve, Mapping) else reserve or {})
-    reserved_bytes = sum(reserved.values())
-    if reserved_bytes >= budget_bytes:
-        listed = "; ".join(f"{what}: {human_bytes(size)}" for what, size in reserved.items())
+    reserved_loading = check_reserved(
+        "reserve_loading", dict(reserve_loading) if isinstance(reserve_loading, Mapping) else reserve_loading or {}
+    )
+    if reserved_loading and loading is not True:
+        raise ValueError("reserve_loading (bytes held while the checkpoint streams in) needs loading=True")
+    reserved_bytes, loading_bytes = sum(reserved.values()), sum(reserved_loading.values())
+    if reserved_bytes + loading_bytes >= budget_bytes:
+        every = {**reserved, **reserved_loading}
+        listed = "; ".join(f"{what}: {human_bytes(size)}" for what, size in every.items())
         raise FitError(
             f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) cannot be met: what is reserved besides the "
-            f"weights takes {human_bytes(reserved_bytes)} ({reserved_bytes} B) of it ({listed})",
+            f"weights takes {human_bytes(reserved_bytes + loading_bytes)} ({reserved_bytes + loading_bytes} B) of "
+            f"it ({listed})",
             budget_bytes=budget_bytes,
-            smallest_peak_bytes=reserved_bytes,
-            parts=sorted(reserved.items(), key=lambda part: -part[1]),
+            smallest_peak_bytes=reserved_bytes + loading_bytes,
+            parts=sorted(every.items(), key=lambda part: -part[1]),
         )
     units_budget = budget_bytes - reserved_bytes
     bound = DEFAULT_MAX_ERROR if max_error is None else parse_error(max_error)
@@ -335,7 +347,7 @@ def fit(
         next(i for i, o in enumerate(unit_options) if o.storage == "keep" and o.placement == "device")
         for unit_options in options
     ]
-    full = peak_of(options, tuple(keep), activations)
+    full = peak_of(options, tuple(keep), activations, loading_bytes)
     full_peak = full.peak_bytes
     applies_nothing = full_peak <= units_budget
     forced = False
@@ -350,7 +362,7 @@ def fit(
         if thresholds:  # only these storages' options depend on the data; a real forward when it can run
             outliers, not_observed = _observe(model, args, kwargs, device, min(thresholds))
             options, phase_options = build(outliers) if outliers is not None else (options, phase_options)
-        found = search(options, units_budget, activations, max_energy)
+        found = search(options, units_budget, activations, max_energy, loading_bytes)
         choice, forced = found.best, found.forced
         if forced and max_error is not None and choice is not None:
             least = expected_error(choice.error_energy, weights)
@@ -372,13 +384,19 @@ def fit(
             smallest = found.smallest
             peak = smallest.peak_bytes + reserved_bytes
             parts = sorted(
-                [*_parts(units, options, smallest, activations, peak_node), *reserved.items()], key=lambda p: -p[1]
+                [
+                    *_parts(units, options, smallest, activations, peak_node),
+                    *reserved.items(),
+                    *reserved_loading.items(),
+                ],
+                key=lambda p: -p[1],
             )
             listed = "; ".join(f"{what}: {human_bytes(size)}" for what, size in parts[:4])
             raise FitError(
                 f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) cannot be met on {device}: the smallest "
                 f"predicted peak that allow={allowed.to_dict()} reaches is {human_bytes(peak)} ({peak} B)"
-                f"{f', {human_bytes(reserved_bytes)} of it reserved besides the weights' if reserved else ''}, "
+                f"{f', {human_bytes(reserved_bytes)} of it reserved besides the weights' if reserved else ''}"
+                f"{f', {human_bytes(loading_bytes)} held while loading besides' if reserved_loading else ''}, "
                 f"dominated by {parts[0][0]}. Largest parts: {listed}"
                 f"{_slicing_note(parts, activations, allowed, layers, tried, refused)}",
                 budget_bytes=budget_bytes,
@@ -403,9 +421,9 @@ def fit(
         for unit, unit_options, pick, k in zip(units, options, choice.picks, keep)
     )
     error = expected_error(choice.error_energy, weights)
-    load_peak = choice.load_peak_bytes if loading else 0  # exact: the search holds a bound to the budget
+    load_peak = choice.load_peak_bytes + reserved_bytes if loading else 0  # exact: the search bounds it
     running = choice.held_bytes + choice.compute_bytes + choice.onload_bytes
-    transient = max(running, load_peak) - choice.held_bytes - activations
+    transient = max(running + reserved_bytes, load_peak) - reserved_bytes - choice.held_bytes - activations
     if sliced is not None:  # the compiled plan of the hinted model replaces the eager activations
         activations, peak_node = sliced.activation_bytes, sliced.peak_node
     return FitPlan(
@@ -431,6 +449,7 @@ def fit(
         covers_load=loading,
         predicted_load_peak_bytes=load_peak,
         reserved=reserved,
+        reserved_loading=reserved_loading,
         decode_steps=decode_steps,
         phase_peaks=_phase_peaks(phase_options, choice.picks, prefill, last_step, reserved_bytes),
         kv_cache=decode.summary() if decode is not None else {},

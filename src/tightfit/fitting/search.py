@@ -73,20 +73,22 @@ class Search:
     forced: bool = False
 
 
-def peak_of(options: list[list[Option]], picks: tuple[int, ...], activations: int) -> Choice:
+def peak_of(options: list[list[Option]], picks: tuple[int, ...], activations: int, load_extra: int = 0) -> Choice:
     """What a choice predicts: held bytes summed, the activation peak raised by the
     largest compute or load peak, the two largest onloads, and the peak while streaming in:
     units in order (the rest last), each above the units before it and the buffers of
-    those after it (``Option.ready_bytes``)."""
+    those after it (``Option.ready_bytes``); ``load_extra``: bytes held only while
+    loading (the load's reservations), above each unit's load."""
     chosen = [unit_options[pick] for unit_options, pick in zip(options, picks)]
     onloads = sorted((o.onload_bytes for o in chosen), reverse=True)[:2]
     computing = max([activations] + [o.compute_peak_bytes for o in chosen])
-    loading = max([0] + [o.load_bytes for o in chosen])
-    pending = load_peak = sum(o.ready_bytes for o in chosen)  # in memory before the first unit is read
+    loading = max([0] + [o.load_bytes for o in chosen]) + load_extra
+    pending = sum(o.ready_bytes for o in chosen)  # in memory before the first unit is read
+    load_peak = pending + load_extra
     held = 0
     for option in chosen:  # streamed in order, the rest last
         pending -= option.ready_bytes  # part of the unit's own bytes from here
-        load_peak = max(load_peak, held + pending + option.held_bytes + option.load_bytes)
+        load_peak = max(load_peak, held + pending + option.held_bytes + option.load_bytes + load_extra)
         held += option.held_bytes
     return Choice(
         picks,
@@ -138,12 +140,15 @@ def _knapsack(
     return tuple(reversed(picks))
 
 
-def search(options: list[list[Option]], budget: int, activations: int, max_energy: float = math.inf) -> Search:
+def search(
+    options: list[list[Option]], budget: int, activations: int, max_energy: float = math.inf, load_extra: int = 0
+) -> Search:
     """Choose one option per unit so that the predicted peak is <= ``budget`` at the least
     summed cost (seconds, see :class:`Option`) with the summed error energy <=
-    ``max_energy``; ``activations``: the planned activation peak with the inputs. Every
-    unit must have at least one option."""
-    found = _search(options, budget, activations, 0.0)
+    ``max_energy``; ``activations``: the planned activation peak with the inputs;
+    ``load_extra``: bytes held only while loading (:func:`peak_of`). Every unit must have
+    at least one option."""
+    found = _search(options, budget, activations, 0.0, load_extra)
     if found.best is None or found.best.error_energy <= max_energy:
         return found
     # energy first: every weight-second of cost is worth less than any energy the options differ by
@@ -151,13 +156,13 @@ def search(options: list[list[Option]], budget: int, activations: int, max_energ
     least_step = min((b - a for a, b in zip(steps, steps[1:])), default=1.0)
     most_cost = sum(max(o.cost for o in unit) for unit in options)
     high = 2 * most_cost / least_step
-    precise = _search(options, budget, activations, high)
+    precise = _search(options, budget, activations, high, load_extra)
     if precise.best is None or precise.best.error_energy > max_energy:
         return Search(precise.best, found.smallest, forced=True)
     best, low = precise.best, high * 1e-12
     for _ in range(_BISECTIONS):  # geometric: the weight spans many orders of magnitude
         middle = math.sqrt(low * high)
-        candidate = _search(options, budget, activations, middle).best
+        candidate = _search(options, budget, activations, middle, load_extra).best
         if candidate is not None and candidate.error_energy <= max_energy:
             high = middle
             best = candidate if candidate.cost < best.cost else best
@@ -166,9 +171,9 @@ def search(options: list[list[Option]], budget: int, activations: int, max_energ
     return Search(best, found.smallest)
 
 
-def _search(options: list[list[Option]], budget: int, activations: int, weight: float) -> Search:
+def _search(options: list[list[Option]], budget: int, activations: int, weight: float, load_extra: int) -> Search:
     """The least cost + ``weight`` x error energy choice within ``budget`` (None when
-    nothing fits), and the least-peak one."""
+    nothing fits), and the least-peak one; the knapsack leaves ``load_extra`` free."""
     active_caps = sorted(
         {activations} | {o.transient_bytes for unit in options for o in unit if o.transient_bytes > activations}
     )
@@ -187,13 +192,13 @@ def _search(options: list[list[Option]], budget: int, activations: int, weight: 
                 min(indices, key=lambda i, unit=unit: (unit[i].held_bytes, unit[i].cost))
                 for unit, indices in zip(options, allowed)
             )
-            candidate = peak_of(options, least, activations)
+            candidate = peak_of(options, least, activations, load_extra)
             if smallest is None or candidate.peak_bytes < smallest.peak_bytes:
                 smallest = candidate
-            picks = _knapsack(options, allowed, budget - active_cap - 2 * onload_cap, weight)
+            picks = _knapsack(options, allowed, budget - active_cap - 2 * onload_cap - load_extra, weight)
             if picks is None:
                 continue
-            choice = peak_of(options, picks, activations)
+            choice = peak_of(options, picks, activations, load_extra)
             if choice.peak_bytes <= budget and (best is None or _value(choice, weight) < _value(best, weight)):
                 best = choice
     return Search(best, smallest)

@@ -53,7 +53,9 @@ def render(plan: FitPlan) -> str:
     if plan.covers_load:
         lines.append(
             f"loading covered: peak {human_bytes(plan.predicted_load_peak_bytes)} while the checkpoint streams in "
-            f"(weights held + the largest unit as read and converting)"
+            f"(weights held + the largest unit as read and converting"
+            + "".join(f"; {what} {human_bytes(size)} ({size:,} B)" for what, size in plan.reserved_loading.items())
+            + ")"
         )
     if plan.disk_reads:
         lines.append(f"units on disk read {plan.disk_reads}")

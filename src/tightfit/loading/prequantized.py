@@ -64,6 +64,9 @@ from tightfit.quant import FLOAT8_DTYPE, Linear4bit, LinearInt8, QuantState, Sto
 
 __all__ = ["load_quantized"]
 
+SCALES = "quantization scales, held on the device whatever the placement"
+CHECKING = "checking one unit's quantized entries as it loads"
+
 
 # -- planning ------------------------------------------------------------------------------
 
@@ -143,13 +146,13 @@ def _plan(
 ) -> FitPlan:
     """Placements for the stored model within ``budget``: :func:`tightfit.fit` on the
     skeleton with a stand-in for each quantized leaf and only ``keep`` allowed (storages
-    are the checkpoint's; ``allow`` picks placements and hints), for the budget less the
-    quant states, which stay on the device wherever their units go; the plan then names
-    each unit's stored storage and counts its quant states."""
+    are the checkpoint's; ``allow`` picks placements and hints). The quant states, which
+    stay on the device wherever their units go, are a reservation of the plan for the
+    whole run; checking one unit's quantized entries, one for its load. The plan then
+    names each unit's stored storage."""
     allowed = Allow.coerce(allow)
     quantized = [leaf for leaf in layout.values() if leaf.storage != "keep"]
     states = {leaf.name: _state_bytes(leaf, checkpoint) for leaf in quantized}
-    reserve = sum(states.values())
     checking = max((_checking_bytes(leaf, checkpoint) for leaf in quantized), default=0)
     modules = dict(model.named_modules())
     stand_ins = {
@@ -161,60 +164,31 @@ def _plan(
         )
         for leaf in quantized
     }
-    parts = [
-        ("quantization scales, held on the device whatever the placement", reserve),
-        ("checking one layer's quantized entries while loading", checking),
-    ]
-    if reserve + checking >= budget:
-        raise FitError(
-            f"budget={human_bytes(budget)} ({budget} B) cannot be met: the checkpoint's quantization scales and "
-            f"their checks take {human_bytes(reserve + checking)} ({reserve + checking} B)",
-            budget_bytes=budget,
-            smallest_peak_bytes=reserve + checking,
-            parts=parts,
-        )
     originals = swap_modules(model, stand_ins)
     try:
         plan = fit(
             model,
             inputs,
-            budget - reserve - checking,
+            budget,
             backend=backend,
             allow=Allow(storage=frozenset({"keep"}), placement=allowed.placement, hints=allowed.hints),
             calibration=calibration,
             loading=True,
             stored_dtypes=_stored_dtypes(model, checkpoint),  # a plain leaf stored in another dtype is converted
+            reserve={SCALES: sum(states.values())} if quantized else None,
+            reserve_loading={CHECKING: checking} if quantized else None,
             units=units,
         )
-    except FitError as error:
-        raise FitError(
-            f"{error} (that budget is what remains of budget={budget} B after {human_bytes(reserve)} of the "
-            f"checkpoint's quantization scales, held on the device whatever the placement, and "
-            f"{human_bytes(checking)} for checking one layer's quantized entries while loading)",
-            budget_bytes=budget,
-            smallest_peak_bytes=error.smallest_peak_bytes + reserve + checking,
-            parts=sorted([*parts, *error.parts], key=lambda part: -part[1]),
-        ) from None
     finally:
         swap_modules(model, originals)
     planned = [entry.module for entry in plan.entries if entry.kind != "rest"]
-    load_peak = plan.predicted_load_peak_bytes + reserve + checking
-    peak = max(plan.predicted_peak_bytes + reserve, load_peak)
-    weights = plan.predicted_weights_bytes + reserve
-    return replace(
-        plan,
-        budget_bytes=budget,
-        predicted_peak_bytes=peak,
-        predicted_weights_bytes=weights,
-        predicted_transient_bytes=peak - weights - plan.predicted_activation_bytes,
-        full_peak_bytes=plan.full_peak_bytes + reserve,
-        predicted_load_peak_bytes=load_peak,
-        entries=tuple(_described(entry, quantized, planned, states) for entry in plan.entries),
-    )
+    return replace(plan, entries=tuple(_described(entry, quantized, planned, states) for entry in plan.entries))
 
 
 def _described(entry: PlanEntry, quantized: list[StoredLeaf], units: list[str], states: dict[str, int]) -> PlanEntry:
-    """``entry`` naming the storage its leaves are stored in, their quant states counted."""
+    """``entry`` naming the storage its leaves are stored in, their quant states counted in
+    its stored bytes (the bytes it holds on the device leave them out: they are the plan's
+    reservation :data:`SCALES`, held wherever the unit goes)."""
 
     def unit_of(name: str) -> str:
         return next((unit for unit in units if name == unit or name.startswith(f"{unit}.")), "")
@@ -235,7 +209,6 @@ def _described(entry: PlanEntry, quantized: list[StoredLeaf], units: list[str], 
         leaves=tuple(leaf.name for leaf in inside),
         bytes_before=entry.bytes_before + extra,
         bytes_after=entry.bytes_after + extra,
-        held_bytes=entry.held_bytes + extra,
         why=f"{storages[0]} in the checkpoint, read as stored; {entry.why}",
     )
 
