@@ -27,12 +27,15 @@ KERNELS = {
     "mm_dequant",
     "mm_dequant_parallel",
     "few_rows",
+    "adam_32bit",
+    "adam_8bit",
 }
 
 PROBE = """
 import gc, hashlib, json
 import torch
 import tightfit
+import tightfit.optim
 from tightfit.ops import _cpu_int8_rows
 from numba.core.registry import CPUDispatcher
 
@@ -53,13 +56,19 @@ for parallel_min in (1 << 62, 0):  # one thread, then the parallel drivers
     results += [codes, row_stats, outlier_cols]
     results.append(tightfit.ops.int8_mm_dequant(product, A[:, 0].abs(), A[0].abs(), torch.float16))
 results.append(tightfit.ops.int8_linear_matmul(codes[:2], codes))  # TIGHTFIT_CPU_INT8_PATH=few_rows
+p = A.reshape(-1).clone()
+for bits in (32, 8):  # one rule of each width: the rules' kernels are one body each
+    optimizer = tightfit.optim.Adam([p], optim_bits=bits, min_8bit_size=0)
+    p.grad = A.reshape(-1) * 0.01
+    optimizer.step()
+    results.append(p.clone())
 
 digest = hashlib.sha256(b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in results)).hexdigest()
 kernels = {}
 for obj in gc.get_objects():
     if isinstance(obj, CPUDispatcher) and obj.py_func.__module__.startswith("tightfit"):
-        if obj._cache.__class__.__name__ != "NullCache":  # cache=True
-            stats = obj.stats
+        stats = obj.stats
+        if obj._cache.__class__.__name__ != "NullCache" and (stats.cache_hits or stats.cache_misses):  # cached, run
             kernels[obj.py_func.__name__] = [len(stats.cache_hits), len(stats.cache_misses)]
 print(json.dumps({"kernels": kernels, "digest": digest}))
 """

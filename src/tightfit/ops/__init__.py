@@ -14,6 +14,7 @@ from tightfit.ops.cast import CAST_DTYPES, cast
 from tightfit.ops.codes import code_4bit, dynamic_map
 from tightfit.ops.float8_gemv import gemv_float8
 from tightfit.ops.int8 import int8_linear_matmul, int8_mm_dequant, int8_vectorwise_dequant, int8_vectorwise_quant
+from tightfit.ops.optimizer import optimizer_update_8bit_blockwise, optimizer_update_32bit
 
 __all__ = [
     "CAST_DTYPES",
@@ -37,6 +38,8 @@ __all__ = [
     "int8_mm_dequant",
     "int8_vectorwise_dequant",
     "int8_vectorwise_quant",
+    "optimizer_update_32bit",
+    "optimizer_update_8bit_blockwise",
     "quantize_4bit",
     "quantize_blockwise",
     "register_kernel",

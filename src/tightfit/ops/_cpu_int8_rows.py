@@ -187,6 +187,7 @@ def linear_rows(rows: torch.Tensor, weight: torch.Tensor, SCB: torch.Tensor, bia
     if path != "native":
         return None
     rows = rows.contiguous()
+    weight, SCB = weight.contiguous(), SCB.contiguous()  # held here: a temporary's pointer dies with it
     limit = _limit(threshold, rows.dtype)
     q, row_stats, outlier, bad = _quant_outputs(M, K)
     product = torch.empty(M, weight.shape[0], dtype=torch.int32)
@@ -198,9 +199,9 @@ def linear_rows(rows: torch.Tensor, weight: torch.Tensor, SCB: torch.Tensor, bia
         M,
         K,
         limit,
-        weight.contiguous().data_ptr(),
+        weight.data_ptr(),
         weight.shape[0],
-        SCB.contiguous().data_ptr(),
+        SCB.data_ptr(),
         INV_127_SQUARED,
         None if bias is None else bias.data_ptr(),
         -1 if bias is None else _native.DTYPE_CODES[bias.dtype],

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["dequantize", "gemv_4bit", "quantize"]
+__all__ = ["dequantize", "gemv_4bit", "quantize"]  # and the optimizer kernels, one per rule: <rule>_32bit, <rule>_8bit
 
 
 @numba.njit(inline="always")
@@ -27,14 +27,36 @@ def code_of(value, table):
 
 
 @numba.njit(inline="always")
-def scaled(bits, i, widen, factor, full):
-    """Value i (float32 bits, or bf16 bits with ``widen`` 65536) scaled into [-1, 1] as the
-    reference scales it: times the reciprocal in full blocks, divided in the partial one."""
-    value = np.uint32(np.uint32(bits[i]) * widen).view(np.float32)
+def widened(bits, i, widen):
+    """Value i of float32 bits, or of bf16 bits with ``widen`` 65536, as float32."""
+    return np.uint32(np.uint32(bits[i]) * widen).view(np.float32)
+
+
+@numba.njit(inline="always")
+def scale_value(value, factor, full):
+    """``value`` scaled into [-1, 1] as the reference scales it: times the reciprocal in
+    full blocks, divided in the partial one."""
     scaled = value * factor if full else value / factor
     if scaled != scaled:  # NaN of either sign sorts above every bound, as in torch.bucketize
         return np.float32(np.nan)
     return min(max(scaled, np.float32(-1.0)), np.float32(1.0))
+
+
+@numba.njit(inline="always")
+def scaled(bits, i, widen, factor, full):
+    """Value i of ``bits`` (see :func:`widened`) scaled into [-1, 1]."""
+    return scale_value(widened(bits, i, widen), factor, full)
+
+
+@numba.njit(inline="always")
+def block_scale(peak, full):
+    """(absmax stored, scaling factor) of a block whose largest |value| has float32 bits
+    ``peak`` (NaN is the largest): the reference's absmax, clamped in a partial block."""
+    if peak > np.uint32(0x7F800000):  # NaN: every value scales to NaN, as in the reference
+        return np.float32(np.nan), np.float32(np.nan)
+    amax = np.uint32(peak).view(np.float32)
+    clamped = max(amax, np.float32(1e-38))
+    return (amax, np.float32(1.0) / clamped) if full else (clamped, clamped)
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)
@@ -51,14 +73,7 @@ def quantize(bits, n, blocksize, table, bounds, single_step, four_bit, out, absm
         for i in range(start, end):  # an integer max over |x|'s bits: vectorizes, and NaN is the largest
             peak = max(peak, np.uint32(np.uint32(bits[i]) * widen) & np.uint32(0x7FFFFFFF))
         full = end - start == blocksize
-        if peak > np.uint32(0x7F800000):  # NaN: every value scales to NaN, as in the reference
-            absmax[block] = np.float32(np.nan)
-            factor = np.float32(np.nan)
-        else:
-            amax = np.uint32(peak).view(np.float32)
-            clamped = max(amax, np.float32(1e-38))
-            absmax[block] = amax if full else clamped
-            factor = np.float32(1.0) / clamped if full else clamped
+        absmax[block], factor = block_scale(peak, full)
         if not four_bit:
             for i in range(start, end):
                 out[i] = code_of(scaled(bits, i, widen, factor, full), table)
@@ -148,3 +163,196 @@ def gemv_4bit(x, packed, absmax, code, pairs, blocksize, cols, out):
                 acc += part * absmax[block]
                 i = stop
             out[m, j] = acc
+
+
+# -- optimizer updates (tightfit.ops.optimizer): constants h in _cpu_optimizer.CONSTANTS order --
+
+
+@numba.njit(inline="always")
+def optimizer_step(kind, g, p, s0, s1, s2, h):
+    """One update of value (g, p) and its states in float32, op by op as the reference
+    (``ops/optimizer._step``) rounds them: (new p, new states). ``kind`` indexes OPTIMIZERS."""
+    if kind >= 2 and kind <= 4 and h[8] > 0:
+        g = g + p * h[8]
+    if (kind <= 1 or kind == 5) and h[8] > 0:
+        p = p * h[9]
+    if kind == 0:  # adam
+        s0 = s0 * h[0] + g * h[3]
+        s1 = s1 * h[1] + (g * g) * h[4]
+        p = p + (s0 / (np.sqrt(s1) * h[12] + h[7])) * h[13]
+    elif kind == 1:  # ademamix
+        s0 = s0 * h[0] + g * h[3]
+        s1 = s1 * h[2] + g * h[5]
+        s2 = s2 * h[1] + (g * g) * h[4]
+        p = p - ((s0 * h[11] + s1 * h[6]) / (np.sqrt(s2) * h[12] + h[7])) * h[10]
+    elif kind == 2:  # momentum
+        s0 = g if h[14] != 0 else s0 * h[0] + g
+        p = p - s0 * h[10]
+    elif kind == 3:  # rmsprop
+        s0 = s0 * h[0] + (g * g) * h[3]
+        p = p - (g / (np.sqrt(s0) + h[7])) * h[10]
+    elif kind == 4:  # adagrad
+        s0 = s0 + g * g
+        p = p - (g / (np.sqrt(s0) + h[7])) * h[10]
+    else:  # lion
+        mixed = s0 * h[0] + g * h[3]
+        direction = np.float32(1.0) if mixed > 0 else (np.float32(-1.0) if mixed < 0 else np.float32(0.0))
+        s0 = s0 * h[1] + g * h[4]
+        p = p - direction * h[10]
+    return p, s0, s1, s2
+
+
+@numba.njit(inline="always")
+def optimizer_32bit(kind, g, g_widen, p, p_widen, s0, s1, s2, count, n, h):
+    """One step over float32 or bf16 parameter bits ``p`` (written back in their width)
+    with float32 states (``count`` of s0, s1, s2 used), 4,096 values per task. Each task
+    indexes slices from 0, which lets the loop vectorize (offsets that could be negative,
+    for all numba knows, keep it scalar: five times slower)."""
+    width = p.itemsize
+    for chunk in numba.prange((n + 4095) // 4096):
+        start = chunk * 4096
+        end = min(n, start + 4096)
+        gs, ps, a0 = g[start:end], p[start:end], s0[start:end]
+        a1 = s1[start:end] if count > 1 else s1
+        a2 = s2[start:end] if count > 2 else s2
+        for j in range(end - start):
+            b = a1[j] if count > 1 else np.float32(0.0)
+            c = a2[j] if count > 2 else np.float32(0.0)
+            new_p, a, b, c = optimizer_step(kind, widened(gs, j, g_widen), widened(ps, j, p_widen), a0[j], b, c, h)
+            ps[j] = encode(new_p, width)
+            a0[j] = a
+            if count > 1:
+                a1[j] = b
+            if count > 2:
+                a2[j] = c
+
+
+@numba.njit(inline="always")
+def decoded(codes, absmax, code, j):
+    return code[codes[j]] * absmax
+
+
+@numba.njit(inline="always")
+def optimizer_8bit(
+    kind, g, g_widen, p, p_widen, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, count, n, blocksize, h
+):
+    """One step with 8-bit blockwise states (codes c*, absmax a*, maps m*, and their
+    search tables t*, whose buckets hold one bound each: a single lookup), a block at a
+    time while it is in cache: the new states are computed once for their absmax (a loop
+    that stores nothing, so it vectorizes, gathers and all), then again from the same old
+    codes to update p and code them; nothing is written before both. Blocks index slices
+    from 0 (see :func:`optimizer_32bit`)."""
+    width = p.itemsize
+    zero = np.float32(0.0)
+    for block in numba.prange((n + blocksize - 1) // blocksize):
+        start = block * blocksize
+        size = min(n, start + blocksize) - start
+        full = size == blocksize
+        gs, ps, q0 = g[start : start + size], p[start : start + size], c0[start : start + size]
+        q1 = c1[start : start + size] if count > 1 else c1
+        q2 = c2[start : start + size] if count > 2 else c2
+        scale0 = a0[block]
+        scale1 = a1[block] if count > 1 else zero
+        scale2 = a2[block] if count > 2 else zero
+        peak0 = peak1 = peak2 = np.uint32(0)
+        for j in range(size):
+            _, a, b, c = optimizer_step(
+                kind,
+                widened(gs, j, g_widen),
+                widened(ps, j, p_widen),
+                decoded(q0, scale0, m0, j),
+                decoded(q1, scale1, m1, j) if count > 1 else zero,
+                decoded(q2, scale2, m2, j) if count > 2 else zero,
+                h,
+            )
+            peak0 = max(peak0, np.float32(a).view(np.uint32) & np.uint32(0x7FFFFFFF))
+            peak1 = max(peak1, np.float32(b).view(np.uint32) & np.uint32(0x7FFFFFFF))
+            peak2 = max(peak2, np.float32(c).view(np.uint32) & np.uint32(0x7FFFFFFF))
+        new0, factor0 = block_scale(peak0, full)
+        new1, factor1 = block_scale(peak1, full)
+        new2, factor2 = block_scale(peak2, full)
+        for j in range(size):
+            new_p, a, b, c = optimizer_step(
+                kind,
+                widened(gs, j, g_widen),
+                widened(ps, j, p_widen),
+                decoded(q0, scale0, m0, j),
+                decoded(q1, scale1, m1, j) if count > 1 else zero,
+                decoded(q2, scale2, m2, j) if count > 2 else zero,
+                h,
+            )
+            ps[j] = encode(new_p, width)
+            q0[j] = code_of(scale_value(a, factor0, full), t0)
+            if count > 1:
+                q1[j] = code_of(scale_value(b, factor1, full), t1)
+            if count > 2:
+                q2[j] = code_of(scale_value(c, factor2, full), t2)
+        a0[block] = new0
+        if count > 1:
+            a1[block] = new1
+        if count > 2:
+            a2[block] = new2
+
+
+# One compiled kernel per rule: inlined with ``kind`` and ``count`` constant, the branches
+# fold away and the loops vectorize (a runtime kind kept them scalar: six times slower).
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def adam_32bit(g, gw, p, pw, s0, s1, s2, n, h):
+    optimizer_32bit(0, g, gw, p, pw, s0, s1, s2, 2, n, h)
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def ademamix_32bit(g, gw, p, pw, s0, s1, s2, n, h):
+    optimizer_32bit(1, g, gw, p, pw, s0, s1, s2, 3, n, h)
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def momentum_32bit(g, gw, p, pw, s0, s1, s2, n, h):
+    optimizer_32bit(2, g, gw, p, pw, s0, s1, s2, 1, n, h)
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def rmsprop_32bit(g, gw, p, pw, s0, s1, s2, n, h):
+    optimizer_32bit(3, g, gw, p, pw, s0, s1, s2, 1, n, h)
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def adagrad_32bit(g, gw, p, pw, s0, s1, s2, n, h):
+    optimizer_32bit(4, g, gw, p, pw, s0, s1, s2, 1, n, h)
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def lion_32bit(g, gw, p, pw, s0, s1, s2, n, h):
+    optimizer_32bit(5, g, gw, p, pw, s0, s1, s2, 1, n, h)
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def adam_8bit(g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, n, bs, h):
+    optimizer_8bit(0, g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, 2, n, bs, h)
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def ademamix_8bit(g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, n, bs, h):
+    optimizer_8bit(1, g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, 3, n, bs, h)
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def momentum_8bit(g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, n, bs, h):
+    optimizer_8bit(2, g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, 1, n, bs, h)
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def rmsprop_8bit(g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, n, bs, h):
+    optimizer_8bit(3, g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, 1, n, bs, h)
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def adagrad_8bit(g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, n, bs, h):
+    optimizer_8bit(4, g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, 1, n, bs, h)
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def lion_8bit(g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, n, bs, h):
+    optimizer_8bit(5, g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, 1, n, bs, h)

@@ -59,14 +59,17 @@ def dynamic_values(signed: bool = True, max_exponent_bits: int = 7, total_bits: 
     return values + [0.0, 1.0]
 
 
-@functools.lru_cache(maxsize=1)
-def _dynamic_map() -> torch.Tensor:
-    return torch.tensor(sorted(dynamic_values()), dtype=torch.float32)
+@functools.lru_cache(maxsize=2)
+def _dynamic_map(signed: bool = True) -> torch.Tensor:
+    return torch.tensor(sorted(dynamic_values(signed)), dtype=torch.float32)
 
 
-def dynamic_map() -> torch.Tensor:
-    """The signed 8-bit dynamic map: 256 sorted float32 values from -0.99297 to 1 (a copy)."""
-    return _dynamic_map().clone()
+def dynamic_map(signed: bool = True) -> torch.Tensor:
+    """The 8-bit dynamic map, 256 sorted float32 values (a copy): signed, from -0.99297 to
+    1; unsigned (``signed=False``, the map of 8-bit optimizers' second moments), from 0 to 1."""
+    if not isinstance(signed, bool):
+        raise TypeError(f"signed must be bool, got {type(signed).__name__}: {signed!r}")
+    return _dynamic_map(signed).clone()
 
 
 @functools.cache

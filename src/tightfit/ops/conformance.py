@@ -105,6 +105,8 @@ def _run_case(opdef: OpDef, case: Case, fn: Callable[..., Any], device: torch.de
     args = list(tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, case.args))
     guards = {}
     for index in opdef.mutated:
+        if case.args[index] is None:  # an optional tensor the op would write, not given
+            continue
         args[index], guards[index] = _with_sentinel(case.args[index], device)
         args[index].copy_(case.args[index])  # start from what the reference starts from
     actual = fn(*args)

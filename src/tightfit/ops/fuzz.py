@@ -33,6 +33,7 @@ from tightfit.ops import _arg_checks as checks
 from tightfit.ops import _cpu_int8
 from tightfit.ops._registry import get_op
 from tightfit.ops.codes import QUANT_TYPES_4BIT, dynamic_map
+from tightfit.ops.optimizer import OPTIMIZER_BLOCKSIZE, OPTIMIZERS, TWO_STATE_OPTIMIZERS
 
 __all__ = ["FuzzCase", "make_case", "run_case"]
 
@@ -608,6 +609,63 @@ def _cast_into(b: _Builder) -> list[Any]:
     return args
 
 
+def _optimizer_update(b: _Builder, eight_bit: bool) -> list[Any]:
+    """Arguments of one optimizer step in schema order: name, g, p, states (8-bit: codes,
+    absmax and maps), then beta1, beta2, beta3, alpha, eps, weight_decay, step, lr."""
+    name, shape = b.rng.choice(OPTIMIZERS), b.shape(max_rank=2)
+    dtype = b.rng.choice(checks.FLOAT_DTYPES)
+    numel, two = math.prod(shape), name in TWO_STATE_OPTIMIZERS
+    first = (2, *shape) if name == "ademamix" else shape
+    blocks = checks.block_count(numel, OPTIMIZER_BLOCKSIZE)
+    g, p = b.floats(shape, dtype), b.floats(shape, dtype)
+    if eight_bit:
+        state1 = b.bytes_(math.prod(first)).reshape(first)
+        absmax1 = torch.rand((2, blocks) if name == "ademamix" else (blocks,), generator=b.generator) * 0.1
+        second = [b.bytes_(numel).reshape(shape), torch.rand(blocks, generator=b.generator) * 1e-3, dynamic_map(False)]
+        states = [state1, second[0] if two else None, absmax1, second[1] if two else None, dynamic_map()]
+        states.append(second[2] if two else None)
+    else:
+        states = [
+            b.floats(first, torch.float32) * 0.01,
+            (torch.rand(shape, generator=b.generator) * 1e-3) if two else None,
+        ]
+    scalars = [0.9, 0.999, 0.9999 if name == "ademamix" else 0.0, 5.0 if name == "ademamix" else 0.0, 1e-8]
+    scalars += [b.rng.choice((0.0, 0.01)), b.rng.randint(1, 10), 1e-3]
+    args = [name, g, p, *states, *scalars]
+    same = lambda t: t.dtype == p.dtype and t.shape == p.shape  # noqa: E731
+    state_dtype = torch.uint8 if eight_bit else torch.float32
+    first_ok = lambda t: t.dtype == state_dtype and tuple(t.shape) == first and t.is_contiguous()  # noqa: E731
+    at = len(args) - 8  # where the scalars start
+    for what in b.which(
+        ("g", "p", "state1", "state2", "name", "beta1", "step", "lr") + (("qmap1",) if eight_bit else ())
+    ):
+        if what == "g":
+            b.tensor_mutation(args, 1, "g", same, primary=True)
+        elif what == "p":
+            b.tensor_mutation(args, 2, "p", lambda t: same(t) and t.is_contiguous(), primary=True)
+        elif what == "state1":
+            b.tensor_mutation(args, 3, "state1", first_ok)
+        elif what == "state2" and args[4] is not None:
+            b.tensor_mutation(
+                args, 4, "state2", lambda t: t.dtype == state_dtype and t.shape == p.shape and t.is_contiguous()
+            )
+        elif what == "state2":
+            args[4] = torch.zeros(shape, dtype=state_dtype)
+            b.mutate("state2 given to a one-state rule", False)
+        elif what == "qmap1":
+            args[7] = args[7][torch.randperm(256, generator=b.generator)]
+            b.mutate("qmap1 shuffled", False)
+        elif what == "name":
+            b.choice_arg(args, 0, "optimizer_name", ("adamw", "", name), (name,))
+        elif what == "beta1":
+            b.choice_arg(args, at, "beta1", (1.0, -0.1, math.nan, 0.5), (0.5,))
+        elif what == "step":
+            b.choice_arg(args, at + 6, "step", (0, -1, 1.5, 3), (3,))
+        else:
+            b.choice_arg(args, at + 7, "lr", (-1e-3, math.inf, "0.1", 0.0), (0.0,))
+    return args
+
+
 _GENERATORS: dict[str, Callable[[_Builder], list[Any]]] = {
     "quantize_blockwise": _quantize_blockwise,
     "dequantize_blockwise": _dequantize_blockwise,
@@ -624,6 +682,8 @@ _GENERATORS: dict[str, Callable[[_Builder], list[Any]]] = {
     "int8_linear": _int8_linear,
     "cast": _cast,
     "cast_into": _cast_into,
+    "optimizer_update_32bit": lambda b: _optimizer_update(b, eight_bit=False),
+    "optimizer_update_8bit_blockwise": lambda b: _optimizer_update(b, eight_bit=True),
 }
 
 

@@ -1,0 +1,218 @@
+"""``tightfit.compat.bitsandbytes.optim`` beside bitsandbytes' own optimizers: the same names
+and signatures, state dicts that load both ways unchanged, the same step from the same state
+(tightfit's is the specification, bit for bit; bitsandbytes' is held to it within its own
+tests' tolerance through PeerCheck), and the global manager's overrides."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+
+import pytest
+import torch
+
+import tightfit.compat.bitsandbytes as tbnb
+from tightfit.ops import get_op
+from zoo.peer import PeerCheck
+
+bnb = pytest.importorskip("bitsandbytes")
+
+#: bitsandbytes' optimizers tightfit does not offer, and why (docs/migrating.md).
+NOT_OFFERED = {
+    "LAMB": "trust-ratio update norms (max_unorm) are not implemented",
+    "LAMB8bit": "trust-ratio update norms (max_unorm) are not implemented",
+    "LAMB32bit": "trust-ratio update norms (max_unorm) are not implemented",
+    "LARS": "trust-ratio update norms (max_unorm) are not implemented",
+    "LARS8bit": "trust-ratio update norms (max_unorm) are not implemented",
+    "LARS32bit": "trust-ratio update norms (max_unorm) are not implemented",
+    "PytorchLARS": "a plain torch optimizer bitsandbytes keeps as its test reference",
+}
+PAIRS = {
+    "Adam8bit": {},
+    "AdamW8bit": {},
+    "PagedAdamW8bit": {},
+    "AdEMAMix8bit": {"t_alpha": 5, "t_beta3": 5},
+    "Lion8bit": {},
+    "SGD8bit": {"lr": 0.01, "momentum": 0.9},
+    "RMSprop8bit": {"lr": 0.01},
+    "Adagrad8bit": {},
+    "Adam": {},
+    "Lion": {},
+}
+
+
+def _classes(module) -> dict[str, type]:
+    return {n: c for n, c in vars(module).items() if inspect.isclass(c) and issubclass(c, torch.optim.Optimizer)}
+
+
+def test_every_optimizer_bitsandbytes_offers_is_here_with_its_signature_or_named_as_not_offered():
+    theirs, ours = _classes(bnb.optim), _classes(tbnb.optim)
+    for name, cls in theirs.items():
+        if name.startswith("_") or name in ("Optimizer8bit", "Optimizer1State", "Optimizer2State"):
+            continue
+        if name in NOT_OFFERED:
+            assert name not in ours
+            continue
+        assert name in ours, name
+        expected = inspect.signature(cls.__init__).parameters
+        got = inspect.signature(ours[name].__init__).parameters
+        assert list(got) == list(expected), name
+        assert [p.default for p in got.values()] == [p.default for p in expected.values()], name
+    assert hasattr(tbnb.optim.GlobalOptimManager, "get_instance")
+
+
+def _stepped(cls, p: torch.Tensor, steps: int, seed: int, **settings):
+    optimizer = cls([p], **settings)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        p.grad = torch.randn(p.shape, generator=generator) * 0.01
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # bitsandbytes warns that paging falls back on the CPU
+            optimizer.step()
+    return optimizer
+
+
+def _quant(state_dict: dict) -> dict:
+    entry = state_dict["state"][0]
+    return {**{k: v for k, v in entry.items() if k != "__bnb_optimizer_quant_state__"}, **entry.get(
+        "__bnb_optimizer_quant_state__", {}
+    )}  # fmt: skip
+
+
+def _spec_step(name: str, optimizer, p: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """One step of ``optimizer``'s rule from its state, by the reference kernel."""
+    p = p.clone()
+    state = {
+        k: v.clone() if isinstance(v, torch.Tensor) else v
+        for k, v in optimizer.state[next(iter(optimizer.state))].items()
+    }
+    group = optimizer.param_groups[0]
+    step = state["step"] + 1
+    alpha, beta3 = tbnb.optim.optim.optimizer.scheduled(group, step) if optimizer.rule == "ademamix" else (0.0, 0.0)
+    scalars = (
+        group["betas"][0],
+        group["betas"][1],
+        beta3,
+        alpha,
+        group["eps"],
+        group["weight_decay"],
+        step,
+        group["lr"],
+    )
+    if state["state1"].dtype == torch.uint8:
+        get_op("optimizer_update_8bit_blockwise").reference(
+            optimizer.rule, grad, p, state["state1"], state.get("state2"), state["absmax1"], state.get("absmax2"),
+            state["qmap1"], state.get("qmap2"), *scalars,
+        )  # fmt: skip
+    else:
+        get_op("optimizer_update_32bit").reference(
+            optimizer.rule, grad, p, state["state1"], state.get("state2"), *scalars
+        )
+    return p, state
+
+
+def _decoded(state: dict) -> torch.Tensor:
+    """The first state's values (AdEMAMix: its fast EMA), by the reference decode."""
+    codes, absmax = state["state1"], state["absmax1"]
+    if absmax.dim() == 2:
+        codes, absmax = codes[0], absmax[0]
+    return get_op("dequantize_blockwise").reference(codes, absmax, state["qmap1"], 256, torch.float32)
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_state_dicts_load_both_ways_and_the_same_step_follows_the_specification(name):
+    settings = PAIRS[name]
+    start = torch.randn(1024, 20, generator=torch.Generator().manual_seed(0)) * 0.1
+    theirs_p = start.clone()
+    theirs = _stepped(getattr(bnb.optim, name), theirs_p, 4, seed=1, **settings)
+    saved = copy.deepcopy(theirs.state_dict())
+    ours_p = theirs_p.clone()
+    ours = getattr(tbnb.optim, name)([ours_p], **settings)
+    ours.load_state_dict(saved)
+    for key, value in _quant(saved).items():
+        mine = ours.state[ours_p][key]
+        assert torch.equal(mine, value) if isinstance(value, torch.Tensor) else mine == value, key
+    # ours written back, read by bitsandbytes: the same tensors
+    back = getattr(bnb.optim, name)([theirs_p.clone()], **settings)
+    back.load_state_dict(copy.deepcopy(ours.state_dict()))
+    for key, value in _quant(saved).items():
+        got = back.state[next(iter(back.state))][key]
+        assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value, key
+    # one more step from the same state: ours is the specification to the bit
+    grad = torch.randn(1024, 20, generator=torch.Generator().manual_seed(2)) * 0.01
+    expected_p, expected_state = _spec_step(name, ours, ours_p, grad)
+    ours_p.grad = grad.clone()
+    ours.step()
+    assert torch.equal(ours_p, expected_p)
+    # bitsandbytes' step, held to the specification within its own tests' tolerances
+    peer = PeerCheck()
+    theirs_p.grad = grad.clone()
+    peer.runs(f"bitsandbytes.optim.{name}.step", theirs.step)
+    peer.agrees(f"bitsandbytes.optim.{name}.step (parameters)", theirs_p, expected_p, atol=1e-5)
+    if expected_state["state1"].dtype == torch.uint8:
+        peer.agrees(
+            f"bitsandbytes.optim.{name}.step (first state, decoded)",
+            _decoded(theirs.state[theirs_p]),
+            _decoded(expected_state),
+            atol=3e-3,
+        )
+    peer.settle()
+
+
+def test_the_global_manager_overrides_a_parameters_width_registered_before_or_after():
+    manager = tbnb.optim.GlobalOptimManager.get_instance()
+    manager.initialize()
+    first, second, third = (torch.randn(64, 64) for _ in range(3))
+    manager.override_config(third, "optim_bits", 8)
+    manager.register_parameters([first, second, third])
+    manager.override_config(second, key_value_dict={"optim_bits": 8, "lr": 0.0})
+    adam = tbnb.optim.Adam([first, second, third], lr=1e-3, min_8bit_size=0)
+    before = second.clone()
+    for p in (first, second, third):
+        p.grad = torch.randn_like(p)
+    adam.step()
+    assert [adam.state[p]["state1"].dtype for p in (first, second, third)] == [torch.float32, torch.uint8, torch.uint8]
+    assert torch.equal(second, before)  # lr 0 for it alone
+    manager.initialize()
+
+
+def test_a_module_override_applies_to_that_modules_weight():
+    manager = tbnb.optim.GlobalOptimManager.get_instance()
+    manager.initialize()
+    embedding, linear = torch.nn.Embedding(256, 32), torch.nn.Linear(32, 256)
+    manager.register_module_override(embedding, "weight", {"optim_bits": 32})
+    adam = tbnb.optim.Adam8bit([*embedding.parameters(), *linear.parameters()])
+    for p in (*embedding.parameters(), *linear.parameters()):
+        p.grad = torch.ones_like(p)
+    adam.step()
+    assert adam.state[embedding.weight]["state1"].dtype == torch.float32
+    assert adam.state[linear.weight]["state1"].dtype == torch.uint8
+    manager.initialize()
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda p: tbnb.optim.Adam8bit(p, amsgrad=True), "amsgrad"),
+        (lambda p: tbnb.optim.SGD(p, 0.01, 0.9, nesterov=True), "nesterov"),
+        (lambda p: tbnb.optim.SGD(p, 0.01, 0.9, dampening=0.1), "dampening"),
+        (lambda p: tbnb.optim.RMSprop(p, momentum=0.9), "momentum"),
+        (lambda p: tbnb.optim.RMSprop(p, centered=True), "Centered"),
+        (lambda p: tbnb.optim.Adagrad(p, lr_decay=0.1), "Lr Decay"),
+        (lambda p: tbnb.optim.SGD(p, 0.01), "without momentum"),
+    ],
+)
+def test_arguments_bitsandbytes_would_ignore_or_refuses_are_refused(make, match):
+    with pytest.raises((ValueError, NotImplementedError), match=match):
+        make([torch.zeros(8, requires_grad=True)])
+
+
+def test_paged_classes_run_on_the_cpu_without_a_fallback_warning():
+    p = torch.randn(8192)
+    optimizer = tbnb.optim.PagedAdamW8bit([p])
+    p.grad = torch.randn_like(p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.step()
+    assert optimizer.paged and optimizer.state[p]["state1"].device.type == "cpu"
