@@ -24,10 +24,9 @@ import torch
 from torch import nn
 
 from tightfit._files import read_text
-from tightfit._format import human_bytes
 from tightfit._progress import muted, task
 from tightfit._validate import check_type
-from tightfit.fitting import Allow, Calibration, FitError, FitPlan, fit, parse_size
+from tightfit.fitting import Allow, Calibration, FitPlan, fit, parse_size
 from tightfit.fitting.execute import PlanExecutor
 from tightfit.fitting.outliers import assumed_outliers
 from tightfit.fitting.plan import PlanEntry
