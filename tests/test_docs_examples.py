@@ -66,6 +66,7 @@ PAGES = [
     "docs/load.md",
     "docs/checkpoints.md",
     "docs/migrating.md",
+    "docs/optim.md",
     "docs/architecture.md",
     "docs/gpu.md",
 ]

@@ -18,7 +18,7 @@ def twice():
     hooks.apply_layerwise_casting(model, torch.float8_e4m3fn, torch.float32)
 import tightfit.graph
 import tightfit.graph.alloc
-import tightfit.fitting, tightfit.fitting.traced, tightfit.memory, tightfit.app.generation
+import tightfit.fitting, tightfit.fitting.traced, tightfit.memory, tightfit.app.generation, tightfit.optim
 FIG = dict(backend="cpu", device_name="test", torch_version=torch.__version__, matmul_flops=1e10, device_bandwidth=1e10,
            host_to_device_bandwidth=None, disk_bandwidth=1e9, decode_seconds=dict.fromkeys(("bfloat16", "float8", "8bit", "int8", "nf4", "fp4"), 0.0))
 import torch.fx
@@ -152,6 +152,11 @@ checks = [
     (lambda: tightfit.loading.skeleton(tightfit.app.models.default_model_dir(), "seq2seq"), ValueError),
     (lambda: RunOptions(reference="no"), TypeError),
     (lambda: strict_from("ture"), ValueError),
+    (lambda: tightfit.optim.Adam([torch.zeros(8)], lr=-1.0), ValueError),
+    (lambda: tightfit.optim.Adam([torch.zeros(8)], optim_bits=4), ValueError),
+    (lambda: tightfit.optim.Adam([torch.zeros(8)]).load_state_dict({"state": {0: {"step": 1}}, "param_groups": [{"params": [0]}]}), ValueError),
+    (lambda: tightfit.ops.optimizer_update_32bit("adam", torch.zeros(4), torch.zeros(4), torch.zeros(3), torch.zeros(4), beta1=0.9, step=1, lr=1e-3), ValueError),
+    (lambda: tightfit.ops.optimizer_update_8bit_blockwise("lion", torch.zeros(4), torch.zeros(4), torch.zeros(4, dtype=torch.uint8), torch.zeros(1), torch.zeros(256), beta1=0.9, step=0, lr=1e-3), ValueError),
 ]
 for index, (call, expected) in enumerate(checks):
     try:
@@ -168,4 +173,4 @@ print(f"{len(checks)} checks raised as documented")
 def test_bad_inputs_raise_under_python_O():
     done = subprocess.run([sys.executable, "-O", "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "108 checks raised as documented" in done.stdout
+    assert "113 checks raised as documented" in done.stdout

@@ -196,7 +196,7 @@ def optimizer_step(kind, g, p, s0, s1, s2, h):
         p = p - (g / (np.sqrt(s0) + h[7])) * h[10]
     else:  # lion
         mixed = s0 * h[0] + g * h[3]
-        direction = np.float32(1.0) if mixed > 0 else (np.float32(-1.0) if mixed < 0 else np.float32(0.0))
+        direction = np.float32(mixed > 0) - np.float32(mixed < 0)  # branch-free: the loop vectorizes
         s0 = s0 * h[1] + g * h[4]
         p = p - direction * h[10]
     return p, s0, s1, s2

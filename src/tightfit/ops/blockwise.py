@@ -71,9 +71,12 @@ def _dequantize_blockwise_reference(
 
 @functools.cache
 def _code_on(name: str, device: torch.device) -> torch.Tensor:
-    """The dynamic map ("dynamic") or a 4-bit code on ``device``, copied there once: kernels
-    only read it, and a host-to-device copy per call would stall a GPU's queue."""
-    return (dynamic_map() if name == "dynamic" else code_4bit(name)).to(device)
+    """The dynamic map ("dynamic"), its unsigned form ("udynamic", 8-bit optimizers' second
+    moments) or a 4-bit code on ``device``, copied there once: kernels only read it, and a
+    host-to-device copy per call would stall a GPU's queue."""
+    if name in ("dynamic", "udynamic"):
+        return dynamic_map(signed=name == "dynamic").to(device)
+    return code_4bit(name).to(device)
 
 
 @functools.cache
@@ -200,9 +203,9 @@ def _triton():
 
 @functools.cache
 def _named_search(name: str, device: torch.device):
-    """Search tables for the dynamic map or a 4-bit code, built once per device."""
-    if name == "dynamic":
-        return _triton().search_tables(dynamic_map(), device)
+    """Search tables for the dynamic maps or a 4-bit code, built once per device."""
+    if name in ("dynamic", "udynamic"):
+        return _triton().search_tables(dynamic_map(signed=name == "dynamic"), device)
     code, order = _sorted_code(name, torch.device("cpu"))
     return _triton().search_tables(code, device, order)
 

@@ -18,13 +18,17 @@ Adam, AdEMAMix and Lion, added to the gradient for the others.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 from typing import Any
 
 import torch
 
+from tightfit._strict import report_fallback
 from tightfit._validate import check_choice, check_same_device, check_type
 from tightfit.ops import _cpu_optimizer as _cpu
+from tightfit.ops import blockwise
 from tightfit.ops._arg_checks import FLOAT_DTYPES, block_count
 from tightfit.ops._registry import Case, define_op, register_kernel
 from tightfit.ops.blockwise import _dequantize_blockwise_reference, _quantize_blockwise_reference
@@ -127,6 +131,25 @@ def _split(name: str, state1: torch.Tensor, state2: torch.Tensor | None) -> list
     return [*firsts, *([state2] if state2 is not None else [])]
 
 
+def _parts(
+    name: str,
+    state1: torch.Tensor,
+    state2: torch.Tensor | None,
+    absmax1: torch.Tensor,
+    absmax2: torch.Tensor | None,
+    qmap1: torch.Tensor,
+    qmap2: torch.Tensor | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Each 8-bit state's (codes, absmax, map), in :func:`_split`'s order."""
+    codes = _split(name, state1, state2)
+    scales = [absmax1[0], absmax1[1]] if name == "ademamix" else [absmax1]
+    maps = [qmap1] * len(scales)
+    if state2 is not None:
+        scales.append(absmax2)
+        maps.append(qmap2)
+    return codes, scales, maps
+
+
 def _optimizer_update_32bit_reference(
     optimizer_name: str,
     g: torch.Tensor,
@@ -171,10 +194,7 @@ def _optimizer_update_8bit_blockwise_reference(
     lr: float,
 ) -> None:
     h = _hyper(beta1, beta2, beta3, alpha, eps, weight_decay, step, lr)
-    codes = _split(optimizer_name, state1, state2)
-    scales = [absmax1[0], absmax1[1]] if optimizer_name == "ademamix" else [absmax1]
-    scales += [absmax2] if state2 is not None else []
-    maps = [qmap1] * (len(codes) - (state2 is not None)) + ([qmap2] if state2 is not None else [])
+    codes, scales, maps = _parts(optimizer_name, state1, state2, absmax1, absmax2, qmap1, qmap2)
     states = [
         _dequantize_blockwise_reference(c, a, m, OPTIMIZER_BLOCKSIZE, torch.float32)
         for c, a, m in zip(codes, scales, maps)
@@ -379,10 +399,7 @@ def _update_8bit_cpu(
     _check_sorted_map("qmap1", qmap1)
     if qmap2 is not None:
         _check_sorted_map("qmap2", qmap2)
-    codes = _split(optimizer_name, state1, state2)
-    scales = [absmax1[0], absmax1[1]] if optimizer_name == "ademamix" else [absmax1]
-    scales += [absmax2] if state2 is not None else []
-    maps = [qmap1] * (len(codes) - (state2 is not None)) + ([qmap2] if state2 is not None else [])
+    codes, scales, maps = _parts(optimizer_name, state1, state2, absmax1, absmax2, qmap1, qmap2)
     _cpu.update_8bit_cpu(
         optimizer_name,
         g,
@@ -394,6 +411,71 @@ def _update_8bit_cpu(
         _hyper(beta1, beta2, beta3, alpha, eps, weight_decay, step, lr),
         lambda: _optimizer_update_8bit_blockwise_reference(*args),
     )
+
+
+# -- GPU kernels (Triton) -------------------------------------------------------------------
+
+
+def _triton():
+    return importlib.import_module("tightfit.ops._triton_optimizer")
+
+
+def _map_search(qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The search tables of a state's map: built once per device for the dynamic maps the
+    optimizers share; built from the values (a device sync) for any other map."""
+    for name in ("dynamic", "udynamic"):
+        if qmap is blockwise._code_on(name, qmap.device):
+            return blockwise._named_search(name, qmap.device)
+    blockwise._check_sorted(qmap, qmap.device)
+    return blockwise._triton().search_tables(qmap, qmap.device)
+
+
+def _update_32bit_gpu(optimizer_name, g, p, state1, state2, beta1, beta2, beta3, alpha, eps, weight_decay, step, lr):
+    _triton().update_32bit(
+        OPTIMIZERS.index(optimizer_name),
+        g,
+        p,
+        _split(optimizer_name, state1, state2),
+        _hyper(beta1, beta2, beta3, alpha, eps, weight_decay, step, lr),
+        _cpu.CONSTANTS,
+    )
+
+
+def _update_8bit_gpu(
+    optimizer_name,
+    g,
+    p,
+    state1,
+    state2,
+    absmax1,
+    absmax2,
+    qmap1,
+    qmap2,
+    beta1,
+    beta2,
+    beta3,
+    alpha,
+    eps,
+    weight_decay,
+    step,
+    lr,
+):
+    codes, scales, maps = _parts(optimizer_name, state1, state2, absmax1, absmax2, qmap1, qmap2)
+    searches = [_map_search(m) for m in maps]
+    h = _hyper(beta1, beta2, beta3, alpha, eps, weight_decay, step, lr)
+    if not all(single for _, _, single in searches):
+        report_fallback(
+            "optimizer_update_8bit_blockwise",
+            p.device.type,
+            "reference",
+            "a state map with several code boundaries in one search bucket runs the reference kernel",
+        )
+        _optimizer_update_8bit_blockwise_reference(
+            optimizer_name, g, p, state1, state2, absmax1, absmax2, qmap1, qmap2,
+            beta1, beta2, beta3, alpha, eps, weight_decay, step, lr,
+        )  # fmt: skip
+        return
+    _triton().update_8bit(OPTIMIZERS.index(optimizer_name), g, p, codes, scales, searches, maps, h, _cpu.CONSTANTS)
 
 
 # -- conformance cases ----------------------------------------------------------------------
@@ -474,6 +556,9 @@ _UPDATE_8BIT = define_op(
 )
 register_kernel("optimizer_update_32bit", "cpu", _update_32bit_cpu, label="fused pass (numba)")
 register_kernel("optimizer_update_8bit_blockwise", "cpu", _update_8bit_cpu, label="fused block pass (numba)")
+if importlib.util.find_spec("triton") is not None:  # checked without importing it (D2)
+    register_kernel("optimizer_update_32bit", "cuda", _update_32bit_gpu, label="fused tiles (triton)")
+    register_kernel("optimizer_update_8bit_blockwise", "cuda", _update_8bit_gpu, label="fused block tiles (triton)")
 
 
 # -- public functions ----------------------------------------------------------------------

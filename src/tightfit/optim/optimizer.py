@@ -26,7 +26,7 @@ import torch
 
 from tightfit._validate import check_type
 from tightfit.ops.optimizer import optimizer_update_8bit_blockwise, optimizer_update_32bit
-from tightfit.optim.state import check_state, is_8bit, new_state, state_bytes
+from tightfit.optim.state import check_state, is_8bit, new_state, shared_maps, state_bytes
 
 __all__ = ["BlockwiseOptimizer"]
 
@@ -218,7 +218,8 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         if working is state:
             return
         for key, copy in working.items():
-            state[key].copy_(copy, non_blocking=True)
+            if copy is not state[key]:  # the maps stay where they are
+                state[key].copy_(copy, non_blocking=True)
 
     # -- state dicts ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -272,10 +273,13 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
             p = ids[key]
             check_state(where, self.rule, p, state)
             target = torch.device("cpu") if self.paged and p.device.type != "cpu" else p.device
-            loaded[p] = {
-                k: (int(v) if k == "step" else v.to(target)) if isinstance(v, torch.Tensor) else v
-                for k, v in state.items()
-            }
+            loaded[p] = shared_maps(
+                {
+                    k: (int(v) if k == "step" else v.to(target)) if isinstance(v, torch.Tensor) else v
+                    for k, v in state.items()
+                },
+                p.device,
+            )
         self.state.clear()
         self.state.update(loaded)
         self.param_groups[:] = groups

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from tightfit.ops.codes import dynamic_map
+from tightfit.ops.blockwise import _code_on
 from tightfit.ops.optimizer import OPTIMIZER_BLOCKSIZE, TWO_STATE_OPTIMIZERS
 
-__all__ = ["check_state", "new_state", "state_bytes"]
+__all__ = ["check_state", "new_state", "shared_maps", "state_bytes"]
 
-_MAPS = {"qmap1": True, "qmap2": False}  # key -> signed
+_MAPS = {"qmap1": "dynamic", "qmap2": "udynamic"}  # key -> the map bitsandbytes gives it
 
 
 def _blocks(p: torch.Tensor) -> int:
@@ -57,11 +57,13 @@ def is_8bit(bits: int, min_8bit_size: int, p: torch.Tensor) -> bool:
 
 def new_state(rule: str, p: torch.Tensor, eight_bit: bool, device: torch.device, pin: bool) -> dict[str, Any]:
     """Zeroed state for ``p`` on ``device`` (``pin``: in page-locked host memory, for paged
-    state an accelerator copies in asynchronously)."""
+    state an accelerator copies in asynchronously). The maps are the parameter's device's
+    one copy of each dynamic map, which every parameter shares and the kernels know by
+    identity (paged state too: they are 1 KiB each)."""
     state: dict[str, Any] = {"step": 0}
     for key, (dtype, shape) in _layout(rule, p, eight_bit).items():
         if key in _MAPS:
-            state[key] = dynamic_map(signed=_MAPS[key]).to(device)
+            state[key] = _code_on(_MAPS[key], p.device)
         else:
             state[key] = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
     return state
@@ -104,3 +106,14 @@ def check_state(where: str, rule: str, p: torch.Tensor, state: Any) -> bool:
         if key.startswith("absmax") and bool((value < 0).any()):
             raise ValueError(f"{where}[{key!r}] has negative scales; absmax is a block's largest |value|")
     return eight_bit
+
+
+def shared_maps(state: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """``state`` with its maps on ``device`` (the parameter's), each that equals its dynamic
+    map replaced by the device's shared copy (a loaded state holds copies of its own)."""
+    for key, name in _MAPS.items():
+        value = state.get(key)
+        if isinstance(value, torch.Tensor):
+            shared = _code_on(name, device)
+            state[key] = shared if torch.equal(value.to(device), shared) else value.to(device)
+    return state
