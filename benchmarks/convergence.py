@@ -34,7 +34,10 @@ BATCH, CONTEXT = 16, 128
 #: rule -> (learning rate, factory taking (params, lr, optim_bits))
 RULES = {
     "AdamW": (3e-3, lambda p, lr, bits: tightfit_optim.AdamW(p, lr=lr, optim_bits=bits)),
-    "AdEMAMix": (3e-3, lambda p, lr, bits: tightfit_optim.AdEMAMix(p, lr=lr, t_alpha=100, t_beta3=100, optim_bits=bits)),
+    "AdEMAMix": (
+        3e-3,
+        lambda p, lr, bits: tightfit_optim.AdEMAMix(p, lr=lr, t_alpha=100, t_beta3=100, optim_bits=bits),
+    ),
     "Lion": (3e-4, lambda p, lr, bits: tightfit_optim.Lion(p, lr=lr, weight_decay=0.1, optim_bits=bits)),
     "SGD momentum": (0.3, lambda p, lr, bits: tightfit_optim.SGD(p, lr, 0.9, optim_bits=bits)),
     "RMSprop": (1e-3, lambda p, lr, bits: tightfit_optim.RMSprop(p, lr=lr, optim_bits=bits)),
@@ -75,7 +78,10 @@ def train(make, lr: float, data: list[torch.Tensor], held: torch.Tensor) -> dict
     with torch.no_grad():
         held_loss = model(input_ids=held[:, :-1], labels=held[:, :-1].clone(), use_cache=False).loss.item()
     state = sum(
-        t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+        t.numel() * t.element_size()
+        for s in optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
     )
     return {"losses": losses, "held_out": held_loss, "seconds": seconds, "state_bytes": state}
 
