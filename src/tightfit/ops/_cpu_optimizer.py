@@ -1,5 +1,6 @@
-"""Fast CPU kernels for the optimizer updates of ``ops/optimizer`` (numba, in
-``_kernels_blockwise``): one fused pass per parameter, reading the gradient, the parameter
+"""Fast CPU kernels for the optimizer updates of ``ops/optimizer``: 8-bit steps in native C
+where it builds (``native/optimizer_8bit.c``, every path of ``_native``), else numba (in
+``_kernels_blockwise``), as are 32-bit steps: one fused pass per parameter, reading the gradient, the parameter
 and the states once and writing each once, where the reference makes a float32 copy of
 every state and of the parameter, and bitsandbytes' CPU step runs a dozen torch ops. They
 follow the reference op for op in float32, so results are bit-identical.
@@ -17,6 +18,8 @@ import torch
 
 from tightfit._strict import report_fallback
 from tightfit.ops import _cpu_blockwise as cpu
+from tightfit.ops._cpu_gemv import native_library
+from tightfit.ops._native import DTYPE_CODES
 from tightfit.ops._numba import kernel_lock, usable_numba
 
 __all__: list[str] = []
@@ -95,7 +98,7 @@ def update_8bit_cpu(
     h: dict[str, float],
     reference,
 ) -> None:
-    count = len(codes)
+    """The native kernel where it builds (one pass, vectorized), else numba's, else the reference."""
     searches = [cpu.search_table(m.contiguous()) for m in maps]
     if not all(single for _, _, single in searches):  # a map with several bounds in a search bucket
         report_fallback(
@@ -106,11 +109,16 @@ def update_8bit_cpu(
         )
         reference()
         return
-    padding = 3 - count
+    tables = [table for _, table, _ in searches]
+    library = native_library("optimizer_update_8bit_blockwise")
+    if library is not None and p.dtype in DTYPE_CODES and g.dtype in DTYPE_CODES:
+        _native_8bit(library, rule, g, p, codes, scales, maps, tables, h)
+        return
+    padding = 3 - len(codes)
     code_arrays = [c.view(-1).numpy() for c in codes] + [_NO_CODES] * padding
     scale_arrays = [a.view(-1).numpy() for a in scales] + [_NO_FLOATS] * padding
     map_arrays = [m.contiguous().numpy() for m in maps] + [_NO_FLOATS] * padding
-    tables = [table for _, table, _ in searches] + [_NO_TABLE] * padding
+    table_arrays = tables + [_NO_TABLE] * padding
 
     def launch(g_bits, g_widen, p_bits, p_widen):
         kernel = getattr(cpu._kernels(), f"{rule}_8bit")
@@ -122,10 +130,38 @@ def update_8bit_cpu(
             *code_arrays,
             *scale_arrays,
             *map_arrays,
-            *tables,
+            *table_arrays,
             p.numel(),
             blocksize,
             _constants(h),
         )
 
     _run("optimizer_update_8bit_blockwise", g, p, launch, reference)
+
+
+def _native_8bit(library, rule: str, g, p, codes, scales, maps, tables, h) -> None:
+    """``native/optimizer_8bit.c``: every tensor held here while the call reads its pointer."""
+    from tightfit.ops.optimizer import OPTIMIZERS  # which imports this module
+
+    grad = g.contiguous()
+    held_maps = [m.float().contiguous() for m in maps]
+    held_tables = [torch.from_numpy(t) for t in tables]
+    constants = torch.tensor([h[name] for name in CONSTANTS], dtype=torch.float32)
+
+    def pointers(tensors: list[torch.Tensor]) -> list[int | None]:
+        return [t.data_ptr() for t in tensors] + [None] * (3 - len(tensors))
+
+    library.tf_optimizer_8bit(
+        OPTIMIZERS.index(rule),
+        grad.data_ptr(),
+        DTYPE_CODES[grad.dtype],
+        p.data_ptr(),
+        DTYPE_CODES[p.dtype],
+        *pointers(codes),
+        *pointers(scales),
+        *pointers(held_maps),
+        *pointers(held_tables),
+        p.numel(),
+        constants.data_ptr(),
+        torch.get_num_threads(),
+    )

@@ -57,12 +57,14 @@ _NEEDS = {
 }
 #: -ffp-contract=off: scalar code rounds each product and sum as the reference does (the
 #: double-quantized scales decode bit for bit); the vector loops use explicit FMAs.
+#: -fno-math-errno: sqrtf (correctly rounded either way) vectorizes when it need not set errno.
 _COMMON_FLAGS = [
     "-O3",
     "-shared",
     "-fPIC",
     "-fopenmp",
     "-ffp-contract=off",
+    "-fno-math-errno",
     "-std=c11",
 ]  # -shared only matters at the link
 _SOURCE_DIR = Path(__file__).with_name("native")
@@ -143,6 +145,17 @@ _SIGNATURES = {
         _PTR,
         _PTR,
         _PTR,
+    ],
+    "tf_optimizer_8bit": [
+        _I64,  # rule
+        _PTR,
+        _I64,  # g, its dtype
+        _PTR,
+        _I64,  # p, its dtype
+        *[_PTR] * 12,  # codes, absmax, maps, search tables (three states)
+        _I64,  # n
+        _PTR,  # constants
+        _I64,  # threads
     ],
     "tf_gemv_float8": [_PTR, _PTR, _I64, _PTR, _I64, _F32, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64],
 }
