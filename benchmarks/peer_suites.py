@@ -10,6 +10,7 @@ The shim only renames; no bitsandbytes code runs under it. Its adapters:
   bitsandbytes, .nn, .functional   -> tightfit.compat.bitsandbytes, .nn, .functional
   bitsandbytes.nn.modules          -> tightfit.compat.bitsandbytes.nn (where bnb's classes live)
   bitsandbytes.nn.parametrize      -> tightfit.compat.bitsandbytes.nn.parametrize
+  bitsandbytes.optim, .utils       -> tightfit.compat.bitsandbytes.optim, .utils
   bitsandbytes.cextension          -> a module holding HIP_ENVIRONMENT = False (tests/helpers.py
                                       imports it; the real value on a CPU machine)
   torch.ops.bitsandbytes           -> torch.ops.tightfit (the op namespace)
@@ -47,6 +48,7 @@ FILES = (
     "test_autograd.py",
     "test_ops.py",
     "test_parametrize.py",
+    "test_optim.py",
 )
 
 # Written at the root of the temporary copy; bitsandbytes' own tests/conftest.py stays as it is.
@@ -94,9 +96,14 @@ if _SHIM:
     _cext = types.ModuleType("bitsandbytes.cextension")
     _cext.HIP_ENVIRONMENT = False
     _nn = _Renamed("bitsandbytes.nn", _tf.nn, modules=_tf.nn, parametrize=_tf_parametrize)
-    _root = _Renamed("bitsandbytes", _tf, nn=_nn, functional=_tf.functional, cextension=_cext)
+    _root = _Renamed(
+        "bitsandbytes", _tf, nn=_nn, functional=_tf.functional, cextension=_cext, optim=_tf.optim, utils=_tf.utils
+    )
     _ALIASES = {
         "bitsandbytes": _root,
+        "bitsandbytes.optim": _tf.optim,
+        "bitsandbytes.optim.ademamix": _tf.optim.ademamix,
+        "bitsandbytes.utils": _tf.utils,
         "bitsandbytes.nn": _nn,
         "bitsandbytes.nn.modules": _tf.nn,
         "bitsandbytes.nn.parametrize": _tf_parametrize,

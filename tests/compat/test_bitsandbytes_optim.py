@@ -216,3 +216,19 @@ def test_paged_classes_run_on_the_cpu_without_a_fallback_warning():
         warnings.simplefilter("error")
         optimizer.step()
     assert optimizer.paged and optimizer.state[p]["state1"].device.type == "cpu"
+
+
+def test_the_plain_torch_ademamix_bitsandbytes_tests_against_is_followed_by_ours():
+    p = torch.randn(4096 + 10) * 0.1
+    q = p.clone()
+    reference = tbnb.optim.ademamix._ReferenceAdEMAMix([p], t_alpha=5, t_beta3=5)
+    ours = tbnb.optim.AdEMAMix32bit([q], t_alpha=5, t_beta3=5)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        grad = torch.randn(p.shape, generator=generator) * 0.01
+        p.grad, q.grad = grad, grad.clone()
+        reference.step()
+        ours.step()
+    torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.state[q]["state1"], reference.state[p]["m1_m2"], rtol=1e-5, atol=1e-7)
+    assert tbnb.utils.sync_gpu(q) is None

@@ -3,8 +3,8 @@
 ``.nn``, ``.optim`` for its submodules). The names, signatures and attributes are bitsandbytes'; every
 kernel, module and hook behind them is tightfit's, dispatched on the tensor's device."""
 
-from tightfit.compat.bitsandbytes import functional, nn, optim
+from tightfit.compat.bitsandbytes import functional, nn, optim, utils
 from tightfit.compat.bitsandbytes._autograd8bit import MatmulLtState, matmul
 from tightfit.compat.bitsandbytes._matmul4bit import matmul_4bit
 
-__all__ = ["MatmulLtState", "functional", "matmul", "matmul_4bit", "nn", "optim"]
+__all__ = ["MatmulLtState", "functional", "matmul", "matmul_4bit", "nn", "optim", "utils"]

@@ -369,3 +369,6 @@ SGD8bit, SGD32bit = _variant(SGD, "SGD8bit", 8, False, _WIDTH), _variant(SGD, "S
 RMSprop8bit = _variant(RMSprop, "RMSprop8bit", 8, False, _WIDTH)
 RMSprop32bit = _variant(RMSprop, "RMSprop32bit", 32, False, _WIDTH)
 Adagrad8bit, Adagrad32bit = _variant(Adagrad, "Adagrad8bit", 8, False), _variant(Adagrad, "Adagrad32bit", 32, False)
+
+
+from tightfit.compat.bitsandbytes.optim import ademamix  # noqa: E402, F401 (the submodule; it imports the classes above)
