@@ -28,7 +28,7 @@ KERNELS = {
     "mm_dequant_parallel",
     "few_rows",
     "adam_32bit",
-    "adam_8bit",
+    "any_8bit",
 }
 
 PROBE = """

@@ -120,9 +120,12 @@ def update_8bit_cpu(
     map_arrays = [m.contiguous().numpy() for m in maps] + [_NO_FLOATS] * padding
     table_arrays = tables + [_NO_TABLE] * padding
 
+    from tightfit.ops.optimizer import OPTIMIZERS  # which imports this module
+
     def launch(g_bits, g_widen, p_bits, p_widen):
-        kernel = getattr(cpu._kernels(), f"{rule}_8bit")
-        kernel(
+        cpu._kernels().any_8bit(
+            OPTIMIZERS.index(rule),
+            len(codes),
             g_bits,
             g_widen,
             p_bits,

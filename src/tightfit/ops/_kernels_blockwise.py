@@ -13,7 +13,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["dequantize", "gemv_4bit", "quantize"]  # and the optimizer kernels, one per rule: <rule>_32bit, <rule>_8bit
+__all__ = ["dequantize", "gemv_4bit", "quantize"]  # and the optimizer kernels: <rule>_32bit, one per rule, and any_8bit
 
 
 @numba.njit(inline="always")
@@ -294,8 +294,8 @@ def optimizer_8bit(
             a2[block] = new2
 
 
-# One compiled kernel per rule: inlined with ``kind`` and ``count`` constant, the branches
-# fold away and the loops vectorize (a runtime kind kept them scalar: six times slower).
+# One compiled 32-bit kernel per rule: inlined with ``kind`` and ``count`` constant, the
+# branches fold away and the loop vectorizes (a runtime kind kept it scalar: six times slower).
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)
@@ -329,30 +329,9 @@ def lion_32bit(g, gw, p, pw, s0, s1, s2, n, h):
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)
-def adam_8bit(g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, n, bs, h):
-    optimizer_8bit(0, g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, 2, n, bs, h)
-
-
-@numba.njit(parallel=True, nogil=True, cache=True)
-def ademamix_8bit(g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, n, bs, h):
-    optimizer_8bit(1, g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, 3, n, bs, h)
-
-
-@numba.njit(parallel=True, nogil=True, cache=True)
-def momentum_8bit(g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, n, bs, h):
-    optimizer_8bit(2, g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, 1, n, bs, h)
-
-
-@numba.njit(parallel=True, nogil=True, cache=True)
-def rmsprop_8bit(g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, n, bs, h):
-    optimizer_8bit(3, g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, 1, n, bs, h)
-
-
-@numba.njit(parallel=True, nogil=True, cache=True)
-def adagrad_8bit(g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, n, bs, h):
-    optimizer_8bit(4, g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, 1, n, bs, h)
-
-
-@numba.njit(parallel=True, nogil=True, cache=True)
-def lion_8bit(g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, n, bs, h):
-    optimizer_8bit(5, g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, 1, n, bs, h)
+def any_8bit(kind, count, g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, n, bs, h):
+    """Every rule's 8-bit step in one kernel (``kind`` and ``count`` at run time): the
+    fallback where the native kernel does not build. Its second loop stores to several
+    arrays beside gathers, so it stays scalar whatever is constant: one kernel compiles in a
+    sixth of the time six would."""
+    optimizer_8bit(kind, g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, count, n, bs, h)
