@@ -11,7 +11,11 @@ bandwidth for an in-place update (:class:`UpdateRoof`), measured between rounds 
 same run; a step's share of it is the bytes the step must read and write (parameter,
 gradient, states; 8-bit: codes and scales) over its time, against that roof.
 
-Run: python benchmarks/optim.py [--sizes 16M 128M] [--rounds 5] [--out benchmarks/results/optim.md]
+On a GPU (``--device cuda``) the same rows run there: bitsandbytes' CUDA kernels, tightfit's
+Triton kernels, torch's CUDA forms, each step timed to a synchronize; bitsandbytes' rows are
+left out where it is not installed.
+
+Run: python benchmarks/optim.py [--device cpu|cuda] [--sizes 16M 128M] [--rounds 5] [--out benchmarks/results/optim.md]
 """
 
 from __future__ import annotations
@@ -36,14 +40,17 @@ MIB = 1 << 20
 
 
 def _bnb():
-    import bitsandbytes
-
+    """bitsandbytes' optimizers, or None where it is not installed (a GPU machine may lack it)."""
+    try:
+        import bitsandbytes
+    except ImportError:
+        return None
     return bitsandbytes.optim
 
 
 #: rule -> (tightfit 8-bit, bitsandbytes 8-bit, torch 32-bit forms {label: factory}, states)
 def _rules() -> dict[str, tuple]:
-    bnb = _bnb()
+    bnb = _bnb()  # read only by its rows' factories, which run only where it is installed
     return {
         "Adam": (
             lambda p: tightfit_optim.Adam(p),
@@ -89,17 +96,19 @@ class UpdateRoof:
     move (read a and b, write a). A plain copy (``dst.copy_(src)``) understates it: its
     destination is also read into cache before it is written."""
 
-    def __init__(self, nbytes: int = 256 * MIB) -> None:
-        self.a = torch.ones(nbytes // 4)
-        self.b = torch.ones(nbytes // 4)
+    def __init__(self, device: torch.device, nbytes: int = 256 * MIB) -> None:
+        self.a = torch.ones(nbytes // 4, device=device)
+        self.b = torch.ones(nbytes // 4, device=device)
         self.samples: list[float] = []
 
     def measure(self) -> None:
         self.a.add_(self.b)
         times = []
         for _ in range(3):
+            _synchronize(self.a.device)
             start = time.perf_counter()
             self.a.add_(self.b)
+            _synchronize(self.a.device)
             times.append(time.perf_counter() - start)
         self.samples.append(3 * self.a.numel() * 4 / statistics.median(times))
 
@@ -124,14 +133,21 @@ def _moved_bytes(numel: int, states: int, eight_bit: bool) -> int:
     return 4 * numel * 3 + 2 * states * per_state
 
 
-def _step_time(optimizer: torch.optim.Optimizer) -> float:
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.get_device_module(device.type).synchronize(device)
+
+
+def _step_time(optimizer: torch.optim.Optimizer, device: torch.device) -> float:
+    _synchronize(device)
     start = time.perf_counter()
     optimizer.step()
+    _synchronize(device)
     return time.perf_counter() - start
 
 
-def run_size(numel: int, rounds: int, roof: UpdateRoof, only: list[str] | None) -> list[dict]:
-    grad = torch.randn(numel) * 0.01
+def run_size(numel: int, rounds: int, roof: UpdateRoof, only: list[str] | None, device: torch.device) -> list[dict]:
+    grad = torch.randn(numel, device=device) * 0.01
     rows = []
     for rule, (ours, theirs, torch_forms, states) in _rules().items():
         if only and rule not in only:
@@ -140,7 +156,9 @@ def run_size(numel: int, rounds: int, roof: UpdateRoof, only: list[str] | None) 
         contenders.update({label: (make, False) for label, make in torch_forms.items()})
         made = {}
         for label, (make, eight_bit) in contenders.items():
-            p = torch.randn(numel) * 0.1
+            if label == "bitsandbytes 8-bit" and _bnb() is None:
+                continue
+            p = torch.randn(numel, device=device) * 0.1
             p.grad = grad
             optimizer = make([p])
             with warnings.catch_warnings():
@@ -152,7 +170,7 @@ def run_size(numel: int, rounds: int, roof: UpdateRoof, only: list[str] | None) 
             order = list(made)
             random.shuffle(order)
             for label in order:
-                made[label][2].append(_step_time(made[label][0]))
+                made[label][2].append(_step_time(made[label][0], device))
         for label, (optimizer, eight_bit, times) in made.items():
             median, low, high = spread(times)
             moved = _moved_bytes(numel, states, eight_bit)
@@ -181,7 +199,7 @@ def _table(rows: list[dict], roof: UpdateRoof) -> str:
         lines.append(
             [
                 row["rule"],
-                f"{row['numel'] / MIB:.0f}M",
+                f"{row['numel'] / MIB:g}M" if row["numel"] >= MIB else f"{row['numel'] / 1024:g}K",
                 row["implementation"],
                 f"{row['step_ms']:.1f}",
                 f"{row['spread'] * 100:.0f}%",
@@ -214,6 +232,7 @@ def _size(text: str) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu (default), or an accelerator such as cuda")
     parser.add_argument("--sizes", nargs="+", default=["16M", "128M"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rules", nargs="*", help="only these rules (default: all)")
@@ -221,17 +240,20 @@ def main() -> None:
     args = parser.parse_args()
     random.seed(0)
     torch.manual_seed(0)
-    roof = UpdateRoof()
+    device = torch.device(args.device)
+    roof = UpdateRoof(device)
     rows = []
     for size in args.sizes:
-        rows += run_size(_size(size), args.rounds, roof, args.rules)
+        rows += run_size(_size(size), args.rounds, roof, args.rules, device)
         print(f"{size} done", file=sys.stderr)
     table = _table(rows, roof)
     text = "\n".join(
         [
             "# 8-bit optimizer steps on the CPU",
             "",
-            *machine_lines({"torch threads": str(torch.get_num_threads()), "rounds": str(args.rounds)}),
+            *machine_lines(
+                {"device": str(device), "torch threads": str(torch.get_num_threads()), "rounds": str(args.rounds)}
+            ),
             "",
             table,
             "",

@@ -47,6 +47,8 @@ REQUIRED = ("torch", "transformers", "accelerate", "pytest", "hypothesis", "rich
 OPTIONAL = ("triton", "bitsandbytes")
 GPU_TEST_FILES = (
     "tests/ops/test_triton_blockwise.py",
+    "tests/ops/test_triton_optimizer.py",
+    "tests/optim/test_optimizers.py",
     "tests/hooks/test_offload.py",
     "tests/graph/test_schedules.py",
     "tests/graph/test_alloc_run.py",
@@ -64,8 +66,8 @@ GPU_TEST_SELECTION = "cuda or gpu or triton or offload"
 
 #: Each step's time limit in seconds, per device kind, in the order the steps run.
 LIMITS = {
-    "cuda": {"tests": 100, "calls": 40, "cli": 200, "decode": 300, "quant": 60},
-    "cpu": {"tests": 240, "calls": 60, "cli": 120, "decode": 240, "quant": 120},
+    "cuda": {"tests": 100, "calls": 40, "cli": 200, "decode": 300, "quant": 60, "optim": 60},
+    "cpu": {"tests": 240, "calls": 60, "cli": 120, "decode": 240, "quant": 120, "optim": 120},
 }
 
 
@@ -140,12 +142,15 @@ def steps(device: str, out: Path) -> list[tuple[str, list[str], Path | None]]:
     if cpu:
         decode += ["--size", "tiny", "--new-tokens", "6", "--budgets", "0.5"]
         decode += ["--rows", "transformers", "tightfit", "tightfit nf4", "tightfit budget 50%", "accelerate budget 50%"]
+    optim = [python, "benchmarks/optim.py", "--device", device, "--out", str(out / "optim.md")]
+    optim += ["--sizes", "64K", "--rounds", "1", "--rules", "Adam"] if cpu else ["--sizes", "16M", "128M", "--rounds", "3"]
     return [
         ("tests", tests, None),
         ("calls", calls, out / "calls.md"),
         ("cli", cli, out / "cli.md"),
         ("decode", decode, out / "decode.md"),
         ("quant", quant, out / "quant.log"),
+        ("optim", optim, out / "optim.md"),
     ]
 
 

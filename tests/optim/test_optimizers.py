@@ -143,6 +143,20 @@ def test_paged_state_gives_the_same_parameters_as_resident_state():
     assert paged.state_bytes("cpu") == resident.state_bytes("cpu")  # host-resident: the state is where it runs
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_paged_state_on_cuda_stays_in_host_memory_and_gives_the_resident_result():
+    p, q = parameter().cuda(), parameter().cuda()
+    paged, resident = optim.AdamW([p], paged=True), optim.AdamW([q])
+    for grad in gradients(p.cpu(), 5):
+        p.grad, q.grad = grad.cuda(), grad.cuda()
+        paged.step()
+        resident.step()
+    torch.cuda.synchronize()
+    assert torch.equal(p, q)
+    assert paged.state_bytes("cuda") == 2 * 256 * 4  # the two shared maps; codes and scales stay in host memory
+    assert paged.state[p]["state1"].device.type == "cpu" and paged.state[p]["state1"].is_pinned()
+
+
 def test_a_state_dict_resumes_exactly_where_the_optimizer_left_off():
     p = parameter()
     grads = gradients(p, 6)
