@@ -87,20 +87,27 @@ def train(make, lr: float, data: list[torch.Tensor], held: torch.Tensor) -> dict
 
 
 def plot(runs: dict[str, dict], path: Path, tail: int) -> None:
+    """The curves, smoothed over ``tail`` steps: one colour per rule, 8-bit solid, 32-bit
+    dashed, torch's AdamW black and dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    colours = dict(zip(RULES, plt.get_cmap("tab10").colors))
     figure, axes = plt.subplots(figsize=(10, 6))
     for name, run in runs.items():
         losses = torch.tensor(run["losses"])
         smooth = losses.unfold(0, tail, 1).mean(1) if len(losses) >= tail else losses
-        style = "-" if "8-bit" in name else ("--" if "32-bit" in name else ":")
-        axes.plot(range(tail - 1, tail - 1 + len(smooth)), smooth, style, label=name, linewidth=1.2)
+        rule, _, width = name.rpartition(" ")
+        if name.startswith("torch"):
+            style = dict(color="black", linestyle=":", linewidth=1.6)
+        else:
+            style = dict(color=colours[rule], linestyle="-" if width == "8-bit" else "--", linewidth=1.2)
+        axes.plot(range(tail - 1, tail - 1 + len(smooth)), smooth, label=name, **style)
     axes.set_xlabel("step")
     axes.set_ylabel(f"training loss (mean over {tail} steps)")
-    axes.set_title("8-bit (solid) and 32-bit (dashed) optimizer state; torch AdamW dotted")
+    axes.set_title("8-bit (solid) and 32-bit (dashed) optimizer state, one colour per rule; torch AdamW dotted")
     axes.legend(fontsize=7, ncol=2)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -112,7 +119,11 @@ def main() -> None:
     parser.add_argument("--tail", type=int, default=20)
     parser.add_argument("--rules", nargs="*", help="only these rules (default: all)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "convergence.md")
+    parser.add_argument("--replot", action="store_true", help="draw the PNG again from --out's JSON; train nothing")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads(args.out.with_suffix(".json").read_text()), args.out.with_suffix(".png"), args.tail)
+        return
     data, held = batches(args.steps), held_out_windows()[:32]
     runs: dict[str, dict] = {}
     runs["torch AdamW 32-bit"] = train(lambda p, lr: torch.optim.AdamW(p, lr=lr), RULES["AdamW"][0], data, held)

@@ -18,16 +18,6 @@ from zoo.peer import PeerCheck
 
 bnb = pytest.importorskip("bitsandbytes")
 
-#: bitsandbytes' optimizers tightfit does not offer, and why (docs/migrating.md).
-NOT_OFFERED = {
-    "LAMB": "trust-ratio update norms (max_unorm) are not implemented",
-    "LAMB8bit": "trust-ratio update norms (max_unorm) are not implemented",
-    "LAMB32bit": "trust-ratio update norms (max_unorm) are not implemented",
-    "LARS": "trust-ratio update norms (max_unorm) are not implemented",
-    "LARS8bit": "trust-ratio update norms (max_unorm) are not implemented",
-    "LARS32bit": "trust-ratio update norms (max_unorm) are not implemented",
-    "PytorchLARS": "a plain torch optimizer bitsandbytes keeps as its test reference",
-}
 PAIRS = {
     "Adam8bit": {},
     "AdamW8bit": {},
@@ -46,13 +36,10 @@ def _classes(module) -> dict[str, type]:
     return {n: c for n, c in vars(module).items() if inspect.isclass(c) and issubclass(c, torch.optim.Optimizer)}
 
 
-def test_every_optimizer_bitsandbytes_offers_is_here_with_its_signature_or_named_as_not_offered():
+def test_every_optimizer_bitsandbytes_offers_is_here_with_its_signature():
     theirs, ours = _classes(bnb.optim), _classes(tbnb.optim)
     for name, cls in theirs.items():
         if name.startswith("_") or name in ("Optimizer8bit", "Optimizer1State", "Optimizer2State"):
-            continue
-        if name in NOT_OFFERED:
-            assert name not in ours
             continue
         assert name in ours, name
         expected = inspect.signature(cls.__init__).parameters
@@ -232,3 +219,38 @@ def test_the_plain_torch_ademamix_bitsandbytes_tests_against_is_followed_by_ours
     torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ours.state[q]["state1"], reference.state[p]["m1_m2"], rtol=1e-5, atol=1e-7)
     assert tbnb.utils.sync_gpu(q) is None
+
+
+def test_lars_follows_bitsandbytes_and_its_torch_reference():
+    start = torch.randn(256, 64, generator=torch.Generator().manual_seed(0)) * 0.1
+    ours_p, theirs_p, reference_p = start.clone(), start.clone(), start.clone()
+    ours = tbnb.optim.LARS([ours_p], 0.01, 0.9, weight_decay=0.01)
+    reference = tbnb.optim.PytorchLARS([reference_p], 0.01, 0.9, weight_decay=0.01)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        grad = torch.randn(start.shape, generator=generator) * 0.5
+        ours_p.grad, reference_p.grad = grad, grad.clone()
+        ours.step()
+        reference.step()
+    torch.testing.assert_close(ours_p, reference_p, rtol=1e-5, atol=1e-6)
+    theirs = bnb.optim.LARS([theirs_p], 0.01, 0.9, weight_decay=0.01)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        theirs_p.grad = torch.randn(start.shape, generator=generator) * 0.5
+        theirs.step()
+    peer = PeerCheck()
+    peer.agrees("bitsandbytes.optim.LARS.step", theirs_p, ours_p, atol=1e-6)
+    peer.settle()
+
+
+def test_lamb_bounds_each_update_to_max_unorm_times_the_parameters_norm():
+    p = torch.nn.Parameter(torch.randn(128, 128, generator=torch.Generator().manual_seed(0)))
+    before = p.detach().clone()
+    optimizer = tbnb.optim.LAMB([p], lr=1.0, max_unorm=1e-3)
+    p.grad = torch.randn(128, 128, generator=torch.Generator().manual_seed(1)) * 5.0
+    optimizer.step()
+    # lr 1 and no decay: the step is the bounded update itself (Adam's first step has norm sqrt(numel))
+    assert float((p.detach() - before).norm()) == pytest.approx(1e-3 * float(before.norm()), rel=1e-4)
+    assert optimizer.args.max_unorm == 1e-3
+    with pytest.raises(ValueError, match="max_unorm=1.0"):
+        tbnb.optim.LAMB8bit([p], max_unorm=0.5)

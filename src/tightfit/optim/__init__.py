@@ -4,6 +4,6 @@ state can be paged (kept in host memory, brought to the device per update). See 
 """
 
 from tightfit.optim.optimizer import BlockwiseOptimizer
-from tightfit.optim.rules import SGD, Adagrad, Adam, AdamW, AdEMAMix, Lion, RMSprop
+from tightfit.optim.rules import LAMB, LARS, SGD, Adagrad, Adam, AdamW, AdEMAMix, Lion, RMSprop
 
-__all__ = ["SGD", "AdEMAMix", "Adagrad", "Adam", "AdamW", "BlockwiseOptimizer", "Lion", "RMSprop"]
+__all__ = ["LAMB", "LARS", "SGD", "AdEMAMix", "Adagrad", "Adam", "AdamW", "BlockwiseOptimizer", "Lion", "RMSprop"]

@@ -62,6 +62,9 @@ def check_group(group: dict[str, Any], rule: str) -> None:
     bits = group.get("optim_bits", 8)
     if bits not in _BITS or isinstance(bits, bool):
         raise ValueError(f"optim_bits={bits!r} is not accepted; accepted: 8, 32")
+    _check_hyper("max_unorm", group.get("max_unorm", 0.0), 0.0, None)
+    if group.get("max_unorm", 0.0) and rule not in ("adam", "momentum"):
+        raise ValueError(f"max_unorm bounds Adam's (LAMB) and SGD's (LARS) update norms, not {rule}'s")
     size = group.get("min_8bit_size", 0)
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise ValueError(f"min_8bit_size must be an int >= 0, got {size!r}")
@@ -80,6 +83,30 @@ def scheduled(config: dict[str, Any], step: int) -> tuple[float, float]:
         scale = step / t_beta3
         beta3 = min(math.exp((log1 * log3) / ((1 - scale) * log3 + scale * log1)), beta3)
     return alpha, beta3
+
+
+def _update_scale(
+    rule: str, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], config: dict[str, Any], step: int
+) -> float | None:
+    """Where ``max_unorm`` bounds a 32-bit state's update (LAMB, LARS): the factor that brings
+    the update's norm within ``max_unorm`` times the parameter's, as bitsandbytes computes
+    it (the update from the new moments, bias-corrected; SGD's without weight decay), else
+    None. 8-bit state takes no bound (bitsandbytes' blockwise update has none)."""
+    bound = config.get("max_unorm", 0.0)
+    if not bound or state["state1"].dtype == torch.uint8:
+        return None
+    g = grad.float()
+    beta1, beta2 = config["betas"][0], config["betas"][1]
+    if rule == "adam":
+        first = (state["state1"] * beta1 + g * (1 - beta1)) / (1 - beta1**step)
+        second = (state["state2"] * beta2 + g * g * (1 - beta2)) / (1 - beta2**step)
+        update = first / (second.sqrt() + config["eps"])
+        slack = 0.0
+    else:  # momentum
+        update = g if step == 1 else state["state1"] * beta1 + g
+        slack = config["eps"]
+    norm, limit = float(update.pow(2).sum().sqrt()), bound * float(p.float().norm())
+    return (limit + slack) / norm if norm > limit + slack else 1.0
 
 
 class BlockwiseOptimizer(torch.optim.Optimizer):
@@ -151,15 +178,23 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         working = self._bring_in(p, state)
         beta1, beta2 = config["betas"][0], config["betas"][1]
         alpha, beta3 = scheduled(config, step) if self.rule == "ademamix" else (0.0, 0.0)
+        lr, decay = config["lr"], config["weight_decay"]
+        scale = _update_scale(self.rule, p, grad, working, config, step)
+        if scale is not None:  # a bounded update norm: the decay applied here, the update scaled through lr
+            if decay > 0 and self.rule == "adam":
+                p.mul_(1.0 - lr * decay)
+            elif decay > 0:
+                grad = grad + p * decay
+            lr, decay = lr * scale, 0.0
         hyper = dict(
             beta1=beta1,
             beta2=beta2,
             beta3=beta3,
             alpha=alpha,
             eps=config["eps"],
-            weight_decay=config["weight_decay"],
+            weight_decay=decay,
             step=step,
-            lr=config["lr"],
+            lr=lr,
         )
         if working["state1"].dtype == torch.uint8:
             optimizer_update_8bit_blockwise(

@@ -11,7 +11,7 @@ from typing import Any
 
 from tightfit.optim.optimizer import BlockwiseOptimizer
 
-__all__ = ["Adagrad", "AdEMAMix", "Adam", "AdamW", "Lion", "RMSprop", "SGD"]
+__all__ = ["LAMB", "LARS", "SGD", "Adagrad", "AdEMAMix", "Adam", "AdamW", "Lion", "RMSprop"]
 
 #: Parameters smaller than this keep 32-bit state (bitsandbytes' default).
 MIN_8BIT_SIZE = 4096
@@ -166,3 +166,47 @@ class Adagrad(BlockwiseOptimizer):
     ) -> None:
         defaults = _defaults(lr, (0.0, 0.0), eps, weight_decay, optim_bits, min_8bit_size)
         super().__init__(params, defaults, rule="adagrad", paged=paged)
+
+
+class LAMB(Adam):
+    """Adam whose update's norm is bounded by ``max_unorm`` times the parameter's norm, per
+    parameter (the layer-wise trust ratio of LAMB, as bitsandbytes bounds it); 32-bit state
+    only: an 8-bit parameter steps as Adam."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        max_unorm: float = 1.0,
+        *,
+        optim_bits: int = 32,
+        min_8bit_size: int = MIN_8BIT_SIZE,
+        paged: bool = False,
+    ) -> None:
+        defaults = _defaults(lr, betas, eps, weight_decay, optim_bits, min_8bit_size) | {"max_unorm": max_unorm}
+        BlockwiseOptimizer.__init__(self, params, defaults, rule="adam", paged=paged)
+
+
+class LARS(BlockwiseOptimizer):
+    """SGD with momentum whose update's norm is bounded by ``max_unorm`` times the
+    parameter's norm (LARS's layer-wise trust ratio, as bitsandbytes bounds it)."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float,
+        momentum: float,
+        weight_decay: float = 0.0,
+        max_unorm: float = 0.02,
+        *,
+        optim_bits: int = 32,
+        min_8bit_size: int = MIN_8BIT_SIZE,
+        paged: bool = False,
+    ) -> None:
+        if isinstance(momentum, (int, float)) and not isinstance(momentum, bool) and momentum == 0:
+            raise ValueError("momentum=0 is not accepted: LARS steps with a momentum buffer")
+        defaults = _defaults(lr, (momentum, 0.0), 0.0, weight_decay, optim_bits, min_8bit_size)
+        super().__init__(params, defaults | {"max_unorm": max_unorm}, rule="momentum", paged=paged)

@@ -12,7 +12,9 @@ state on the CPU with a warning: here host-resident state is simply where it alr
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Iterable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -35,6 +37,13 @@ __all__ = [
     "AdamW8bit",
     "AdamW32bit",
     "GlobalOptimManager",
+    "LAMB",
+    "LAMB8bit",
+    "LAMB32bit",
+    "LARS",
+    "LARS8bit",
+    "LARS32bit",
+    "PytorchLARS",
     "Lion",
     "Lion8bit",
     "Lion32bit",
@@ -117,7 +126,17 @@ class GlobalOptimManager:
 
 
 class _Managed:
-    """The manager's overrides applied to each parameter's settings."""
+    """The manager's overrides applied to each parameter's settings; ``args``, the settings
+    object bitsandbytes' optimizers keep."""
+
+    @property
+    def args(self) -> SimpleNamespace:
+        return SimpleNamespace(
+            optim_bits=self.defaults["optim_bits"],
+            min_8bit_size=self.defaults["min_8bit_size"],
+            max_unorm=self.defaults.get("max_unorm", 0.0),
+            skip_zeros=False,
+        )
 
     def config(self, group: dict[str, Any], p: torch.Tensor, gindex: int, pindex: int) -> dict[str, Any]:
         manager = GlobalOptimManager.get_instance()
@@ -326,6 +345,110 @@ class Adagrad(_Managed, optim.Adagrad):
         super().__init__(params, lr, eps, weight_decay, optim_bits=self._bits or bits, min_8bit_size=size)
 
 
+class LAMB(_Managed, optim.LAMB):
+    _bits: int | None = None
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0,
+        amsgrad=False,
+        adam_w_mode=True,
+        optim_bits=32,
+        args=None,
+        min_8bit_size=4096,
+        max_unorm=1.0,
+    ):
+        _refuse("amsgrad", amsgrad, False, "bitsandbytes' optimizers have no AMSGrad either")
+        _refuse("bias_correction", bias_correction, True, "bitsandbytes' update always corrects the bias")
+        _refuse("adam_w_mode", adam_w_mode, True, "bitsandbytes' update always decays as AdamW does")
+        if self._bits == 8 and max_unorm != 1.0:
+            raise ValueError("LAMB8bit only supports max_unorm=1.0: the 8-bit blockwise update bounds no norm")
+        bits, size = _settings(args, optim_bits, min_8bit_size)
+        super().__init__(
+            params, lr, betas, eps, weight_decay, max_unorm, optim_bits=self._bits or bits, min_8bit_size=size
+        )
+
+
+class LARS(_Managed, optim.LARS):
+    _bits: int | None = None
+
+    def __init__(
+        self,
+        params,
+        lr,
+        momentum=0,
+        dampening=0,
+        weight_decay=0,
+        nesterov=False,
+        optim_bits=32,
+        args=None,
+        min_8bit_size=4096,
+        max_unorm=0.02,
+    ):
+        if momentum == 0:
+            raise NotImplementedError("LARS without momentum is not supported!")
+        _refuse("dampening", dampening, 0, "bitsandbytes' update ignores it; a value would not be honored")
+        _refuse("nesterov", nesterov, False, "bitsandbytes' update ignores it; a value would not be honored")
+        bits, size = _settings(args, optim_bits, min_8bit_size)
+        super().__init__(
+            params, lr, momentum, weight_decay, max_unorm, optim_bits=self._bits or bits, min_8bit_size=size
+        )
+
+
+class PytorchLARS(torch.optim.Optimizer):
+    """LARS in torch operations (bitsandbytes' reference for its LARS): SGD with momentum,
+    dampening and Nesterov's variant, each update's norm bounded by ``max_unorm`` times the
+    parameter's."""
+
+    def __init__(self, params, lr=0.01, momentum=0, dampening=0, weight_decay=0, nesterov=False, max_unorm=0.02):
+        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            max_unorm=max_unorm,
+        )
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                direction = p.grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else p.grad
+                if group["momentum"]:
+                    state = self.state[p]
+                    if "momentum_buffer" not in state:
+                        state["momentum_buffer"] = direction.clone()
+                    else:
+                        state["momentum_buffer"].mul_(group["momentum"]).add_(direction, alpha=1 - group["dampening"])
+                    buffer = state["momentum_buffer"]
+                    direction = direction + buffer * group["momentum"] if group["nesterov"] else buffer
+                scale = 1.0
+                if group["max_unorm"] > 0:
+                    norm, bound = torch.norm(direction), group["max_unorm"] * torch.norm(p)
+                    if norm > bound:
+                        scale = bound / norm
+                p.add_(direction * scale, alpha=-group["lr"])
+        return loss
+
+
 def _variant(base: type, name: str, bits: int | None, paged: bool, drop: tuple[str, ...] = ()) -> type:
     """bitsandbytes' fixed-width and paged classes: ``base`` with its width or paging set,
     and bitsandbytes' signature for it (``base``'s without ``drop``; ``optim_bits``
@@ -372,3 +495,6 @@ Adagrad8bit, Adagrad32bit = _variant(Adagrad, "Adagrad8bit", 8, False), _variant
 
 
 from tightfit.compat.bitsandbytes.optim import ademamix  # noqa: E402, F401 (the submodule; it imports the classes above)
+
+LAMB8bit, LAMB32bit = _variant(LAMB, "LAMB8bit", 8, False, _WIDTH), _variant(LAMB, "LAMB32bit", 32, False, _WIDTH)
+LARS8bit, LARS32bit = _variant(LARS, "LARS8bit", 8, False, _WIDTH), _variant(LARS, "LARS32bit", 32, False, _WIDTH)
