@@ -190,3 +190,25 @@ def test_the_unsigned_map_is_bitsandbytes_second_moment_map():
     unsigned = dynamic_map(signed=False)
     assert unsigned.shape == (256,) and float(unsigned.min()) == 0.0 and float(unsigned.max()) == 1.0
     assert bool((unsigned[1:] >= unsigned[:-1]).all())
+
+
+def test_two_optimizers_loaded_from_one_state_dict_share_no_tensor():
+    p = parameter()
+    first = optim.AdEMAMix([p], optim_bits=32, t_alpha=5, t_beta3=5)
+    for grad in gradients(p, 2):
+        p.grad = grad
+        first.step()
+    saved = first.state_dict()
+    q, r = p.clone(), p.clone()
+    a, b = (
+        optim.AdEMAMix([q], optim_bits=32, t_alpha=5, t_beta3=5),
+        optim.AdEMAMix([r], optim_bits=32, t_alpha=5, t_beta3=5),
+    )
+    a.load_state_dict(saved)
+    b.load_state_dict(saved)
+    grad = gradients(p, 1, seed=9)[0]
+    q.grad, r.grad = grad, grad.clone()
+    a.step()
+    b.step()
+    assert torch.equal(q, r)
+    assert a.state[q]["state1"].data_ptr() != first.state[p]["state1"].data_ptr()

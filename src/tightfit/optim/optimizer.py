@@ -273,7 +273,8 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         """A state dict this class or bitsandbytes' optimizer of the same rule wrote, every
         parameter's state checked before any is used (D9) and left in its dtypes (torch's
         own load would cast codes and scales to the parameter's dtype); tensors go to the
-        parameter's device (paged: host memory)."""
+        parameter's device (paged: host memory), copied: the optimizer never shares a tensor
+        with the dict it was given (two optimizers loaded from one dict step apart)."""
         check_type("state_dict", state_dict, dict)
         if "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError(f"state_dict must have 'state' and 'param_groups', got keys {sorted(state_dict)}")
@@ -310,7 +311,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
             target = torch.device("cpu") if self.paged and p.device.type != "cpu" else p.device
             loaded[p] = shared_maps(
                 {
-                    k: (int(v) if k == "step" else v.to(target)) if isinstance(v, torch.Tensor) else v
+                    k: (int(v) if k == "step" else v.to(target, copy=True)) if isinstance(v, torch.Tensor) else v
                     for k, v in state.items()
                 },
                 p.device,

@@ -81,10 +81,14 @@ def dequantize_blockwise(
     blocksize: int = 4096,
     nested: bool = False,
 ) -> torch.Tensor:
-    """Decode 8-bit codes with ``quant_state`` (or ``absmax``, ``code``, ``blocksize``), in its dtype."""
+    """Decode 8-bit codes with ``quant_state`` (or ``absmax``, ``code``, ``blocksize``), in its
+    dtype. ``absmax`` may have any shape holding one scale a block, in order (an 8-bit
+    AdEMAMix's ``(2, blocks)``), as bitsandbytes reads it."""
     A = _tensor("A", A)
     dtype = quant_state.dtype if isinstance(quant_state, QuantState) else torch.float32
     check_out("out", out, tuple(A.shape), dtype, A)
+    if isinstance(absmax, torch.Tensor) and absmax.dim() > 1:
+        absmax = absmax.reshape(-1)
     return QF.dequantize_blockwise(A, quant_state, absmax, code, out, blocksize, nested)
 
 
