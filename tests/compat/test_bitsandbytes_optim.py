@@ -14,6 +14,7 @@ import torch
 
 import tightfit.compat.bitsandbytes as tbnb
 from tightfit.ops import get_op
+from zoo.optim import copied, spec_step
 from zoo.peer import PeerCheck
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -67,38 +68,6 @@ def _quant(state_dict: dict) -> dict:
     )}  # fmt: skip
 
 
-def _spec_step(name: str, optimizer, p: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """One step of ``optimizer``'s rule from its state, by the reference kernel."""
-    p = p.clone()
-    state = {
-        k: v.clone() if isinstance(v, torch.Tensor) else v
-        for k, v in optimizer.state[next(iter(optimizer.state))].items()
-    }
-    group = optimizer.param_groups[0]
-    step = state["step"] + 1
-    alpha, beta3 = tbnb.optim.optim.optimizer.scheduled(group, step) if optimizer.rule == "ademamix" else (0.0, 0.0)
-    scalars = (
-        group["betas"][0],
-        group["betas"][1],
-        beta3,
-        alpha,
-        group["eps"],
-        group["weight_decay"],
-        step,
-        group["lr"],
-    )
-    if state["state1"].dtype == torch.uint8:
-        get_op("optimizer_update_8bit_blockwise").reference(
-            optimizer.rule, grad, p, state["state1"], state.get("state2"), state["absmax1"], state.get("absmax2"),
-            state["qmap1"], state.get("qmap2"), *scalars,
-        )  # fmt: skip
-    else:
-        get_op("optimizer_update_32bit").reference(
-            optimizer.rule, grad, p, state["state1"], state.get("state2"), *scalars
-        )
-    return p, state
-
-
 def _decoded(state: dict) -> torch.Tensor:
     """The first state's values (AdEMAMix: its fast EMA), by the reference decode."""
     codes, absmax = state["state1"], state["absmax1"]
@@ -128,7 +97,8 @@ def test_state_dicts_load_both_ways_and_the_same_step_follows_the_specification(
         assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value, key
     # one more step from the same state: ours is the specification to the bit
     grad = torch.randn(1024, 20, generator=torch.Generator().manual_seed(2)) * 0.01
-    expected_p, expected_state = _spec_step(name, ours, ours_p, grad)
+    expected_p, expected_state = ours_p.clone(), copied(ours.state[ours_p])
+    spec_step(ours, expected_state, expected_p, grad)
     ours_p.grad = grad.clone()
     ours.step()
     assert torch.equal(ours_p, expected_p)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import tightfit.optim as optim
-from tightfit.ops import get_op
 from tightfit.ops.codes import dynamic_map
+from zoo.optim import copied, spec_step
 
 RULES = {
     "adam": lambda params, **kw: optim.Adam(params, weight_decay=0.01, **kw),
@@ -32,32 +32,12 @@ def gradients(p: torch.Tensor, steps: int, seed: int = 1) -> list[torch.Tensor]:
     return [(torch.randn(p.shape, generator=generator) * 0.01).to(p.dtype) for _ in range(steps)]
 
 
-def reference_steps(rule: str, p: torch.Tensor, grads: list[torch.Tensor], optimizer) -> torch.Tensor:
-    """The specification run step by step on copies: the reference kernel of the op the
-    optimizer calls, with the hyperparameters it passes (AdEMAMix's schedules included)."""
+def reference_steps(p: torch.Tensor, grads: list[torch.Tensor], optimizer) -> tuple[torch.Tensor, dict]:
+    """The specification run step by step on copies, from the state the optimizer starts from."""
     p = p.clone()
-    group = optimizer.param_groups[0]
-    state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizer._new_state(p, group).items()}
-    eight_bit = state["state1"].dtype == torch.uint8
-    for step, grad in enumerate(grads, start=1):
-        alpha, beta3 = optim.optimizer.scheduled(group, step) if rule == "ademamix" else (0.0, 0.0)
-        scalars = (
-            group["betas"][0],
-            group["betas"][1],
-            beta3,
-            alpha,
-            group["eps"],
-            group["weight_decay"],
-            step,
-            group["lr"],
-        )
-        if eight_bit:
-            get_op("optimizer_update_8bit_blockwise").reference(
-                rule, grad, p, state["state1"], state.get("state2"), state["absmax1"], state.get("absmax2"),
-                state["qmap1"], state.get("qmap2"), *scalars,
-            )  # fmt: skip
-        else:
-            get_op("optimizer_update_32bit").reference(rule, grad, p, state["state1"], state.get("state2"), *scalars)
+    state = copied(optimizer._new_state(p, optimizer.param_groups[0]))
+    for grad in grads:
+        spec_step(optimizer, state, p, grad)
     return p, state
 
 
@@ -68,7 +48,7 @@ def test_every_step_is_the_specification_bit_for_bit(rule, bits, dtype):
     p = parameter(dtype=dtype)
     grads = gradients(p, 3)
     optimizer = RULES[rule]([p], optim_bits=bits)
-    expected, expected_state = reference_steps(rule, p, grads, optimizer)
+    expected, expected_state = reference_steps(p, grads, optimizer)
     for grad in grads:
         p.grad = grad
         optimizer.step()

@@ -303,25 +303,10 @@ def _check_map(name: str, qmap: object, p: torch.Tensor) -> None:
     check_same_device(name, qmap, "p", p)
 
 
-def _check_8bit(
-    optimizer_name,
-    g,
-    p,
-    state1,
-    state2,
-    absmax1,
-    absmax2,
-    qmap1,
-    qmap2,
-    beta1,
-    beta2,
-    beta3,
-    alpha,
-    eps,
-    weight_decay,
-    step,
-    lr,
-) -> None:
+def _check_8bit(*args) -> None:
+    """The 8-bit update's arguments, in the op's order (a wrong count is the schema's error)."""
+    optimizer_name, g, p, state1, state2, absmax1, absmax2, qmap1, qmap2, *scalars = args
+    beta1, beta2, beta3, alpha, eps, weight_decay, step, lr = scalars
     _check_scalars(optimizer_name, beta1, beta2, beta3, alpha, eps, weight_decay, step, lr)
     g, p = _check_param(g, p)
     first = _first_shape(optimizer_name, p)
@@ -346,56 +331,20 @@ def _check_sorted_map(name: str, qmap: torch.Tensor) -> None:
         raise ValueError(f"{name} must be sorted ascending (nearest-entry search assumes it)")
 
 
-def _update_32bit_cpu(optimizer_name, g, p, state1, state2, beta1, beta2, beta3, alpha, eps, weight_decay, step, lr):
-    args = (optimizer_name, g, p, state1, state2, beta1, beta2, beta3, alpha, eps, weight_decay, step, lr)
+def _update_32bit_cpu(*args) -> None:
+    optimizer_name, g, p, state1, state2, *scalars = args
     _cpu.update_32bit_cpu(
         optimizer_name,
         g,
         p,
         _split(optimizer_name, state1, state2),
-        _hyper(beta1, beta2, beta3, alpha, eps, weight_decay, step, lr),
+        _hyper(*scalars),
         lambda: _optimizer_update_32bit_reference(*args),
     )
 
 
-def _update_8bit_cpu(
-    optimizer_name,
-    g,
-    p,
-    state1,
-    state2,
-    absmax1,
-    absmax2,
-    qmap1,
-    qmap2,
-    beta1,
-    beta2,
-    beta3,
-    alpha,
-    eps,
-    weight_decay,
-    step,
-    lr,
-):
-    args = (
-        optimizer_name,
-        g,
-        p,
-        state1,
-        state2,
-        absmax1,
-        absmax2,
-        qmap1,
-        qmap2,
-        beta1,
-        beta2,
-        beta3,
-        alpha,
-        eps,
-        weight_decay,
-        step,
-        lr,
-    )
+def _update_8bit_cpu(*args) -> None:
+    optimizer_name, g, p, state1, state2, absmax1, absmax2, qmap1, qmap2, *scalars = args
     _check_sorted_map("qmap1", qmap1)
     if qmap2 is not None:
         _check_sorted_map("qmap2", qmap2)
@@ -408,7 +357,7 @@ def _update_8bit_cpu(
         scales,
         maps,
         OPTIMIZER_BLOCKSIZE,
-        _hyper(beta1, beta2, beta3, alpha, eps, weight_decay, step, lr),
+        _hyper(*scalars),
         lambda: _optimizer_update_8bit_blockwise_reference(*args),
     )
 
@@ -430,39 +379,17 @@ def _map_search(qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
     return blockwise._triton().search_tables(qmap, qmap.device)
 
 
-def _update_32bit_gpu(optimizer_name, g, p, state1, state2, beta1, beta2, beta3, alpha, eps, weight_decay, step, lr):
+def _update_32bit_gpu(*args) -> None:
+    optimizer_name, g, p, state1, state2, *scalars = args
     _triton().update_32bit(
-        OPTIMIZERS.index(optimizer_name),
-        g,
-        p,
-        _split(optimizer_name, state1, state2),
-        _hyper(beta1, beta2, beta3, alpha, eps, weight_decay, step, lr),
-        _cpu.CONSTANTS,
+        OPTIMIZERS.index(optimizer_name), g, p, _split(optimizer_name, state1, state2), _hyper(*scalars), _cpu.CONSTANTS
     )
 
 
-def _update_8bit_gpu(
-    optimizer_name,
-    g,
-    p,
-    state1,
-    state2,
-    absmax1,
-    absmax2,
-    qmap1,
-    qmap2,
-    beta1,
-    beta2,
-    beta3,
-    alpha,
-    eps,
-    weight_decay,
-    step,
-    lr,
-):
+def _update_8bit_gpu(*args) -> None:
+    optimizer_name, g, p, state1, state2, absmax1, absmax2, qmap1, qmap2, *scalars = args
     codes, scales, maps = _parts(optimizer_name, state1, state2, absmax1, absmax2, qmap1, qmap2)
     searches = [_map_search(m) for m in maps]
-    h = _hyper(beta1, beta2, beta3, alpha, eps, weight_decay, step, lr)
     if not all(single for _, _, single in searches):
         report_fallback(
             "optimizer_update_8bit_blockwise",
@@ -470,12 +397,11 @@ def _update_8bit_gpu(
             "reference",
             "a state map with several code boundaries in one search bucket runs the reference kernel",
         )
-        _optimizer_update_8bit_blockwise_reference(
-            optimizer_name, g, p, state1, state2, absmax1, absmax2, qmap1, qmap2,
-            beta1, beta2, beta3, alpha, eps, weight_decay, step, lr,
-        )  # fmt: skip
+        _optimizer_update_8bit_blockwise_reference(*args)
         return
-    _triton().update_8bit(OPTIMIZERS.index(optimizer_name), g, p, codes, scales, searches, maps, h, _cpu.CONSTANTS)
+    _triton().update_8bit(
+        OPTIMIZERS.index(optimizer_name), g, p, codes, scales, searches, maps, _hyper(*scalars), _cpu.CONSTANTS
+    )
 
 
 # -- conformance cases ----------------------------------------------------------------------
