@@ -6,21 +6,14 @@ which is how they are checked on machines without a GPU. Elsewhere these tests s
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from tightfit.ops import blockwise, blockwise_gemv
 from tightfit.ops._registry import get_op
+from zoo.triton import triton_device
 
-pytest.importorskip("triton")
-if torch.cuda.is_available():
-    DEVICE = torch.device("cuda")
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICE = torch.device("cpu")
-else:
-    pytest.skip("the Triton kernels need a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
+DEVICE = triton_device()
 
 #: Triton's interpreter truncates float32 to bfloat16 where GPUs round to nearest even.
 INTERPRETED = DEVICE.type == "cpu"
