@@ -27,7 +27,7 @@ KERNELS = {
     "mm_dequant",
     "mm_dequant_parallel",
     "few_rows",
-    "adam_32bit",
+    "any_32bit",
 }
 
 PROBE = """

@@ -1,9 +1,11 @@
-"""The 8-bit optimizer step's CPU kernels, every path pinned in turn (each native
-instruction-set path, and none: numba's kernel), bit for bit against the reference on the
-conformance cases: every rule, float32, bfloat16 and float16 parameters, full and partial blocks."""
+"""The optimizer steps' CPU kernels, every path pinned in turn (each native instruction-set
+path, and none: numba's kernels), bit for bit against the reference on the conformance
+cases: every rule, 8-bit and 32-bit state, float32, bfloat16 and float16 parameters, full
+and partial blocks."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tightfit.ops import get_op
@@ -13,8 +15,9 @@ def _copies(args):
     return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
 
 
-def test_every_path_is_the_reference_bit_for_bit(kernel):
-    opdef = get_op("optimizer_update_8bit_blockwise")
+@pytest.mark.parametrize("op", ["optimizer_update_8bit_blockwise", "optimizer_update_32bit"])
+def test_every_path_is_the_reference_bit_for_bit(kernel, op):
+    opdef = get_op(op)
     cpu = opdef.kernels["cpu"].fn
     for case in opdef.cases():
         expected, actual = _copies(case.args), _copies(case.args)

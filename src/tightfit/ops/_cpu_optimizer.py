@@ -1,6 +1,6 @@
-"""Fast CPU kernels for the optimizer updates of ``ops/optimizer``: 8-bit steps in native C
-where it builds (``native/optimizer_8bit.c``, every path of ``_native``), else numba (in
-``_kernels_blockwise``), as are 32-bit steps: one fused pass per parameter, reading the gradient, the parameter
+"""Fast CPU kernels for the optimizer updates of ``ops/optimizer``: native C where it builds
+(``native/optimizer.c``, every path of ``_native``), else numba (in ``_kernels_blockwise``):
+one fused pass per parameter, reading the gradient, the parameter
 and the states once and writing each once, where the reference makes a float32 copy of
 every state and of the parameter, and bitsandbytes' CPU step runs a dozen torch ops. They
 follow the reference op for op in float32, so results are bit-identical.
@@ -78,13 +78,38 @@ def _run(op: str, g: torch.Tensor, p: torch.Tensor, launch: Callable, reference:
 
 
 def update_32bit_cpu(rule: str, g, p, states: list[torch.Tensor], h: dict[str, float], reference) -> None:
+    """The native kernel where it builds, else numba's, else the reference."""
+    library = native_library("optimizer_update_32bit")
+    if library is not None and p.dtype in DTYPE_CODES and g.dtype in DTYPE_CODES:
+        grad = g.contiguous()
+        constants = torch.tensor([h[name] for name in CONSTANTS], dtype=torch.float32)
+        library.tf_optimizer_32bit(
+            _rule_index(rule),
+            grad.data_ptr(),
+            DTYPE_CODES[grad.dtype],
+            p.data_ptr(),
+            DTYPE_CODES[p.dtype],
+            *[s.data_ptr() for s in states],
+            *[None] * (3 - len(states)),
+            p.numel(),
+            constants.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return
     arrays = [s.view(-1).numpy() for s in states] + [_NO_FLOATS] * (3 - len(states))
 
     def launch(g_bits, g_widen, p_bits, p_widen):
-        kernel = getattr(cpu._kernels(), f"{rule}_32bit")
-        kernel(g_bits, g_widen, p_bits, p_widen, *arrays, p.numel(), _constants(h))
+        cpu._kernels().any_32bit(
+            _rule_index(rule), len(states), g_bits, g_widen, p_bits, p_widen, *arrays, p.numel(), _constants(h)
+        )
 
     _run("optimizer_update_32bit", g, p, launch, reference)
+
+
+def _rule_index(rule: str) -> int:
+    from tightfit.ops.optimizer import OPTIMIZERS  # which imports this module
+
+    return OPTIMIZERS.index(rule)
 
 
 def update_8bit_cpu(
@@ -120,11 +145,9 @@ def update_8bit_cpu(
     map_arrays = [m.contiguous().numpy() for m in maps] + [_NO_FLOATS] * padding
     table_arrays = tables + [_NO_TABLE] * padding
 
-    from tightfit.ops.optimizer import OPTIMIZERS  # which imports this module
-
     def launch(g_bits, g_widen, p_bits, p_widen):
         cpu._kernels().any_8bit(
-            OPTIMIZERS.index(rule),
+            _rule_index(rule),
             len(codes),
             g_bits,
             g_widen,
@@ -143,9 +166,7 @@ def update_8bit_cpu(
 
 
 def _native_8bit(library, rule: str, g, p, codes, scales, maps, tables, h) -> None:
-    """``native/optimizer_8bit.c``: every tensor held here while the call reads its pointer."""
-    from tightfit.ops.optimizer import OPTIMIZERS  # which imports this module
-
+    """``native/optimizer.c``: every tensor held here while the call reads its pointer."""
     grad = g.contiguous()
     held_maps = [m.float().contiguous() for m in maps]
     held_tables = [torch.from_numpy(t) for t in tables]
@@ -155,7 +176,7 @@ def _native_8bit(library, rule: str, g, p, codes, scales, maps, tables, h) -> No
         return [t.data_ptr() for t in tensors] + [None] * (3 - len(tensors))
 
     library.tf_optimizer_8bit(
-        OPTIMIZERS.index(rule),
+        _rule_index(rule),
         grad.data_ptr(),
         DTYPE_CODES[grad.dtype],
         p.data_ptr(),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["dequantize", "gemv_4bit", "quantize"]  # and the optimizer kernels: <rule>_32bit, one per rule, and any_8bit
+__all__ = ["dequantize", "gemv_4bit", "quantize"]  # and the optimizer fallbacks any_32bit and any_8bit
 
 
 @numba.njit(inline="always")
@@ -294,44 +294,15 @@ def optimizer_8bit(
             a2[block] = new2
 
 
-# One compiled 32-bit kernel per rule: inlined with ``kind`` and ``count`` constant, the
-# branches fold away and the loop vectorizes (a runtime kind kept it scalar: six times slower).
-
-
 @numba.njit(parallel=True, nogil=True, cache=True)
-def adam_32bit(g, gw, p, pw, s0, s1, s2, n, h):
-    optimizer_32bit(0, g, gw, p, pw, s0, s1, s2, 2, n, h)
-
-
-@numba.njit(parallel=True, nogil=True, cache=True)
-def ademamix_32bit(g, gw, p, pw, s0, s1, s2, n, h):
-    optimizer_32bit(1, g, gw, p, pw, s0, s1, s2, 3, n, h)
-
-
-@numba.njit(parallel=True, nogil=True, cache=True)
-def momentum_32bit(g, gw, p, pw, s0, s1, s2, n, h):
-    optimizer_32bit(2, g, gw, p, pw, s0, s1, s2, 1, n, h)
-
-
-@numba.njit(parallel=True, nogil=True, cache=True)
-def rmsprop_32bit(g, gw, p, pw, s0, s1, s2, n, h):
-    optimizer_32bit(3, g, gw, p, pw, s0, s1, s2, 1, n, h)
-
-
-@numba.njit(parallel=True, nogil=True, cache=True)
-def adagrad_32bit(g, gw, p, pw, s0, s1, s2, n, h):
-    optimizer_32bit(4, g, gw, p, pw, s0, s1, s2, 1, n, h)
-
-
-@numba.njit(parallel=True, nogil=True, cache=True)
-def lion_32bit(g, gw, p, pw, s0, s1, s2, n, h):
-    optimizer_32bit(5, g, gw, p, pw, s0, s1, s2, 1, n, h)
+def any_32bit(kind, count, g, gw, p, pw, s0, s1, s2, n, h):
+    """Every rule's 32-bit step in one kernel (``kind`` and ``count`` at run time): the
+    fallback where the native kernel does not build, compiled once, not once per rule."""
+    optimizer_32bit(kind, g, gw, p, pw, s0, s1, s2, count, n, h)
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)
 def any_8bit(kind, count, g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, n, bs, h):
     """Every rule's 8-bit step in one kernel (``kind`` and ``count`` at run time): the
-    fallback where the native kernel does not build. Its second loop stores to several
-    arrays beside gathers, so it stays scalar whatever is constant: one kernel compiles in a
-    sixth of the time six would."""
+    fallback where the native kernel does not build, compiled once, not once per rule."""
     optimizer_8bit(kind, g, gw, p, pw, c0, c1, c2, a0, a1, a2, m0, m1, m2, t0, t1, t2, count, n, bs, h)

@@ -157,6 +157,17 @@ _SIGNATURES = {
         _PTR,  # constants
         _I64,  # threads
     ],
+    "tf_optimizer_32bit": [
+        _I64,  # rule
+        _PTR,
+        _I64,  # g, its dtype
+        _PTR,
+        _I64,  # p, its dtype
+        *[_PTR] * 3,  # the states
+        _I64,  # n
+        _PTR,  # constants
+        _I64,  # threads
+    ],
     "tf_gemv_float8": [_PTR, _PTR, _I64, _PTR, _I64, _F32, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64],
 }
 

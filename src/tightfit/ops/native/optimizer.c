@@ -1,4 +1,7 @@
-/* One optimizer step with 8-bit blockwise states (ops/optimizer.py's reference, operation for
+/* Optimizer steps (ops/optimizer.py's reference, operation for operation in float32): with
+ * 8-bit blockwise states, and (at the end) with float32 states.
+ *
+ * One optimizer step with 8-bit blockwise states (ops/optimizer.py's reference, operation for
  * operation in float32): for each block of 256 values, the gradient, the parameter (float32,
  * bfloat16 or float16) and the states (codes into a 256-entry map, times the block's absmax)
  * are read once into block-local float arrays; the rule updates them there; each new state
@@ -177,6 +180,26 @@ void tf_optimizer_8bit(int64_t rule, const void *g, int64_t g_dtype, void *p, in
         quantize(s0, size, t0, c0 + start, &a0[b]);
         if (count > 1) quantize(s1, size, t1, c1 + start, &a1[b]);
         if (count > 2) quantize(s2, size, t2, c2 + start, &a2[b]);
+        store_block(p, p_dtype, start, size, pf);
+    }
+}
+
+/* One step with float32 states, updated in place: the gradient and the parameter through
+ * block-local float arrays (their dtype widened and rounded back), the rule as above. */
+void tf_optimizer_32bit(int64_t rule, const void *g, int64_t g_dtype, void *p, int64_t p_dtype, float *s0, float *s1,
+                        float *s2, int64_t n, const float *constants, int64_t threads) {
+    hyper h;
+    memcpy(&h, constants, sizeof h);
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        float gf[BLOCK], pf[BLOCK];
+        const int64_t start = b * BLOCK, size = n - start < BLOCK ? n - start : BLOCK;
+        load_block(g, g_dtype, start, size, gf);
+        load_block(p, p_dtype, start, size, pf);
+        if (rule == ADAM) adam(size, gf, pf, s0 + start, s1 + start, &h);
+        else if (rule == ADEMAMIX) ademamix(size, gf, pf, s0 + start, s1 + start, s2 + start, &h);
+        else one_state((int)rule, size, gf, pf, s0 + start, &h);
         store_block(p, p_dtype, start, size, pf);
     }
 }
