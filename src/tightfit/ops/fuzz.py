@@ -325,8 +325,13 @@ def _gemv_4bit(b: _Builder) -> list[Any]:
         elif what == "B":
             b.tensor_mutation(args, 1, "B", _packed_ok(rows * cols))
         elif what == "shape":
-            args[2] = b.rng.choice(([rows, cols + 1], [rows + 1, cols], [0, cols], [rows * cols], [-rows, -cols]))
-            b.mutate(f"shape {args[2]}", False)
+            new = b.rng.choice(([rows, cols + 1], [rows + 1, cols], [0, cols], [rows * cols], [-rows, -cols]))
+            args[2] = new
+            # one more row can still fit the packed bytes and the blocks (an odd count's pad nibble)
+            fits = len(new) == 2 and new[0] > 0 and new[1] == cols
+            fits = fits and checks.packed_bytes(new[0] * cols) == checks.packed_bytes(rows * cols)
+            fits = fits and checks.block_count(new[0] * cols, blocksize) == checks.block_count(rows * cols, blocksize)
+            b.mutate(f"shape {new}", fits)
         elif what == "absmax":
             b.tensor_mutation(args, 3, "absmax", _absmax_ok(rows * cols, blocksize))
         else:
