@@ -181,3 +181,17 @@ def test_raw_ops_refuse_bad_hyperparameters(name, value):
     p = torch.zeros(8)
     with pytest.raises(ValueError, match=name):
         optimizer_update_32bit("adam", torch.zeros(8), p, torch.zeros(8), torch.zeros(8), **hyper)
+
+
+def test_a_gradient_that_does_not_fit_changes_nothing():
+    p = torch.randn(4096 + 100) * 0.1
+    optimizer = optim.LAMB([p], weight_decay=0.1)  # its bounded path changes p before the op runs
+    p.grad = torch.randn_like(p)
+    optimizer.step()
+    before, state = p.clone(), copy.deepcopy(optimizer.state[p])
+    p.grad_dtype = None  # torch refuses a gradient of another dtype unless told to allow one
+    p.grad = torch.randn(p.shape, dtype=torch.float64)
+    with pytest.raises(ValueError, match="gradient must match"):
+        optimizer.step()
+    assert torch.equal(p, before) and optimizer.state[p]["step"] == state["step"] == 1
+    assert torch.equal(optimizer.state[p]["state1"], state["state1"])

@@ -169,12 +169,18 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         return new_state(self.rule, p, eight_bit, torch.device("cpu") if host else p.device, pin=host)
 
     def _update(self, p: torch.Tensor, config: dict[str, Any]) -> None:
+        """One step of ``p``: nothing is changed (the step count included) before the
+        gradient is known to fit the parameter."""
+        if p.grad.dtype != p.dtype or p.grad.shape != p.shape:
+            raise ValueError(
+                f"a parameter's gradient must match it: got gradient {p.grad.dtype} {tuple(p.grad.shape)} for "
+                f"parameter {p.dtype} {tuple(p.shape)}"
+            )
         if not p.is_contiguous():
             p.data = p.data.contiguous()
         grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
         state = self.state[p]
-        state["step"] += 1
-        step = state["step"]
+        step = state["step"] + 1
         working = self._bring_in(p, state)
         beta1, beta2 = config["betas"][0], config["betas"][1]
         alpha, beta3 = scheduled(config, step) if self.rule == "ademamix" else (0.0, 0.0)
@@ -212,6 +218,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         else:
             optimizer_update_32bit(self.rule, grad, p, working["state1"], working.get("state2"), **hyper)
         self._write_back(state, working)
+        state["step"] = step
 
     # -- paged state ----------------------------------------------------------------------
     def _streams(self, device: torch.device) -> tuple[Any, Any] | None:
