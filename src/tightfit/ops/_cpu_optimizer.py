@@ -81,20 +81,7 @@ def update_32bit_cpu(rule: str, g, p, states: list[torch.Tensor], h: dict[str, f
     """The native kernel where it builds, else numba's, else the reference."""
     library = native_library("optimizer_update_32bit")
     if library is not None and p.dtype in DTYPE_CODES and g.dtype in DTYPE_CODES:
-        grad = g.contiguous()
-        constants = torch.tensor([h[name] for name in CONSTANTS], dtype=torch.float32)
-        library.tf_optimizer_32bit(
-            _rule_index(rule),
-            grad.data_ptr(),
-            DTYPE_CODES[grad.dtype],
-            p.data_ptr(),
-            DTYPE_CODES[p.dtype],
-            *[s.data_ptr() for s in states],
-            *[None] * (3 - len(states)),
-            p.numel(),
-            constants.data_ptr(),
-            torch.get_num_threads(),
-        )
+        _native_call(library.tf_optimizer_32bit, rule, g, p, [_pointers(states)], h)
         return
     arrays = [s.view(-1).numpy() for s in states] + [_NO_FLOATS] * (3 - len(states))
 
@@ -166,25 +153,27 @@ def update_8bit_cpu(
 
 
 def _native_8bit(library, rule: str, g, p, codes, scales, maps, tables, h) -> None:
-    """``native/optimizer.c``: every tensor held here while the call reads its pointer."""
+    held = [m.float().contiguous() for m in maps], [torch.from_numpy(t) for t in tables]
+    _native_call(library.tf_optimizer_8bit, rule, g, p, [_pointers(t) for t in (codes, scales, *held)], h)
+
+
+def _pointers(tensors: list[torch.Tensor]) -> list[int | None]:
+    """Up to three states' pointers, None for the states a rule has not."""
+    return [t.data_ptr() for t in tensors] + [None] * (3 - len(tensors))
+
+
+def _native_call(function, rule: str, g, p, pointers: list[list[int | None]], h: dict[str, float]) -> None:
+    """A ``native/optimizer.c`` step: (rule, g, its dtype, p, its dtype, the states' pointers,
+    n, constants, threads). The caller holds every tensor behind ``pointers`` during the call."""
     grad = g.contiguous()
-    held_maps = [m.float().contiguous() for m in maps]
-    held_tables = [torch.from_numpy(t) for t in tables]
     constants = torch.tensor([h[name] for name in CONSTANTS], dtype=torch.float32)
-
-    def pointers(tensors: list[torch.Tensor]) -> list[int | None]:
-        return [t.data_ptr() for t in tensors] + [None] * (3 - len(tensors))
-
-    library.tf_optimizer_8bit(
+    function(
         _rule_index(rule),
         grad.data_ptr(),
         DTYPE_CODES[grad.dtype],
         p.data_ptr(),
         DTYPE_CODES[p.dtype],
-        *pointers(codes),
-        *pointers(scales),
-        *pointers(held_maps),
-        *pointers(held_tables),
+        *[pointer for group in pointers for pointer in group],
         p.numel(),
         constants.data_ptr(),
         torch.get_num_threads(),
