@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
+from types import ModuleType
 
 import torch
 
@@ -223,6 +224,17 @@ def get(device_or_name: str | torch.device | torch.Tensor) -> Backend:
         except RuntimeError as error:
             raise ValueError(f"device_or_name={device_or_name!r} is not a valid device: {error}") from None
     return _lookup(name)
+
+
+def copy_streams(device: torch.device) -> ModuleType | None:
+    """The device module whose streams copy to and from host memory asynchronously
+    (``torch.cuda`` and alike), for a side-stream prefetch; None on the CPU, where the
+    device's backend declares no ``async_copy``, or where the module has no streams.
+    Private to tightfit (offloading and paged optimizer state)."""
+    if device.type == "cpu" or not get(device).capabilities().async_copy:
+        return None
+    module = torch.get_device_module(device.type)
+    return module if hasattr(module, "Stream") else None
 
 
 def default() -> Backend:

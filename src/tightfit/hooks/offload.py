@@ -31,6 +31,7 @@ from torch import nn
 from tightfit import backends
 from tightfit._progress import task
 from tightfit._validate import check_device, check_type
+from tightfit.backends.registry import copy_streams
 from tightfit.hooks import _diffusers
 from tightfit.hooks._disk import DISK_DTYPES, MappedFile, MappedRegions, OffloadFileError
 from tightfit.hooks._exclusive import OneForwardAtATime
@@ -395,7 +396,7 @@ def apply_offloading(
     async_copy = device.type != "cpu" and backend.capabilities().async_copy
     if use_stream is not None:
         check_type("use_stream", use_stream, bool)
-        if use_stream and not (async_copy and _streams(device, async_copy) is not None):
+        if use_stream and copy_streams(device) is None:
             raise ValueError(
                 f"use_stream=True needs a device whose backend copies asynchronously on streams; device {device} "
                 f"(backend {backend.name}) has none. Pass use_stream=False or leave it None"
@@ -431,7 +432,7 @@ def apply_offloading(
                         f"{unit.name or type(module).__name__}.{slot.name} has dtype {slot.get().dtype}, "
                         f"which an offload file does not hold; use offload_to='cpu'"
                     )
-    streams = _streams(device, async_copy) if prefetch and use_stream is not False else None
+    streams = copy_streams(device) if prefetch and use_stream is not False else None
     folder = Path(path if path is not None else tempfile.gettempdir()) if offload_to == "disk" else None
     state = _Offload(device, offload_to, folder, streams, target)
     pin = async_copy if pin_memory is None else pin_memory
@@ -472,12 +473,6 @@ def _check_target(offload_to: object) -> tuple[str, torch.device | None]:
     return str(target), target
 
 
-def _streams(device: torch.device, async_copy: bool) -> ModuleType | None:
-    """The device module whose streams copy asynchronously (``torch.cuda`` and alike), or None."""
-    module = torch.get_device_module(device.type)
-    return module if async_copy and hasattr(module, "Stream") else None
-
-
 def _hook(module: nn.Module, units: list[Unit], state: _Offload, prefetch: bool) -> None:
     visible = _diffusers.wanted(module)
     for unit in units:
@@ -515,11 +510,10 @@ def offload_in_place(module: nn.Module, device: str | torch.device, files: list[
     from the files' pages, as a unit ``apply_offloading(offload_to="disk")`` wrote does.
     Its tensors that are no view of a file (converted on reading) stay in CPU memory and
     are copied like those offloaded to the CPU. Private to tightfit."""
-    backend, device = _check_device(device)
+    _, device = _check_device(device)
     if _hooked(module, OFFLOADING):
         raise ValueError("offloading is already applied to this module; call remove_offloading(module) first")
-    async_copy = device.type != "cpu" and backend.capabilities().async_copy
-    streams = _streams(device, async_copy)
+    streams = copy_streams(device)
     state = _Offload(device, "disk", files[0].folder if files else None, streams)
     views = {file.tensors[key].data_ptr(): (file, key) for file in files for key in file.tensors}
     units = select_units(module, "model", ())

@@ -149,11 +149,13 @@ def _dequantize_4bit_fake(A, absmax, blocksize, quant_type, shape, dtype):
 # -- CPU kernels ----------------------------------------------------------------------------
 
 
-def _check_sorted(code: torch.Tensor, device: torch.device) -> None:
-    """The nearest-entry search needs a code sorted ascending. Reading it costs a sync on an
-    accelerator, so the dynamic map, sorted by construction, is not read."""
-    if code is not _code_on("dynamic", device) and not bool((code[1:] >= code[:-1]).all()):
-        raise ValueError("code must be sorted ascending (nearest-entry search assumes it)")
+def _check_sorted(code: torch.Tensor, device: torch.device, name: str = "code") -> None:
+    """The nearest-entry search needs a code (``name``) sorted ascending. Reading it costs a
+    sync on an accelerator, so the dynamic maps, sorted by construction, are not read."""
+    if any(code is _code_on(shared, device) for shared in ("dynamic", "udynamic")):
+        return
+    if not bool((code[1:] >= code[:-1]).all()):
+        raise ValueError(f"{name} must be sorted ascending (nearest-entry search assumes it)")
 
 
 def _quantize_blockwise_cpu(A, code, blocksize):

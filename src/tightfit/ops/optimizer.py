@@ -325,12 +325,6 @@ def _check_8bit(*args) -> None:
 # -- CPU kernels ----------------------------------------------------------------------------
 
 
-def _check_sorted_map(name: str, qmap: torch.Tensor) -> None:
-    """The nearest-entry search needs a sorted map (read here: on the CPU that costs no sync)."""
-    if not bool((qmap[1:] >= qmap[:-1]).all()):
-        raise ValueError(f"{name} must be sorted ascending (nearest-entry search assumes it)")
-
-
 def _update_32bit_cpu(*args) -> None:
     optimizer_name, g, p, state1, state2, *scalars = args
     _cpu.update_32bit_cpu(
@@ -345,9 +339,9 @@ def _update_32bit_cpu(*args) -> None:
 
 def _update_8bit_cpu(*args) -> None:
     optimizer_name, g, p, state1, state2, absmax1, absmax2, qmap1, qmap2, *scalars = args
-    _check_sorted_map("qmap1", qmap1)
+    blockwise._check_sorted(qmap1, p.device, "qmap1")
     if qmap2 is not None:
-        _check_sorted_map("qmap2", qmap2)
+        blockwise._check_sorted(qmap2, p.device, "qmap2")
     codes, scales, maps = _parts(optimizer_name, state1, state2, absmax1, absmax2, qmap1, qmap2)
     _cpu.update_8bit_cpu(
         optimizer_name,
@@ -375,7 +369,7 @@ def _map_search(qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
     for name in ("dynamic", "udynamic"):
         if qmap is blockwise._code_on(name, qmap.device):
             return blockwise._named_search(name, qmap.device)
-    blockwise._check_sorted(qmap, qmap.device)
+    blockwise._check_sorted(qmap, qmap.device, "the state's map")
     return blockwise._triton().search_tables(qmap, qmap.device)
 
 

@@ -8,8 +8,8 @@ AdEMAMix's ``alpha``, ``t_alpha``, ``t_beta3``) so that state dicts load both wa
 tightfit's own: ``optim_bits`` and ``min_8bit_size``, per group (an embedding's group in
 32 bits, the rest in 8, as bitsandbytes users do with its global manager).
 
-Paged state (``paged=True``) lives in host memory, page-locked where the parameter is on
-an accelerator, and is brought to the parameter's device for its update, the next
+Paged state (``paged=True``) lives in host memory, page-locked where the parameter's
+backend copies asynchronously, and is brought to the parameter's device for its update, the next
 parameter's copy started on a side stream while this one updates (where the backend copies
 asynchronously), then written back: the device holds at most two parameters' states at a
 time. No managed memory is needed, so it works on any backend. For a parameter in host
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from tightfit._validate import check_type
+from tightfit.backends.registry import copy_streams
 from tightfit.ops.optimizer import optimizer_update_8bit_blockwise, optimizer_update_32bit
 from tightfit.optim.state import check_state, is_8bit, new_state, shared_maps, state_bytes
 
@@ -166,7 +167,8 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
     def _new_state(self, p: torch.Tensor, config: dict[str, Any]) -> dict[str, Any]:
         host = self.paged and p.device.type != "cpu"
         eight_bit = is_8bit(config.get("optim_bits", 8), config.get("min_8bit_size", 0), p)
-        return new_state(self.rule, p, eight_bit, torch.device("cpu") if host else p.device, pin=host)
+        pin = host and self._streams(p.device) is not None  # page-locked where the copies run asynchronously
+        return new_state(self.rule, p, eight_bit, torch.device("cpu") if host else p.device, pin=pin)
 
     def _update(self, p: torch.Tensor, config: dict[str, Any]) -> None:
         """One step of ``p``: nothing is changed (the step count included) before the
@@ -222,12 +224,11 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
 
     # -- paged state ----------------------------------------------------------------------
     def _streams(self, device: torch.device) -> tuple[Any, Any] | None:
-        """(device module, side stream) where the device copies asynchronously, else None."""
-        if device.type == "cpu":
-            return None
+        """(device module, this optimizer's side stream) where the device's backend copies
+        asynchronously (:func:`~tightfit.backends.registry.copy_streams`), else None."""
         if device not in self._side_streams:
-            module = torch.get_device_module(device.type)
-            self._side_streams[device] = (module, module.Stream(device)) if hasattr(module, "Stream") else None
+            module = copy_streams(device)
+            self._side_streams[device] = (module, module.Stream(device)) if module is not None else None
         return self._side_streams[device]
 
     def _prefetch(self, p: torch.Tensor) -> None:
