@@ -158,6 +158,8 @@ def test_a_module_override_applies_to_that_modules_weight():
         (lambda p: tbnb.optim.RMSprop(p, centered=True), "Centered"),
         (lambda p: tbnb.optim.Adagrad(p, lr_decay=0.1), "Lr Decay"),
         (lambda p: tbnb.optim.SGD(p, 0.01), "without momentum"),
+        (lambda p: tbnb.optim.LARS(p, 0.01), "without momentum"),
+        (lambda p: tbnb.optim.RMSprop(p, alpha=0), "alpha==0.0"),
     ],
 )
 def test_arguments_bitsandbytes_would_ignore_or_refuses_are_refused(make, match):
