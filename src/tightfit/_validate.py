@@ -66,3 +66,11 @@ def check_device(name: str, value: Any) -> torch.device:
         return torch.device(value)
     except RuntimeError as error:
         raise ValueError(f"{name}={value!r} is not a valid torch device (such as 'cpu' or 'cuda:0'): {error}") from None
+
+
+def has_values(tensor: torch.Tensor) -> bool:
+    """Whether a check can read ``tensor``'s values: not on meta, not a fake tensor (a
+    skeleton converted to plan its memory has shapes only)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not tensor.is_meta and not is_fake(tensor)

@@ -23,6 +23,8 @@ from tightfit.fitting.regions import Sliced, slice_layers
 from tightfit.fitting.search import Choice, peak_of, search
 from tightfit.fitting.size import parse_size
 from tightfit.fitting.traced import DECODE, DecodeTrace, Traced, trace_decode, trace_forward
+from tightfit.fitting.training import fit_training
+from tightfit.fitting.training_plan import TrainingPlan
 from tightfit.quant import storage_formats
 
 __all__ = ["FitError", "fit"]
@@ -179,7 +181,9 @@ def fit(
     decode_steps: int = 0,
     units: str = "layers",
     decode: DecodeTrace | None = None,
-) -> FitPlan:
+    training: bool = False,
+    optimizer: str = "AdamW",
+) -> FitPlan | TrainingPlan:
     """A :class:`FitPlan` whose predicted device peak for ``model(*example_inputs)`` (or
     ``model(**example_inputs)`` for a dict) is within ``budget`` at the least predicted time.
 
@@ -258,6 +262,44 @@ def fit(
     check_type("model", model, nn.Module)
     args, kwargs = _split_inputs(example_inputs)
     budget_bytes = parse_size(budget, "budget")
+    check_type("training", training, bool)
+    if training:
+        given = dict(
+            loading=loading,
+            stored_dtypes=stored_dtypes,
+            reserve=reserve,
+            reserve_loading=reserve_loading,
+            max_error=max_error,
+            decode_steps=decode_steps,
+            decode=decode,
+        )
+        defaults = dict(loading=False, decode_steps=0)
+        inference_only = [name for name, value in given.items() if value != defaults.get(name)]
+        if units != "layers":
+            inference_only.append("units")
+        if inference_only:
+            raise ValueError(
+                f"training=True plans a training step; {', '.join(inference_only)} "
+                f"{'is an option' if len(inference_only) == 1 else 'are options'} of an inference plan only"
+            )
+        allowed = Allow.coerce(allow)
+        if calibration is not None:
+            check_type("calibration", calibration, Calibration)
+        check_type("remeasure", remeasure, bool)
+        resolved = resolve_backend(backend)
+        figures = calibration if calibration is not None else figures_of(resolved[0][0], resolved[1], remeasure=remeasure)
+        _check_calibration(figures, resolved[0][0].name, resolved[1])
+        return fit_training(
+            model,
+            args,
+            kwargs,
+            budget_bytes,
+            resolved=resolved,
+            figures=figures,
+            allowed=allowed,
+            optimizer=optimizer,
+            fit_error=FitError,
+        )
     reserved = check_reserved("reserve", dict(reserve) if isinstance(reserve, Mapping) else reserve or {})
     reserved_loading = check_reserved(
         "reserve_loading", dict(reserve_loading) if isinstance(reserve_loading, Mapping) else reserve_loading or {}

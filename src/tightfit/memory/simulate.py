@@ -101,11 +101,16 @@ def simulate_eager(
     *,
     device: torch.device,
     training: bool,
+    mode: Any = None,
 ) -> Timeline:
-    """The timeline of one eager call (training: forward and backward) on fake tensors."""
+    """The timeline of one eager call (training: forward and backward) on fake tensors.
+
+    ``mode``: the ``FakeTensorMode`` the model's tensors are fakes of already (a skeleton
+    converted under it: a quantized layer's scales, which are no parameter or buffer, are
+    then used as they are); default: a new one."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    mode = FakeTensorMode()
+    mode = FakeTensorMode() if mode is None else mode
     flat = _flatten(model, example_inputs, kwargs, mode, device, training)
     if training and not any(t.requires_grad for t in flat.state + flat.fakes):
         raise ValueError(f"training=True, but nothing {type(model).__name__} reads requires grad")
@@ -113,7 +118,7 @@ def simulate_eager(
     recorder.phase = "forward" if training else "inference"
     token = _SIMULATION.set(recorder)
     try:
-        with mode, recorder, lenient_meta_kernels():
+        with mode, recorder, lenient_meta_kernels(), flat.holding():
             if training:
                 outs = flat(*flat.state, *flat.fakes)
                 chosen = _loss_outputs(outs, type(model).__name__)

@@ -96,6 +96,17 @@ class _Flat:
     state: list[torch.Tensor]
     fakes: list[torch.Tensor]
 
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """The model holds the fake weights for the whole block, not only during a call: a
+        backward that recomputes a checkpointed forward (activation checkpointing) runs the
+        module's code again after the call has returned. (torch's own ``functional_call``
+        swaps the same way, through this helper.)"""
+        from torch.nn.utils.stateless import _reparametrize_module
+
+        with _reparametrize_module(self.model, dict(zip(self.names, self.state)), tie_weights=True):
+            yield
+
     def __call__(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         from torch.func import functional_call
 

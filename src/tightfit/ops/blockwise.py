@@ -16,11 +16,12 @@ from collections.abc import Sequence
 
 import torch
 
+from tightfit._validate import has_values
 from tightfit.ops import _arg_checks as checks
 from tightfit.ops import _cpu_blockwise as cpu
 from tightfit.ops._arg_checks import BLOCKSIZES_4BIT, BLOCKSIZES_8BIT, FLOAT_DTYPES, block_count, packed_bytes
 from tightfit.ops._registry import Case, define_op, register_kernel
-from tightfit.ops.codes import QUANT_TYPES_4BIT, code_4bit, dynamic_map
+from tightfit.ops.codes import QUANT_TYPES_4BIT, code_4bit, dynamic_map, real_constant
 
 __all__ = [
     "BLOCKSIZES_4BIT",
@@ -70,6 +71,7 @@ def _dequantize_blockwise_reference(
 
 
 @functools.cache
+@real_constant
 def _code_on(name: str, device: torch.device) -> torch.Tensor:
     """The dynamic map ("dynamic"), its unsigned form ("udynamic", 8-bit optimizers' second
     moments) or a 4-bit code on ``device``, copied there once: kernels only read it, and a
@@ -80,6 +82,7 @@ def _code_on(name: str, device: torch.device) -> torch.Tensor:
 
 
 @functools.cache
+@real_constant
 def _sorted_code(quant_type: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     code = code_4bit(quant_type)
     # The CPU's argsort, as bitsandbytes' reference calls it, decides FP4's +0/-0 tie;
@@ -204,6 +207,7 @@ def _triton():
 
 
 @functools.cache
+@real_constant
 def _named_search(name: str, device: torch.device):
     """Search tables for the dynamic maps or a 4-bit code, built once per device."""
     if name in ("dynamic", "udynamic"):
@@ -340,8 +344,11 @@ if importlib.util.find_spec("triton") is not None:  # checked without importing 
 
 
 def _reject_non_finite(absmax: torch.Tensor) -> None:
-    """Inputs with NaN or inf have no meaningful scale: refuse them rather than emit garbage."""
-    if not torch.compiler.is_compiling() and absmax.numel() and not bool(torch.isfinite(absmax).all()):
+    """Inputs with NaN or inf have no meaningful scale: refuse them rather than emit garbage.
+    A skeleton quantized to plan its memory has no values to check."""
+    if not has_values(absmax) or torch.compiler.is_compiling():
+        return
+    if absmax.numel() and not bool(torch.isfinite(absmax).all()):
         block = int((~torch.isfinite(absmax)).nonzero()[0])
         raise ValueError(f"A has NaN or inf values (first in block {block}); quantization needs finite values")
 

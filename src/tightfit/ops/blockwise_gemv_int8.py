@@ -41,7 +41,7 @@ from tightfit.ops.blockwise_gemv import (
     _nested,
     _scales,
 )
-from tightfit.ops.codes import QUANT_TYPES_4BIT, code_4bit
+from tightfit.ops.codes import QUANT_TYPES_4BIT, code_4bit, real_constant
 
 __all__ = ["ACTIVATION_BLOCK", "gemv_4bit_int8", "gemv_blockwise_int8", "int16_table", "int8_table"]
 
@@ -50,6 +50,7 @@ ACTIVATION_BLOCK = 32
 
 
 @functools.cache
+@real_constant
 def int8_table(quant_type: str) -> torch.Tensor:
     """The 4-bit table of ``quant_type`` at int8 levels: ``round(127 * table)`` (int8, 16 values)."""
     return torch.round(code_4bit(quant_type).float() * 127).to(torch.int8)

@@ -7,10 +7,14 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["DYNAMIC_MAP_SHA256", "QUANT_TYPES_4BIT", "code_4bit", "dynamic_map", "dynamic_values"]
+__all__ = ["DYNAMIC_MAP_SHA256", "QUANT_TYPES_4BIT", "code_4bit", "dynamic_map", "dynamic_values", "real_constant"]
+
+T = TypeVar("T")
 
 #: SHA-256 of the dynamic map's float32 bytes, as bitsandbytes 0.50 builds it.
 DYNAMIC_MAP_SHA256 = "e732639a65f497b4ad684bb166a4467708255edd5207757de8b8f0c7e1fda89c"
@@ -59,7 +63,23 @@ def dynamic_values(signed: bool = True, max_exponent_bits: int = 7, total_bits: 
     return values + [0.0, 1.0]
 
 
+def real_constant(build: Callable[..., T]) -> Callable[..., T]:
+    """``build`` (a cached table's builder) run outside any fake tensor mode: a table built
+    while a skeleton is converted under one (to plan its memory) would be a fake tensor,
+    and the cache would serve it to real calls after."""
+
+    @functools.wraps(build)
+    def built(*args: Any) -> T:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            return build(*args)
+
+    return built
+
+
 @functools.lru_cache(maxsize=2)
+@real_constant
 def _dynamic_map(signed: bool = True) -> torch.Tensor:
     return torch.tensor(sorted(dynamic_values(signed)), dtype=torch.float32)
 
@@ -73,6 +93,7 @@ def dynamic_map(signed: bool = True) -> torch.Tensor:
 
 
 @functools.cache
+@real_constant
 def _code_4bit(quant_type: str) -> torch.Tensor:
     if quant_type == "nf4":
         return torch.tensor(_NF4, dtype=torch.float32)

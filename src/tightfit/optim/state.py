@@ -14,6 +14,7 @@ State read from outside (``load_state_dict``) is checked whole before any of it 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -21,9 +22,11 @@ import torch
 from tightfit.ops.blockwise import _code_on
 from tightfit.ops.optimizer import OPTIMIZER_BLOCKSIZE, TWO_STATE_OPTIMIZERS
 
-__all__ = ["check_state", "new_state", "shared_maps", "state_bytes"]
+__all__ = ["MAP_BYTES", "check_state", "new_state", "planned_state_bytes", "shared_maps", "state_bytes"]
 
 _MAPS = {"qmap1": "dynamic", "qmap2": "udynamic"}  # key -> the map bitsandbytes gives it
+#: Bytes of one dynamic map (256 float32 values); a device holds one copy of each map.
+MAP_BYTES = 256 * 4
 
 
 def _blocks(p: torch.Tensor) -> int:
@@ -67,6 +70,14 @@ def new_state(rule: str, p: torch.Tensor, eight_bit: bool, device: torch.device,
         else:
             state[key] = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
     return state
+
+
+def planned_state_bytes(rule: str, p: torch.Tensor, eight_bit: bool) -> int:
+    """Bytes of the state ``p`` will have (``p`` may be on meta), the dynamic maps not
+    counted: every parameter on a device shares that device's one copy of each."""
+    return sum(
+        dtype.itemsize * math.prod(shape) for key, (dtype, shape) in _layout(rule, p, eight_bit).items() if key not in _MAPS
+    )
 
 
 def state_bytes(state: dict[str, Any]) -> int:

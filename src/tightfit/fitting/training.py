@@ -1,0 +1,426 @@
+"""``fit(..., training=True)``: a training step (forward, backward, optimizer step) within a
+byte budget. Per layer of the stack the plan keeps its activations or recomputes them in
+the backward (activation checkpointing; on an accelerator it may also offload them to host
+memory); it picks the optimizer state's form (8-bit or 32-bit, on the device or paged in
+host memory) and the storage of frozen weights (a QLoRA base in NF4, int8, ...), at the
+least predicted time. See docs/training.md.
+
+How the peak is predicted: the step is simulated on fake tensors
+(:func:`tightfit.memory.simulate.simulate_eager`, the tracker that measures real runs)
+with the chosen layers' hooks in place (:mod:`tightfit.hooks.activations`): its activations
+and gradients, alive as eager PyTorch keeps them. On top come the weights as stored (the
+storage catalogue's bytes), the optimizer state the step keeps between steps, and where a
+frozen weight is decoded while it computes, its largest decoded tile. Recomputing layer
+``i`` happens in the backward when the layers after it are gone, so the candidates are the
+first ``k`` layers recomputed (or offloaded), ``k`` from 0 up; the peak is not monotonic in
+``k`` (recomputing the last layers adds their activations at the backward's start), and
+each candidate is simulated, not interpolated.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from tightfit._format import human_bytes
+from tightfit._validate import check_choice
+from tightfit.fitting.allow import Allow
+from tightfit.fitting.calibration import Calibration
+from tightfit.fitting.options import Option, Unit, find_units, layer_names, options_for
+from tightfit.fitting.plan import PlanEntry
+from tightfit.fitting.search import Choice, search
+from tightfit.fitting.training_plan import OPTIMIZERS, TrainingPlan
+from tightfit.hooks.activations import activation_policies, apply_activation_policy
+
+__all__ = ["fit_training"]
+
+#: Forward + backward of a layer that trains: the backward computes two products per weight.
+_BACKWARD_FACTOR = 3
+#: Most recompute counts simulated per plan: 0, then evenly spaced up to the whole stack.
+_MOST_CANDIDATES = 13
+#: Searches, each below the last by what converting the frozen weights needed beyond its price.
+_VERIFICATIONS = 4
+
+
+@dataclass(frozen=True)
+class _StateForm:
+    """One form of the optimizer state: bits, paged, and what it costs."""
+
+    bits: int
+    paged: bool
+    device_bytes: int  # held on the device between steps (paged: the two largest parameters' copies in a step)
+    total_bytes: int  # wherever it lives
+    seconds: float  # the step's predicted seconds
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    recomputed: int  # the first k layers
+    policy: str  # "recompute" or "offload"
+    state: _StateForm
+    choice: Choice
+    options: list[list[Option]]  # per unit, what the choice picks from
+    activation_bytes: int  # simulated forward + backward: activations, gradients, inputs
+    seconds: float
+    cost: float  # what the choice minimizes: seconds, 8-bit state never cheaper than 32-bit
+    fits: bool
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.choice.peak_bytes
+
+
+def _frozen_only(unit: Unit, training: set[str]) -> Unit:
+    """``unit`` with its training leaves out of the storage choice: their weights stay as they
+    are (counted with the unit's other tensors), so storages apply to frozen leaves only."""
+    moving = [w for w in unit.weights if w[0] in training]
+    if not moving:
+        return unit
+    moved = sum(math.prod(shape) * dtype.itemsize for _, _, shape, dtype in moving)
+    return replace(
+        unit,
+        weights=tuple(w for w in unit.weights if w[0] not in training),
+        other_bytes=unit.other_bytes + moved,
+    )
+
+
+def _state_forms(
+    rule: str, params: list[nn.Parameter], device: torch.device, figures: Calibration, min_8bit_size: int
+) -> list[_StateForm]:
+    """The optimizer state's forms this device offers: 32-bit and 8-bit on the device; paged
+    (host memory, brought in per parameter) where the device is not the host."""
+    from tightfit.optim.state import MAP_BYTES, is_8bit, planned_state_bytes
+
+    forms = []
+    moved_per_step = sum(p.numel() * p.element_size() * 3 for p in params)  # read p and g, write p
+    for bits in (32, 8):
+        sizes = [planned_state_bytes(rule, p, is_8bit(bits, min_8bit_size, p)) for p in params]
+        eight = [p for p in params if is_8bit(bits, min_8bit_size, p)]
+        maps = (2 if rule in ("adam", "ademamix") else 1) * MAP_BYTES if eight else 0
+        decode = 2 * sum(p.numel() for p in eight) * figures.decode_seconds.get("8bit", 0.0)
+        seconds = (moved_per_step + 2 * sum(sizes)) / figures.device_bandwidth + decode
+        forms.append(_StateForm(bits, False, sum(sizes) + maps, sum(sizes) + maps, seconds))
+        if device.type != "cpu" and figures.host_to_device_bandwidth is not None:
+            two_largest = sum(sorted(sizes, reverse=True)[:2])
+            paged_seconds = seconds + 2 * sum(sizes) / figures.host_to_device_bandwidth
+            forms.append(_StateForm(bits, True, two_largest + maps, sum(sizes) + maps, paged_seconds))
+    return forms
+
+
+def _recompute_counts(layers: int) -> list[int]:
+    if layers + 1 <= _MOST_CANDIDATES:
+        return list(range(layers + 1))
+    return sorted({round(i * layers / (_MOST_CANDIDATES - 1)) for i in range(_MOST_CANDIDATES)})
+
+
+def _skeleton(model: nn.Module, device: torch.device, mode: Any) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fakes of ``mode`` on ``device``
+    (nothing real is copied: weights tied stay tied), for a storage to convert under ``mode``."""
+    tensors = [*model.parameters(), *model.buffers()]
+    with mode:
+        memo = {}
+        for t in tensors:
+            fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+            memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+    return copy.deepcopy(model, memo)
+
+
+@dataclass
+class _Step:
+    """A training step of one model as the planner simulates and prices it."""
+
+    model: nn.Module
+    args: tuple
+    kwargs: dict
+    device: torch.device
+    figures: Calibration
+    units: list[Unit]
+    layers: list[str]
+    rows: dict[str, int]
+    call_rows: dict[str, int]
+    storages: frozenset[str]
+    forms: list[_StateForm]
+    simulated: dict[tuple, tuple[int, str | None]]
+
+    def simulate(
+        self, count: int, policy: str, stored: tuple[tuple[str, frozenset[str]], ...] = ()
+    ) -> tuple[int, str | None]:
+        """Bytes alive at the simulated forward + backward's peak (activations, gradients,
+        inputs) with the first ``count`` layers under ``policy``, and the op it is at;
+        ``stored``: (storage, leaves) converted first, in a fake skeleton of the model."""
+        key = (count, policy if count else "keep", stored)
+        if key not in self.simulated:
+            self.simulated[key] = self._simulate({name: policy for name in self.layers[:count]}, stored)
+        return self.simulated[key]
+
+    def _simulate(self, policies: dict[str, str], stored: tuple) -> tuple[int, str | None]:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from tightfit.memory.simulate import simulate_eager
+        from tightfit.quant import storage_format
+
+        mode, model = None, self.model
+        if stored:  # the tables a conversion reads are real constants: the mode takes them in
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            model = _skeleton(self.model, self.device, mode)
+            with mode:
+                for name, leaves in stored:
+                    storage_format(name).apply(model, leaves)
+        before = activation_policies(model)
+        apply_activation_policy(model, policies)
+        try:
+            timeline = simulate_eager(model, self.args, self.kwargs, device=self.device, training=True, mode=mode)
+        finally:
+            apply_activation_policy(model, {name: before.get(name, "keep") for name in policies})
+        key = str(self.device)
+        live, inputs = timeline.live_bytes(key), timeline.inputs.get(key, 0)
+        if not live:
+            return inputs, None
+        top = max(range(len(live)), key=live.__getitem__)
+        return live[top] + inputs, timeline.steps[top]
+
+    def options(self, held_above: int) -> list[list[Option]]:
+        """Each unit's storages on the device; a frozen weight decodes on top of what the step holds."""
+        live = dict.fromkeys(self.rows, held_above)
+        return [
+            options_for(
+                unit,
+                storages=self.storages,
+                placements=frozenset({"device"}),
+                device=self.device,
+                rows=self.rows,
+                call_rows=self.call_rows,
+                live=live,
+                figures=self.figures,
+            )
+            for unit in self.units
+        ]
+
+    def price(self, count: int, policy: str, form: _StateForm, budget: int) -> _Candidate:
+        """The fastest storages for the frozen weights with ``count`` layers under
+        ``policy`` and the state in ``form``, within ``budget`` where any are."""
+        active, _ = self.simulate(count, policy)
+        options = self.options(active + form.device_bytes)
+        found = search(options, budget, active + form.device_bytes)
+        choice = found.best if found.best is not None else found.smallest
+        extra = 0.0
+        if policy == "recompute":
+            extra = sum(self.forward_seconds(name) for name in self.layers[:count])
+        elif policy == "offload" and count:
+            extra = 2 * max(0, self.simulate(0, "keep")[0] - active) / self.figures.host_to_device_bandwidth
+        weights = _BACKWARD_FACTOR * choice.seconds + extra
+        # state loses precision only to meet the budget: 8-bit never counts as faster than 32-bit where both live
+        precise = next(f.seconds for f in self.forms if f.bits == 32 and f.paged == form.paged)
+        return _Candidate(
+            count,
+            policy,
+            form,
+            choice,
+            options,
+            active,
+            weights + form.seconds,
+            weights + max(form.seconds, precise),
+            found.best is not None,
+        )
+
+    def forward_seconds(self, unit_name: str) -> float:
+        index = next((i for i, unit in enumerate(self.units) if unit.name == unit_name), None)
+        if index is None:
+            return 0.0
+        return next(o.seconds for o in self.options(0)[index] if o.storage == "keep")
+
+    def verified(self, candidate: _Candidate) -> _Candidate:
+        """``candidate`` with its forward and backward simulated as converted: the frozen
+        weights in their chosen storages (a decoded weight in the backward is in it)."""
+        picks: dict[str, set[str]] = {}
+        for unit, unit_options, pick in zip(self.units, candidate.options, candidate.choice.picks):
+            storage = unit_options[pick].storage
+            if storage != "keep" and unit.weights:
+                picks.setdefault(storage, set()).update(name for name, *_ in unit.weights)
+        stored = tuple(sorted((name, frozenset(leaves)) for name, leaves in picks.items()))
+        if not stored:
+            return candidate
+        active, _ = self.simulate(candidate.recomputed, candidate.policy, stored)
+        choice = replace(candidate.choice, active_bytes=active + candidate.state.device_bytes, compute_bytes=0)
+        return replace(candidate, choice=choice, activation_bytes=active)
+
+
+def fit_training(
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    budget_bytes: int,
+    *,
+    resolved: Any,
+    figures: Calibration,
+    allowed: Allow,
+    optimizer: str,
+    fit_error: Callable[..., Exception],
+) -> TrainingPlan:
+    """The training plan (see the module doc); ``fit_error(message, budget_bytes=,
+    smallest_peak_bytes=, parts=)`` makes the error raised when nothing fits."""
+    from tightfit.fitting.traced import trace_forward
+    from tightfit.optim.rules import MIN_8BIT_SIZE
+
+    check_choice("optimizer", optimizer, tuple(OPTIMIZERS))
+    backends, device = resolved
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(
+            f"training=True, but no parameter of {type(model).__name__} requires grad: nothing would train "
+            f"(set requires_grad on the weights or adapters to train)"
+        )
+    training_leaves = {
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.requires_grad
+    }
+    _, leaves = trace_forward(model, args, kwargs, resolved)  # rows per leaf: what each unit's time scales with
+    step = _Step(
+        model=model,
+        args=args,
+        kwargs=kwargs,
+        device=device,
+        figures=figures,
+        units=[_frozen_only(unit, training_leaves) for unit in find_units(model, None, "layers")],
+        layers=list(layer_names(model)),
+        rows=leaves.rows,
+        call_rows=leaves.call_rows,
+        storages=frozenset(name for name in allowed.storage if name in training_storages()),
+        forms=_state_forms(OPTIMIZERS[optimizer], params, device, figures, MIN_8BIT_SIZE),
+        simulated={},
+    )
+    search_budget = budget_bytes
+    best = smallest = None
+    for _ in range(_VERIFICATIONS):
+        best, smallest = _best(step, search_budget)
+        if best is None:
+            break
+        best = step.verified(best)
+        if best.peak_bytes <= budget_bytes:
+            break
+        search_budget -= best.peak_bytes - budget_bytes  # converting needed more than priced: search below
+        best = None
+    full = step.price(0, "keep", next(f for f in step.forms if f.bits == 32 and not f.paged), budget_bytes)
+    if best is None:
+        parts = _parts(smallest)
+        listed = "; ".join(f"{what}: {human_bytes(size)}" for what, size in parts[:4])
+        under = smallest.policy if smallest.recomputed else "kept"
+        raise fit_error(
+            f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) cannot be met on {device} for a training step: "
+            f"the smallest predicted peak is {human_bytes(smallest.peak_bytes)} ({smallest.peak_bytes} B) "
+            f"({smallest.recomputed} of {len(step.layers)} layers' activations {under}, {smallest.state.bits}-bit "
+            f"optimizer state{' paged' if smallest.state.paged else ''}, frozen weights in the smallest storage "
+            f"allowed), dominated by {parts[0][0]}. Largest parts: {listed}",
+            budget_bytes=budget_bytes,
+            smallest_peak_bytes=smallest.peak_bytes,
+            parts=parts,
+        )
+    return _plan(step, backends[0].name, budget_bytes, best, full, optimizer)
+
+
+def _best(step: _Step, budget: int) -> tuple[_Candidate | None, _Candidate]:
+    """The least-cost candidate within ``budget`` (None where none is) and the least-peak
+    one, over the recompute (or offload) counts, from none up, and the state's forms."""
+    policies = ["recompute"] if step.device.type == "cpu" else ["offload", "recompute"]
+    best: _Candidate | None = None
+    smallest: _Candidate | None = None
+    floor = _BACKWARD_FACTOR * sum(step.forward_seconds(u.name) for u in step.units) + min(
+        f.seconds for f in step.forms if f.bits == 32
+    )
+    for count in _recompute_counts(len(step.layers)):
+        for policy in policies if count else ["keep"]:
+            for form in step.forms:
+                candidate = step.price(count, policy, form, budget)
+                if smallest is None or candidate.peak_bytes < smallest.peak_bytes:
+                    smallest = candidate
+                if candidate.fits and (best is None or candidate.cost < best.cost):
+                    best = candidate
+        if best is not None and best.cost <= floor:
+            break  # nothing with more layers recomputed can be faster
+    return best, smallest
+
+
+def training_storages() -> tuple[str, ...]:
+    """The storages a training plan may give frozen weights: those that keep a weight's
+    codes for the backward and decode them again there. A storage that casts in place
+    (bfloat16, float8) is upcast for each forward and autograd keeps that copy for the
+    backward, more than the weight it replaced; one with an outlier path (int8) holds
+    bytes that depend on the data."""
+    from tightfit.quant import storage_formats
+
+    return tuple(f.name for f in storage_formats() if not f.casts and f.outlier_threshold is None)
+
+
+def _parts(candidate: _Candidate) -> list[tuple[str, int]]:
+    """(what, bytes) of a candidate's peak, largest first."""
+    state = candidate.state
+    parts = [
+        ("activations, gradients and inputs of the forward and backward", candidate.activation_bytes),
+        ("weights as stored", candidate.choice.held_bytes),
+        (
+            f"{state.bits}-bit optimizer state{' (paged: two parameters at a time)' if state.paged else ''}",
+            state.device_bytes,
+        ),
+    ]
+    decoded = candidate.peak_bytes - sum(size for _, size in parts)
+    if decoded > 0:
+        parts.append(("a frozen weight decoded while it computes", decoded))
+    return sorted(parts, key=lambda part: -part[1])
+
+
+def _plan(
+    step: _Step, backend: str, budget_bytes: int, best: _Candidate, full: _Candidate, optimizer: str
+) -> TrainingPlan:
+    entries = []
+    for unit, options, pick in zip(step.units, best.options, best.choice.picks):
+        option = options[pick]
+        keep = next(o for o in options if o.storage == "keep")
+        if option.storage != "keep":
+            why = f"{option.storage} (frozen): {human_bytes(keep.held_bytes - option.held_bytes)} less on the device"
+        elif unit.weights:
+            why = "kept: fastest, and the budget has room"
+        else:
+            why = "kept: nothing in it to store otherwise (its weights train, or it has none)"
+        entries.append(
+            PlanEntry(
+                module=unit.name,
+                kind=unit.kind,
+                storage=option.storage,
+                placement="device",
+                bytes_before=unit.bytes,
+                bytes_after=option.stored_bytes,
+                held_bytes=option.held_bytes,
+                seconds=option.seconds,
+                why=why,
+                leaves=tuple(name for name, *_ in unit.weights),
+            )
+        )
+    _, peak_node = step.simulate(best.recomputed, best.policy)
+    return TrainingPlan(
+        model=type(step.model).__name__,
+        backend=backend,
+        device=str(step.device),
+        budget_bytes=budget_bytes,
+        optimizer=optimizer,
+        optim_bits=best.state.bits,
+        paged=best.state.paged,
+        activations={name: best.policy for name in step.layers[: best.recomputed]},
+        entries=tuple(entries),
+        predicted_peak_bytes=best.peak_bytes,
+        predicted_weights_bytes=best.choice.held_bytes,
+        predicted_activation_bytes=best.activation_bytes,
+        predicted_state_bytes=best.state.device_bytes,
+        state_bytes=best.state.total_bytes,
+        predicted_seconds=best.seconds,
+        full_peak_bytes=full.peak_bytes,
+        full_seconds=full.seconds,
+        peak_node=peak_node,
+        layers=tuple(step.layers),
+    )
