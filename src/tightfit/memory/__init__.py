@@ -3,7 +3,7 @@
 - predicted: :func:`plan_memory` traces a model with fake tensors and simulates or plans
   its lifetimes (:mod:`~tightfit.memory.plan`, :mod:`~tightfit.memory.trace`,
   :mod:`~tightfit.memory.simulate`);
-- measured: :func:`measure`, :func:`allocated_peak` (the allocator's own events, what
+- measured: :func:`measure`, :func:`measure_training_step`, :func:`allocated_peak` (the allocator's own events, what
   every prediction is held to) and the live-tensor tracker (:mod:`~tightfit.memory.measure`,
   :mod:`~tightfit.memory.compiled`);
 - one lifetime tracker under both: :class:`LiveTensorBytes` counts a real run, and runs
@@ -25,6 +25,7 @@ from tightfit.memory.measure import (
     tensor_bytes,
 )
 from tightfit.memory.plan import COVERS, LIMITS, NOT_COVERED, RUNTIMES, DevicePlan, MemoryPlan, plan_memory
+from tightfit.memory.training_step import measure_training_step
 
 __all__ = [
     "COVERS",
@@ -40,6 +41,7 @@ __all__ = [
     "allocated_peak",
     "mark",
     "measure",
+    "measure_training_step",
     "plan_memory",
     "tensor_bytes",
 ]
