@@ -287,7 +287,9 @@ def fit(
             check_type("calibration", calibration, Calibration)
         check_type("remeasure", remeasure, bool)
         resolved = resolve_backend(backend)
-        figures = calibration if calibration is not None else figures_of(resolved[0][0], resolved[1], remeasure=remeasure)
+        figures = (
+            calibration if calibration is not None else figures_of(resolved[0][0], resolved[1], remeasure=remeasure)
+        )
         _check_calibration(figures, resolved[0][0].name, resolved[1])
         return fit_training(
             model,

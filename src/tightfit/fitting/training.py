@@ -44,6 +44,10 @@ __all__ = ["fit_training"]
 _BACKWARD_FACTOR = 3
 #: Most recompute counts simulated per plan: 0, then evenly spaced up to the whole stack.
 _MOST_CANDIDATES = 13
+#: What a policy does to a layer's activations, in words.
+_DONE = {"recompute": "recomputed", "offload": "offloaded to host memory"}
+#: Relative difference below which two predicted costs are one (sums taken in other orders).
+_SAME = 1e-9
 #: Searches, each below the last by what converting the frozen weights needed beyond its price.
 _VERIFICATIONS = 4
 
@@ -209,11 +213,7 @@ class _Step:
         options = self.options(active + form.device_bytes)
         found = search(options, budget, active + form.device_bytes)
         choice = found.best if found.best is not None else found.smallest
-        extra = 0.0
-        if policy == "recompute":
-            extra = sum(self.forward_seconds(name) for name in self.layers[:count])
-        elif policy == "offload" and count:
-            extra = 2 * max(0, self.simulate(0, "keep")[0] - active) / self.figures.host_to_device_bandwidth
+        extra = self.recompute_seconds(count) if policy == "recompute" else self.offload_seconds(count, active)
         weights = _BACKWARD_FACTOR * choice.seconds + extra
         # state loses precision only to meet the budget: 8-bit never counts as faster than 32-bit where both live
         precise = next(f.seconds for f in self.forms if f.bits == 32 and f.paged == form.paged)
@@ -228,6 +228,17 @@ class _Step:
             weights + max(form.seconds, precise),
             found.best is not None,
         )
+
+    def recompute_seconds(self, count: int) -> float:
+        """The forwards of the first ``count`` layers, run again in the backward."""
+        return sum(self.forward_seconds(name) for name in self.layers[:count])
+
+    def offload_seconds(self, count: int, active: int | None = None) -> float:
+        """Copying what the first ``count`` layers save to host memory and back (0 where
+        ``active``, the simulated peak with them offloaded, is not given: a lower bound)."""
+        if not count or active is None:
+            return 0.0
+        return 2 * max(0, self.simulate(0, "keep")[0] - active) / self.figures.host_to_device_bandwidth
 
     def forward_seconds(self, unit_name: str) -> float:
         index = next((i for i, unit in enumerate(self.units) if unit.name == unit_name), None)
@@ -311,13 +322,16 @@ def fit_training(
     if best is None:
         parts = _parts(smallest)
         listed = "; ".join(f"{what}: {human_bytes(size)}" for what, size in parts[:4])
-        under = smallest.policy if smallest.recomputed else "kept"
+        layers = (
+            f"the first {smallest.recomputed} of {len(step.layers)} layers' activations {_DONE[smallest.policy]}"
+            if smallest.recomputed
+            else "every layer's activations kept"
+        )
         raise fit_error(
             f"budget={human_bytes(budget_bytes)} ({budget_bytes} B) cannot be met on {device} for a training step: "
             f"the smallest predicted peak is {human_bytes(smallest.peak_bytes)} ({smallest.peak_bytes} B) "
-            f"({smallest.recomputed} of {len(step.layers)} layers' activations {under}, {smallest.state.bits}-bit "
-            f"optimizer state{' paged' if smallest.state.paged else ''}, frozen weights in the smallest storage "
-            f"allowed), dominated by {parts[0][0]}. Largest parts: {listed}",
+            f"({layers}, {smallest.state.bits}-bit optimizer state{' paged' if smallest.state.paged else ''}, frozen "
+            f"weights in the smallest storage allowed), dominated by {parts[0][0]}. Largest parts: {listed}",
             budget_bytes=budget_bytes,
             smallest_peak_bytes=smallest.peak_bytes,
             parts=parts,
@@ -331,10 +345,16 @@ def _best(step: _Step, budget: int) -> tuple[_Candidate | None, _Candidate]:
     policies = ["recompute"] if step.device.type == "cpu" else ["offload", "recompute"]
     best: _Candidate | None = None
     smallest: _Candidate | None = None
+    # the least any candidate with k layers recomputed can cost: every weight kept, 32-bit state on the device
     floor = _BACKWARD_FACTOR * sum(step.forward_seconds(u.name) for u in step.units) + min(
         f.seconds for f in step.forms if f.bits == 32
     )
     for count in _recompute_counts(len(step.layers)):
+        least = floor + min(
+            step.recompute_seconds(count), step.offload_seconds(count) if len(policies) > 1 else math.inf
+        )
+        if best is not None and best.cost <= least * (1 + _SAME):
+            break  # nothing with more layers recomputed can be cheaper
         for policy in policies if count else ["keep"]:
             for form in step.forms:
                 candidate = step.price(count, policy, form, budget)
@@ -342,8 +362,6 @@ def _best(step: _Step, budget: int) -> tuple[_Candidate | None, _Candidate]:
                     smallest = candidate
                 if candidate.fits and (best is None or candidate.cost < best.cost):
                     best = candidate
-        if best is not None and best.cost <= floor:
-            break  # nothing with more layers recomputed can be faster
     return best, smallest
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from tightfit.graph.alloc.liveness import Buffer, Timeline
 from tightfit.memory._meta_kernels import lenient_meta_kernels
@@ -114,7 +115,7 @@ def simulate_eager(
     flat = _flatten(model, example_inputs, kwargs, mode, device, training)
     if training and not any(t.requires_grad for t in flat.state + flat.fakes):
         raise ValueError(f"training=True, but nothing {type(model).__name__} reads requires grad")
-    recorder = LiveTensorBytes(None)
+    recorder = _InPlaceAccumulation(None) if training else LiveTensorBytes(None)
     recorder.phase = "forward" if training else "inference"
     token = _SIMULATION.set(recorder)
     try:
@@ -133,6 +134,33 @@ def simulate_eager(
     finally:
         _SIMULATION.reset(token)
     return _timeline(recorder, kept, flat.state, flat.fakes, f"{type(model).__name__} ran no op")
+
+
+class _InPlaceAccumulation(LiveTensorBytes):
+    """The tracker, with the backward's sums of two gradients (a tensor used twice: a
+    residual branch, a module called twice, a tied weight) made in place into the first,
+    as eager PyTorch's autograd makes them: it adds out of place while any dispatch mode
+    runs (the fake mode, this tracker), which would count a third buffer at every sum."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.ops.aten.add.Tensor and not kwargs and self.phase == "backward" and self._sums(*args):
+            super().__torch_dispatch__(torch.ops.aten.add_.Tensor, types, args)
+            return args[0]
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _sums(self, first: Any, second: Any = None, *rest: Any) -> bool:
+        """Whether ``first + second`` sums two gradients the backward made: same layout,
+        both created in the backward."""
+        tensors = (first, second)
+        if rest or not all(isinstance(t, torch.Tensor) for t in tensors):
+            return False
+        if first.shape != second.shape or first.dtype != second.dtype or not first.is_contiguous():
+            return False
+        for tensor in tensors:
+            index = self._index.get(StorageWeakRef(tensor.untyped_storage()))
+            if index is None or self.step_phases[self.lifetimes[index].start] != "backward":
+                return False
+        return True
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,9 @@ def planned_state_bytes(rule: str, p: torch.Tensor, eight_bit: bool) -> int:
     """Bytes of the state ``p`` will have (``p`` may be on meta), the dynamic maps not
     counted: every parameter on a device shares that device's one copy of each."""
     return sum(
-        dtype.itemsize * math.prod(shape) for key, (dtype, shape) in _layout(rule, p, eight_bit).items() if key not in _MAPS
+        dtype.itemsize * math.prod(shape)
+        for key, (dtype, shape) in _layout(rule, p, eight_bit).items()
+        if key not in _MAPS
     )
 
 

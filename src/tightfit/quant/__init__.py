@@ -4,7 +4,8 @@ with bitsandbytes, on tightfit's device-dispatched ops.
 ``tightfit.quant.functional`` mirrors ``bitsandbytes.functional``; ``QuantState``
 serializes to the dict bitsandbytes and transformers write into safetensors;
 ``quantize_(model, config)`` swaps a model's ``nn.Linear`` layers for quantized ones;
-``layer_stack(model)`` names a model's repeated layers, to choose which to keep at 8 bits.
+``layer_stack(model)`` names a model's repeated layers, to choose which to keep at 8 bits;
+``add_lora(model)`` freezes a model and puts trainable adapters beside its Linears (QLoRA).
 ``storage_formats()`` is the storage catalogue: one :class:`StorageFormat` per way of
 storing a weight, which the fit planner, calibration and ``tightfit run`` iterate;
 ``register_format`` adds one.
@@ -32,6 +33,7 @@ from tightfit.quant.config import (
 )
 from tightfit.quant.functional import COMPUTE_CHOICES
 from tightfit.quant.layers import layer_stack
+from tightfit.quant.lora import LoRALinear, add_lora
 from tightfit.quant.modules import (
     Linear4bit,
     Linear8bit,
@@ -51,11 +53,13 @@ __all__ = [
     "Linear4bit",
     "Linear8bit",
     "LinearInt8",
+    "LoRALinear",
     "NF4Config",
     "QuantConfig",
     "QuantState",
     "QuantizedLinear",
     "StorageFormat",
+    "add_lora",
     "functional",
     "layer_stack",
     "move_unregistered",
