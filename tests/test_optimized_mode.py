@@ -11,6 +11,8 @@ from tightfit.app.run import RunOptions
 from tightfit.memory import measure
 import tightfit.quant as quant
 import tightfit.hooks as hooks
+import tightfit.hooks.activations
+import tightfit.fitting.training_plan
 layer = lambda: torch.nn.Sequential(torch.nn.Linear(4, 4))
 def twice():
     model = layer()
@@ -157,6 +159,13 @@ checks = [
     (lambda: tightfit.optim.Adam([torch.zeros(8)]).load_state_dict({"state": {0: {"step": 1}}, "param_groups": [{"params": [0]}]}), ValueError),
     (lambda: tightfit.ops.optimizer_update_32bit("adam", torch.zeros(4), torch.zeros(4), torch.zeros(3), torch.zeros(4), beta1=0.9, step=1, lr=1e-3), ValueError),
     (lambda: tightfit.ops.optimizer_update_8bit_blockwise("lion", torch.zeros(4), torch.zeros(4), torch.zeros(4, dtype=torch.uint8), torch.zeros(1), torch.zeros(256), beta1=0.9, step=0, lr=1e-3), ValueError),
+    (lambda: tightfit.fit(layer(), torch.ones(1, 4), "1MB", training=True, optimizer="adamw"), ValueError),
+    (lambda: tightfit.fit(layer(), torch.ones(1, 4), "1MB", training=True, decode_steps=2), ValueError),
+    (lambda: hooks.activations.apply_activation_policy(layer(), {"0": "drop"}), ValueError),
+    (lambda: hooks.activations.apply_activation_policy(layer(), {"0": "offload"}), ValueError),
+    (lambda: quant.add_lora(layer(), rank=0), ValueError),
+    (lambda: tightfit.fitting.training_plan.TrainingPlan.from_json("[]"), ValueError),
+    (lambda: tightfit.memory.measure_training_step(layer(), (), {}, None, "cpu"), TypeError),
 ]
 for index, (call, expected) in enumerate(checks):
     try:
@@ -173,4 +182,4 @@ print(f"{len(checks)} checks raised as documented")
 def test_bad_inputs_raise_under_python_O():
     done = subprocess.run([sys.executable, "-O", "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "113 checks raised as documented" in done.stdout
+    assert "120 checks raised as documented" in done.stdout

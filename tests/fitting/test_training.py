@@ -196,3 +196,12 @@ def test_json_that_is_not_a_training_plan_is_refused():
     for text, words in (("[]", "not a training plan"), ('{"format": "tightfit.plan/1"}', "not a training plan")):
         with pytest.raises(ValueError, match=words):
             TrainingPlan.from_json(text)
+
+
+def test_a_step_measurement_refuses_bad_arguments():
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="optimizer"):
+        measure_training_step(model, (torch.ones(2),), {}, object(), "cpu")
+    with pytest.raises(ValueError, match="steps"):
+        measure_training_step(model, (torch.ones(2),), {}, optimizer, "cpu", steps=0)

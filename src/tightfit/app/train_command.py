@@ -83,9 +83,11 @@ def train(
     from tightfit.loading.folder import folder_kind, model_folder, skeleton
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
-        raise ValueError(f"steps must be an int >= 2 (the first makes the optimizer's state), got {steps!r}")
+        raise ValueError(f"steps={steps!r} is not accepted: an int >= 2 (the first step makes the optimizer's state)")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
-        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+        raise ValueError(f"lr={lr!r} is not accepted: a finite number > 0")
+    if lora is not None and (isinstance(lora, bool) or not isinstance(lora, int) or lora < 1):
+        raise ValueError(f"lora={lora!r} is not accepted: the adapters' rank, an int >= 1")
     path = model_folder(default_model_dir() if folder is None else folder)
     kind = folder_kind(path)
     _, device = resolve_backend(backend)
