@@ -52,6 +52,8 @@ _TOKEN_DTYPES = ("bfloat16", "float32")  # the compute dtypes the one-token prob
 
 _FIGURES = ("matmul_flops", "device_bandwidth", "host_to_device_bandwidth", "disk_bandwidth", "cached_read_bandwidth")
 _OPTIONAL = ("host_to_device_bandwidth", "cached_read_bandwidth")  # None: not measured on this device
+_STATE_BITS = ("8", "32")  # the optimizer state's forms an optimizer probe times
+_OPTIMIZER_VALUES = 1 << 20  # the parameter the optimizer probes step
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,9 @@ class Calibration:
     weight of a one-token forward of such a layer stored so (the few-token kernels read the
     stored bytes in the product; a kept float32 layer reads twice a bfloat16 one's bytes); a
     storage or dtype without one is priced by the decode and matmul figures.
+    ``optimizer_seconds`` maps a state's bits (``"8"``, ``"32"``) to an AdamW step's seconds
+    per parameter value with such state (a training plan's optimizer time; without them it
+    is priced by the bytes the step moves).
     """
 
     backend: str
@@ -82,6 +87,7 @@ class Calibration:
     measured_seconds: float = 0.0  # how long calibrating took
     token_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
     cached_read_bandwidth: float | None = None
+    optimizer_seconds: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("backend", "device_name", "torch_version"):
@@ -124,6 +130,12 @@ class Calibration:
                     )
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
                     raise ValueError(f"token_seconds[{dtype!r}][{key!r}] must be a finite number > 0, got {value!r}")
+        check_type("optimizer_seconds", self.optimizer_seconds, dict)
+        for key, value in self.optimizer_seconds.items():
+            if key not in _STATE_BITS:
+                raise ValueError(f"optimizer_seconds has unknown key {key!r}; accepted: {', '.join(_STATE_BITS)}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+                raise ValueError(f"optimizer_seconds[{key!r}] must be a finite number > 0, got {value!r}")
 
     @classmethod
     def fixed(cls, **changes: Any) -> Calibration:
@@ -328,6 +340,8 @@ def _measure(backend: Any, device: torch.device) -> Calibration:
                 works[f"baseline {name}"] = baseline
         for (dtype, name), work in tokens.items():
             works[f"token {dtype} {name}"] = work
+        for bits, work in _optimizer_probes(device).items():
+            works[f"optimizer {bits}"] = work
         count = 1 + len(works)  # the disk, then the figures sampled in turns
         about = math.ceil(count * SECONDS_PER_FIGURE * 1.25)  # and a quarter again for first calls and slow rounds
         with task(f"calibrating {backend.name} (once, about {about} s)", count) as advance:
@@ -353,7 +367,22 @@ def _measure(backend: Any, device: torch.device) -> Calibration:
             dtype: {name: least[f"token {dtype} {name}"] / _TOKEN_FEATURES**2 for kind, name in tokens if kind == dtype}
             for dtype in _TOKEN_DTYPES
         },
+        optimizer_seconds={bits: least[f"optimizer {bits}"] / _OPTIMIZER_VALUES for bits in _STATE_BITS},
     )
+
+
+def _optimizer_probes(device: torch.device) -> dict[str, Callable[[], Any]]:
+    """An AdamW step of one float32 parameter, its state 8-bit and 32-bit (tightfit.optim):
+    what a training plan's optimizer time is priced by."""
+    from tightfit.optim import AdamW
+
+    probes = {}
+    with torch.inference_mode(False):
+        for bits in _STATE_BITS:
+            parameter = nn.Parameter(torch.randn(_OPTIMIZER_VALUES, device=device))
+            parameter.grad = torch.randn_like(parameter)
+            probes[bits] = AdamW([parameter], lr=1e-4, optim_bits=int(bits)).step
+    return probes
 
 
 def calibrate(backend: Any = None, *, remeasure: bool = False) -> Calibration:

@@ -98,17 +98,22 @@ def _state_forms(
     rule: str, params: list[nn.Parameter], device: torch.device, figures: Calibration, min_8bit_size: int
 ) -> list[_StateForm]:
     """The optimizer state's forms this device offers: 32-bit and 8-bit on the device; paged
-    (host memory, brought in per parameter) where the device is not the host."""
+    (host memory, brought in per parameter) where the device is not the host. A step is
+    priced by the calibration's AdamW step per value where measured, else by its bytes."""
+    from tightfit.ops.optimizer import TWO_STATE_OPTIMIZERS
     from tightfit.optim.state import MAP_BYTES, is_8bit, planned_state_bytes
 
     forms = []
     moved_per_step = sum(p.numel() * p.element_size() * 3 for p in params)  # read p and g, write p
+    measured = figures.optimizer_seconds
     for bits in (32, 8):
-        sizes = [planned_state_bytes(rule, p, is_8bit(bits, min_8bit_size, p)) for p in params]
-        eight = [p for p in params if is_8bit(bits, min_8bit_size, p)]
-        maps = (2 if rule in ("adam", "ademamix") else 1) * MAP_BYTES if eight else 0
-        decode = 2 * sum(p.numel() for p in eight) * figures.decode_seconds.get("8bit", 0.0)
-        seconds = (moved_per_step + 2 * sum(sizes)) / figures.device_bandwidth + decode
+        eight_bit = [is_8bit(bits, min_8bit_size, p) for p in params]
+        sizes = [planned_state_bytes(rule, p, eight) for p, eight in zip(params, eight_bit)]
+        maps = (2 if rule in TWO_STATE_OPTIMIZERS else 1) * MAP_BYTES if any(eight_bit) else 0
+        if set(measured) == {"8", "32"}:  # AdamW's measured step, per value
+            seconds = sum(p.numel() * measured["8" if eight else "32"] for p, eight in zip(params, eight_bit))
+        else:  # the bytes the step reads and writes
+            seconds = (moved_per_step + 2 * sum(sizes)) / figures.device_bandwidth
         forms.append(_StateForm(bits, False, sum(sizes) + maps, sum(sizes) + maps, seconds))
         if device.type != "cpu" and figures.host_to_device_bandwidth is not None:
             two_largest = sum(sorted(sizes, reverse=True)[:2])
