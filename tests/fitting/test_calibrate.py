@@ -76,6 +76,8 @@ def test_real_measurement_gives_valid_figures_under_its_own_progress(measured_ca
     assert set(figures_now.token_seconds) == {"bfloat16", "float32"}
     assert set(figures_now.token_seconds["float32"]) == {"keep", "bfloat16", "float8", "8bit", "int8", "nf4", "fp4"}
     assert set(figures_now.token_seconds["bfloat16"]) == {"keep", "float8", "8bit", "int8", "nf4", "fp4"}
+    # an AdamW step per value, 8-bit and 32-bit state (the training plan's optimizer time)
+    assert set(figures_now.optimizer_seconds) == {"8", "32"} and all(figures_now.optimizer_seconds.values())
 
 
 @pytest.mark.parametrize(
@@ -97,6 +99,8 @@ def test_real_measurement_gives_valid_figures_under_its_own_progress(measured_ca
             dict(decode_seconds={"bfloat16": 0, "float8": 0, "8bit": 0, "int8": 0, "nf4": 0, "fp4": 0, "keep": 0}),
             "decode_seconds has unknown storage\\(s\\) 'keep'",
         ),
+        (dict(optimizer_seconds={"4": 1e-9}), "optimizer_seconds has unknown key '4'; accepted: 8, 32"),
+        (dict(optimizer_seconds={"8": 0}), r"optimizer_seconds\['8'\] must be a finite number > 0"),
     ],
 )
 def test_bad_figures_rejected(change, message):

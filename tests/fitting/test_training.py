@@ -205,3 +205,15 @@ def test_a_step_measurement_refuses_bad_arguments():
         measure_training_step(model, (torch.ones(2),), {}, object(), "cpu")
     with pytest.raises(ValueError, match="steps"):
         measure_training_step(model, (torch.ones(2),), {}, optimizer, "cpu", steps=0)
+
+
+@pytest.mark.parametrize("eight_bit_seconds, bits, recomputes", [(1e-6, 32, True), (1e-12, 8, False)])
+def test_the_optimizer_s_measured_step_decides_between_8_bit_state_and_recomputing(
+    full_fine_tune, eight_bit_seconds, bits, recomputes
+):
+    """At 80% of the unplanned step either 8-bit state or recomputing layers fits: the
+    calibration's per-value step times choose (a slow 8-bit step: recompute instead)."""
+    model, unplanned = full_fine_tune
+    timed = figures(optimizer_seconds={"8": eight_bit_seconds, "32": 1e-12})
+    plan = tightfit.fit(model, INPUTS, int(unplanned.full_peak_bytes * 0.8), training=True, calibration=timed)
+    assert plan.optim_bits == bits and bool(plan.activations) == recomputes
