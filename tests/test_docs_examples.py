@@ -20,7 +20,7 @@ row's wrapped lines joined into the row, its cells compared without spaces (wher
 wraps follows its neighbours' widths). A shown
 line ``...`` stands for any number of lines left out. Figures that the machine decides,
 not the code, are masked on both sides where their label says what they are
-(:data:`VOLATILE`): clock times and rates, the process's RSS, free and total memory. All
+(:data:`VOLATILE`): clock times and rates, the process's RSS, free and total memory, training losses. All
 else is compared as printed: memory figures, plans, cosines, tokens, counts.
 
 Plans depend on the time model's calibration (tightfit.fitting.calibrate), measured per
@@ -67,6 +67,7 @@ PAGES = [
     "docs/checkpoints.md",
     "docs/migrating.md",
     "docs/optim.md",
+    "docs/training.md",
     "docs/architecture.md",
     "docs/gpu.md",
 ]
@@ -80,11 +81,16 @@ VOLATILE = (
         "clock time or rate",
         re.compile(
             r"latency \(median|time to first token|decode speed|generation of \d+ tokens \(median|"
-            r"load: checkpoint streamed|cases, seed"
+            r"load: checkpoint streamed|cases, seed|^last step:"
         ),
         re.compile(r"\d[\d.,]*\s?(?:ms|s|tokens/s)\b"),
     ),
     ("the process's RSS", re.compile(r"\bRSS\b"), re.compile(r"\d[\d.,]*\s?[KMGT]?i?B\b")),
+    (
+        "training losses: float sums whose order the CPU's kernels decide",
+        re.compile(r"^loss by step:"),
+        re.compile(r"\d+\.\d+"),
+    ),
     ("free and total memory", re.compile(r"\bfree /"), re.compile(r"\d[\d.,]*\s?[KMGT]?i?B\b")),
     (
         "memory available when planned",

@@ -34,6 +34,8 @@ __all__: list[str] = []
 DEFAULT_STEPS = 3
 #: The seed the adapters are drawn from, the same for the plan's skeleton and the run.
 _LORA_SEED = 0
+#: The seed of the steps' dropout.
+_STEPS_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ def train(
     trained = plan.apply(_prepared(model, kind, lora))
     step_optimizer = plan.make_optimizer(trained.parameters(), lr=lr)
     count = sum(p.numel() for p in trained.parameters() if p.requires_grad)
+    torch.manual_seed(_STEPS_SEED)  # dropout's draws: a run repeats
     measured, losses = measure_training_step(trained, (), inputs, step_optimizer, device, steps=steps)
     return Trained(plan, measured, losses, count, covers)
 
@@ -137,6 +140,11 @@ def handle(args: argparse.Namespace, console: Console) -> int:
             f"live tensors counted {human_bytes(measured.peak_bytes)}: the count runs under a dispatch mode, where "
             f"autograd sums gradients out of place (a copy the allocator never sees)"
         )
+    if measured.peak_rss_bytes is not None:
+        lines.append(f"process peak RSS {human_bytes(measured.peak_rss_bytes)} (Python, torch and the tokenizer included)")
+    lines.append(
+        "not planned: loading (the checkpoint loads whole on the CPU, then the frozen weights are stored as planned)"
+    )
     for line in lines:
         console.print(line, highlight=False, markup=False, soft_wrap=True)
     return 0

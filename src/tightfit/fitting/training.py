@@ -9,8 +9,10 @@ How the peak is predicted: the step is simulated on fake tensors
 (:func:`tightfit.memory.simulate.simulate_eager`, the tracker that measures real runs)
 with the chosen layers' hooks in place (:mod:`tightfit.hooks.activations`): its activations
 and gradients, alive as eager PyTorch keeps them. On top come the weights as stored (the
-storage catalogue's bytes), the optimizer state the step keeps between steps, and where a
-frozen weight is decoded while it computes, its largest decoded tile. Recomputing layer
+storage catalogue's bytes) and the optimizer state the step keeps between steps. The search
+prices compact frozen weights by the catalogue's decode bytes; the plan it picks is then
+simulated again on a fake skeleton converted to its storages, whose backward decodes them
+as the real one does, and searched again below the budget by any excess. Recomputing layer
 ``i`` happens in the backward when the layers after it are gone, so the candidates are the
 first ``k`` layers recomputed (or offloaded), ``k`` from 0 up; the peak is not monotonic in
 ``k`` (recomputing the last layers adds their activations at the backward's start), and
@@ -99,21 +101,23 @@ def _state_forms(
 ) -> list[_StateForm]:
     """The optimizer state's forms this device offers: 32-bit and 8-bit on the device; paged
     (host memory, brought in per parameter) where the device is not the host. A step is
-    priced by the calibration's AdamW step per value where measured, else by its bytes."""
+    priced by the calibration's AdamW step per value where measured, else by the bytes a
+    32-bit step moves, 8-bit too (its coding work is then unmeasured: never counted cheaper)."""
     from tightfit.ops.optimizer import TWO_STATE_OPTIMIZERS
     from tightfit.optim.state import MAP_BYTES, is_8bit, planned_state_bytes
 
     forms = []
-    moved_per_step = sum(p.numel() * p.element_size() * 3 for p in params)  # read p and g, write p
     measured = figures.optimizer_seconds
+    # without AdamW's measured step: the bytes a 32-bit step reads and writes (an 8-bit step's coding is unmeasured)
+    moved = sum(p.numel() * p.element_size() * 3 + 2 * planned_state_bytes(rule, p, False) for p in params)
     for bits in (32, 8):
         eight_bit = [is_8bit(bits, min_8bit_size, p) for p in params]
         sizes = [planned_state_bytes(rule, p, eight) for p, eight in zip(params, eight_bit)]
         maps = (2 if rule in TWO_STATE_OPTIMIZERS else 1) * MAP_BYTES if any(eight_bit) else 0
-        if set(measured) == {"8", "32"}:  # AdamW's measured step, per value
+        if set(measured) == {"8", "32"}:
             seconds = sum(p.numel() * measured["8" if eight else "32"] for p, eight in zip(params, eight_bit))
-        else:  # the bytes the step reads and writes
-            seconds = (moved_per_step + 2 * sum(sizes)) / figures.device_bandwidth
+        else:
+            seconds = moved / figures.device_bandwidth
         forms.append(_StateForm(bits, False, sum(sizes) + maps, sum(sizes) + maps, seconds))
         if device.type != "cpu" and figures.host_to_device_bandwidth is not None:
             two_largest = sum(sorted(sizes, reverse=True)[:2])
