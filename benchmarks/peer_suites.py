@@ -13,7 +13,7 @@ The shim only renames; no bitsandbytes code runs under it. Its adapters:
   bitsandbytes.optim, .utils       -> tightfit.compat.bitsandbytes.optim, .utils
   bitsandbytes.cextension          -> a module holding HIP_ENVIRONMENT = False (tests/helpers.py
                                       imports it; the real value on a CPU machine)
-  torch.ops.bitsandbytes           -> torch.ops.tightfit (the op namespace)
+  torch.ops.bitsandbytes           -> torch.ops.tightfit_bitsandbytes (bitsandbytes' op schemas on tightfit)
 A meta-path blocker refuses every other ``bitsandbytes.*`` import, so a name tightfit lacks
 fails as missing; at the end of each run the shim checks that no module of the real
 package was imported and that no libbitsandbytes shared object is mapped into the process.
@@ -119,7 +119,7 @@ if _SHIM:
 
     sys.meta_path.insert(0, _BlockRealBitsandbytes())
     sys.modules.update(_ALIASES)
-    torch.ops.bitsandbytes = torch.ops.tightfit
+    torch.ops.bitsandbytes = torch.ops.tightfit_bitsandbytes
 
     def pytest_sessionfinish(session):
         real = [

@@ -193,7 +193,10 @@ def test_a_plan_with_bad_fields_is_refused(full_fine_tune, change, words):
 
 
 def test_json_that_is_not_a_training_plan_is_refused():
-    for text, words in (("[]", "not a training plan"), ('{"format": "tightfit.plan/1"}', "not a training plan")):
+    for text, words in (
+        ("[]", "not a tightfit training plan"),
+        ('{"format": "tightfit.plan/1"}', "not a tightfit training plan"),
+    ):
         with pytest.raises(ValueError, match=words):
             TrainingPlan.from_json(text)
 

@@ -326,33 +326,37 @@ class FitPlan:
     @classmethod
     def from_json(cls, text: str) -> FitPlan:
         """The plan ``to_json`` wrote."""
-        check_type("text", text, str)
-        data = parse_json(text, "text", what="is not JSON")
-        if not isinstance(data, dict) or data.get("format") != _FORMAT:
-            raise ValueError(f"text is not a tightfit plan: expected a JSON object with format {_FORMAT!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known - {"format"})
-        if unknown:
-            raise ValueError(f"plan JSON has unknown keys {unknown}; known: {sorted(known)}")
-        entries = data.get("entries", [])
-        if not isinstance(entries, list):
-            raise ValueError(f"plan JSON field 'entries' must be a list of objects, got {type(entries).__name__}")
-        built = []
-        for index, entry in enumerate(entries):
-            if not isinstance(entry, dict):
-                raise ValueError(f"plan JSON field 'entries[{index}]' must be an object, got {type(entry).__name__}")
-            try:
-                built.append(PlanEntry(**entry))
-            except (TypeError, ValueError) as error:  # a key missing or unknown, or a value of the wrong type
-                raise ValueError(
-                    f"plan JSON field 'entries[{index}]' does not describe a plan entry: {error}"
-                ) from None
+        return read_plan_json(cls, text, _FORMAT, "plan")
+
+
+def read_plan_json(cls: type, text: str, expected: str, noun: str) -> Any:
+    """A plan of dataclass ``cls`` from the JSON its ``to_json`` wrote (``format`` ``expected``):
+    unknown keys, each entry and each field checked, every error naming the ``noun``."""
+    check_type("text", text, str)
+    data = parse_json(text, "text", what="is not JSON")
+    if not isinstance(data, dict) or data.get("format") != expected:
+        raise ValueError(f"text is not a tightfit {noun}: expected a JSON object with format {expected!r}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known - {"format"})
+    if unknown:
+        raise ValueError(f"{noun} JSON has unknown keys {unknown}; known: {sorted(known)}")
+    entries = data.get("entries", [])
+    if not isinstance(entries, list):
+        raise ValueError(f"{noun} JSON field 'entries' must be a list of objects, got {type(entries).__name__}")
+    built = []
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ValueError(f"{noun} JSON field 'entries[{index}]' must be an object, got {type(entry).__name__}")
         try:
-            return cls(
-                **{key: value for key, value in data.items() if key in known and key != "entries"}, entries=tuple(built)
-            )
-        except (TypeError, ValueError) as error:  # a key missing, or a field of the wrong type (the error names it)
-            raise ValueError(f"plan JSON does not describe a plan: {error}") from None
+            built.append(PlanEntry(**entry))
+        except (TypeError, ValueError) as error:  # a key missing or unknown, or a value of the wrong type
+            raise ValueError(f"{noun} JSON field 'entries[{index}]' does not describe a plan entry: {error}") from None
+    try:
+        return cls(
+            **{key: value for key, value in data.items() if key in known and key != "entries"}, entries=tuple(built)
+        )
+    except (TypeError, ValueError) as error:  # a key missing, or a field of the wrong type (the error names it)
+        raise ValueError(f"{noun} JSON does not describe a {noun}: {error}") from None
 
 
 _PHASES = ("prefill", "decode")

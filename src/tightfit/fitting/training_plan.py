@@ -6,17 +6,16 @@ optimizer it planned, ``print`` shows it, JSON keeps it."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from tightfit._files import parse_json
 from tightfit._format import human_bytes
 from tightfit._validate import check_type
 from tightfit.fitting.execute import PlanExecutor, move_kept
-from tightfit.fitting.plan import PlanEntry
+from tightfit.fitting.plan import PlanEntry, _check_bytes, _check_seconds, _check_str, read_plan_json
 from tightfit.hooks.activations import ACTIVATION_POLICIES, apply_activation_policy
 
 __all__ = ["OPTIMIZERS", "TrainingPlan"]
@@ -76,7 +75,9 @@ class TrainingPlan:
 
     def __post_init__(self) -> None:
         for name in ("model", "backend", "device"):
-            check_type(f"TrainingPlan.{name}", getattr(self, name), str)
+            _check_str("TrainingPlan", name, getattr(self, name))
+        check_type("TrainingPlan.layers", self.layers, (tuple, list))
+        object.__setattr__(self, "layers", tuple(self.layers))  # JSON holds a list
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"TrainingPlan.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.optim_bits not in (8, 32):
@@ -101,13 +102,9 @@ class TrainingPlan:
             "state_bytes",
             "full_peak_bytes",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"TrainingPlan.{name} must be an int >= 0 (bytes), got {value!r}")
+            _check_bytes("TrainingPlan", name, getattr(self, name))
         for name in ("predicted_seconds", "full_seconds"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-                raise ValueError(f"TrainingPlan.{name} must be a finite number >= 0 (seconds), got {value!r}")
+            _check_seconds("TrainingPlan", name, getattr(self, name))
 
     # -- carrying it out ------------------------------------------------------------------
     def apply(self, model: nn.Module) -> nn.Module:
@@ -187,23 +184,7 @@ class TrainingPlan:
     @classmethod
     def from_json(cls, text: str) -> TrainingPlan:
         """The plan ``to_json`` wrote."""
-        check_type("text", text, str)
-        data = parse_json(text, "text", what="is not JSON")
-        if not isinstance(data, dict) or data.pop("format", None) != _FORMAT:
-            raise ValueError(f"text is not a training plan: its 'format' must be {_FORMAT!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"text has unknown keys {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        entries = data.get("entries")
-        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-            raise ValueError("text's 'entries' must be a list of objects")
-        try:
-            data["entries"] = tuple(PlanEntry(**e | {"leaves": tuple(e.get("leaves", ()))}) for e in entries)
-            data["layers"] = tuple(data.get("layers", ()))
-            return cls(**data)
-        except TypeError as error:
-            raise ValueError(f"text is not a training plan: {error}") from None
+        return read_plan_json(cls, text, _FORMAT, "training plan")
 
 
 def _names(names: list[str]) -> str:

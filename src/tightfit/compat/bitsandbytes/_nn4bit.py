@@ -240,7 +240,8 @@ class Embedding4bit(_Packed4bitWeight, nn.Embedding):
         self._hold_float_weight(None, quant_type, quant_storage)
         if embedding_dim % self.weight.blocksize:
             logger.warning(
-                "Embedding size %d is not divisible by block size %d; every lookup decodes the whole table.",
+                "Embedding size %d is not divisible by block size %d; every lookup decodes the whole table, "
+                "which makes inference slow.",
                 embedding_dim,
                 self.weight.blocksize,
             )
