@@ -188,7 +188,16 @@ def main() -> None:
         "## tightfit: fit(..., training=True) at a share of the unplanned step",
         "",
         markdown_table(
-            ["model", "budget", "budget MiB", "predicted MiB", "measured MiB", "measured / predicted", "within", "step"],
+            [
+                "model",
+                "budget",
+                "budget MiB",
+                "predicted MiB",
+                "measured MiB",
+                "measured / predicted",
+                "within",
+                "step",
+            ],
             planned,
         ),
     ]

@@ -55,7 +55,9 @@ def test_int8_ops_take_bitsandbytes_defaults():
 def test_4bit_ops_match_tightfit_s_and_pass_opcheck(quant_type):
     weight, packed, absmax = weight4bit(quant_type)
     decoded = ops.dequantize_4bit(packed, absmax, 64, quant_type, [64, 64], torch.float32)
-    assert torch.equal(decoded, torch.ops.tightfit.dequantize_4bit(packed, absmax, 64, quant_type, [64, 64], torch.float32))
+    assert torch.equal(
+        decoded, torch.ops.tightfit.dequantize_4bit(packed, absmax, 64, quant_type, [64, 64], torch.float32)
+    )
     A = torch.randn(1, 64)
     table = code_4bit(quant_type)  # bitsandbytes passes the table, not its name
     expected = torch.ops.tightfit.gemv_4bit(A, packed, [64, 64], absmax, 64, quant_type)

@@ -141,7 +141,9 @@ def handle(args: argparse.Namespace, console: Console) -> int:
             f"autograd sums gradients out of place (a copy the allocator never sees)"
         )
     if measured.peak_rss_bytes is not None:
-        lines.append(f"process peak RSS {human_bytes(measured.peak_rss_bytes)} (Python, torch and the tokenizer included)")
+        lines.append(
+            f"process peak RSS {human_bytes(measured.peak_rss_bytes)} (Python, torch and the tokenizer included)"
+        )
     lines.append(
         "not planned: loading (the checkpoint loads whole on the CPU, then the frozen weights are stored as planned)"
     )
