@@ -6,6 +6,7 @@ optimizer's state, which the measured step then holds from its start."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,7 +14,9 @@ import torch
 from torch import nn
 
 from tightfit._validate import check_count, check_type
-from tightfit.memory.measure import Measurement, measure, tensor_bytes
+from tightfit.backends import get
+from tightfit.backends.cpu import read_process_memory, reset_process_peak
+from tightfit.memory.measure import Measurement, allocated_peak, tensor_bytes
 from tightfit.memory.trace import _loss_outputs, _returned_tensors
 from tightfit.quant import unregistered_tensors
 
@@ -29,17 +32,20 @@ def measure_training_step(
     *,
     steps: int = 2,
 ) -> tuple[Measurement, list[float]]:
-    """Run ``steps`` training steps of ``model(*args, **kwargs)`` with ``optimizer`` and
-    measure the last: its seconds and its peak on ``device``; and each step's loss (the
-    outputs the backward starts from, summed), the measured one's from its timed run
-    (:func:`~tightfit.memory.measure` runs it again to count its bytes, so the model
-    takes two more steps than the losses show; three on the CPU, where the allocator's
-    events are read in one more). On the CPU the peak counts
-    the weights (a quantized layer's scales too), the tensor inputs and the optimizer's
-    state held before the step, and the tensors the step creates (:func:`~tightfit.memory.measure`)."""
+    """Run ``steps`` training steps of ``model(*args, **kwargs)`` with ``optimizer``, the last
+    timed, then one more whose peak on ``device`` is read from the allocator; returns that
+    measurement and the ``steps`` losses (the outputs the backward starts from, summed).
+
+    The peak is the allocator's: on an accelerator its statistics, on the CPU its events
+    (:func:`~tightfit.memory.allocated_peak`) above the weights (a quantized layer's scales
+    too), the tensor inputs and the optimizer's state held before the step. Not the
+    live-tensor count: that runs under a dispatch mode, where autograd sums gradients out of
+    place, a copy eager PyTorch never makes."""
     check_type("model", model, nn.Module)
     check_type("optimizer", optimizer, torch.optim.Optimizer)
     check_count("steps", steps, least=1)
+    backend = get(device)
+    device = backend.resolve_device(device)
     name = type(model).__name__
 
     def step() -> float:
@@ -55,9 +61,23 @@ def measure_training_step(
 
     optimizer.zero_grad(set_to_none=True)
     losses = [step() for _ in range(steps - 1)]
+    backend.synchronize(device)
+    started = time.perf_counter()
+    losses.append(step())
+    backend.synchronize(device)
+    seconds = time.perf_counter() - started
     inputs = [t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)]
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    weights = [*model.parameters(), *model.buffers(), *unregistered_tensors(model)]  # a quantized layer's scales too
-    held = tensor_bytes([*weights, *inputs, *state])
-    measured = measure(step, device, repeat=1, warmup=0, baseline_bytes=held, keep_results=True)
-    return measured, [*losses, *measured.results]
+    weights = [*model.parameters(), *model.buffers(), *unregistered_tensors(model)]
+    held = tensor_bytes([t for t in [*weights, *inputs, *state] if t.device == device])
+    if device.type != "cpu":
+        backend.reset_peak_memory(device)
+        step()
+        backend.synchronize(device)
+        info = backend.memory(device)
+        return Measurement(str(device), [seconds], held, info.peak, None, info.source, None, info.peak), losses
+    rss_reset = reset_process_peak()
+    peak = held + allocated_peak(step)
+    rss = read_process_memory()[1] if rss_reset else None
+    source = "the CPU allocator's events above the weights, inputs and optimizer state"
+    return Measurement(str(device), [seconds], held, peak, rss, source, None, peak), losses
