@@ -14,7 +14,11 @@ activation memory that `torch.compile` (inductor) may keep, not bytes: its rows 
 ratio's measured peak and step time for the same step (torch.optim.AdamW, fused, 32-bit
 state), so one can read which of the budgets each ratio would meet.
 
-Run: python benchmarks/train_fit.py [--steps 4] [--out benchmarks/results/train_fit.md]
+On an accelerator the plans may also offload activations to host memory and page the
+optimizer's state; torch.compile's rows run on the CPU only.
+
+Run: python benchmarks/train_fit.py [--steps 4] [--device cpu|cuda] [--size small|tiny] [--shares 0.75 0.5 0.3]
+[--no-torch] [--out benchmarks/results/train_fit.md]
 """
 
 from __future__ import annotations
@@ -38,27 +42,23 @@ from tightfit.quant import add_lora  # noqa: E402
 
 SHARES = (0.75, 0.5, 0.3)
 RATIOS = (1.0, 0.5, 0.2, 0.0)
-CONFIG = dict(
-    vocab_size=8000,
-    hidden_size=512,
-    intermediate_size=1376,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    use_cache=False,
-)
+#: The model's config by size: "small" the committed figures', "tiny" the GPU check's CPU mode.
+CONFIGS = {
+    "small": dict(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4),
+}
 
 
-def llama() -> torch.nn.Module:
+def llama(size: str) -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIGS[size], use_cache=False))
 
 
-def models() -> dict[str, torch.nn.Module]:
-    full = llama()
-    adapted = llama()
+def models(size: str) -> dict[str, torch.nn.Module]:
+    full = llama(size)
+    adapted = llama(size)
     torch.manual_seed(1)
     add_lora(adapted, rank=16)
     return {"full fine-tune": full, "QLoRA (rank 16)": adapted}
@@ -74,14 +74,18 @@ def describe(plan) -> str:
     return ", ".join(parts)
 
 
-def planned_rows(name: str, model: torch.nn.Module, batch: dict, figures: Calibration, steps: int) -> list[list]:
-    unplanned = tightfit.fit(model, batch, 1 << 40, training=True, calibration=figures)
+def planned_rows(
+    name: str, model: torch.nn.Module, batch: dict, figures: Calibration, steps: int, device: str, shares: list[float]
+) -> list[list]:
+    unplanned = tightfit.fit(model, batch, 1 << 40, training=True, calibration=figures, backend=device)
     rows = []
-    for share in (None, *SHARES):  # None: no budget, the unplanned step
+    for share in (None, *shares):  # None: no budget, the unplanned step
         budget = unplanned.full_peak_bytes if share is None else int(unplanned.full_peak_bytes * share)
         started = time.perf_counter()
         try:
-            plan = tightfit.fit(model, batch, 1 << 40 if share is None else budget, training=True, calibration=figures)
+            plan = tightfit.fit(
+                model, batch, 1 << 40 if share is None else budget, training=True, calibration=figures, backend=device
+            )
         except tightfit.FitError as error:
             least = f"no plan: the least reachable is {error.smallest_peak_bytes / 2**20:.1f} MiB, mostly {error.parts[0][0]}"
             rows.append([name, f"{share:.0%}", f"{budget / 2**20:.1f}", "", "", "", "", least])
@@ -90,10 +94,10 @@ def planned_rows(name: str, model: torch.nn.Module, batch: dict, figures: Calibr
         planning = time.perf_counter() - started
         applied = plan.apply(copy.deepcopy(model))
         optimizer = plan.make_optimizer(applied.parameters(), lr=1e-4)
-        measured, _ = measure_training_step(applied, (), batch, optimizer, "cpu", steps=2)
+        measured, _ = measure_training_step(applied, (), batch, optimizer, device, steps=2)
         seconds = [measured.median_seconds]
-        for _ in range(steps - 1):  # more timed steps, untracked
-            again, _ = measure_training_step(applied, (), batch, optimizer, "cpu", steps=1)
+        for _ in range(steps - 1):  # more timed steps
+            again, _ = measure_training_step(applied, (), batch, optimizer, device, steps=1)
             seconds.append(again.median_seconds)
         peak = measured.allocated_peak_bytes
         rows.append(
@@ -161,27 +165,31 @@ def torch_rows(name: str, model: torch.nn.Module, batch: dict, steps: int) -> li
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="timed steps per row (default 4)")
+    parser.add_argument("--device", default="cpu", help="the device to plan for and train on (default: cpu)")
+    parser.add_argument("--size", choices=list(CONFIGS), default="small", help="the model (default: small)")
+    parser.add_argument("--shares", type=float, nargs="+", default=list(SHARES), help="budgets, shares of unplanned")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--no-torch", action="store_true", help="skip torch.compile's activation budget rows")
     parser.add_argument("--out", type=Path, help="write the tables as markdown here")
     args = parser.parse_args()
     torch.manual_seed(0)
-    ids = torch.randint(0, CONFIG["vocab_size"], (args.batch, args.seq))
+    config = CONFIGS[args.size]
+    ids = torch.randint(0, config["vocab_size"], (args.batch, args.seq), device=args.device)
     batch = {"input_ids": ids, "labels": ids}
-    figures = calibrate("cpu")
+    figures = calibrate(args.device)
     planned, compiled = [], []
-    for name, model in models().items():
-        planned += planned_rows(name, model, batch, figures, args.steps)
-        if not args.no_torch:
+    for name, model in models(args.size).items():
+        planned += planned_rows(name, model.to(args.device), batch, figures, args.steps, args.device, args.shares)
+        if not args.no_torch and args.device == "cpu":
             compiled += torch_rows(name.replace("QLoRA", "LoRA, base float32"), model, batch, args.steps)
     lines = [
         "# The training fit against PyTorch's activation budget",
         "",
-        f"`python benchmarks/train_fit.py --steps {args.steps}`; a Llama-style LM of "
-        f"{sum(p.numel() for p in llama().parameters()) / 1e6:.1f}M parameters ({CONFIG['num_hidden_layers']} layers, "
-        f"hidden {CONFIG['hidden_size']}), batch {args.batch} x {args.seq} tokens, next-token loss; "
-        "peaks are the CPU allocator's, MiB.",
+        f"`python benchmarks/train_fit.py --steps {args.steps} --device {args.device} --size {args.size}`; a "
+        f"Llama-style LM of {sum(p.numel() for p in llama(args.size).parameters()) / 1e6:.1f}M parameters "
+        f"({config['num_hidden_layers']} layers, hidden {config['hidden_size']}), batch {args.batch} x {args.seq} "
+        f"tokens, next-token loss; peaks are the {args.device} allocator's, MiB.",
         "",
         *machine_lines({}),
         "",

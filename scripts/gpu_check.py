@@ -21,7 +21,11 @@ time is recorded and the next one runs):
 5. ``benchmarks/decode.py``: decoding at every storage (eager, and replayed from a captured
    CUDA graph) against transformers and transformers + bitsandbytes, and the fit at 50%
    and 25% against accelerate;
-6. ``benchmarks/quant.py``: each op per call against bitsandbytes and a copy.
+6. ``benchmarks/quant.py``: each op per call against bitsandbytes and a copy;
+7. ``benchmarks/optim.py``: each 8-bit optimizer's step, paged state included;
+8. ``benchmarks/train_fit.py``: the training fit at shares of a step's unplanned peak, full
+   fine-tune and QLoRA (activations offloaded, state paged where the plan takes them),
+   predicted against the allocator's peak.
 
 Results: ``summary.json`` (each step's command, exit status, seconds, and whether it ran
 out of time), ``summary.md`` (the tables), and each step's own files and log.
@@ -66,8 +70,8 @@ GPU_TEST_SELECTION = "cuda or gpu or triton or offload"
 
 #: Each step's time limit in seconds, per device kind, in the order the steps run.
 LIMITS = {
-    "cuda": {"tests": 100, "calls": 40, "cli": 200, "decode": 300, "quant": 60, "optim": 60},
-    "cpu": {"tests": 240, "calls": 60, "cli": 120, "decode": 240, "quant": 120, "optim": 120},
+    "cuda": {"tests": 100, "calls": 40, "cli": 200, "decode": 300, "quant": 60, "optim": 60, "train": 90},
+    "cpu": {"tests": 240, "calls": 60, "cli": 120, "decode": 240, "quant": 120, "optim": 120, "train": 120},
 }
 
 
@@ -143,7 +147,12 @@ def steps(device: str, out: Path) -> list[tuple[str, list[str], Path | None]]:
         decode += ["--size", "tiny", "--new-tokens", "6", "--budgets", "0.5"]
         decode += ["--rows", "transformers", "tightfit", "tightfit nf4", "tightfit budget 50%", "accelerate budget 50%"]
     optim = [python, "benchmarks/optim.py", "--device", device, "--out", str(out / "optim.md")]
-    optim += ["--sizes", "64K", "--rounds", "1", "--rules", "Adam"] if cpu else ["--sizes", "16M", "128M", "--rounds", "3"]
+    optim += (
+        ["--sizes", "64K", "--rounds", "1", "--rules", "Adam"] if cpu else ["--sizes", "16M", "128M", "--rounds", "3"]
+    )
+    train = [python, "benchmarks/train_fit.py", "--device", device, "--no-torch", "--out", str(out / "train_fit.md")]
+    tiny = ["--size", "tiny", "--batch", "2", "--seq", "32", "--shares", "0.6", "--steps", "1"]
+    train += tiny if cpu else ["--shares", "0.5", "0.3", "--steps", "2"]
     return [
         ("tests", tests, None),
         ("calls", calls, out / "calls.md"),
@@ -151,6 +160,7 @@ def steps(device: str, out: Path) -> list[tuple[str, list[str], Path | None]]:
         ("decode", decode, out / "decode.md"),
         ("quant", quant, out / "quant.log"),
         ("optim", optim, out / "optim.md"),
+        ("train", train, out / "train_fit.md"),
     ]
 
 

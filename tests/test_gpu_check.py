@@ -35,6 +35,7 @@ def test_cpu_mode_writes_every_figure(tmp_path):
         "decode": 0,
         "quant": 0,
         "optim": 0,
+        "train": 0,
     }
     calls = json.loads((tmp_path / "calls.json").read_text())["rows"]
     assert calls["nf4"]["direct_path"] and all(row["host_us_per_call"] > 0 for row in calls.values())
@@ -52,6 +53,8 @@ def test_cpu_mode_writes_every_figure(tmp_path):
     assert all(row["tightfit_ms"] > 0 for row in quant)
     optim = json.loads((tmp_path / "optim.json").read_text())["rows"]
     assert {row["implementation"] for row in optim} >= {"tightfit 8-bit", "torch Adam fused"}
+    training = (tmp_path / "train_fit.md").read_text()
+    assert "| full fine-tune | 60% |" in training and "| yes |" in training
     markdown = (tmp_path / "summary.md").read_text()
     assert "## decode (exit 0" in markdown and "| tightfit nf4 |" in markdown
 
