@@ -150,6 +150,7 @@ def test_the_plan_round_trips_through_json_and_says_what_it_chose(full_fine_tune
         (dict(decode_steps=3), ValueError, "decode_steps is an option of an inference plan only"),
         (dict(units="blocks", max_error="3%"), ValueError, "max_error, units are options"),
         (dict(training="yes"), TypeError, "training"),
+        (dict(training=False, optimizer="Lion"), ValueError, "optimizer='Lion' sizes a training step's state"),
     ],
 )
 def test_bad_training_arguments_are_refused(full_fine_tune, extra, error, words):

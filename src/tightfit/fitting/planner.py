@@ -263,6 +263,8 @@ def fit(
     args, kwargs = _split_inputs(example_inputs)
     budget_bytes = parse_size(budget, "budget")
     check_type("training", training, bool)
+    if not training and optimizer != "AdamW":
+        raise ValueError(f"optimizer={optimizer!r} sizes a training step's state; it is taken only with training=True")
     if training:
         given = dict(
             loading=loading,
