@@ -5,9 +5,12 @@ it makes as the budget shrinks, and bad arguments refused naming what is wrong."
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import tightfit
@@ -221,3 +224,29 @@ def test_the_optimizer_s_measured_step_decides_between_8_bit_state_and_recomputi
     timed = figures(optimizer_seconds={"8": eight_bit_seconds, "32": 1e-12})
     plan = tightfit.fit(model, INPUTS, int(unplanned.full_peak_bytes * 0.8), training=True, calibration=timed)
     assert plan.optim_bits == bits and bool(plan.activations) == recomputes
+
+
+#: A plan of a small stack, saved and damaged by the generated cases.
+SMALL_PLAN = tightfit.fit(
+    nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)),
+    torch.ones(2, 8),
+    1 << 30,
+    training=True,
+    calibration=figures(),
+)
+json_values = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=6), st.lists(st.integers(), max_size=3)
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(key=st.sampled_from(sorted(json.loads(SMALL_PLAN.to_json()))), value=json_values)
+def test_generated_damage_to_a_saved_plan_is_refused_naming_it(key, value):
+    data = json.loads(SMALL_PLAN.to_json())
+    data[key] = value
+    try:
+        loaded = TrainingPlan.from_json(json.dumps(data))
+    except ValueError as error:
+        assert "training plan" in str(error)
+        return
+    assert isinstance(loaded, TrainingPlan)  # the value was one the field takes

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from tightfit.hooks.activations import (
@@ -85,3 +87,22 @@ def test_bad_policies_are_refused_before_anything_changes(policies, error, words
 
 def test_the_hook_says_its_policy():
     assert repr(ActivationHook("recompute")) == "ActivationHook('recompute')"
+
+
+names = st.one_of(st.sampled_from(["", "0", "1", "2", "0.0", "9", "x"]), st.text(max_size=4), st.integers(), st.none())
+policies_values = st.one_of(st.sampled_from(["keep", "recompute", "offload", "drop", ""]), st.integers(), st.none())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.one_of(st.dictionaries(names, policies_values, max_size=4), st.lists(st.text(max_size=3)), st.none()))
+def test_generated_policies_apply_whole_or_are_refused_naming_them(policies):
+    model = stack()
+    before = activation_policies(model)
+    try:
+        apply_activation_policy(model, policies)
+    except (ValueError, TypeError) as error:
+        assert "policies" in str(error) or "offload" in str(error)
+        assert activation_policies(model) == before  # nothing changed
+        return
+    expected = {name: policy for name, policy in policies.items() if policy != "keep"}
+    assert activation_policies(model) == expected
