@@ -39,8 +39,10 @@ def test_the_table_shows_the_plan_and_predicted_against_measured(tiny_llama, cap
 
 
 def test_json_holds_the_plan_and_the_figures(tiny_llama, capsys):
-    assert main(["train", "--model", str(tiny_llama), "--budget", "1GB", "--steps", "2", "--json"]) == 0
+    argv = ["train", "--model", str(tiny_llama), "--budget", "1GB", "--steps", "2", "--optimizer", "SGD", "--json"]
+    assert main(argv) == 0  # SGD takes no default momentum: the command gives it one
     data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["optimizer"] == "SGD"
     assert data["plan"]["format"] == "tightfit.training-plan/1"
     assert data["predicted_peak_bytes"] == data["plan"]["predicted_peak_bytes"]
     assert abs(data["measured_peak_bytes"] / data["predicted_peak_bytes"] - 1) < 0.05

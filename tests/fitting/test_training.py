@@ -186,6 +186,9 @@ def test_a_plan_applies_only_to_its_model_and_keeps_its_own_optimizer_settings(f
         (dict(activations={"model.layers.0": "drop"}), "must be one of recompute, offload"),
         (dict(predicted_peak_bytes=-1), "predicted_peak_bytes must be an int >= 0"),
         (dict(full_seconds=float("nan")), "full_seconds must be a finite number"),
+        (dict(optimizer=["AdamW"]), "TrainingPlan.optimizer must be one of"),
+        (dict(optim_bits=8.0), "optim_bits must be 8 or 32"),
+        (dict(activations={"model.layers.0": "offload"}), "'offload', but the plan is for the CPU"),
     ],
 )
 def test_a_plan_with_bad_fields_is_refused(full_fine_tune, change, words):
@@ -212,6 +215,10 @@ def test_a_step_measurement_refuses_bad_arguments():
         measure_training_step(model, (torch.ones(2),), {}, object(), "cpu")
     with pytest.raises(ValueError, match="steps"):
         measure_training_step(model, (torch.ones(2),), {}, optimizer, "cpu", steps=0)
+    with pytest.raises(TypeError, match="kwargs"):
+        measure_training_step(model, (torch.ones(2),), None, optimizer, "cpu")
+    with pytest.raises(TypeError, match="args"):
+        measure_training_step(model, torch.ones(2), {}, optimizer, "cpu")
 
 
 @pytest.mark.parametrize("eight_bit_seconds, bits, recomputes", [(1e-6, 32, True), (1e-12, 8, False)])
@@ -250,3 +257,40 @@ def test_generated_damage_to_a_saved_plan_is_refused_naming_it(key, value):
         assert "training plan" in str(error)
         return
     assert isinstance(loaded, TrainingPlan)  # the value was one the field takes
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(128, 512), nn.Linear(512, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("recomputed", [0, 2, 4])
+def test_the_simulated_backward_matches_the_allocator_with_layers_recomputed(recomputed):
+    """The residual sums of a forward recomputed in the backward make new tensors, as they
+    do for real: only autograd's own sums of gradients are made in place."""
+    from tightfit.hooks.activations import apply_activation_policy, remove_activation_policy
+    from tightfit.memory import allocated_peak
+    from tightfit.memory.simulate import simulate_eager
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Residual() for _ in range(4)])
+    x = torch.randn(256, 128, requires_grad=True)
+    apply_activation_policy(model, {str(index): "recompute" for index in range(recomputed)})
+    timeline = simulate_eager(model, (x,), {}, device=torch.device("cpu"), training=True)
+    simulated = max(timeline.live_bytes("cpu"))
+
+    def step() -> None:  # as the simulation runs it: the backward from the output, with a gradient of ones
+        out = model(x)
+        out.backward(torch.ones_like(out))
+        del out
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+
+    step()
+    measured = allocated_peak(step)
+    remove_activation_policy(model)
+    assert abs(measured / simulated - 1) < 0.02, (measured, simulated)

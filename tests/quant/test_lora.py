@@ -58,3 +58,13 @@ def test_bad_arguments_are_refused_before_anything_changes(kwargs, error, words)
     with pytest.raises(error, match=words):
         add_lora(model, **kwargs)
     assert all(p.requires_grad for p in model.parameters())
+
+
+def test_adapting_again_or_the_model_itself_is_refused():
+    model = stack()
+    add_lora(model, rank=4)
+    with pytest.raises(ValueError, match="adapted already are left as they are"):
+        add_lora(model, rank=4)
+    assert sum(isinstance(m, LoRALinear) for m in model.modules()) == 4
+    with pytest.raises(ValueError, match="has no nn.Linear whose name '' finds"):
+        add_lora(nn.Linear(4, 4), targets="")

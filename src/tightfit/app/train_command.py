@@ -34,6 +34,8 @@ __all__: list[str] = []
 DEFAULT_STEPS = 3
 #: The seed the adapters are drawn from, the same for the plan's skeleton and the run.
 _LORA_SEED = 0
+#: The momentum SGD and LARS train with (they take no default).
+_MOMENTUM = 0.9
 #: The seed of the steps' dropout.
 _STEPS_SEED = 0
 
@@ -99,7 +101,8 @@ def train(
     plan = fit(planned, inputs, budget, training=True, backend=backend, allow=allow, optimizer=optimizer)
     model, _ = load_model(path, torch.device("cpu"), kind)
     trained = plan.apply(_prepared(model, kind, lora))
-    step_optimizer = plan.make_optimizer(trained.parameters(), lr=lr)
+    settings = {"momentum": _MOMENTUM} if optimizer in ("SGD", "LARS") else {}  # theirs has no default
+    step_optimizer = plan.make_optimizer(trained.parameters(), lr=lr, **settings)
     count = sum(p.numel() for p in trained.parameters() if p.requires_grad)
     torch.manual_seed(_STEPS_SEED)  # dropout's draws: a run repeats
     measured, losses = measure_training_step(trained, (), inputs, step_optimizer, device, steps=steps)

@@ -160,6 +160,7 @@ class _Step:
     storages: frozenset[str]
     forms: list[_StateForm]
     simulated: dict[tuple, tuple[int, str | None]]
+    trained_seconds: list[float]  # per unit, its training leaves' forward (their weights' storage never changes)
 
     def simulate(
         self, count: int, policy: str, stored: tuple[tuple[str, frozenset[str]], ...] = ()
@@ -186,11 +187,11 @@ class _Step:
                 for name, leaves in stored:
                     storage_format(name).apply(model, leaves)
         before = activation_policies(model)
-        apply_activation_policy(model, policies)
+        apply_activation_policy(model, policies, planning=True)  # simulated on the plan's device, wherever it sits
         try:
             timeline = simulate_eager(model, self.args, self.kwargs, device=self.device, training=True, mode=mode)
         finally:
-            apply_activation_policy(model, {name: before.get(name, "keep") for name in policies})
+            apply_activation_policy(model, {name: before.get(name, "keep") for name in policies}, planning=True)
         key = str(self.device)
         live, inputs = timeline.live_bytes(key), timeline.inputs.get(key, 0)
         if not live:
@@ -223,7 +224,7 @@ class _Step:
         found = search(options, budget, active + form.device_bytes)
         choice = found.best if found.best is not None else found.smallest
         extra = self.recompute_seconds(count) if policy == "recompute" else self.offload_seconds(count, active)
-        weights = _BACKWARD_FACTOR * choice.seconds + extra
+        weights = _BACKWARD_FACTOR * (choice.seconds + sum(self.trained_seconds)) + extra
         # state loses precision only to meet the budget: 8-bit never counts as faster than 32-bit where both live
         precise = next(f.seconds for f in self.forms if f.bits == 32 and f.paged == form.paged)
         return _Candidate(
@@ -250,10 +251,25 @@ class _Step:
         return 2 * max(0, self.simulate(0, "keep")[0] - active) / self.figures.host_to_device_bandwidth
 
     def forward_seconds(self, unit_name: str) -> float:
+        """A unit's forward with its weights kept, its training leaves' included."""
         index = next((i for i, unit in enumerate(self.units) if unit.name == unit_name), None)
         if index is None:
             return 0.0
-        return next(o.seconds for o in self.options(0)[index] if o.storage == "keep")
+        return self.keep_seconds(self.units[index]) + self.trained_seconds[index]
+
+    def keep_seconds(self, unit: Unit) -> float:
+        """``unit``'s forward with its weights as they are."""
+        options = options_for(
+            unit,
+            storages=frozenset({"keep"}),
+            placements=frozenset({"device"}),
+            device=self.device,
+            rows=self.rows,
+            call_rows=self.call_rows,
+            live={},
+            figures=self.figures,
+        )
+        return options[0].seconds
 
     def verified(self, candidate: _Candidate) -> _Candidate:
         """``candidate`` with its forward and backward simulated as converted: the frozen
@@ -302,20 +318,25 @@ def fit_training(
         if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.requires_grad
     }
     _, leaves = trace_forward(model, args, kwargs, resolved)  # rows per leaf: what each unit's time scales with
+    units = find_units(model, None, "layers")
     step = _Step(
         model=model,
         args=args,
         kwargs=kwargs,
         device=device,
         figures=figures,
-        units=[_frozen_only(unit, training_leaves) for unit in find_units(model, None, "layers")],
+        units=[_frozen_only(unit, training_leaves) for unit in units],
         layers=list(layer_names(model)),
         rows=leaves.rows,
         call_rows=leaves.call_rows,
         storages=frozenset(name for name in allowed.storage if name in training_storages()),
         forms=_state_forms(OPTIMIZERS[optimizer], params, device, figures, MIN_8BIT_SIZE),
         simulated={},
+        trained_seconds=[],
     )
+    step.trained_seconds = [
+        step.keep_seconds(unit) - step.keep_seconds(frozen) for unit, frozen in zip(units, step.units)
+    ]
     search_budget = budget_bytes
     best = smallest = None
     for _ in range(_VERIFICATIONS):
@@ -329,6 +350,7 @@ def fit_training(
         best = None
     full = step.price(0, "keep", next(f for f in step.forms if f.bits == 32 and not f.paged), budget_bytes)
     if best is None:
+        smallest = step.verified(smallest)  # the error names a peak simulated as converted
         parts = _parts(smallest)
         listed = "; ".join(f"{what}: {human_bytes(size)}" for what, size in parts[:4])
         layers = (

@@ -78,10 +78,14 @@ class TrainingPlan:
             _check_str("TrainingPlan", name, getattr(self, name))
         check_type("TrainingPlan.layers", self.layers, (tuple, list))
         object.__setattr__(self, "layers", tuple(self.layers))  # JSON holds a list
-        if self.optimizer not in OPTIMIZERS:
+        if not isinstance(self.optimizer, str) or self.optimizer not in OPTIMIZERS:
             raise ValueError(f"TrainingPlan.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        if self.optim_bits not in (8, 32):
+        if isinstance(self.optim_bits, bool) or not isinstance(self.optim_bits, int) or self.optim_bits not in (8, 32):
             raise ValueError(f"TrainingPlan.optim_bits must be 8 or 32, got {self.optim_bits!r}")
+        if self.peak_node is not None:
+            _check_str("TrainingPlan", "peak_node", self.peak_node)
+        for layer in self.layers:
+            check_type("TrainingPlan.layers item", layer, str)
         check_type("TrainingPlan.paged", self.paged, bool)
         check_type("TrainingPlan.activations", self.activations, dict)
         for name, policy in self.activations.items():
@@ -90,6 +94,11 @@ class TrainingPlan:
                 raise ValueError(
                     f"TrainingPlan.activations[{name!r}] must be one of {', '.join(ACTIVATION_POLICIES[1:])}, "
                     f"got {policy!r}"
+                )
+            if policy == "offload" and self.device == "cpu":
+                raise ValueError(
+                    f"TrainingPlan.activations[{name!r}] is 'offload', but the plan is for the CPU, whose memory is "
+                    f"host memory; offload is for a plan on an accelerator"
                 )
         for entry in self.entries:
             check_type("TrainingPlan.entries item", entry, PlanEntry)

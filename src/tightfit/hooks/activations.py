@@ -58,14 +58,17 @@ class ActivationHook(ModuleHook):
             return call(*args, **kwargs)
 
 
-def apply_activation_policy(model: nn.Module, policies: Mapping[str, str]) -> None:
+def apply_activation_policy(model: nn.Module, policies: Mapping[str, str], *, planning: bool = False) -> None:
     """Give each module that ``policies`` names (qualified names in ``model``; ``""`` is
     ``model``) its policy: ``"keep"`` (the hook is removed), ``"recompute"`` or ``"offload"``.
 
     Offload moves the saved tensors to host memory, so it is refused for modules on the CPU,
-    whose memory is the host's (a module on meta, being planned, may take it). Every name and policy is checked before any module changes."""
+    whose memory is the host's, unless ``planning``: the model is simulated for another
+    device than it sits on (a module on meta may take it too). Every name and policy is
+    checked before any module changes."""
     check_type("model", model, nn.Module)
     check_type("policies", policies, Mapping)
+    check_type("planning", planning, bool)
     modules = dict(model.named_modules())
     chosen = []
     for name, policy in policies.items():
@@ -74,7 +77,7 @@ def apply_activation_policy(model: nn.Module, policies: Mapping[str, str]) -> No
             raise ValueError(f"policies names {name!r}, which is not a module of {type(model).__name__}")
         check_choice(f"policies[{name!r}]", policy, ACTIVATION_POLICIES)
         device = _device_of(modules[name])
-        if policy == "offload" and device is not None and device.type == "cpu":
+        if policy == "offload" and device is not None and device.type == "cpu" and not planning:
             raise ValueError(
                 f"policies[{name!r}]='offload' moves saved activations to host memory, but {name or 'the model'} is "
                 f"on the CPU, whose memory that is; offload is for modules on an accelerator"
@@ -85,7 +88,7 @@ def apply_activation_policy(model: nn.Module, policies: Mapping[str, str]) -> No
         if registry is not None and ACTIVATIONS in registry:
             registry.remove(ACTIVATIONS)
         if policy != "keep":
-            pin = policy == "offload" and device is not None and _copies_asynchronously(device)
+            pin = policy == "offload" and not planning and device is not None and _copies_asynchronously(device)
             HookRegistry.of(module).register(ACTIVATIONS, ActivationHook(policy, pin_memory=pin))
 
 

@@ -115,7 +115,7 @@ def simulate_eager(
     flat = _flatten(model, example_inputs, kwargs, mode, device, training)
     if training and not any(t.requires_grad for t in flat.state + flat.fakes):
         raise ValueError(f"training=True, but nothing {type(model).__name__} reads requires grad")
-    recorder = _InPlaceAccumulation(None) if training else LiveTensorBytes(None)
+    recorder = _InPlaceAccumulation(flat.state) if training else LiveTensorBytes(None)
     recorder.phase = "forward" if training else "inference"
     token = _SIMULATION.set(recorder)
     try:
@@ -137,24 +137,33 @@ def simulate_eager(
 
 
 class _InPlaceAccumulation(LiveTensorBytes):
-    """The tracker, with the backward's sums of two gradients (a tensor used twice: a
-    residual branch, a module called twice, a tied weight) made in place into the first,
-    as eager PyTorch's autograd makes them: it adds out of place while any dispatch mode
-    runs (the fake mode, this tracker), which would count a third buffer at every sum."""
+    """The tracker, with the backward's sums of a weight's gradients (a weight used twice: a
+    module called twice, a tied weight) made in place into the first, as eager PyTorch's
+    autograd makes them: it adds out of place while any dispatch mode runs (the fake mode,
+    this tracker), which would count a copy of the weight's gradient at every sum. Only the
+    engine's own sums (grad mode off; a checkpointed forward recomputed in the backward runs
+    with it on) of gradients shaped as a weight that trains: an activation's gradients, where
+    the engine sums in place only if nothing else holds them, are left out of place."""
+
+    def __init__(self, leaves: Sequence[torch.Tensor]) -> None:
+        super().__init__(None)
+        self._weights = {(tuple(leaf.shape), leaf.dtype) for leaf in leaves if leaf.requires_grad}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is torch.ops.aten.add.Tensor and not kwargs and self.phase == "backward" and self._sums(*args):
+        summing = func is torch.ops.aten.add.Tensor and not kwargs and not torch.is_grad_enabled()
+        if summing and self.phase == "backward" and self._sums(*args):
             super().__torch_dispatch__(torch.ops.aten.add_.Tensor, types, args)
             return args[0]
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _sums(self, first: Any, second: Any = None, *rest: Any) -> bool:
-        """Whether ``first + second`` sums two gradients the backward made: same layout,
-        both created in the backward."""
+        """Whether ``first + second`` sums two gradients of a weight the backward made."""
         tensors = (first, second)
         if rest or not all(isinstance(t, torch.Tensor) for t in tensors):
             return False
         if first.shape != second.shape or first.dtype != second.dtype or not first.is_contiguous():
+            return False
+        if (tuple(first.shape), first.dtype) not in self._weights:
             return False
         for tensor in tensors:
             index = self._index.get(StorageWeakRef(tensor.untyped_storage()))

@@ -42,6 +42,8 @@ def measure_training_step(
     live-tensor count: that runs under a dispatch mode, where autograd sums gradients out of
     place, a copy eager PyTorch never makes."""
     check_type("model", model, nn.Module)
+    check_type("args", args, (tuple, list))
+    check_type("kwargs", kwargs, Mapping)
     check_type("optimizer", optimizer, torch.optim.Optimizer)
     check_count("steps", steps, least=1)
     backend = get(device)

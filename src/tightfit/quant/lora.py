@@ -45,16 +45,23 @@ class LoRALinear(nn.Module):
 def add_lora(model: nn.Module, rank: int = 8, alpha: float = 16.0, targets: str | None = None) -> list[str]:
     """Freeze ``model`` and put a rank-``rank`` adapter beside each ``nn.Linear`` of its layer
     stack (or each whose qualified name the regex ``targets`` searches), in place; returns
-    the names adapted. Only the adapters require grad afterwards."""
+    the names adapted. Only the adapters require grad afterwards. Layers adapted already
+    (and their parts) are left as they are; ``model`` itself is never replaced."""
     check_type("model", model, nn.Module)
     check_count("rank", rank, least=1)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < float("inf"):
         raise ValueError(f"alpha must be a finite number > 0, got {alpha!r}")
     chosen = _chooser(model, targets)
-    names = [name for name, module in model.named_modules() if type(module) is nn.Linear and chosen(name)]
+    adapted = tuple(f"{name}." for name, module in model.named_modules() if isinstance(module, LoRALinear))
+    names = [
+        name
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and name and not name.startswith(adapted) and chosen(name)
+    ]
     if not names:
         where = f"whose name {targets!r} finds" if targets is not None else "in its layer stack"
-        raise ValueError(f"{type(model).__name__} has no nn.Linear {where} to adapt")
+        again = " (those adapted already are left as they are)" if adapted else ""
+        raise ValueError(f"{type(model).__name__} has no nn.Linear {where} to adapt{again}")
     model.requires_grad_(False)
     for name in names:
         parent, _, child = name.rpartition(".")
