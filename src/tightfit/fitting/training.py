@@ -376,10 +376,9 @@ def _best(step: _Step, budget: int) -> tuple[_Candidate | None, _Candidate]:
     policies = ["recompute"] if step.device.type == "cpu" else ["offload", "recompute"]
     best: _Candidate | None = None
     smallest: _Candidate | None = None
-    # the least any candidate with k layers recomputed can cost: every weight kept, 32-bit state on the device
-    floor = _BACKWARD_FACTOR * sum(step.forward_seconds(u.name) for u in step.units) + min(
-        f.seconds for f in step.forms if f.bits == 32
-    )
+    # the least any candidate with k layers recomputed can cost: each unit's fastest storage, 32-bit state
+    fastest = sum(min(o.seconds for o in options) for options in step.options(0)) + sum(step.trained_seconds)
+    floor = _BACKWARD_FACTOR * fastest + min(f.seconds for f in step.forms if f.bits == 32)
     for count in _recompute_counts(len(step.layers)):
         least = floor + min(
             step.recompute_seconds(count), step.offload_seconds(count) if len(policies) > 1 else math.inf
