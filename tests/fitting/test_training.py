@@ -294,3 +294,21 @@ def test_the_simulated_backward_matches_the_allocator_with_layers_recomputed(rec
     measured = allocated_peak(step)
     remove_activation_policy(model)
     assert abs(measured / simulated - 1) < 0.02, (measured, simulated)
+
+
+@pytest.mark.parametrize("unified, paged", [(False, True), (True, False)])
+def test_paged_state_is_offered_only_where_the_device_s_memory_is_not_the_host_s(monkeypatch, unified, paged):
+    """A backend that declares unified memory (Apple silicon) gains nothing from paging."""
+    import types
+
+    from tightfit.backends import registry
+    from tightfit.fitting.training import _state_forms
+
+    capabilities = types.SimpleNamespace(unified_memory=unified)
+    monkeypatch.setattr(registry, "get", lambda device: types.SimpleNamespace(capabilities=lambda: capabilities))
+    assert registry.shares_host_memory(torch.device("cpu"))
+    assert registry.shares_host_memory(torch.device("mps")) == unified
+    params = [nn.Parameter(torch.empty(64, 128, device="meta"))]
+    forms = _state_forms("adam", params, torch.device("mps"), figures(host_to_device_bandwidth=1e10), 4096)
+    assert any(form.paged for form in forms) == paged
+    assert {form.bits for form in forms} == {8, 32}

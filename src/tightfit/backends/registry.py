@@ -226,6 +226,14 @@ def get(device_or_name: str | torch.device | torch.Tensor) -> Backend:
     return _lookup(name)
 
 
+def shares_host_memory(device: torch.device) -> bool:
+    """Whether ``device``'s memory is the host's: the CPU, or a backend that declares
+    ``unified_memory`` (Apple silicon). Moving tensors to host memory frees nothing there,
+    so paged optimizer state stays where it is and activations are not offloaded. Private to
+    tightfit (paged optimizer state, the training plan)."""
+    return device.type == "cpu" or bool(get(device).capabilities().unified_memory)
+
+
 def copy_streams(device: torch.device) -> ModuleType | None:
     """The device module whose streams copy to and from host memory asynchronously
     (``torch.cuda`` and alike), for a side-stream prefetch; None on the CPU, where the

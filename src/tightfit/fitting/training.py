@@ -32,6 +32,7 @@ from torch import nn
 
 from tightfit._format import human_bytes
 from tightfit._validate import check_choice
+from tightfit.backends.registry import shares_host_memory
 from tightfit.fitting.allow import Allow
 from tightfit.fitting.calibration import Calibration
 from tightfit.fitting.options import Option, Unit, find_units, layer_names, options_for
@@ -100,7 +101,7 @@ def _state_forms(
     rule: str, params: list[nn.Parameter], device: torch.device, figures: Calibration, min_8bit_size: int
 ) -> list[_StateForm]:
     """The optimizer state's forms this device offers: 32-bit and 8-bit on the device; paged
-    (host memory, brought in per parameter) where the device is not the host. A step is
+    (host memory, brought in per parameter) where the device's memory is not the host's. A step is
     priced by the calibration's AdamW step per value where measured, else by the bytes a
     32-bit step moves, 8-bit too (its coding work is then unmeasured: never counted cheaper)."""
     from tightfit.ops.optimizer import TWO_STATE_OPTIMIZERS
@@ -119,7 +120,7 @@ def _state_forms(
         else:
             seconds = moved / figures.device_bandwidth
         forms.append(_StateForm(bits, False, sum(sizes) + maps, sum(sizes) + maps, seconds))
-        if device.type != "cpu" and figures.host_to_device_bandwidth is not None:
+        if not shares_host_memory(device) and figures.host_to_device_bandwidth is not None:
             two_largest = sum(sorted(sizes, reverse=True)[:2])
             paged_seconds = seconds + 2 * sum(sizes) / figures.host_to_device_bandwidth
             forms.append(_StateForm(bits, True, two_largest + maps, sum(sizes) + maps, paged_seconds))
@@ -373,7 +374,7 @@ def fit_training(
 def _best(step: _Step, budget: int) -> tuple[_Candidate | None, _Candidate]:
     """The least-cost candidate within ``budget`` (None where none is) and the least-peak
     one, over the recompute (or offload) counts, from none up, and the state's forms."""
-    policies = ["recompute"] if step.device.type == "cpu" else ["offload", "recompute"]
+    policies = ["recompute"] if shares_host_memory(step.device) else ["offload", "recompute"]
     best: _Candidate | None = None
     smallest: _Candidate | None = None
     # the least any candidate with k layers recomputed can cost: each unit's fastest storage, 32-bit state

@@ -13,7 +13,8 @@ backend copies asynchronously, and is brought to the parameter's device for its 
 parameter's copy started on a side stream while this one updates (where the backend copies
 asynchronously), then written back: the device holds at most two parameters' states at a
 time. No managed memory is needed, so it works on any backend. For a parameter in host
-memory the state is already where its update runs, so paged and resident state are the same.
+memory, or on a backend that declares unified memory (Apple silicon), the state is already
+where its update runs, so paged and resident state are the same.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from tightfit._validate import check_type
-from tightfit.backends.registry import copy_streams
+from tightfit.backends.registry import copy_streams, shares_host_memory
 from tightfit.ops.optimizer import optimizer_update_8bit_blockwise, optimizer_update_32bit
 from tightfit.optim.state import check_state, is_8bit, new_state, shared_maps, state_bytes
 
@@ -165,7 +166,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         return loss
 
     def _new_state(self, p: torch.Tensor, config: dict[str, Any]) -> dict[str, Any]:
-        host = self.paged and p.device.type != "cpu"
+        host = self.paged and not shares_host_memory(p.device)
         eight_bit = is_8bit(config.get("optim_bits", 8), config.get("min_8bit_size", 0), p)
         pin = host and self._streams(p.device) is not None  # page-locked where the copies run asynchronously
         return new_state(self.rule, p, eight_bit, torch.device("cpu") if host else p.device, pin=pin)
