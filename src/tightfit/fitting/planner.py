@@ -257,8 +257,6 @@ def fit(
     and what the units decode and onload (and, ``loading``, the load's where it is larger);
     ``plan.phase_peaks`` gives both phases'.
     """
-    from tightfit.backends.resolve import resolve_backend
-
     check_type("model", model, nn.Module)
     args, kwargs = _split_inputs(example_inputs)
     budget_bytes = parse_size(budget, "budget")
@@ -285,14 +283,7 @@ def fit(
                 f"{'is an option' if len(inference_only) == 1 else 'are options'} of an inference plan only"
             )
         allowed = Allow.coerce(allow)
-        if calibration is not None:
-            check_type("calibration", calibration, Calibration)
-        check_type("remeasure", remeasure, bool)
-        resolved = resolve_backend(backend)
-        figures = (
-            calibration if calibration is not None else figures_of(resolved[0][0], resolved[1], remeasure=remeasure)
-        )
-        _check_calibration(figures, resolved[0][0].name, resolved[1])
+        resolved, figures = _resolved_figures(backend, calibration, remeasure)
         return fit_training(
             model,
             args,
@@ -332,16 +323,11 @@ def fit(
     check_choice("units", units, UNIT_SIZES)
     unit_size = units  # the name is the list of units below
     allowed = Allow.coerce(allow)
-    if calibration is not None:
-        check_type("calibration", calibration, Calibration)
-    check_type("remeasure", remeasure, bool)
     check_type("loading", loading, bool)
     if stored_dtypes is not None:
         _check_stored_dtypes(stored_dtypes, loading)
-    resolved = resolve_backend(backend)
+    resolved, figures = _resolved_figures(backend, calibration, remeasure)
     backends, device = resolved
-    figures = calibration if calibration is not None else figures_of(backends[0], device, remeasure=remeasure)
-    _check_calibration(figures, backends[0].name, device)
     prefill, leaves = trace_forward(model, args, kwargs, resolved)
     rows, call_rows = leaves.rows, leaves.call_rows
     last_step = trace_decode(model, decode, device) if decode is not None else None
@@ -525,6 +511,21 @@ def _check_stored_dtypes(stored_dtypes: Any, loading: bool) -> None:
         check_type(f"stored_dtypes[{name!r}]", dtype, torch.dtype)
     if not loading:
         raise ValueError("stored_dtypes describes a checkpoint to load; it is taken only with loading=True")
+
+
+def _resolved_figures(backend: Any, calibration: Calibration | None, remeasure: bool) -> tuple[Any, Calibration]:
+    """The backend resolved, and the time model's figures: ``calibration`` (checked to be
+    of that backend), else measured once per device and cached (``remeasure``: again)."""
+    from tightfit.backends.resolve import resolve_backend
+
+    if calibration is not None:
+        check_type("calibration", calibration, Calibration)
+    check_type("remeasure", remeasure, bool)
+    resolved = resolve_backend(backend)
+    backends, device = resolved
+    figures = calibration if calibration is not None else figures_of(backends[0], device, remeasure=remeasure)
+    _check_calibration(figures, backends[0].name, device)
+    return resolved, figures
 
 
 def _check_calibration(figures: Calibration, backend: str, device: torch.device) -> None:
