@@ -68,7 +68,7 @@ def describe(plan) -> str:
     parts = [f"{plan.optim_bits}-bit state"]
     if plan.activations:
         parts.append(f"{len(plan.activations)} of {len(plan.layers)} layers recomputed")
-    stored = sorted({entry.storage for entry in plan.changed_entries})
+    stored = sorted({entry.storage for entry in plan.changed_entries()})
     if stored:
         parts.append("frozen base " + "/".join(stored))
     return ", ".join(parts)

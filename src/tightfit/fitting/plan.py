@@ -315,10 +315,7 @@ class FitPlan:
 
     # -- JSON -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["format"] = _FORMAT
-        data["entries"] = [asdict(e) | {"leaves": list(e.leaves)} for e in self.entries]
-        return data
+        return plan_dict(self, _FORMAT)
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -327,6 +324,15 @@ class FitPlan:
     def from_json(cls, text: str) -> FitPlan:
         """The plan ``to_json`` wrote."""
         return read_plan_json(cls, text, _FORMAT, "plan")
+
+
+def plan_dict(plan: Any, format_name: str) -> dict[str, Any]:
+    """A plan dataclass as the dict its JSON holds: its fields, its entries' leaves as lists,
+    and ``format`` (what :func:`read_plan_json` checks)."""
+    data = asdict(plan)
+    data["format"] = format_name
+    data["entries"] = [asdict(e) | {"leaves": list(e.leaves)} for e in plan.entries]
+    return data
 
 
 def read_plan_json(cls: type, text: str, expected: str, noun: str) -> Any:

@@ -6,7 +6,7 @@ optimizer it planned, ``print`` shows it, JSON keeps it."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ from torch import nn
 from tightfit._format import human_bytes
 from tightfit._validate import check_type
 from tightfit.fitting.execute import PlanExecutor, move_kept
-from tightfit.fitting.plan import PlanEntry, _check_bytes, _check_seconds, _check_str, read_plan_json
+from tightfit.fitting.plan import PlanEntry, _check_bytes, _check_seconds, _check_str, plan_dict, read_plan_json
 from tightfit.hooks.activations import ACTIVATION_POLICIES, apply_activation_policy
 
 __all__ = ["OPTIMIZERS", "TrainingPlan"]
@@ -153,7 +153,6 @@ class TrainingPlan:
         return kind(trainable, optim_bits=self.optim_bits, paged=self.paged, **settings)
 
     # -- report ---------------------------------------------------------------------------
-    @property
     def changed_entries(self) -> tuple[PlanEntry, ...]:
         return tuple(e for e in self.entries if e.changed)
 
@@ -175,17 +174,13 @@ class TrainingPlan:
             f"time model, one step (ranks plans; not a latency) {self.predicted_seconds * 1e3:.2f} ms "
             f"(unplanned {self.full_seconds * 1e3:.2f} ms)",
         ]
-        for entry in self.changed_entries:
+        for entry in self.changed_entries():
             lines.append(f"  {entry.module}: {entry.why}")
         return "\n".join(lines)
 
     # -- JSON -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["format"] = _FORMAT
-        data["entries"] = [asdict(e) | {"leaves": list(e.leaves)} for e in self.entries]
-        data["layers"] = list(self.layers)
-        return data
+        return plan_dict(self, _FORMAT) | {"layers": list(self.layers)}
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent)
