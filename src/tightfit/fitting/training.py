@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -154,14 +154,22 @@ class _Step:
     kwargs: dict
     device: torch.device
     figures: Calibration
-    units: list[Unit]
+    whole_units: list[Unit]  # the model's units, training leaves included
+    training_leaves: set[str]
     layers: list[str]
     rows: dict[str, int]
     call_rows: dict[str, int]
     storages: frozenset[str]
     forms: list[_StateForm]
-    simulated: dict[tuple, tuple[int, str | None]]
-    trained_seconds: list[float]  # per unit, its training leaves' forward (their weights' storage never changes)
+    simulated: dict[tuple, tuple[int, str | None]] = field(default_factory=dict)
+    units: list[Unit] = field(init=False)  # the units as the storage choice sees them: frozen leaves only
+    forward: dict[str, float] = field(init=False)  # per unit, its forward with every weight kept
+    trained_seconds: float = field(init=False)  # the training leaves' forwards: their storage never changes
+
+    def __post_init__(self) -> None:
+        self.units = [_frozen_only(unit, self.training_leaves) for unit in self.whole_units]
+        self.forward = {unit.name: self._keep_seconds(unit) for unit in self.whole_units}
+        self.trained_seconds = sum(self.forward.values()) - sum(self._keep_seconds(unit) for unit in self.units)
 
     def simulate(
         self, count: int, policy: str, stored: tuple[tuple[str, frozenset[str]], ...] = ()
@@ -225,7 +233,7 @@ class _Step:
         found = search(options, budget, active + form.device_bytes)
         choice = found.best if found.best is not None else found.smallest
         extra = self.recompute_seconds(count) if policy == "recompute" else self.offload_seconds(count, active)
-        weights = _BACKWARD_FACTOR * (choice.seconds + sum(self.trained_seconds)) + extra
+        weights = _BACKWARD_FACTOR * (choice.seconds + self.trained_seconds) + extra
         # state loses precision only to meet the budget: 8-bit never counts as faster than 32-bit where both live
         precise = next(f.seconds for f in self.forms if f.bits == 32 and f.paged == form.paged)
         return _Candidate(
@@ -242,7 +250,7 @@ class _Step:
 
     def recompute_seconds(self, count: int) -> float:
         """The forwards of the first ``count`` layers, run again in the backward."""
-        return sum(self.forward_seconds(name) for name in self.layers[:count])
+        return sum(self.forward.get(name, 0.0) for name in self.layers[:count])
 
     def offload_seconds(self, count: int, active: int | None = None) -> float:
         """Copying what the first ``count`` layers save to host memory and back (0 where
@@ -251,14 +259,7 @@ class _Step:
             return 0.0
         return 2 * max(0, self.simulate(0, "keep")[0] - active) / self.figures.host_to_device_bandwidth
 
-    def forward_seconds(self, unit_name: str) -> float:
-        """A unit's forward with its weights kept, its training leaves' included."""
-        index = next((i for i, unit in enumerate(self.units) if unit.name == unit_name), None)
-        if index is None:
-            return 0.0
-        return self.keep_seconds(self.units[index]) + self.trained_seconds[index]
-
-    def keep_seconds(self, unit: Unit) -> float:
+    def _keep_seconds(self, unit: Unit) -> float:
         """``unit``'s forward with its weights as they are."""
         options = options_for(
             unit,
@@ -319,25 +320,20 @@ def fit_training(
         if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.requires_grad
     }
     _, leaves = trace_forward(model, args, kwargs, resolved)  # rows per leaf: what each unit's time scales with
-    units = find_units(model, None, "layers")
     step = _Step(
         model=model,
         args=args,
         kwargs=kwargs,
         device=device,
         figures=figures,
-        units=[_frozen_only(unit, training_leaves) for unit in units],
+        whole_units=find_units(model, None, "layers"),
+        training_leaves=training_leaves,
         layers=list(layer_names(model)),
         rows=leaves.rows,
         call_rows=leaves.call_rows,
         storages=frozenset(name for name in allowed.storage if name in training_storages()),
         forms=_state_forms(OPTIMIZERS[optimizer], params, device, figures, MIN_8BIT_SIZE),
-        simulated={},
-        trained_seconds=[],
     )
-    step.trained_seconds = [
-        step.keep_seconds(unit) - step.keep_seconds(frozen) for unit, frozen in zip(units, step.units)
-    ]
     search_budget = budget_bytes
     best = smallest = None
     for _ in range(_VERIFICATIONS):
@@ -378,7 +374,7 @@ def _best(step: _Step, budget: int) -> tuple[_Candidate | None, _Candidate]:
     best: _Candidate | None = None
     smallest: _Candidate | None = None
     # the least any candidate with k layers recomputed can cost: each unit's fastest storage, 32-bit state
-    fastest = sum(min(o.seconds for o in options) for options in step.options(0)) + sum(step.trained_seconds)
+    fastest = sum(min(o.seconds for o in options) for options in step.options(0)) + step.trained_seconds
     floor = _BACKWARD_FACTOR * fastest + min(f.seconds for f in step.forms if f.bits == 32)
     for count in _recompute_counts(len(step.layers)):
         least = floor + min(
