@@ -28,6 +28,12 @@ def _defaults(lr: float, betas: tuple, eps: float, weight_decay: float, optim_bi
     )
 
 
+def _refuse_zero(name: str, value: Any, why: str) -> None:
+    """A ValueError where ``value`` is the number 0 (other values are the group check's)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+        raise ValueError(f"{name}=0 is not accepted: {why}")
+
+
 class Adam(BlockwiseOptimizer):
     """Adam, with decoupled weight decay (as bitsandbytes' Adam)."""
 
@@ -123,8 +129,7 @@ class SGD(BlockwiseOptimizer):
         min_8bit_size: int = MIN_8BIT_SIZE,
         paged: bool = False,
     ) -> None:
-        if isinstance(momentum, (int, float)) and not isinstance(momentum, bool) and momentum == 0:
-            raise ValueError("momentum=0 is not accepted: without momentum SGD has no state; use torch.optim.SGD")
+        _refuse_zero("momentum", momentum, "without momentum SGD has no state; use torch.optim.SGD")
         defaults = _defaults(lr, (momentum, 0.0), 0.0, weight_decay, optim_bits, min_8bit_size)
         super().__init__(params, defaults, rule="momentum", paged=paged)
 
@@ -144,8 +149,7 @@ class RMSprop(BlockwiseOptimizer):
         min_8bit_size: int = MIN_8BIT_SIZE,
         paged: bool = False,
     ) -> None:
-        if isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha == 0:
-            raise ValueError("alpha=0 is not accepted: the squared gradients' average would be the last one alone")
+        _refuse_zero("alpha", alpha, "the squared gradients' average would be the last one alone")
         defaults = _defaults(lr, (alpha, 0.0), eps, weight_decay, optim_bits, min_8bit_size)
         super().__init__(params, defaults, rule="rmsprop", paged=paged)
 
@@ -206,7 +210,6 @@ class LARS(BlockwiseOptimizer):
         min_8bit_size: int = MIN_8BIT_SIZE,
         paged: bool = False,
     ) -> None:
-        if isinstance(momentum, (int, float)) and not isinstance(momentum, bool) and momentum == 0:
-            raise ValueError("momentum=0 is not accepted: LARS steps with a momentum buffer")
+        _refuse_zero("momentum", momentum, "LARS steps with a momentum buffer")
         defaults = _defaults(lr, (momentum, 0.0), 0.0, weight_decay, optim_bits, min_8bit_size)
         super().__init__(params, defaults | {"max_unorm": max_unorm}, rule="momentum", paged=paged)

@@ -127,7 +127,11 @@ class GlobalOptimManager:
 
 class _Managed:
     """The manager's overrides applied to each parameter's settings; ``args``, the settings
-    object bitsandbytes' optimizers keep."""
+    object bitsandbytes' optimizers keep. ``_bits`` and ``_paged``: a width and paging fixed
+    by the class (``Adam8bit``, ``PagedAdamW``: :func:`_variant`); else the arguments'."""
+
+    _bits: int | None = None
+    _paged = False
 
     @property
     def args(self) -> SimpleNamespace:
@@ -166,10 +170,17 @@ def _refuse(name: str, value: Any, accepted: Any, why: str) -> None:
         raise ValueError(f"{name}={value!r} is not accepted; accepted: {accepted!r} ({why})")
 
 
-class Adam(_Managed, optim.Adam):
-    _bits: int | None = None  # fixed by the class (Adam8bit, Adam32bit), else optim_bits
-    _paged = False
+def _check_momentum(name: str, momentum: Any, dampening: Any, nesterov: Any) -> None:
+    """SGD's and LARS's momentum arguments as bitsandbytes takes them: a momentum (without
+    one bitsandbytes raises NotImplementedError), and no dampening or Nesterov, which its
+    update ignores."""
+    if momentum == 0:
+        raise NotImplementedError(f"{name} without momentum is not supported!")
+    _refuse("dampening", dampening, 0, "bitsandbytes' update ignores it; a value would not be honored")
+    _refuse("nesterov", nesterov, False, "bitsandbytes' update ignores it; a value would not be honored")
 
+
+class Adam(_Managed, optim.Adam):
     def __init__(
         self,
         params,
@@ -215,9 +226,6 @@ class AdamW(Adam):
 
 
 class AdEMAMix(_Managed, optim.AdEMAMix):
-    _bits: int | None = None
-    _paged = False
-
     def __init__(
         self,
         params,
@@ -248,9 +256,6 @@ class AdEMAMix(_Managed, optim.AdEMAMix):
 
 
 class Lion(_Managed, optim.Lion):
-    _bits: int | None = None
-    _paged = False
-
     def __init__(
         self,
         params,
@@ -275,8 +280,6 @@ class Lion(_Managed, optim.Lion):
 
 
 class SGD(_Managed, optim.SGD):
-    _bits: int | None = None
-
     def __init__(
         self,
         params,
@@ -289,17 +292,12 @@ class SGD(_Managed, optim.SGD):
         args=None,
         min_8bit_size=4096,
     ):
-        if momentum == 0:
-            raise NotImplementedError("SGD without momentum is not supported!")
-        _refuse("dampening", dampening, 0, "bitsandbytes' update ignores it; a value would not be honored")
-        _refuse("nesterov", nesterov, False, "bitsandbytes' update ignores it; a value would not be honored")
+        _check_momentum("SGD", momentum, dampening, nesterov)
         bits, size = _settings(args, optim_bits, min_8bit_size)
         super().__init__(params, lr, momentum, weight_decay, optim_bits=self._bits or bits, min_8bit_size=size)
 
 
 class RMSprop(_Managed, optim.RMSprop):
-    _bits: int | None = None
-
     def __init__(
         self,
         params,
@@ -323,8 +321,6 @@ class RMSprop(_Managed, optim.RMSprop):
 
 
 class Adagrad(_Managed, optim.Adagrad):
-    _bits: int | None = None
-
     def __init__(
         self,
         params,
@@ -346,8 +342,6 @@ class Adagrad(_Managed, optim.Adagrad):
 
 
 class LAMB(_Managed, optim.LAMB):
-    _bits: int | None = None
-
     def __init__(
         self,
         params,
@@ -375,8 +369,6 @@ class LAMB(_Managed, optim.LAMB):
 
 
 class LARS(_Managed, optim.LARS):
-    _bits: int | None = None
-
     def __init__(
         self,
         params,
@@ -390,10 +382,7 @@ class LARS(_Managed, optim.LARS):
         min_8bit_size=4096,
         max_unorm=0.02,
     ):
-        if momentum == 0:
-            raise NotImplementedError("LARS without momentum is not supported!")
-        _refuse("dampening", dampening, 0, "bitsandbytes' update ignores it; a value would not be honored")
-        _refuse("nesterov", nesterov, False, "bitsandbytes' update ignores it; a value would not be honored")
+        _check_momentum("LARS", momentum, dampening, nesterov)
         bits, size = _settings(args, optim_bits, min_8bit_size)
         super().__init__(
             params, lr, momentum, weight_decay, max_unorm, optim_bits=self._bits or bits, min_8bit_size=size
