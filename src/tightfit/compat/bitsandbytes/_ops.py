@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from tightfit.compat.bitsandbytes._common import check_out
 from tightfit.ops.codes import code_4bit
 
 __all__ = ["NAMESPACE", "defined_namespaces"]
@@ -135,10 +136,7 @@ def _into(compute: Callable[..., torch.Tensor]) -> Callable[..., None]:
     def written(*args: Any) -> None:
         *inputs, out = args
         result = compute(*inputs)
-        if out.shape != result.shape or out.dtype != result.dtype:
-            raise ValueError(
-                f"out must be {result.dtype} of shape {tuple(result.shape)}, got {out.dtype} {tuple(out.shape)}"
-            )
+        check_out("out", out, tuple(result.shape), result.dtype, result)
         out.copy_(result)
 
     return written
