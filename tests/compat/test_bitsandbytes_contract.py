@@ -1,7 +1,7 @@
 """Contracts of bitsandbytes that its own test suite checks, run with bitsandbytes and
 with ``tightfit.compat.bitsandbytes`` in its place: ``functional.has_avx512bf16``, a
 ``Linear8bitLt`` whose weight was replaced by a plain parameter (tied weights) saves no
-``SCB``, ``bnb.matmul`` takes the int8 weight as ``state.CB.t()`` and ``bnb.matmul_4bit`` a
+``SCB`` and refuses an int8 checkpoint, ``bnb.matmul`` takes the int8 weight as ``state.CB.t()`` and ``bnb.matmul_4bit`` a
 weight quantized (in x out), with bitsandbytes' DeprecationWarning. Decoded values are held to
 the specification (tightfit's reference kernels on the stored bytes), bitsandbytes' through
 ``zoo.peer.PeerCheck``: an xfail naming the deviation where its CPU kernel departs from it."""
@@ -45,6 +45,16 @@ def test_tied_weight_is_quantized_at_the_first_call_and_then_saves_its_scales():
     out = linear(torch.randn(3, 8))
     assert out.shape == (3, 4) and bool(torch.isfinite(out).all())
     assert sorted(linear.state_dict()) == ["SCB", "weight", "weight_format"]
+
+
+def test_int8_checkpoint_into_a_tied_weight_is_refused_and_keeps_the_tie(bnb):
+    linear = bnb.nn.Linear8bitLt(8, 4, bias=False, has_fp16_weights=False)
+    tied = nn.Parameter(torch.randn(4, 8))
+    linear.weight = tied
+    source = bnb.nn.Linear8bitLt(8, 4, bias=False, has_fp16_weights=False).to("cpu")
+    with pytest.raises(RuntimeError, match="Loading a quantized checkpoint into non-quantized Linear8bitLt"):
+        linear.load_state_dict(source.state_dict())
+    assert linear.weight is tied
 
 
 def quantized_state(bnb, out_features: int, in_features: int):

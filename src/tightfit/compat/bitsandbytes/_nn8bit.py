@@ -149,6 +149,12 @@ class Linear8bitLt(_Int8Weight, nn.Linear):
         if "weight_format" in entries:
             _check_weight_format(prefix + "weight_format", entries["weight_format"])
         if "SCB" in entries:
+            if not isinstance(self.weight, Int8Params):
+                raise RuntimeError(
+                    f"Loading a quantized checkpoint into non-quantized Linear8bitLt is not supported: {prefix}weight "
+                    "is a plain parameter (set by hand or tied to another module), which an int8 weight would replace "
+                    "and so untie; load it into the layer's own Int8Params weight"
+                )
             if self.state.has_fp16_weights:
                 raise ValueError(
                     f"{prefix}SCB: an int8 checkpoint loads into a layer made with has_fp16_weights=False; "
