@@ -1,4 +1,4 @@
-"""The ``tightfit`` command: ``backends``, ``check``, ``run``, ``fit``, ``plan`` and ``train``.
+"""The ``tightfit`` command: ``backends``, ``check``, ``run``, ``fit``, ``plan``, ``train`` and ``stages``.
 
 Each command is one module of this package that holds its options and its handler
 (``add_parser`` registers both); this module only builds the parser and turns errors into
@@ -22,7 +22,15 @@ from collections.abc import Sequence
 from rich.console import Console
 
 from tightfit._strict import is_strict
-from tightfit.app import backends_command, check_command, fit_command, plan_command, run_command, train_command
+from tightfit.app import (
+    backends_command,
+    check_command,
+    fit_command,
+    plan_command,
+    run_command,
+    stages_command,
+    train_command,
+)
 from tightfit.app.spelling import command_line, for_command_line
 
 __all__ = ["main"]
@@ -36,7 +44,7 @@ _USER_ERRORS = (ValueError, TypeError, RuntimeError, OSError, MemoryError)
 _SIGPIPE_STATUS = 128 + 13
 
 #: The commands in the order ``tightfit --help`` lists them.
-_COMMANDS = (backends_command, check_command, run_command, fit_command, plan_command, train_command)
+_COMMANDS = (backends_command, check_command, run_command, fit_command, plan_command, train_command, stages_command)
 
 
 def _parser() -> argparse.ArgumentParser:

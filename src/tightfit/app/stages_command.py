@@ -1,0 +1,162 @@
+"""``tightfit stages``: a model cut into pipeline stages across the processes ``torchrun``
+starts (or the ranks ``--ranks`` names, for ``--plan-only``), each within its own budget:
+the stage plan before any weight is read, then the run, with every rank's predicted
+against measured peak and the bytes it read in one table (rank 0 prints it)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.markup import escape
+
+from tightfit._format import human_bytes
+from tightfit.app.generation_job import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROMPT
+from tightfit.app.models import default_model_dir, load_tokenizer
+from tightfit.app.run import DEFAULT_SENTENCES
+from tightfit.app.spelling import option
+from tightfit.distributed import (
+    Ranks,
+    StageRun,
+    plan_stages,
+    process_group,
+    ranks_from_environment,
+    run_stage,
+    shared_plan,
+)
+from tightfit.fitting import Allow
+from tightfit.kinds import CAUSAL_LM
+from tightfit.loading.folder import folder_kind, model_folder
+
+__all__ = ["add_parser", "handle", "stage_budgets"]
+
+
+def stage_budgets(text: str, ranks: int) -> list[str]:
+    """``--budget``: one size for every rank, or one per rank, comma-separated."""
+    sizes = [part.strip() for part in text.split(",")]
+    if len(sizes) == 1:
+        return sizes * ranks
+    if len(sizes) != ranks or not all(sizes):
+        raise ValueError(
+            f"{option('budget')} {text!r} names {len(sizes)} sizes for {ranks} ranks; give one size for every rank "
+            f"or one per rank, comma-separated (e.g. 60MB,80MB)"
+        )
+    return sizes
+
+
+def _inputs(folder: Any, kind: str, prompt: str) -> dict[str, torch.Tensor]:
+    tokenizer = load_tokenizer(folder)
+    if kind == CAUSAL_LM:
+        return {"input_ids": tokenizer(prompt, return_tensors="pt")["input_ids"]}
+    batch = tokenizer(list(DEFAULT_SENTENCES), padding=True, truncation=True, return_tensors="pt")
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+def handle(args: argparse.Namespace, console: Console) -> int:
+    """Plan on rank 0, share the plan, run every rank's stage, print the table on rank 0."""
+    folder = model_folder(args.model) if args.model else default_model_dir()
+    kind = folder_kind(folder)
+    launched = ranks_from_environment()
+    if args.ranks is not None and not args.plan_only:
+        raise ValueError(f"{option('ranks')} is for {option('plan_only')}; a run has the ranks torchrun starts")
+    ranks = Ranks(0, args.ranks) if args.ranks is not None else launched
+    if ranks.world < 1:
+        raise ValueError(f"{option('ranks')} must be >= 1, got {ranks.world}")
+    new_tokens = args.max_new_tokens if kind == CAUSAL_LM else 0
+    inputs = _inputs(folder, kind, args.prompt)
+    allow = Allow.parse(args.allow) if args.allow else None
+    budgets = stage_budgets(args.budget, ranks.world)
+
+    def make():
+        return plan_stages(folder, budgets, inputs, kind=kind, max_new_tokens=new_tokens, allow=allow)
+
+    if args.plan_only:
+        plan = make()
+        print(plan.to_json()) if args.json else console.print(escape(str(plan)), highlight=False, soft_wrap=True)
+        return 0
+    with process_group(ranks, args.timeout):
+        plan = shared_plan(make, ranks)
+        if ranks.rank == 0 and not args.json:
+            console.print(escape(str(plan)), highlight=False, soft_wrap=True)
+        run = run_stage(
+            folder, plan, inputs, ranks, max_new_tokens=new_tokens, repeat=args.repeat, timeout_seconds=args.timeout
+        )
+    if run is None:
+        return 0
+    if args.json:
+        print(json.dumps(run.to_dict() | {"plan": json.loads(plan.to_json())}, indent=2))
+        return 0
+    _print_run(run, folder, console)
+    return 0
+
+
+def _print_run(run: StageRun, folder: Any, console: Console) -> None:
+    if run.plan.kind == CAUSAL_LM:
+        text = load_tokenizer(folder).decode(list(run.tokens))
+        console.print(
+            f"generated {len(run.tokens)} tokens in {run.seconds:.3f} s ({len(run.tokens) / run.seconds:.1f} tokens/s): "
+            f"{text!r}",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
+    else:
+        console.print(f"embedded {run.embeddings.shape[0]} sentences in {run.seconds * 1e3:.1f} ms", highlight=False)
+    console.print(
+        f"{'rank':>4}  {'budget':>10} {'predicted':>10} {'measured':>10} {'peak RSS':>10} {'read':>10} {'its tensors':>11} "
+        f"{'s/run':>7} {'in send/recv':>12} {'sent':>9}",
+        highlight=False,
+        markup=False,
+    )
+    for r in run.reports:
+        rss = human_bytes(r.peak_rss_bytes) if r.peak_rss_bytes is not None else "-"
+        read = human_bytes(r.read_bytes) if r.read_bytes is not None else "-"
+        console.print(
+            f"{r.rank:>4}  {human_bytes(r.budget_bytes):>10} {human_bytes(r.predicted_peak_bytes):>10} "
+            f"{human_bytes(r.measured_peak_bytes):>10} {rss:>10} {read:>10} {human_bytes(r.stage_read_bytes):>11} "
+            f"{r.seconds:>7.3f} {r.link_seconds:>12.3f} {human_bytes(r.sent_bytes):>9}",
+            highlight=False,
+            markup=False,
+        )
+    within = sum(r.within_budget for r in run.reports)
+    console.print(
+        f"{within} of {len(run.reports)} ranks within their budgets (measured: {run.reports[0].measured_by}; "
+        f"read: the process's read calls while loading; in send/recv: waiting for the peer included)",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
+
+
+def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
+    """Register ``stages``, its options and :func:`handle` on the CLI's subcommands."""
+    parser = commands.add_parser(
+        "stages",
+        parents=parents,
+        help="run a model cut into pipeline stages across the processes torchrun starts, each within its budget",
+    )
+    parser.add_argument("--model", metavar="DIR", help="a local Hugging Face folder (default: the built-in model)")
+    parser.add_argument(
+        "--budget",
+        required=True,
+        metavar="SIZE[,SIZE...]",
+        help="memory each rank may use: one size for every rank, or one per rank (e.g. 60MB or 50MB,70MB)",
+    )
+    parser.add_argument("--ranks", type=int, help="with --plan-only: the ranks to plan for (default: WORLD_SIZE)")
+    parser.add_argument("--plan-only", action="store_true", help="print the stage plan and stop; nothing is read")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="a causal LM's prompt")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="a causal LM's tokens to generate"
+    )
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs after a warm-up (default: 3)")
+    parser.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds a rank waits on a peer before the run ends (default: 60)"
+    )
+    parser.add_argument(
+        "--allow", metavar="NAMES", help="storages and placements the stages may use (default: keep, device)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan and every rank's report as JSON")
+    parser.set_defaults(handler=handle)

@@ -1,0 +1,366 @@
+"""A :class:`StagePlan`: a model's layer stack cut into contiguous stages, one per rank (or
+per device of one process), each stage's own fit within that rank's budget, made from the
+config and the checkpoint's headers before any weight is read.
+
+Each stage is planned by :func:`tightfit.fit` as a whole model is (the stage is the model
+cut down, :mod:`tightfit.distributed.split`): its weights, its planned forward over the
+inputs it receives, and for a generation its last decode step with its share of the KV
+cache. Storages default to ``keep`` and placements to ``device``, so that a run across
+ranks computes what one process computes; ``allow`` widens that.
+
+How the layers are shared out: first in proportion to what each budget leaves after the
+stage's own fixed parts (the embedding on the first, the head on the last), every stage at
+least one layer; then each stage is fitted, and a stage over its budget gives its boundary
+layer to the neighbour with the most room, until every stage fits. An arrangement seen
+before, or a stage down to one layer that still does not fit, ends the search with a
+:class:`~tightfit.fitting.FitError` naming the rank, its budget and what dominates its peak.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tightfit._files import parse_json
+from tightfit._format import human_bytes
+from tightfit._validate import check_count, check_type
+from tightfit.distributed.split import cut, layout_of
+from tightfit.fitting import Allow, FitError, FitPlan, fit
+from tightfit.fitting.size import parse_size
+from tightfit.fitting.traced import DECODE, DecodeTrace
+from tightfit.kinds import CAUSAL_LM
+from tightfit.loading.folder import folder_kind, model_folder, skeleton
+from tightfit.loading.safetensors import Checkpoint
+from tightfit.loading.stream import on_meta, stored_dtypes
+
+__all__ = ["EXACT", "Stage", "StagePlan", "keeps_last_logits", "plan_stages", "stage_inputs"]
+
+_FORMAT = "tightfit.stages/1"
+
+#: What stages may use by default: weights as stored, on the stage's device, so that the
+#: stages together compute what the whole model computes in one process.
+EXACT = Allow(storage=frozenset({"keep"}), placement=frozenset({"device"}), hints=False)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: layers ``[start, end)`` of the stack on ``device`` (rank ``rank``), with
+    the embedding where ``start == 0`` and the head where ``end`` is the stack's end;
+    ``plan``: its fit within ``budget_bytes``; ``read_bytes``: the checkpoint bytes of its
+    tensors, all that its rank reads; ``why``: how it came to hold these layers."""
+
+    rank: int
+    device: str
+    start: int
+    end: int
+    budget_bytes: int
+    plan: FitPlan
+    read_bytes: int
+    why: str
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.plan.predicted_peak_bytes
+
+    def holds(self, layers: int, kind: str) -> str:
+        """What the stage holds, in words: its layers and the ends of the model it has."""
+        parts = [f"layers {self.start}-{self.end - 1}" if self.end - self.start > 1 else f"layer {self.start}"]
+        if self.start == 0:
+            parts.insert(0, "embedding")
+        if self.end == layers:
+            parts.append("norm, head" if kind == CAUSAL_LM else "pooler")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Per rank, the :class:`Stage` it runs; ``kind``: ``"causal-lm"`` or ``"encoder"``;
+    ``layers``: the stack's length; ``covers``: what each stage's prediction covers;
+    ``checkpoint_bytes``: the whole checkpoint's tensor bytes (what one process reads)."""
+
+    model: str
+    kind: str
+    layers: int
+    covers: str
+    checkpoint_bytes: int
+    stages: tuple[Stage, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        ranges = [(s.start, s.end) for s in self.stages]
+        if (
+            not self.stages
+            or ranges[0][0] != 0
+            or ranges[-1][1] != self.layers
+            or any(a[1] != b[0] or a[0] >= a[1] for a, b in zip(ranges, ranges[1:] + [(self.layers, self.layers + 1)]))
+        ):
+            raise ValueError(f"StagePlan.stages must cover layers 0-{self.layers - 1} in order, got {ranges}")
+        if [s.rank for s in self.stages] != list(range(len(self.stages))):
+            raise ValueError(f"StagePlan.stages must be ranks 0..{len(self.stages) - 1} in order")
+
+    def __str__(self) -> str:
+        rows = [
+            f"{self.model} ({self.kind}, {self.layers} layers) in {len(self.stages)} stages; each covers {self.covers}"
+        ]
+        rows.append(f"{'rank':>4}  {'device':<8} {'holds':<32} {'budget':>10} {'predicted':>10} {'reads':>10}  why")
+        for s in self.stages:
+            rows.append(
+                f"{s.rank:>4}  {s.device:<8} {s.holds(self.layers, self.kind):<32} {human_bytes(s.budget_bytes):>10} "
+                f"{human_bytes(s.predicted_peak_bytes):>10} {human_bytes(s.read_bytes):>10}  {s.why}"
+            )
+        return "\n".join(rows)
+
+    def to_json(self) -> str:
+        data = asdict(self) | {"format": _FORMAT}
+        data["stages"] = [asdict(s) | {"plan": s.plan.to_dict()} for s in self.stages]
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> StagePlan:
+        """The plan :meth:`to_json` wrote; each stage's fit read back by ``FitPlan.from_json``."""
+        check_type("text", text, str)
+        data = parse_json(text, "text", what="is not JSON")
+        if not isinstance(data, dict) or data.pop("format", None) != _FORMAT:
+            raise ValueError(f"text is not a tightfit stage plan: expected a JSON object with format {_FORMAT!r}")
+        if set(data) != {f.name for f in fields(cls)} or not isinstance(data["stages"], list):
+            raise ValueError(f"text: a stage plan holds {sorted(f.name for f in fields(cls))}, got {sorted(data)}")
+        stages = []
+        for item in data.pop("stages"):
+            if not isinstance(item, dict) or set(item) != {f.name for f in fields(Stage)}:
+                raise ValueError(f"text: each stage holds {sorted(f.name for f in fields(Stage))}, got {item!r:.200}")
+            stages.append(Stage(**(item | {"plan": FitPlan.from_json(json.dumps(item["plan"]))})))
+        return cls(**data, stages=tuple(stages))
+
+
+def keeps_last_logits(stage: nn.Module) -> bool:
+    """Whether ``stage`` is a causal LM's last stage whose forward can make the logits of
+    the last position only (``logits_to_keep``): what a prefill needs of them."""
+    return (
+        isinstance(getattr(stage, "lm_head", None), nn.Linear)
+        and "logits_to_keep" in inspect.signature(stage.forward).parameters
+    )
+
+
+def stage_inputs(stage: nn.Module, kind: str, inputs: Mapping[str, torch.Tensor], first: bool) -> dict:
+    """What ``stage``'s forward takes for the first stage's ``inputs``: those on the first
+    stage; after it, the hidden states received (``inputs_embeds``) and, for an encoder,
+    the attention mask every stage applies. A causal LM's last stage keeps the logits of
+    the last position only."""
+    ids = inputs["input_ids"]
+    if first:
+        taken = dict(inputs)
+    else:
+        config = stage.config
+        taken = {"inputs_embeds": torch.zeros(*ids.shape, config.hidden_size, dtype=stage.dtype, device=ids.device)}
+        if kind != CAUSAL_LM and "attention_mask" in inputs:
+            taken["attention_mask"] = inputs["attention_mask"]
+    if kind == CAUSAL_LM and keeps_last_logits(stage):
+        taken["logits_to_keep"] = torch.tensor([ids.shape[1] - 1], device=ids.device)
+    return taken
+
+
+def _decode_trace(stage: nn.Module, first: bool, context: int) -> DecodeTrace:
+    """The stage's last decode step at ``context`` positions: a forward over ``context - 1``
+    fills its cache, then the one-position forward, holding only the cache between them."""
+    from tightfit.app import kv_cache
+
+    def script(calls: Any) -> None:
+        cache = kv_cache.cache_argument(stage)
+        history = {"input_ids": torch.zeros(1, context - 1, dtype=torch.long, device=calls.device)}
+        calls.call(**stage_inputs(stage, CAUSAL_LM, history, first), use_cache=True, **cache)
+        calls.phase(DECODE)
+        step = {"input_ids": torch.zeros(1, 1, dtype=torch.long, device=calls.device)}
+        calls.call(**stage_inputs(stage, CAUSAL_LM, step, first), use_cache=True, **cache)
+
+    per_token = kv_cache.bytes_per_token(stage.config, stage.dtype)
+    return DecodeTrace(script, context, "model", context * per_token)
+
+
+def _budgets(budgets: Any) -> tuple[list[str], list[int]]:
+    """(devices, bytes) from a list of sizes (ranks, on the CPU unless ``devices`` says) or
+    a mapping device -> size (stages of one process)."""
+    if isinstance(budgets, Mapping):
+        if not budgets:
+            raise ValueError("budgets is empty; give one size per rank, or a mapping device -> size")
+        return [str(torch.device(d)) for d in budgets], [parse_size(v, f"budgets[{d!r}]") for d, v in budgets.items()]
+    if isinstance(budgets, (str, int)) or not isinstance(budgets, Sequence) or not budgets:
+        raise TypeError(
+            f"budgets must be a non-empty list of sizes (one per rank, such as ['60MB', '60MB']) or a mapping "
+            f"device -> size, got {type(budgets).__name__}: {budgets!r}"
+        )
+    return ["cpu"] * len(budgets), [parse_size(v, f"budgets[{i}]") for i, v in enumerate(budgets)]
+
+
+def _shares(fixed: list[int], budgets: list[int], layers: int) -> list[int]:
+    """Layers per stage in proportion to what each budget leaves after its fixed parts,
+    each at least one (largest remainders first)."""
+    room = [max(b - f, 1) for b, f in zip(budgets, fixed)]
+    total = sum(room)
+    spare = layers - len(budgets)
+    raw = [spare * r / total for r in room]
+    counts = [1 + int(x) for x in raw]
+    for index in sorted(range(len(raw)), key=lambda i: int(raw[i]) - raw[i])[: layers - sum(counts)]:
+        counts[index] += 1
+    return counts
+
+
+def plan_stages(
+    folder: str | Path,
+    budgets: Sequence[int | str] | Mapping[str, int | str],
+    inputs: Mapping[str, torch.Tensor],
+    *,
+    kind: str | None = None,
+    max_new_tokens: int = 0,
+    devices: Sequence[str] | None = None,
+    allow: Allow | None = None,
+) -> StagePlan:
+    """The :class:`StagePlan` of a local Hugging Face folder over ``budgets``: a list, one
+    size per rank (on ``devices``, default the CPU), or a mapping device -> size (stages
+    of one process). ``inputs``: the first stage's (``input_ids``; an encoder's
+    ``attention_mask``); ``max_new_tokens``: a causal LM's generation, whose last decode
+    step (its KV cache at the prompt and the new tokens) every stage is planned for.
+    ``allow``: what the stages' fits may use (default :data:`EXACT`). Nothing is read but
+    the config and the checkpoint's headers; a :class:`~tightfit.fitting.FitError` where
+    no arrangement fits, naming the rank."""
+    path = model_folder(folder)
+    stage_devices, budget_bytes = _budgets(budgets)
+    if devices is not None:
+        if isinstance(budgets, Mapping) or len(devices) != len(budget_bytes):
+            raise ValueError(f"devices={devices!r} must name one device per budget (and only with a list of budgets)")
+        stage_devices = [str(torch.device(d)) for d in devices]
+    check_type("inputs", inputs, Mapping)
+    ids = inputs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.long:
+        raise ValueError(f"inputs must hold 'input_ids', a 2-D int64 tensor, got {ids!r:.100}")
+    check_count("max_new_tokens", max_new_tokens)
+    check_type("allow", allow, (Allow, type(None)))
+    kind = kind or folder_kind(path)
+    model, config = skeleton(path, kind)
+    layout = layout_of(model, kind)
+    layers = layout.layers(model)
+    ranks = len(budget_bytes)
+    if layers < ranks:
+        raise ValueError(
+            f"{ranks} ranks for {layers} layers: every stage needs at least one layer; use at most {layers} ranks"
+        )
+    if max_new_tokens and kind != CAUSAL_LM:
+        raise ValueError(f"max_new_tokens={max_new_tokens} is for a causal LM's generation; {path} is run as {kind}")
+    checkpoint = Checkpoint(path)
+    context = ids.shape[1] + max_new_tokens - 1
+    covers = (
+        f"the prefill over {ids.shape[1]} positions and the last of {max_new_tokens - 1} decode steps, its KV cache "
+        f"at {context} positions"
+        if max_new_tokens > 1
+        else f"one forward over inputs of shape {tuple(ids.shape)}"
+    )
+    fitted: dict[tuple[int, int, int], FitPlan | FitError] = {}
+
+    def stage_fit(rank: int, start: int, end: int) -> FitPlan | FitError:
+        key = (rank, start, end)
+        if key not in fitted:
+            stage, _ = skeleton(path, kind)
+            cut(stage, kind, start, end)
+            example = stage_inputs(stage, kind, on_meta(dict(inputs)), start == 0)
+            trace = _decode_trace(stage, start == 0, context) if max_new_tokens > 1 else None
+            try:
+                fitted[key] = fit(
+                    stage,
+                    example,
+                    budget_bytes[rank],
+                    backend=stage_devices[rank],
+                    allow=allow or EXACT,
+                    loading=True,
+                    stored_dtypes=stored_dtypes(stage, path),
+                    decode=trace,
+                    decode_steps=max(max_new_tokens - 1, 0),
+                )
+            except FitError as error:
+                fitted[key] = error
+        return fitted[key]
+
+    fixed = [
+        (_first_bytes(model, layout) if r == 0 else 0) + (_last_bytes(model, layout) if r == ranks - 1 else 0)
+        for r in range(ranks)
+    ]
+    counts = _shares(fixed, budget_bytes, layers)
+    seen: set[tuple[int, ...]] = set()
+    moved: dict[int, str] = {}
+    while True:
+        seen.add(tuple(counts))
+        bounds = [sum(counts[:r]) for r in range(ranks + 1)]
+        results = [stage_fit(r, bounds[r], bounds[r + 1]) for r in range(ranks)]
+        over = [r for r, result in enumerate(results) if isinstance(result, FitError)]
+        if not over:
+            break
+        rank = over[0]
+        error = results[rank]
+        room = {
+            n: budget_bytes[n]
+            - (results[n].predicted_peak_bytes if isinstance(results[n], FitPlan) else budget_bytes[n])
+            for n in (rank - 1, rank + 1)
+            if 0 <= n < ranks
+        }
+        to = max(room, key=room.get) if room else None
+        if to is None or counts[rank] == 1:
+            raise _refusal(rank, bounds, error, stage_devices, layers, "it holds one layer only")
+        counts[rank] -= 1
+        counts[to] += 1
+        moved[rank] = f"gave layers to rank {to}: its budget could not hold its share"
+        moved[to] = f"took layers from rank {rank}, whose budget could not hold its share"
+        if tuple(counts) in seen:
+            raise _refusal(
+                rank, bounds, error, stage_devices, layers, "moving its layers to its neighbours overfills them"
+            )
+    stages = []
+    for r in range(ranks):
+        start, end = bounds[r], bounds[r + 1]
+        stage, _ = skeleton(path, kind)
+        cut(stage, kind, start, end)
+        why = moved.get(r) or f"{end - start} of {layers} layers, in proportion to its budget after its fixed parts"
+        stages.append(
+            Stage(r, stage_devices[r], start, end, budget_bytes[r], results[r], _read_bytes(stage, checkpoint), why)
+        )
+    return StagePlan(
+        type(model).__name__, kind, layers, covers, sum(e.nbytes for e in checkpoint.entries.values()), tuple(stages)
+    )
+
+
+def _tensor_bytes(model: nn.Module, name: str) -> int:
+    module = model.get_submodule(name)
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def _first_bytes(model: nn.Module, layout: Any) -> int:
+    return sum(_tensor_bytes(model, name) for name in layout.first)
+
+
+def _last_bytes(model: nn.Module, layout: Any) -> int:
+    return sum(_tensor_bytes(model, name) for name in layout.last)
+
+
+def _read_bytes(stage: nn.Module, checkpoint: Checkpoint) -> int:
+    """The checkpoint bytes of the stage's tensors: what its rank reads."""
+    prefix = getattr(stage, "base_model_prefix", "") or ""
+    names = {n for n, _ in stage.named_parameters()} | {n for n, _ in stage.named_buffers()}
+    found = {checkpoint.find([name], prefix) for name in names} - {None}
+    return sum(checkpoint.entries[name].nbytes for name in found)
+
+
+def _refusal(rank: int, bounds: list[int], error: FitError, devices: list[str], layers: int, reason: str) -> FitError:
+    start, end = bounds[rank], bounds[rank + 1]
+    what = ", ".join(f"{part}: {human_bytes(size)}" for part, size in error.parts[:3])
+    return FitError(
+        f"rank {rank} ({devices[rank]}, budget {human_bytes(error.budget_bytes)}) cannot hold its stage (layers "
+        f"{start}-{end - 1} of {layers}), and {reason}: its smallest peak is {human_bytes(error.smallest_peak_bytes)} "
+        f"({error.smallest_peak_bytes:,} B), dominated by {error.parts[0][0] if error.parts else 'its weights'} ({what}). "
+        f"Give rank {rank} at least {human_bytes(error.smallest_peak_bytes)}, or more ranks",
+        budget_bytes=error.budget_bytes,
+        smallest_peak_bytes=error.smallest_peak_bytes,
+        parts=error.parts,
+    )

@@ -1,0 +1,331 @@
+"""Running a :class:`~tightfit.distributed.StagePlan` on ``torch.distributed``: each rank
+streams only its stage's tensors from the checkpoint into its stage's plan, then the
+stages run in turn, each rank sending its hidden states to the next
+(:class:`~tightfit.distributed.link.Link`). A causal LM generates greedily, each stage
+keeping its own layers' KV cache; the last rank picks each token and sends it back to the
+first. An encoder's last rank returns the mean-pooled sentence embeddings.
+
+Every rank measures itself as a single run is measured (live tensors on the CPU, the
+allocator's peak on an accelerator, the process's peak RSS, the bytes it read from the
+checkpoint files) and rank 0 gathers the reports into one table. A rank that fails (a peer
+died or stopped answering) raises :class:`~tightfit.distributed.link.StageError` and
+leaves the process group, so every other rank fails too, within the process group's
+timeout at worst.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tightfit import backends
+from tightfit._validate import check_count, check_type
+from tightfit.app.budget import measure_load
+from tightfit.app.generation import next_token
+from tightfit.app.kv_cache import cache_argument
+from tightfit.backends.cpu import read_process_memory, reset_process_peak
+from tightfit.distributed.link import Link, StageError
+from tightfit.distributed.plan import StagePlan, keeps_last_logits
+from tightfit.distributed.split import cut
+from tightfit.fitting import FitError
+from tightfit.fitting.held import held_bytes
+from tightfit.kinds import CAUSAL_LM
+from tightfit.loading.folder import skeleton
+from tightfit.loading.stream import load
+from tightfit.memory.measure import LiveTensorBytes
+
+__all__ = ["RankReport", "Ranks", "StageRun", "process_group", "ranks_from_environment", "run_stage", "shared_plan"]
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the run: ``rank`` of ``world``, and where the process group
+    meets (``torchrun`` sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``)."""
+
+    rank: int
+    world: int
+
+
+def ranks_from_environment(environ: Mapping[str, str] = os.environ) -> Ranks:
+    """The :class:`Ranks` ``torchrun`` gives this process; rank 0 of 1 outside it."""
+    try:
+        rank, world = int(environ.get("RANK", "0")), int(environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ValueError(
+            f"RANK={environ.get('RANK')!r} and WORLD_SIZE={environ.get('WORLD_SIZE')!r} must be integers"
+        ) from None
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} must be in 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
+    return Ranks(rank, world)
+
+
+@contextlib.contextmanager
+def process_group(ranks: Ranks, timeout_seconds: float) -> Iterator[None]:
+    """Joins the run's process group (gloo; only where there are several ranks) for the
+    block and leaves it after, also on failure, so that no rank is left waiting on it."""
+    if not isinstance(timeout_seconds, (int, float)) or isinstance(timeout_seconds, bool) or not timeout_seconds > 0:
+        raise ValueError(f"timeout_seconds must be a number > 0, got {timeout_seconds!r}")
+    joined = ranks.world > 1 and not dist.is_initialized()
+    if joined:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
+    try:
+        yield
+    finally:
+        if joined and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def shared_plan(make: Callable[[], StagePlan], ranks: Ranks) -> StagePlan:
+    """The plan rank 0 makes with ``make()``, on every rank: the ranks agree on it without
+    each planning, and where rank 0 cannot plan, every rank raises (rank 0 its own error,
+    the others a ValueError quoting it), before any weight is read."""
+    if ranks.world == 1:
+        return make()
+    box: list[Any] = [None]
+    failure: Exception | None = None
+    if ranks.rank == 0:
+        try:
+            box[0] = ("plan", make().to_json())
+        except (FitError, ValueError, TypeError) as error:
+            failure, box[0] = error, ("error", str(error))
+    _collective(lambda: dist.broadcast_object_list(box, src=0), ranks.rank, "sharing the plan")
+    if failure is not None:
+        raise failure
+    what, text = box[0]
+    if what == "error":
+        raise ValueError(f"rank {ranks.rank}: rank 0 could not plan the stages: {text}")
+    return StagePlan.from_json(text)
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank measured: its peak against its prediction and budget, the bytes it
+    read from the checkpoint files (the process's read calls while loading) against its
+    stage's tensor bytes, and its times per run (the whole call; in send and receive)."""
+
+    rank: int
+    device: str
+    holds: str
+    budget_bytes: int
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+    peak_rss_bytes: int | None
+    load_peak_bytes: int
+    read_bytes: int | None
+    stage_read_bytes: int
+    load_seconds: float
+    seconds: float
+    link_seconds: float
+    sent_bytes: int
+    measured_by: str
+
+    @property
+    def within_budget(self) -> bool:
+        return self.measured_peak_bytes <= self.budget_bytes
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """A run across the stages, as rank 0 has it: every rank's report, and the result
+    (a causal LM's generated tokens; an encoder's embeddings) with its tokens/s."""
+
+    plan: StagePlan
+    reports: tuple[RankReport, ...]
+    tokens: tuple[int, ...]
+    embeddings: torch.Tensor | None
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.plan.model,
+            "kind": self.plan.kind,
+            "ranks": len(self.reports),
+            "seconds": self.seconds,
+            "tokens": list(self.tokens),
+            "reports": [asdict(r) | {"within_budget": r.within_budget} for r in self.reports],
+        }
+
+
+def _read_calls_bytes() -> int | None:
+    """Bytes this process has read through read calls (Linux's ``rchar``), or None."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _stage_call(
+    model: Any, plan: StagePlan, rank: int, link: Link, device: torch.device, inputs: dict, new_tokens: int
+) -> Callable[[], Any]:
+    """One run of this rank's part: a generation of ``new_tokens`` tokens or one encoding."""
+    world, kind = len(plan.stages), plan.kind
+    first, last = rank == 0, rank == world - 1
+    ids = inputs["input_ids"].to(device)
+    mask = inputs.get("attention_mask")
+    mask = mask.to(device) if mask is not None else None
+
+    def forward(tensor: torch.Tensor | None, cache: dict, extra: dict) -> Any:
+        if first:
+            return model(input_ids=tensor, **extra, **cache)
+        received = link.recv(rank - 1, device)
+        return model(inputs_embeds=received, **extra, **cache)
+
+    @torch.inference_mode()
+    def encode() -> torch.Tensor | None:
+        extra = {"attention_mask": mask} if mask is not None else {}
+        hidden = forward(ids, {}, extra).last_hidden_state
+        if not last:
+            link.send(hidden, rank + 1)
+            return None
+        weights = (mask if mask is not None else torch.ones(ids.shape, device=device)).unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * weights).sum(1) / weights.sum(1).clamp_min(1e-9)
+        return torch.nn.functional.normalize(pooled.float(), dim=-1)
+
+    keeps_last = last and keeps_last_logits(model)
+
+    @torch.inference_mode()
+    def generate() -> tuple[int, ...] | None:
+        cache = cache_argument(model)
+        tokens: list[int] = []
+        step_input = ids
+        for step in range(new_tokens):
+            extra = {"use_cache": True}
+            if step == 0 and keeps_last:
+                extra["logits_to_keep"] = torch.tensor([ids.shape[1] - 1], device=device)
+            out = forward(step_input, cache, extra)
+            if not last:
+                link.send(out.logits, rank + 1)
+            else:
+                token = next_token(out)
+                tokens.append(int(token))
+                if world > 1 and step < new_tokens - 1:
+                    link.send(token, 0, "sending the next token to rank 0")
+            if first and step < new_tokens - 1:
+                step_input = token if last else link.recv(world - 1, device, "waiting for the next token")
+        return tuple(tokens) if last else None
+
+    return generate if kind == CAUSAL_LM else encode
+
+
+def _timed_and_measured(
+    call: Callable[[], Any], device: torch.device, repeat: int, baseline: int, link: Link
+) -> tuple[Any, float, float, int, str]:
+    """(result, median seconds, mean seconds in ``link``'s calls, peak bytes, what measured
+    it): one warm-up call (which also opens the connections), ``repeat`` timed calls, then
+    one call measured; every rank makes the same calls, in step."""
+    backend = backends.get(device)
+    call()
+    seconds, result = [], None
+    linked = link.seconds
+    for _ in range(repeat):
+        start = time.perf_counter()
+        result = call()
+        backend.synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    linked = (link.seconds - linked) / repeat
+    if device.type == "cpu":
+        with LiveTensorBytes("cpu") as tracker:
+            call()
+        return (
+            result,
+            statistics.median(seconds),
+            linked,
+            baseline + tracker.peak,
+            "live tensors: weights + created by the run",
+        )
+    backend.reset_peak_memory(device)
+    call()
+    backend.synchronize(device)
+    info = backend.memory(device)
+    return result, statistics.median(seconds), linked, info.peak, info.source
+
+
+def run_stage(
+    folder: str | Path,
+    plan: StagePlan,
+    inputs: Mapping[str, torch.Tensor],
+    ranks: Ranks,
+    *,
+    max_new_tokens: int = 0,
+    repeat: int = 3,
+    timeout_seconds: float = 60.0,
+) -> StageRun | None:
+    """Run this rank's stage of ``plan`` with every other rank (the process group is
+    joined here and left on return, also on failure) and return the whole run's
+    :class:`StageRun` on rank 0 (None on the others). ``inputs``: the first stage's, the
+    same on every rank; ``max_new_tokens``: a causal LM's tokens to generate; ``repeat``:
+    timed runs after a warm-up, then one measured run; ``timeout_seconds``: the longest a
+    rank waits on a peer before the run ends with :class:`StageError`."""
+    check_type("plan", plan, StagePlan)
+    check_type("ranks", ranks, Ranks)
+    if ranks.world != len(plan.stages):
+        raise ValueError(f"the plan has {len(plan.stages)} stages; this run has {ranks.world} ranks (WORLD_SIZE)")
+    check_count("repeat", repeat, least=1)
+    if plan.kind == CAUSAL_LM:
+        check_count("max_new_tokens", max_new_tokens, least=1)
+    stage = plan.stages[ranks.rank]
+    device = torch.device(stage.device)
+    with process_group(ranks, timeout_seconds):
+        model, _ = skeleton(folder, plan.kind)
+        cut(model, plan.kind, stage.start, stage.end)
+        read_before = _read_calls_bytes()
+        loaded = measure_load(lambda: load(folder, plan=stage.plan, model=model, kind=plan.kind)[0], device)
+        read_after = _read_calls_bytes()
+        model = loaded.model
+        link = Link(ranks.rank, timeout_seconds)
+        call = _stage_call(model, plan, ranks.rank, link, device, dict(inputs), max_new_tokens)
+        rss_reset = reset_process_peak()
+        sent = link.sent_bytes
+        result, seconds, linked, peak, measured_by = _timed_and_measured(
+            call, device, repeat, held_bytes(model, device), link
+        )
+        report = RankReport(
+            rank=ranks.rank,
+            device=str(device),
+            holds=stage.holds(plan.layers, plan.kind),
+            budget_bytes=stage.budget_bytes,
+            predicted_peak_bytes=stage.predicted_peak_bytes,
+            measured_peak_bytes=peak,
+            peak_rss_bytes=read_process_memory()[1] if rss_reset else None,
+            load_peak_bytes=loaded.peak_bytes,
+            read_bytes=None if read_before is None or read_after is None else read_after - read_before,
+            stage_read_bytes=stage.read_bytes,
+            load_seconds=loaded.seconds,
+            seconds=seconds,
+            link_seconds=linked,
+            sent_bytes=(link.sent_bytes - sent) // (repeat + 2),
+            measured_by=measured_by,
+        )
+        mine = (report, result if ranks.rank == ranks.world - 1 else None)
+        gathered = [mine] if ranks.world == 1 else ([None] * ranks.world if ranks.rank == 0 else None)
+        if ranks.world > 1:
+            _collective(lambda: dist.gather_object(mine, gathered, dst=0), ranks.rank, "gathering the reports")
+        if ranks.rank != 0:
+            return None
+        reports = tuple(report for report, _ in gathered)
+        final = gathered[-1][1]
+        tokens = tuple(final) if plan.kind == CAUSAL_LM else ()
+        embeddings = final if plan.kind != CAUSAL_LM else None
+        return StageRun(plan, reports, tokens, embeddings, max(r.seconds for r in reports))
+
+
+def _collective(call: Callable[[], Any], rank: int, doing: str) -> None:
+    try:
+        call()
+    except (RuntimeError, dist.DistError) as error:
+        raise StageError(
+            f"rank {rank}: a peer failed while {doing}; the run ends on every rank ({error})", rank=rank, peer=None
+        ) from None
