@@ -31,7 +31,7 @@ from torch import nn
 from tightfit._files import parse_json
 from tightfit._format import human_bytes
 from tightfit._validate import check_count, check_type
-from tightfit.distributed.split import cut, layout_of
+from tightfit.distributed.split import check_kind, cut, layout_of
 from tightfit.fitting import Allow, FitError, FitPlan, fit
 from tightfit.fitting.size import parse_size
 from tightfit.fitting.traced import DECODE, DecodeTrace
@@ -240,7 +240,7 @@ def plan_stages(
         raise ValueError(f"inputs must hold 'input_ids', a 2-D int64 tensor, got {ids!r:.100}")
     check_count("max_new_tokens", max_new_tokens)
     check_type("allow", allow, (Allow, type(None)))
-    kind = kind or folder_kind(path)
+    kind = check_kind(kind or folder_kind(path))
     model, config = skeleton(path, kind)
     layout = layout_of(model, kind)
     layers = layout.layers(model)

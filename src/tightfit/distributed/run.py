@@ -213,6 +213,7 @@ def _stage_call(
                 tokens.append(int(token))
                 if world > 1 and step < new_tokens - 1:
                     link.send(token, 0, "sending the next token to rank 0")
+            del out  # not held through the next step's forward, as a single process holds nothing of it
             if first and step < new_tokens - 1:
                 step_input = token if last else link.recv(world - 1, device, "waiting for the next token")
         return tuple(tokens) if last else None

@@ -27,7 +27,7 @@ from torch import nn
 from tightfit._validate import check_count, check_type
 from tightfit.kinds import CAUSAL_LM, ENCODER
 
-__all__ = ["Layout", "cut", "layout_of"]
+__all__ = ["Layout", "check_kind", "cut", "layout_of"]
 
 
 @dataclass(frozen=True)
@@ -48,15 +48,21 @@ class Layout:
 
 _DECODER = Layout(CAUSAL_LM, "model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"), ("", "model"))
 _ENCODER = Layout(ENCODER, "encoder.layer", ("embeddings",), (), ("",))
+_LAYOUTS = {CAUSAL_LM: _DECODER, ENCODER: _ENCODER}
+
+
+def check_kind(kind: str) -> str:
+    """``kind``, where stages can be cut for it; a ValueError naming the kinds that can."""
+    if kind not in _LAYOUTS:
+        raise ValueError(f"kind={kind!r} cannot be cut into stages; accepted: {', '.join(map(repr, _LAYOUTS))}")
+    return kind
 
 
 def layout_of(model: nn.Module, kind: str) -> Layout:
     """The :class:`Layout` of ``model`` run as ``kind``; a ValueError naming what is missing
     where the model is laid out otherwise (it cannot be cut into stages)."""
     check_type("model", model, nn.Module)
-    layout = {CAUSAL_LM: _DECODER, ENCODER: _ENCODER}.get(kind)
-    if layout is None:
-        raise ValueError(f"kind={kind!r} cannot be cut into stages; accepted: {CAUSAL_LM!r}, {ENCODER!r}")
+    layout = _LAYOUTS[check_kind(kind)]
     names = dict(model.named_modules())
     missing = [name for name in (layout.stack, *layout.first, *layout.last) if name not in names]
     if missing or not isinstance(names.get(layout.stack), nn.ModuleList):

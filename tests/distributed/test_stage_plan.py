@@ -1,0 +1,159 @@
+"""Stage plans made before any weight is read: the cut model computes what the whole model
+computes, stages chained in one process; every stage within its budget; a budget no single
+process holds planned over two ranks; refusals naming the rank; bad inputs refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from tightfit.app.models import default_model_dir, embed, load_tokenizer, save_causal_lm
+from tightfit.app.run import DEFAULT_SENTENCES
+from tightfit.app.stages_command import stage_budgets
+from tightfit.distributed import StagePlan, plan_stages
+from tightfit.distributed.split import cut, layout_of
+from tightfit.fitting import FitError
+from tightfit.loading import load
+from tightfit.loading.folder import skeleton
+
+LM = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+PROMPT = {"input_ids": torch.tensor([[5, 17, 99, 2000, 7, 12]])}
+
+
+@pytest.fixture(scope="module")
+def lm_folder(tmp_path_factory):
+    return save_causal_lm(tmp_path_factory.mktemp("stages-lm"), **LM, seed=1)
+
+
+def _loaded_stages(folder, plan):
+    stages = []
+    for stage in plan.stages:
+        model, _ = skeleton(folder, plan.kind)
+        cut(model, plan.kind, stage.start, stage.end)
+        stages.append(load(folder, plan=stage.plan, model=model, kind=plan.kind)[0])
+    return stages
+
+
+def test_causal_lm_stages_chained_generate_the_whole_models_tokens(lm_folder):
+    from tightfit.app.generation import generate_greedy
+    from tightfit.app.kv_cache import cache_argument
+
+    plan = plan_stages(lm_folder, ["12MB", "3MB", "12MB"], PROMPT, max_new_tokens=6)
+    assert all(s.predicted_peak_bytes <= s.budget_bytes for s in plan.stages)
+    stages = _loaded_stages(lm_folder, plan)
+    whole = load(lm_folder, "100MB")[0]
+    expected = generate_greedy(whole, PROMPT["input_ids"], 6).tokens
+    caches = [cache_argument(stage) for stage in stages]
+    tokens, step = [], PROMPT["input_ids"]
+    with torch.inference_mode():
+        for _ in range(6):
+            hidden = stages[0](input_ids=step, use_cache=True, **caches[0]).logits
+            hidden = stages[1](inputs_embeds=hidden, use_cache=True, **caches[1]).logits
+            step = stages[2](inputs_embeds=hidden, use_cache=True, **caches[2]).logits[:, -1:].argmax(-1)
+            tokens.append(int(step))
+    assert tuple(tokens) == expected
+    names = [{n for n, _ in stage.named_parameters()} for stage in stages]
+    assert "model.embed_tokens.weight" in names[0] and "lm_head.weight" in names[2]
+    middle = plan.stages[1]
+    assert all(int(n.split(".")[2]) in range(middle.start, middle.end) for n in names[1])
+
+
+def test_encoder_stages_chained_embed_as_the_whole_model():
+    folder = default_model_dir()
+    tokenizer = load_tokenizer(folder)
+    batch = tokenizer(list(DEFAULT_SENTENCES), padding=True, return_tensors="pt")
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    plan = plan_stages(folder, ["60MB", "60MB"], inputs)
+    assert plan.kind == "encoder" and len(plan.stages) == 2
+    first, second = _loaded_stages(folder, plan)
+    with torch.inference_mode():
+        hidden = first(**inputs).last_hidden_state
+        out = second(inputs_embeds=hidden, attention_mask=inputs["attention_mask"]).last_hidden_state
+    whole = load(folder, "200MB")[0]
+    mask = inputs["attention_mask"].unsqueeze(-1).float()
+    pooled = torch.nn.functional.normalize((out * mask).sum(1) / mask.sum(1), dim=-1)
+    assert torch.equal(pooled, embed(whole, tokenizer, list(DEFAULT_SENTENCES), torch.device("cpu")))
+
+
+def test_a_budget_no_single_process_holds_is_planned_over_two_ranks(lm_folder):
+    with pytest.raises(FitError):
+        plan_stages(lm_folder, ["10MB"], PROMPT, max_new_tokens=4)
+    plan = plan_stages(lm_folder, ["10MB", "10MB"], PROMPT, max_new_tokens=4)
+    assert [s.predicted_peak_bytes <= 10**7 for s in plan.stages] == [True, True]
+    assert sum(s.read_bytes for s in plan.stages) == plan.checkpoint_bytes
+    assert StagePlan.from_json(plan.to_json()) == plan
+    table = str(plan)
+    assert "embedding, layers 0-1" in table and "layers 2-3, norm, head" in table
+
+
+def test_a_rank_that_cannot_hold_even_one_layer_is_named(lm_folder):
+    with pytest.raises(FitError, match=r"rank 1 \(cpu, budget .*\) cannot hold its stage .*dominated by"):
+        plan_stages(lm_folder, ["40MB", "1MB"], PROMPT, max_new_tokens=4)
+
+
+def test_unequal_budgets_move_layers_to_the_rank_with_room(lm_folder):
+    plan = plan_stages(lm_folder, ["9MB", "30MB"], PROMPT, max_new_tokens=4)
+    assert plan.stages[0].end < plan.stages[1].end - plan.stages[1].start + 1
+    assert all(s.predicted_peak_bytes <= s.budget_bytes for s in plan.stages)
+
+
+@pytest.mark.parametrize(
+    ("budgets", "inputs", "kwargs", "error", "match"),
+    [
+        ("60MB", PROMPT, {}, TypeError, "budgets must be a non-empty list of sizes"),
+        ([], PROMPT, {}, TypeError, "budgets must be a non-empty list"),
+        ({}, PROMPT, {}, ValueError, "budgets is empty"),
+        (["1MB"] * 5, PROMPT, {}, ValueError, "5 ranks for 4 layers"),
+        (["1 parsec"], PROMPT, {}, ValueError, r"budgets\[0\]"),
+        (["9MB"], {"ids": 1}, {}, ValueError, "inputs must hold 'input_ids'"),
+        (["9MB"], {"input_ids": torch.ones(3)}, {}, ValueError, "2-D int64"),
+        (["9MB"], PROMPT, {"max_new_tokens": -1}, ValueError, "max_new_tokens"),
+        (["9MB"], PROMPT, {"devices": ["cpu", "cpu"]}, ValueError, "one device per budget"),
+        (["9MB"], PROMPT, {"kind": "encoder-decoder"}, ValueError, "cannot be cut into stages"),
+        (["9MB"], PROMPT, {"allow": "keep"}, TypeError, "allow"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_is_read(lm_folder, budgets, inputs, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        plan_stages(lm_folder, budgets, inputs, **kwargs)
+
+
+def test_cut_refuses_a_model_it_cannot_cut_and_a_bad_range(lm_folder):
+    with pytest.raises(ValueError, match="is not laid out as stages are cut"):
+        layout_of(nn.Linear(2, 2), "causal-lm")
+    model, _ = skeleton(lm_folder, "causal-lm")
+    for start, end in ((2, 2), (0, 5), (3, 1)):
+        with pytest.raises(ValueError, match=r"is not a range of the 4 layers"):
+            cut(model, "causal-lm", start, end)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.text(max_size=200))
+def test_a_stage_plan_read_from_any_text_is_a_plan_or_a_clear_error(text):
+    try:
+        StagePlan.from_json(text)
+    except (ValueError, TypeError) as error:
+        assert "text" in str(error)
+
+
+def test_a_stage_plan_with_a_gap_or_a_key_changed_is_refused(lm_folder):
+    data = json.loads(plan_stages(lm_folder, ["10MB", "10MB"], PROMPT).to_json())
+    data["stages"][1]["start"] += 1
+    with pytest.raises(ValueError, match="must cover layers 0-3 in order"):
+        StagePlan.from_json(json.dumps(data))
+    data["stages"][1]["start"] -= 1
+    data["stages"][0]["extra"] = 1
+    with pytest.raises(ValueError, match="each stage holds"):
+        StagePlan.from_json(json.dumps(data))
+
+
+def test_budget_option_gives_every_rank_one_size_or_one_each():
+    assert stage_budgets("60MB", 3) == ["60MB"] * 3
+    assert stage_budgets("50MB, 70MB", 2) == ["50MB", "70MB"]
+    with pytest.raises(ValueError, match="names 3 sizes for 2 ranks"):
+        stage_budgets("1MB,2MB,3MB", 2)
