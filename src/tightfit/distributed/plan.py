@@ -354,12 +354,13 @@ def _read_bytes(stage: nn.Module, checkpoint: Checkpoint) -> int:
 
 def _refusal(rank: int, bounds: list[int], error: FitError, devices: list[str], layers: int, reason: str) -> FitError:
     start, end = bounds[rank], bounds[rank + 1]
-    what = ", ".join(f"{part}: {human_bytes(size)}" for part, size in error.parts[:3])
+    span = f"layers {start}-{end - 1}" if end - start > 1 else f"layer {start}"
+    parts = "; ".join(f"{part}: {human_bytes(size)}" for part, size in error.parts[:3])
+    least = human_bytes(error.smallest_peak_bytes)
     return FitError(
-        f"rank {rank} ({devices[rank]}, budget {human_bytes(error.budget_bytes)}) cannot hold its stage (layers "
-        f"{start}-{end - 1} of {layers}), and {reason}: its smallest peak is {human_bytes(error.smallest_peak_bytes)} "
-        f"({error.smallest_peak_bytes:,} B), dominated by {error.parts[0][0] if error.parts else 'its weights'} ({what}). "
-        f"Give rank {rank} at least {human_bytes(error.smallest_peak_bytes)}, or more ranks",
+        f"rank {rank} ({devices[rank]}, budget {human_bytes(error.budget_bytes)}) cannot hold its stage ({span} of "
+        f"{layers}), and {reason}: its smallest peak is {least} ({error.smallest_peak_bytes:,} B); largest parts: "
+        f"{parts}. Give rank {rank} at least {least}, or more ranks",
         budget_bytes=error.budget_bytes,
         smallest_peak_bytes=error.smallest_peak_bytes,
         parts=error.parts,
