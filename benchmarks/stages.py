@@ -155,6 +155,7 @@ def main() -> None:
                 "rank: holds",
                 "predicted",
                 "measured",
+                "peak RSS",
                 "within",
                 "ms in send/recv per generation",
                 "read while loading",

@@ -70,6 +70,7 @@ PAGES = [
     "docs/training.md",
     "docs/architecture.md",
     "docs/gpu.md",
+    "docs/distributed.md",
 ]
 #: Pages with outputs but no Python example of their own.
 OUTPUT_PAGES = [*PAGES, "docs/backends.md"]
@@ -107,6 +108,10 @@ NOT_COMPARED = {
     ("docs/memory.md", "$ python benchmarks/memory_plan.py"): (
         "a benchmark over four models, inference and training, each run in several runtimes: minutes; "
         "tests/memory holds its predictions to the measured peaks"
+    ),
+    ("docs/distributed.md", "$ torchrun --nproc-per-node 2 --no-python tightfit stages --budget 60MB"): (
+        "started by torchrun, two processes; tests/distributed runs the command under torchrun and holds each "
+        "rank's measured peak to its plan and budget"
     ),
     ("docs/ops.md", "$ make fuzz"): (
         "22,000 cases in worker processes, minutes on 2 cores; tests/ops, tests/quant and tests/loading run "
