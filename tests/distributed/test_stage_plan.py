@@ -92,7 +92,9 @@ def test_a_budget_no_single_process_holds_is_planned_over_two_ranks(lm_folder):
 
 
 def test_a_rank_that_cannot_hold_even_one_layer_is_named(lm_folder):
-    with pytest.raises(FitError, match=r"rank 1 \(cpu, budget .*\) cannot hold its stage \(layer 3 of 4\).*largest parts: weights of"):
+    with pytest.raises(
+        FitError, match=r"rank 1 \(cpu, budget .*\) cannot hold its stage \(layer 3 of 4\).*largest parts: weights of"
+    ):
         plan_stages(lm_folder, ["40MB", "1MB"], PROMPT, max_new_tokens=4)
 
 
