@@ -1,12 +1,14 @@
 """One rank of a stage run, as a test starts it (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT`` set): plans on rank 0, runs its stage, and rank 0 saves the run's result
 and reports to ``OUT``. ``--die-at-send N``: this rank exits abruptly at its N-th send, as
-a crashed process does (the test of what the other ranks then do)."""
+a crashed process does; ``--hang-at-send N``: it stops answering there, as a stuck one
+does (the tests of what the other ranks then do)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 
@@ -22,15 +24,19 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--die-at-send", type=int, default=0)
+    parser.add_argument("--hang-at-send", type=int, default=0)
     args = parser.parse_args()
     ranks = ranks_from_environment()
-    if args.die_at_send:
-        sends = iter(range(args.die_at_send, 0, -1))
+    fault_at = args.die_at_send or args.hang_at_send
+    if fault_at:
+        sends = iter(range(fault_at, 0, -1))
         original = link.Link.send
 
         def send(self, *a, **k):
             if next(sends, 0) == 1:
-                os._exit(9)
+                if args.die_at_send:
+                    os._exit(9)
+                time.sleep(3600)
             return original(self, *a, **k)
 
         link.Link.send = send

@@ -37,9 +37,10 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _spawn(folder, tmp_path, budgets, *, die=None, timeout=30.0):
-    """Start one process per budget as torchrun would (the environment it sets); rank
-    ``die[0]`` exits at its ``die[1]``-th send. Returns (processes, rank 0's output file)."""
+def _spawn(folder, tmp_path, budgets, *, fault=None, timeout=30.0):
+    """Start one process per budget as torchrun would (the environment it sets); with
+    ``fault`` (rank, "die" or "hang", N), that rank exits or stops answering at its N-th
+    send. Returns (processes, rank 0's output file)."""
     inputs = tmp_path / "inputs.pt"
     torch.save({"input_ids": PROMPT}, inputs)
     out = tmp_path / "run.pt"
@@ -50,14 +51,14 @@ def _spawn(folder, tmp_path, budgets, *, die=None, timeout=30.0):
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         command = [sys.executable, str(SCRIPT), str(folder), str(out), "--budgets", *budgets, "--inputs", str(inputs)]
         command += ["--max-new-tokens", str(NEW_TOKENS), "--timeout", str(timeout)]
-        if die is not None and die[0] == rank:
-            command += ["--die-at-send", str(die[1])]
+        if fault is not None and fault[0] == rank:
+            command += [f"--{fault[1]}-at-send", str(fault[2])]
         processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return processes, out
 
 
 def test_a_rank_that_dies_ends_every_other_rank_with_an_error_naming_it(lm_folder, tmp_path):
-    processes, _ = _spawn(lm_folder, tmp_path, ["25MB", "25MB"], die=(1, 3), timeout=20.0)
+    processes, _ = _spawn(lm_folder, tmp_path, ["25MB", "25MB"], fault=(1, "die", 3), timeout=20.0)
     start = time.monotonic()
     _, err = processes[0].communicate(timeout=60)
     elapsed = time.monotonic() - start
@@ -85,7 +86,22 @@ def test_two_ranks_under_torchrun_generate_the_single_process_tokens_within_thei
     assert [s["rank"] for s in run["plan"]["stages"]] == [0, 1]
     for report in run["reports"]:
         assert report["measured_peak_bytes"] <= report["budget_bytes"] < full_bytes
+        assert report["load_peak_bytes"] <= report["predicted_load_peak_bytes"] <= report["budget_bytes"]
         assert abs(report["measured_peak_bytes"] / report["predicted_peak_bytes"] - 1) < 0.02
         # the process's read calls while loading: its own tensors, and less than another stage's
         assert report["stage_read_bytes"] <= report["read_bytes"] < report["stage_read_bytes"] + 4 * 2**20
         assert report["stage_read_bytes"] < 0.7 * full_bytes
+
+
+def test_a_rank_that_stops_answering_ends_the_waiting_rank_after_the_timeout(lm_folder, tmp_path):
+    start = time.monotonic()
+    processes, _ = _spawn(lm_folder, tmp_path, ["25MB", "25MB"], fault=(1, "hang", 3), timeout=4.0)
+    try:
+        _, err = processes[0].communicate(timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        processes[1].kill()
+        processes[1].communicate()
+    assert processes[0].returncode != 0
+    assert "StageError: rank 0: rank 1 did not answer within 4 s while waiting for the next token" in err, err[-2000:]
+    assert elapsed < 45  # start-up, planning and loading, a step, then the 4 s

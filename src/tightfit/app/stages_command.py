@@ -106,7 +106,7 @@ def _print_run(run: StageRun, folder: Any, console: Console) -> None:
     else:
         console.print(f"embedded {run.embeddings.shape[0]} sentences in {run.seconds * 1e3:.1f} ms", highlight=False)
     console.print(
-        f"{'rank':>4}  {'budget':>10} {'predicted':>10} {'measured':>10} {'peak RSS':>10} {'read':>10} {'its tensors':>11} "
+        f"{'rank':>4}  {'budget':>10} {'predicted':>10} {'measured':>10} {'loading':>10} {'peak RSS':>10} {'read':>10} {'its tensors':>11} "
         f"{'s/run':>7} {'in send/recv':>12} {'sent':>9}",
         highlight=False,
         markup=False,
@@ -116,7 +116,8 @@ def _print_run(run: StageRun, folder: Any, console: Console) -> None:
         read = human_bytes(r.read_bytes) if r.read_bytes is not None else "-"
         console.print(
             f"{r.rank:>4}  {human_bytes(r.budget_bytes):>10} {human_bytes(r.predicted_peak_bytes):>10} "
-            f"{human_bytes(r.measured_peak_bytes):>10} {rss:>10} {read:>10} {human_bytes(r.stage_read_bytes):>11} "
+            f"{human_bytes(r.measured_peak_bytes):>10} {human_bytes(r.load_peak_bytes):>10} {rss:>10} {read:>10} "
+            f"{human_bytes(r.stage_read_bytes):>11} "
             f"{r.seconds:>7.3f} {r.link_seconds:>12.3f} {human_bytes(r.sent_bytes):>9}",
             highlight=False,
             markup=False,
@@ -124,7 +125,8 @@ def _print_run(run: StageRun, folder: Any, console: Console) -> None:
     within = sum(r.within_budget for r in run.reports)
     console.print(
         f"{within} of {len(run.reports)} ranks within their budgets (measured: {run.reports[0].measured_by}; "
-        f"read: the process's read calls while loading; in send/recv: waiting for the peer included)",
+        f"loading: the peak while its checkpoint streamed in; read: the process's read calls while loading; "
+        f"in send/recv: waiting for the peer included)",
         highlight=False,
         markup=False,
         soft_wrap=True,

@@ -109,9 +109,10 @@ def shared_plan(make: Callable[[], StagePlan], ranks: Ranks) -> StagePlan:
 
 @dataclass(frozen=True)
 class RankReport:
-    """What one rank measured: its peak against its prediction and budget, the bytes it
-    read from the checkpoint files (the process's read calls while loading) against its
-    stage's tensor bytes, and its times per run (the whole call; in send and receive)."""
+    """What one rank measured: its peak (running, and while loading) against its
+    prediction and budget, the bytes it read from the checkpoint files (the process's read
+    calls while loading) against its stage's tensor bytes, and its times per run (the
+    whole call; in send and receive)."""
 
     rank: int
     device: str
@@ -121,6 +122,7 @@ class RankReport:
     measured_peak_bytes: int
     peak_rss_bytes: int | None
     load_peak_bytes: int
+    predicted_load_peak_bytes: int
     read_bytes: int | None
     stage_read_bytes: int
     load_seconds: float
@@ -131,7 +133,8 @@ class RankReport:
 
     @property
     def within_budget(self) -> bool:
-        return self.measured_peak_bytes <= self.budget_bytes
+        """Whether the rank stayed within its budget, running and while loading."""
+        return max(self.measured_peak_bytes, self.load_peak_bytes) <= self.budget_bytes
 
 
 @dataclass(frozen=True)
@@ -302,6 +305,7 @@ def run_stage(
             measured_peak_bytes=peak,
             peak_rss_bytes=read_process_memory()[1] if rss_reset else None,
             load_peak_bytes=loaded.peak_bytes,
+            predicted_load_peak_bytes=stage.plan.predicted_load_peak_bytes,
             read_bytes=None if read_before is None or read_after is None else read_after - read_before,
             stage_read_bytes=stage.read_bytes,
             load_seconds=loaded.seconds,
