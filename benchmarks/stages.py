@@ -7,10 +7,13 @@ as its `max_memory` (the rest offloaded to disk): on a CPU-only machine accelera
 second device, so that is what it does with the same per-device budget.
 
 The model is Llama-style with random weights (this measures memory and time, not
-quality): 512 hidden, 12 layers, the default model's 30,522-token vocabulary, float32.
+quality): 512 hidden, 12 layers, the default model's 30,522-token vocabulary, float32
+(``--size tiny``: 64 hidden, 4 layers, for a quick check). ``--devices cuda:0 cpu`` runs the
+stages on those devices of one process instead (`tightfit stages --budget
+cuda:0=SIZE,cpu=SIZE`), beside accelerate's `device_map` with the same `max_memory`.
 
-Run: python benchmarks/stages.py [--total 380MB] [--ranks 1 2 4] [--new-tokens 32]
-[--no-accelerate] [--out benchmarks/results/stages.md]
+Run: python benchmarks/stages.py [--total 380MB] [--ranks 1 2 4 | --devices DEV ...]
+[--size small|tiny] [--new-tokens 32] [--no-accelerate] [--out benchmarks/results/stages.md]
 """
 
 from __future__ import annotations
@@ -23,42 +26,56 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_lines, markdown_table  # noqa: E402
+from _common import ReadRoof, machine_lines, markdown_table  # noqa: E402
 
 from tightfit._format import human_bytes  # noqa: E402
 from tightfit.app.generation_job import DEFAULT_PROMPT  # noqa: E402
 from tightfit.app.models import save_causal_lm  # noqa: E402
 from tightfit.fitting import parse_size  # noqa: E402
 
-SIZES = dict(
-    hidden_size=512, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4
-)
+SIZES = {
+    "small": dict(
+        hidden_size=512, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4
+    ),
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
+    ),
+}
 
 
-def run_stages(folder: Path, ranks: int, per_rank: int, new_tokens: int) -> dict:
-    tightfit = Path(sys.executable).with_name("tightfit")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    command += ["--no-python", str(tightfit), "stages", "--model", str(folder), "--budget", str(per_rank)]
+def run_stages(folder: Path, budget: str, new_tokens: int, ranks: int | None) -> dict:
+    """``tightfit stages --json`` as a user types it: under torchrun with ``ranks``
+    processes, or (``ranks`` None, a budget per device) in one process."""
+    tightfit = str(Path(sys.executable).with_name("tightfit"))
+    command = [tightfit, "stages", "--model", str(folder), "--budget", budget]
     command += ["--max-new-tokens", str(new_tokens), "--repeat", "3", "--json"]
-    threads = max(os.cpu_count() // ranks, 1)
-    done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+    env = dict(os.environ)
+    if ranks is not None:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+        command = [*launch, "--no-python", *command]
+        env["OMP_NUM_THREADS"] = str(max(os.cpu_count() // ranks, 1))
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"}
     return json.loads(done.stdout)
 
 
-def run_accelerate(folder: Path, per_device: int, new_tokens: int) -> dict:
-    """accelerate's device_map in one process: max_memory one rank's share, the rest on disk."""
+def run_accelerate(folder: Path, max_memory: dict, new_tokens: int) -> dict:
+    """accelerate's device_map in one process with ``max_memory``, the rest offloaded to disk."""
     script = f"""
-import json, time, resource, tempfile, torch
+import json, time, tempfile, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from tightfit.backends.cpu import read_process_memory, reset_process_peak
+reset_process_peak()  # the peak RSS a process inherits through exec (its parent's) is not its own
 tokenizer = AutoTokenizer.from_pretrained({str(folder)!r})
 ids = tokenizer({DEFAULT_PROMPT!r}, return_tensors="pt")["input_ids"]
 with tempfile.TemporaryDirectory() as offload:
-    model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, device_map="auto", max_memory={{"cpu": {per_device}}},
+    model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, device_map="auto", max_memory={max_memory!r},
                                                  offload_folder=offload)
-    placed = {{str(v) for v in model.hf_device_map.values()}}
+    placed = {{str(v) for v in getattr(model, "hf_device_map", {{"": "cpu"}}).values()}}
     model.generate(ids, max_new_tokens=2, do_sample=False)
     times = []
     for _ in range(3):
@@ -66,7 +83,7 @@ with tempfile.TemporaryDirectory() as offload:
         out = model.generate(ids, max_new_tokens={new_tokens}, min_new_tokens={new_tokens}, do_sample=False)
         times.append(time.perf_counter() - start)
 times.sort()
-print(json.dumps({{"seconds": times[1], "placed": sorted(placed), "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+print(json.dumps({{"seconds": times[1], "placed": sorted(placed), "peak_rss": read_process_memory()[1],
                   "tokens": out[0, ids.shape[1]:].tolist()}}))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
@@ -75,101 +92,147 @@ print(json.dumps({{"seconds": times[1], "placed": sorted(placed), "peak_rss": re
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _rows(label: str, budget: str, run: dict, new_tokens: int) -> list[list[str]]:
+    rows = []
+    for report in run["reports"]:
+        rows.append(
+            [
+                label if report["rank"] == 0 else "",
+                budget,
+                f"{report['rank']} ({report['device']}): {report['holds']}",
+                human_bytes(report["predicted_peak_bytes"]),
+                human_bytes(report["measured_peak_bytes"]),
+                human_bytes(report["peak_rss_bytes"]) if report["peak_rss_bytes"] is not None else "-",
+                "yes" if report["within_budget"] else "NO",
+                f"{report['link_seconds'] * 1e3:.1f}",
+                human_bytes(report["read_bytes"]) if report["read_bytes"] is not None else "-",
+                f"{new_tokens / run['seconds']:.1f}" if report["rank"] == 0 else "",
+            ]
+        )
+    return rows
+
+
+def _accelerate_row(label: str, budget: str, result: dict, new_tokens: int) -> list[str]:
+    if "error" in result:
+        return [label, budget, *["-"] * 7, result["error"][:120]]
+    return [
+        label,
+        budget,
+        f"placed on {', '.join(result['placed'])}",
+        "-",
+        "-",
+        human_bytes(result["peak_rss"]),
+        "-",
+        "-",
+        "-",
+        f"{new_tokens / result['seconds']:.1f}",
+    ]
+
+
+def _memory_key(device: str) -> int | str:
+    """accelerate's max_memory key for a device: its index for an accelerator, "cpu"."""
+    parsed = torch.device(device)
+    return "cpu" if parsed.type == "cpu" else (parsed.index or 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--total", default="380MB", help="the total budget, shared equally by the ranks")
+    parser.add_argument("--total", default="380MB", help="the total budget, shared equally by the ranks or devices")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument(
+        "--devices", nargs="+", help="instead of ranks: stages on these devices of one process (e.g. cuda:0 cpu)"
+    )
+    parser.add_argument("--size", choices=list(SIZES), default="small")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--no-accelerate", action="store_true")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "stages.md")
     args = parser.parse_args()
     total = parse_size(args.total, "--total")
-    rows, tokens = [], {}
+    sizes = SIZES[args.size]
+    rows, tokens, speeds = [], {}, []
+    on_cpu = not args.devices or args.devices == ["cpu"]
+    roof = ReadRoof() if on_cpu else None
     with tempfile.TemporaryDirectory() as scratch:
-        folder = save_causal_lm(Path(scratch) / "lm", **SIZES, seed=0)
+        folder = save_causal_lm(Path(scratch) / "lm", **sizes, seed=0)
         weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-        for ranks in args.ranks:
-            per_rank = total // ranks
-            run = run_stages(folder, ranks, per_rank, args.new_tokens)
+        # a decode step reads every weight but the embedding table, of which it reads a row
+        per_token = weights - 30522 * sizes["hidden_size"] * 4
+        if args.devices:
+            per = total // len(args.devices)
+            configs = [("tightfit, one process", ",".join(f"{d}={per}" for d in args.devices), None)]
+            accelerated = [({_memory_key(d): per for d in args.devices}, human_bytes(per))]
+        else:
+            configs = [(f"tightfit, {n} ranks", str(total // n), n) for n in args.ranks]
+            accelerated = [({"cpu": total // n}, human_bytes(total // n)) for n in args.ranks[1:]]
+        for label, budget, ranks in configs:
+            if roof is not None:
+                roof.measure()
+            shown = human_bytes(total // (ranks or len(args.devices)))
+            run = run_stages(folder, budget, args.new_tokens, ranks)
             if "error" in run:
-                rows.append(
-                    [f"tightfit, {ranks} ranks", human_bytes(per_rank), "-", "-", "-", "-", "-", "-", run["error"]]
-                )
+                rows.append([label, shown, *["-"] * 7, run["error"]])
                 continue
-            tokens[ranks] = tuple(run["tokens"])
-            for report in run["reports"]:
-                rows.append(
-                    [
-                        f"tightfit, {ranks} ranks" if report["rank"] == 0 else "",
-                        human_bytes(per_rank),
-                        f"{report['rank']}: {report['holds']}",
-                        human_bytes(report["predicted_peak_bytes"]),
-                        human_bytes(report["measured_peak_bytes"]),
-                        human_bytes(report["peak_rss_bytes"]) if report["peak_rss_bytes"] is not None else "-",
-                        "yes" if report["within_budget"] else "NO",
-                        f"{report['link_seconds'] * 1e3:.1f}",
-                        human_bytes(report["read_bytes"]) if report["read_bytes"] is not None else "-",
-                        f"{args.new_tokens / run['seconds']:.1f}" if report["rank"] == 0 else "",
-                    ]
-                )
-        if not args.no_accelerate:
-            for ranks in args.ranks[1:]:
-                per = total // ranks
-                result = run_accelerate(folder, per, args.new_tokens)
-                if "error" in result:
-                    rows.append(
-                        ["accelerate device_map (one process)", human_bytes(per), *["-"] * 7, result["error"][:120]]
-                    )
-                    continue
-                rows.append(
-                    [
-                        "accelerate device_map (one process)",
-                        human_bytes(per),
-                        f"placed on {', '.join(result['placed'])}",
-                        "-",
-                        "-",
-                        human_bytes(result["peak_rss"]),
-                        "-",
-                        "-",
-                        "-",
-                        f"{args.new_tokens / result['seconds']:.1f}",
-                    ]
-                )
+            tokens[label] = tuple(run["tokens"])
+            rows += _rows(label, shown, run, args.new_tokens)
+            speeds.append((rows[-len(run["reports"])], args.new_tokens / run["seconds"]))
+        for max_memory, shown in [] if args.no_accelerate else accelerated:
+            if roof is not None:
+                roof.measure()
+            result = run_accelerate(folder, max_memory, args.new_tokens)
+            rows.append(_accelerate_row("accelerate device_map (one process)", shown, result, args.new_tokens))
+            if "error" not in result:
+                speeds.append((rows[-1], args.new_tokens / result["seconds"]))
+    if roof is not None:
+        roof.measure()
+        for row, speed in speeds:
+            row.append(f"{speed * per_token / roof.bandwidth:.0%}")
+    for row in rows:
+        row.extend([""] * (11 - len(row)))
     same = len(set(tokens.values())) <= 1
+    how = f"--devices {' '.join(args.devices)}" if args.devices else f"--ranks {' '.join(map(str, args.ranks))}"
     lines = [
-        "# A causal LM across 1, 2 and 4 ranks at the same total budget",
+        "# A causal LM cut into stages at the same total budget",
         "",
         *machine_lines(
             {
-                "model": f"Llama-style, {SIZES}, float32, {human_bytes(weights)} of weights",
+                "model": f"Llama-style, {sizes}, float32, {human_bytes(weights)} of weights",
                 "total budget": human_bytes(total),
             }
         ),
         "",
-        f"Command: `python benchmarks/stages.py --total {args.total} --ranks {' '.join(map(str, args.ranks))} --new-tokens {args.new_tokens}`",
+        f"Command: `python benchmarks/stages.py --total {args.total} {how} --size {args.size} --new-tokens {args.new_tokens}`",
         "",
         markdown_table(
             [
                 "run",
-                "budget per rank",
-                "rank: holds",
+                "budget per rank or device",
+                "stage (device): holds",
                 "predicted",
                 "measured",
                 "peak RSS",
                 "within",
-                "ms in send/recv per generation",
+                "ms in send/recv (copies) per generation",
                 "read while loading",
                 "tokens/s",
+                "of roof",
             ],
             rows,
         ),
         "",
-        f"Generated tokens the same for every rank count: {'yes' if same else 'NO'} ({len(tokens)} runs).",
-        "Measured: live tensors (weights + created by the run) on each rank. In send/recv: the",
-        "seconds a rank spends in point-to-point calls per generation, waiting for its peer",
-        "included (the stages run one after another at batch 1). Peak RSS: the whole process (Python,",
-        "torch, transformers; for accelerate, the pages of its disk offload too). accelerate's",
-        "max_memory bounds the weights it places on a device, not what the process holds.",
+        f"Generated tokens the same in every tightfit run: {'yes' if same else 'NO'} ({len(tokens)} runs).",
+    ]
+    if roof is not None:
+        lines += [
+            f"Roof: {roof.describe()}, measured before each run and at the end; of roof: tokens/s times",
+            f"the {human_bytes(per_token)} a decode step reads (every weight but the embedding table) over it.",
+        ]
+    lines += [
+        "Measured: live tensors (weights + created by the run) on the CPU, the allocator's peak on an",
+        "accelerator. In send/recv: the seconds a rank spends in point-to-point calls per generation,",
+        "waiting for its peer included (the stages run one after another at batch 1); in one process,",
+        "the copies between devices. Peak RSS: the whole process (Python, torch, transformers; for",
+        "accelerate, the pages of its disk offload too). accelerate's max_memory bounds the weights it",
+        "places on a device, not what the process holds.",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -70,8 +70,8 @@ GPU_TEST_SELECTION = "cuda or gpu or triton or offload"
 
 #: Each step's time limit in seconds, per device kind, in the order the steps run.
 LIMITS = {
-    "cuda": {"tests": 100, "calls": 40, "cli": 200, "decode": 300, "quant": 60, "optim": 60, "train": 90},
-    "cpu": {"tests": 240, "calls": 60, "cli": 120, "decode": 240, "quant": 120, "optim": 120, "train": 120},
+    "cuda": {"tests": 100, "calls": 40, "cli": 200, "decode": 300, "quant": 60, "optim": 60, "train": 90, "stages": 60},
+    "cpu": {"tests": 240, "calls": 60, "cli": 120, "decode": 240, "quant": 120, "optim": 120, "train": 120, "stages": 60},
 }
 
 
@@ -153,6 +153,12 @@ def steps(device: str, out: Path) -> list[tuple[str, list[str], Path | None]]:
     train = [python, "benchmarks/train_fit.py", "--device", device, "--no-torch", "--out", str(out / "train_fit.md")]
     tiny = ["--size", "tiny", "--batch", "2", "--seq", "32", "--shares", "0.6", "--steps", "1"]
     train += tiny if cpu else ["--shares", "0.5", "0.3", "--steps", "2"]
+    stages = [python, "benchmarks/stages.py", "--out", str(out / "stages.md")]
+    stages += (
+        ["--devices", "cpu", "--size", "tiny", "--total", "40MB", "--new-tokens", "4", "--no-accelerate"]
+        if cpu
+        else ["--devices", "cuda:0", "cpu", "--total", "380MB", "--new-tokens", "32"]
+    )
     return [
         ("tests", tests, None),
         ("calls", calls, out / "calls.md"),
@@ -161,6 +167,7 @@ def steps(device: str, out: Path) -> list[tuple[str, list[str], Path | None]]:
         ("quant", quant, out / "quant.log"),
         ("optim", optim, out / "optim.md"),
         ("train", train, out / "train_fit.md"),
+        ("stages", stages, out / "stages.md"),
     ]
 
 

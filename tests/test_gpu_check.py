@@ -36,6 +36,7 @@ def test_cpu_mode_writes_every_figure(tmp_path):
         "quant": 0,
         "optim": 0,
         "train": 0,
+        "stages": 0,
     }
     calls = json.loads((tmp_path / "calls.json").read_text())["rows"]
     assert calls["nf4"]["direct_path"] and all(row["host_us_per_call"] > 0 for row in calls.values())
@@ -55,6 +56,8 @@ def test_cpu_mode_writes_every_figure(tmp_path):
     assert {row["implementation"] for row in optim} >= {"tightfit 8-bit", "torch Adam fused"}
     training = (tmp_path / "train_fit.md").read_text()
     assert "| full fine-tune | 60% |" in training and "| yes |" in training
+    stages = (tmp_path / "stages.md").read_text()
+    assert "| tightfit, one process |" in stages and "| yes |" in stages
     markdown = (tmp_path / "summary.md").read_text()
     assert "## decode (exit 0" in markdown and "| tightfit nf4 |" in markdown
 

@@ -159,3 +159,29 @@ def test_budget_option_gives_every_rank_one_size_or_one_each():
     assert stage_budgets("50MB, 70MB", 2) == ["50MB", "70MB"]
     with pytest.raises(ValueError, match="names 3 sizes for 2 ranks"):
         stage_budgets("1MB,2MB,3MB", 2)
+
+
+def test_stages_of_one_process_run_on_their_devices_and_embed_as_the_whole_model():
+    from tightfit.distributed import run_local
+
+    folder = default_model_dir()
+    tokenizer = load_tokenizer(folder)
+    batch = tokenizer(list(DEFAULT_SENTENCES), padding=True, return_tensors="pt")
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    plan = plan_stages(folder, {"cpu": "120MB"}, inputs)
+    run = run_local(folder, plan, inputs, repeat=1)
+    whole = load(folder, "200MB")[0]
+    assert torch.equal(run.embeddings, embed(whole, tokenizer, list(DEFAULT_SENTENCES), torch.device("cpu")))
+    (report,) = run.reports
+    assert abs(report.measured_peak_bytes / report.predicted_peak_bytes - 1) < 0.005 and report.within_budget
+    two = plan_stages(folder, ["60MB", "60MB"], inputs)
+    with pytest.raises(ValueError, match="several stages on one device"):
+        run_local(folder, two, inputs)
+
+
+def test_budget_option_per_device_runs_in_one_process():
+    assert stage_budgets("cuda:0=20GB, cpu=64GB", 1) == {"cuda:0": "20GB", "cpu": "64GB"}
+    with pytest.raises(ValueError, match="names a device twice"):
+        stage_budgets("cpu=1GB,cpu=2GB", 1)
+    with pytest.raises(ValueError, match="DEVICE=SIZE for each device"):
+        stage_budgets("cpu=1GB,2GB", 1)

@@ -20,10 +20,12 @@ from tightfit.app.run import DEFAULT_SENTENCES
 from tightfit.app.spelling import option
 from tightfit.distributed import (
     Ranks,
+    StagePlan,
     StageRun,
     plan_stages,
     process_group,
     ranks_from_environment,
+    run_local,
     run_stage,
     shared_plan,
 )
@@ -34,9 +36,21 @@ from tightfit.loading.folder import folder_kind, model_folder
 __all__ = ["add_parser", "handle", "stage_budgets"]
 
 
-def stage_budgets(text: str, ranks: int) -> list[str]:
-    """``--budget``: one size for every rank, or one per rank, comma-separated."""
+def stage_budgets(text: str, ranks: int) -> list[str] | dict[str, str]:
+    """``--budget``: one size for every rank, one per rank (comma-separated), or one per
+    device of this process (``cuda:0=20GB,cpu=64GB``: stages in one process)."""
     sizes = [part.strip() for part in text.split(",")]
+    if any("=" in size for size in sizes):
+        pairs = [size.partition("=") for size in sizes]
+        if not all(device.strip() and sep and value.strip() for device, sep, value in pairs):
+            raise ValueError(
+                f"{option('budget')} {text!r}: a budget per device is DEVICE=SIZE for each device, comma-separated "
+                f"(e.g. cuda:0=20GB,cpu=64GB)"
+            )
+        devices = [device.strip() for device, _, _ in pairs]
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"{option('budget')} {text!r} names a device twice; give each device one size")
+        return {device.strip(): value.strip() for device, _, value in pairs}
     if len(sizes) == 1:
         return sizes * ranks
     if len(sizes) != ranks or not all(sizes):
@@ -69,6 +83,12 @@ def handle(args: argparse.Namespace, console: Console) -> int:
     inputs = _inputs(folder, kind, args.prompt)
     allow = Allow.parse(args.allow) if args.allow else None
     budgets = stage_budgets(args.budget, ranks.world)
+    per_device = isinstance(budgets, dict)
+    if per_device and (args.ranks is not None or launched.world > 1):
+        raise ValueError(
+            f"{option('budget')} {args.budget!r} gives a budget per device, which runs the stages in this process; "
+            f"for ranks, give one size per rank"
+        )
 
     def make():
         return plan_stages(folder, budgets, inputs, kind=kind, max_new_tokens=new_tokens, allow=allow)
@@ -77,6 +97,12 @@ def handle(args: argparse.Namespace, console: Console) -> int:
         plan = make()
         print(plan.to_json()) if args.json else console.print(escape(str(plan)), highlight=False, soft_wrap=True)
         return 0
+    if per_device:
+        plan = make()
+        if not args.json:
+            console.print(escape(str(plan)), highlight=False, soft_wrap=True)
+        run = run_local(folder, plan, inputs, max_new_tokens=new_tokens, repeat=args.repeat)
+        return _print_result(run, plan, folder, args, console)
     with process_group(ranks, args.timeout):
         plan = shared_plan(make, ranks)
         if ranks.rank == 0 and not args.json:
@@ -84,12 +110,14 @@ def handle(args: argparse.Namespace, console: Console) -> int:
         run = run_stage(
             folder, plan, inputs, ranks, max_new_tokens=new_tokens, repeat=args.repeat, timeout_seconds=args.timeout
         )
-    if run is None:
-        return 0
+    return 0 if run is None else _print_result(run, plan, folder, args, console)
+
+
+def _print_result(run: StageRun, plan: StagePlan, folder: Any, args: argparse.Namespace, console: Console) -> int:
     if args.json:
         print(json.dumps(run.to_dict() | {"plan": json.loads(plan.to_json())}, indent=2))
-        return 0
-    _print_run(run, folder, console)
+    else:
+        _print_run(run, folder, console)
     return 0
 
 
@@ -145,7 +173,8 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
         "--budget",
         required=True,
         metavar="SIZE[,SIZE...]",
-        help="memory each rank may use: one size for every rank, or one per rank (e.g. 60MB or 50MB,70MB)",
+        help="memory each rank may use: one size for every rank, or one per rank (e.g. 60MB or 50MB,70MB); or "
+        "DEVICE=SIZE for each device of this process (e.g. cuda:0=20GB,cpu=64GB), its stages run in this process",
     )
     parser.add_argument("--ranks", type=int, help="with --plan-only: the ranks to plan for (default: WORLD_SIZE)")
     parser.add_argument("--plan-only", action="store_true", help="print the stage plan and stop; nothing is read")

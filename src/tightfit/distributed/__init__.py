@@ -3,6 +3,7 @@ planned within its own budget before any weight is read, run on ``torch.distribu
 (gloo between CPU processes). See docs/distributed.md."""
 
 from tightfit.distributed.link import StageError
+from tightfit.distributed.local import run_local
 from tightfit.distributed.plan import EXACT, Stage, StagePlan, plan_stages
 from tightfit.distributed.run import (
     RankReport,
@@ -24,6 +25,7 @@ __all__ = [
     "StageRun",
     "plan_stages",
     "process_group",
+    "run_local",
     "ranks_from_environment",
     "run_stage",
     "shared_plan",

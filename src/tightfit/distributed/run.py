@@ -18,8 +18,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import statistics
-import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,21 +26,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tightfit import backends
 from tightfit._validate import check_count, check_type
-from tightfit.app.budget import measure_load
-from tightfit.app.generation import next_token
-from tightfit.app.kv_cache import cache_argument
+from tightfit.app.budget import Loaded, measure_load
 from tightfit.backends.cpu import read_process_memory, reset_process_peak
 from tightfit.distributed.link import Link, StageError
-from tightfit.distributed.plan import StagePlan, keeps_last_logits
+from tightfit.distributed.measured import Timed, timed_and_measured
+from tightfit.distributed.plan import StagePlan
 from tightfit.distributed.split import cut
+from tightfit.distributed.step import StageStep
 from tightfit.fitting import FitError
 from tightfit.fitting.held import held_bytes
 from tightfit.kinds import CAUSAL_LM
 from tightfit.loading.folder import skeleton
 from tightfit.loading.stream import load
-from tightfit.memory.measure import LiveTensorBytes
 
 __all__ = ["RankReport", "Ranks", "StageRun", "process_group", "ranks_from_environment", "run_stage", "shared_plan"]
 
@@ -170,91 +166,86 @@ def _read_calls_bytes() -> int | None:
     return None
 
 
-def _stage_call(
-    model: Any, plan: StagePlan, rank: int, link: Link, device: torch.device, inputs: dict, new_tokens: int
-) -> Callable[[], Any]:
-    """One run of this rank's part: a generation of ``new_tokens`` tokens or one encoding."""
-    world, kind = len(plan.stages), plan.kind
-    first, last = rank == 0, rank == world - 1
-    ids = inputs["input_ids"].to(device)
-    mask = inputs.get("attention_mask")
-    mask = mask.to(device) if mask is not None else None
+def load_stage(folder: str | Path, plan: StagePlan, index: int) -> tuple[Any, Loaded, int | None]:
+    """(model, what loading took, bytes the process's read calls took meanwhile): stage
+    ``index`` of ``plan`` cut from the folder's skeleton and streamed into its plan, its
+    own tensors only."""
+    stage = plan.stages[index]
+    model, _ = skeleton(folder, plan.kind)
+    cut(model, plan.kind, stage.start, stage.end)
+    before = _read_calls_bytes()
+    loaded = measure_load(
+        lambda: load(folder, plan=stage.plan, model=model, kind=plan.kind)[0], torch.device(stage.device)
+    )
+    after = _read_calls_bytes()
+    return loaded.model, loaded, None if before is None or after is None else after - before
 
-    def forward(tensor: torch.Tensor | None, cache: dict, extra: dict) -> Any:
-        if first:
-            return model(input_ids=tensor, **extra, **cache)
-        received = link.recv(rank - 1, device)
-        return model(inputs_embeds=received, **extra, **cache)
 
-    @torch.inference_mode()
+def stage_report(
+    plan: StagePlan,
+    index: int,
+    loaded: Loaded,
+    read: int | None,
+    timed: Timed,
+    *,
+    peak_rss: int | None,
+    sent_bytes: int,
+) -> RankReport:
+    """Stage ``index``'s :class:`RankReport` from what loading and the measured run found."""
+    stage = plan.stages[index]
+    device = torch.device(stage.device)
+    return RankReport(
+        rank=index,
+        device=str(device),
+        holds=stage.holds(plan.layers, plan.kind),
+        budget_bytes=stage.budget_bytes,
+        predicted_peak_bytes=stage.predicted_peak_bytes,
+        measured_peak_bytes=timed.peaks[device],
+        peak_rss_bytes=peak_rss,
+        load_peak_bytes=loaded.peak_bytes,
+        predicted_load_peak_bytes=stage.plan.predicted_load_peak_bytes,
+        read_bytes=read,
+        stage_read_bytes=stage.read_bytes,
+        load_seconds=loaded.seconds,
+        seconds=timed.seconds,
+        link_seconds=timed.counted,
+        sent_bytes=sent_bytes,
+        measured_by=timed.measured_by[device],
+    )
+
+
+def _stage_call(step: StageStep, rank: int, world: int, link: Link, new_tokens: int) -> Callable[[], Any]:
+    """One run of this rank's part: a generation of ``new_tokens`` tokens or one encoding;
+    the last rank's call returns the tokens or the embeddings, the others' None."""
+    first, last = step.first, step.last
+
     def encode() -> torch.Tensor | None:
-        extra = {"attention_mask": mask} if mask is not None else {}
-        hidden = forward(ids, {}, extra).last_hidden_state
-        if not last:
-            link.send(hidden, rank + 1)
-            return None
-        weights = (mask if mask is not None else torch.ones(ids.shape, device=device)).unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * weights).sum(1) / weights.sum(1).clamp_min(1e-9)
-        return torch.nn.functional.normalize(pooled.float(), dim=-1)
+        out = step(step.ids if first else link.recv(rank - 1, step.device), {})
+        if last:
+            return out
+        link.send(out, rank + 1)
+        return None
 
-    keeps_last = last and keeps_last_logits(model)
-
-    @torch.inference_mode()
     def generate() -> tuple[int, ...] | None:
-        cache = cache_argument(model)
+        cache = step.new_cache()
         tokens: list[int] = []
-        step_input = ids
-        for step in range(new_tokens):
-            extra = {"use_cache": True}
-            if step == 0 and keeps_last:
-                extra["logits_to_keep"] = torch.tensor([ids.shape[1] - 1], device=device)
-            out = forward(step_input, cache, extra)
+        taken = step.ids
+        for index in range(new_tokens):
+            if not first:
+                taken = link.recv(rank - 1, step.device)
+            out = step(taken, cache, index)
             if not last:
-                link.send(out.logits, rank + 1)
+                link.send(out, rank + 1)
             else:
-                token = next_token(out)
-                tokens.append(int(token))
-                if world > 1 and step < new_tokens - 1:
-                    link.send(token, 0, "sending the next token to rank 0")
+                tokens.append(int(out))
+                if world > 1 and index < new_tokens - 1:
+                    link.send(out, 0, "sending the next token to rank 0")
+            if first and index < new_tokens - 1:
+                taken = out if last else link.recv(world - 1, step.device, "waiting for the next token")
             del out  # not held through the next step's forward, as a single process holds nothing of it
-            if first and step < new_tokens - 1:
-                step_input = token if last else link.recv(world - 1, device, "waiting for the next token")
         return tuple(tokens) if last else None
 
-    return generate if kind == CAUSAL_LM else encode
-
-
-def _timed_and_measured(
-    call: Callable[[], Any], device: torch.device, repeat: int, baseline: int, link: Link
-) -> tuple[Any, float, float, int, str]:
-    """(result, median seconds, mean seconds in ``link``'s calls, peak bytes, what measured
-    it): one warm-up call (which also opens the connections), ``repeat`` timed calls, then
-    one call measured; every rank makes the same calls, in step."""
-    backend = backends.get(device)
-    call()
-    seconds, result = [], None
-    linked = link.seconds
-    for _ in range(repeat):
-        start = time.perf_counter()
-        result = call()
-        backend.synchronize(device)
-        seconds.append(time.perf_counter() - start)
-    linked = (link.seconds - linked) / repeat
-    if device.type == "cpu":
-        with LiveTensorBytes("cpu") as tracker:
-            call()
-        return (
-            result,
-            statistics.median(seconds),
-            linked,
-            baseline + tracker.peak,
-            "live tensors: weights + created by the run",
-        )
-    backend.reset_peak_memory(device)
-    call()
-    backend.synchronize(device)
-    info = backend.memory(device)
-    return result, statistics.median(seconds), linked, info.peak, info.source
+    return generate if step.kind == CAUSAL_LM else encode
 
 
 def run_stage(
@@ -283,38 +274,23 @@ def run_stage(
     stage = plan.stages[ranks.rank]
     device = torch.device(stage.device)
     with process_group(ranks, timeout_seconds):
-        model, _ = skeleton(folder, plan.kind)
-        cut(model, plan.kind, stage.start, stage.end)
-        read_before = _read_calls_bytes()
-        loaded = measure_load(lambda: load(folder, plan=stage.plan, model=model, kind=plan.kind)[0], device)
-        read_after = _read_calls_bytes()
-        model = loaded.model
+        model, loaded, read = load_stage(folder, plan, ranks.rank)
         link = Link(ranks.rank, timeout_seconds)
-        call = _stage_call(model, plan, ranks.rank, link, device, dict(inputs), max_new_tokens)
+        step = StageStep(model, plan.kind, ranks.rank, ranks.world, device, inputs)
+        call = _stage_call(step, ranks.rank, ranks.world, link, max_new_tokens)
         rss_reset = reset_process_peak()
         sent = link.sent_bytes
-        result, seconds, linked, peak, measured_by = _timed_and_measured(
-            call, device, repeat, held_bytes(model, device), link
-        )
-        report = RankReport(
-            rank=ranks.rank,
-            device=str(device),
-            holds=stage.holds(plan.layers, plan.kind),
-            budget_bytes=stage.budget_bytes,
-            predicted_peak_bytes=stage.predicted_peak_bytes,
-            measured_peak_bytes=peak,
-            peak_rss_bytes=read_process_memory()[1] if rss_reset else None,
-            load_peak_bytes=loaded.peak_bytes,
-            predicted_load_peak_bytes=stage.plan.predicted_load_peak_bytes,
-            read_bytes=None if read_before is None or read_after is None else read_after - read_before,
-            stage_read_bytes=stage.read_bytes,
-            load_seconds=loaded.seconds,
-            seconds=seconds,
-            link_seconds=linked,
+        timed = timed_and_measured(call, {device: held_bytes(model, device)}, repeat, lambda: link.seconds)
+        report = stage_report(
+            plan,
+            ranks.rank,
+            loaded,
+            read,
+            timed,
+            peak_rss=read_process_memory()[1] if rss_reset else None,
             sent_bytes=(link.sent_bytes - sent) // (repeat + 2),
-            measured_by=measured_by,
         )
-        mine = (report, result if ranks.rank == ranks.world - 1 else None)
+        mine = (report, timed.result if ranks.rank == ranks.world - 1 else None)
         gathered = [mine] if ranks.world == 1 else ([None] * ranks.world if ranks.rank == 0 else None)
         if ranks.world > 1:
             _collective(lambda: dist.gather_object(mine, gathered, dst=0), ranks.rank, "gathering the reports")

@@ -1,0 +1,69 @@
+"""Timing and measuring a stage run on each device it uses, as a single run is measured
+(live tensors on the CPU, the allocator's peak on an accelerator): one warm-up call,
+``repeat`` timed calls, then one call measured on every device at once. Every rank makes
+the same calls, so that the ranks stay in step."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tightfit import backends
+from tightfit.memory.measure import LiveTensorBytes
+
+__all__ = ["Timed", "timed_and_measured"]
+
+_LIVE = "live tensors: weights + created by the run"
+
+
+@dataclass(frozen=True)
+class Timed:
+    """What :func:`timed_and_measured` found: the last timed call's ``result``, the median
+    ``seconds`` of the timed calls, ``counted`` (``count()``'s growth per timed call: the
+    seconds in sends and receives) and per device its ``peaks`` and how each was measured."""
+
+    result: Any
+    seconds: float
+    counted: float
+    peaks: dict[torch.device, int]
+    measured_by: dict[torch.device, str]
+
+
+def timed_and_measured(
+    call: Callable[[], Any], held: Mapping[torch.device, int], repeat: int, count: Callable[[], float]
+) -> Timed:
+    """Time ``call`` and measure its peak on each device of ``held`` (device -> the bytes its
+    weights hold there, what live tensors start from on the CPU)."""
+    devices = list(held)
+    call()  # the warm-up, which also opens a run's connections
+    seconds, result = [], None
+    before = count()
+    for _ in range(repeat):
+        start = time.perf_counter()
+        result = call()
+        for device in devices:
+            backends.get(device).synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    counted = (count() - before) / repeat
+    accelerators = [d for d in devices if d.type != "cpu"]
+    for device in accelerators:
+        backends.get(device).reset_peak_memory(device)
+    on_cpu = any(d.type == "cpu" for d in devices)
+    with LiveTensorBytes("cpu") if on_cpu else contextlib.nullcontext() as tracker:
+        call()
+    peaks, measured_by = {}, {}
+    for device in devices:
+        if device.type == "cpu":
+            peaks[device], measured_by[device] = held[device] + tracker.peak, _LIVE
+        else:
+            backend = backends.get(device)
+            backend.synchronize(device)
+            info = backend.memory(device)
+            peaks[device], measured_by[device] = info.peak, info.source
+    return Timed(result, statistics.median(seconds), counted, peaks, measured_by)

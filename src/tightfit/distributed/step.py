@@ -1,0 +1,59 @@
+"""One stage's forward within a run, the same whether the next stage is another rank or the
+next device of this process: what it takes (the token ids on the first stage, the hidden
+states received after it), what it gives (hidden states; on a causal LM's last stage the
+greedy next token; on an encoder's, the mean-pooled sentence embeddings), and its KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from tightfit.app.generation import next_token
+from tightfit.app.kv_cache import cache_argument
+from tightfit.distributed.plan import keeps_last_logits
+from tightfit.kinds import CAUSAL_LM
+
+__all__ = ["StageStep"]
+
+
+class StageStep:
+    """``model`` (a stage, loaded) run as stage ``index`` of ``count``, on ``device``, for
+    the first stage's ``inputs`` (the prompt, or a batch of sentences with its mask)."""
+
+    def __init__(
+        self, model: Any, kind: str, index: int, count: int, device: torch.device, inputs: Mapping[str, torch.Tensor]
+    ) -> None:
+        self.model, self.kind, self.device = model, kind, device
+        self.first, self.last = index == 0, index == count - 1
+        self.ids = inputs["input_ids"].to(device)
+        mask = inputs.get("attention_mask")
+        self.mask = mask.to(device) if mask is not None else None
+        self.keeps_last = self.last and keeps_last_logits(model)
+
+    def new_cache(self) -> dict[str, Any]:
+        """A fresh KV cache for a generation (none for an encoder), as the forward's keyword."""
+        return cache_argument(self.model) if self.kind == CAUSAL_LM else {}
+
+    @torch.inference_mode()
+    def __call__(self, taken: torch.Tensor, cache: dict[str, Any], step: int = 0) -> torch.Tensor:
+        """The stage's output for ``taken`` (token ids on the first stage, hidden states
+        after it) at generation ``step`` (0: the prefill; an encoder has only step 0)."""
+        keyword = "input_ids" if self.first else "inputs_embeds"
+        if self.kind != CAUSAL_LM:
+            extra = {"attention_mask": self.mask} if self.mask is not None else {}
+            hidden = self.model(**{keyword: taken}, **extra).last_hidden_state
+            return self._pooled(hidden) if self.last else hidden
+        extra: dict[str, Any] = {"use_cache": True}
+        if step == 0 and self.keeps_last:
+            extra["logits_to_keep"] = torch.tensor([self.ids.shape[1] - 1], device=self.device)
+        out = self.model(**{keyword: taken}, **extra, **cache)
+        return next_token(out) if self.last else out.logits  # a stage before the last gives its hidden states
+
+    def _pooled(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Mean-pooled, L2-normalized sentence embeddings (the sentence-transformers recipe)."""
+        mask = self.mask if self.mask is not None else torch.ones(self.ids.shape, device=self.device)
+        weights = mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * weights).sum(1) / weights.sum(1).clamp_min(1e-9)
+        return torch.nn.functional.normalize(pooled.float(), dim=-1)
