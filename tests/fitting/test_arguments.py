@@ -23,6 +23,7 @@ X = (torch.randn(2, 4),)
         (True, TypeError, "budget must be an int or a str"),
         (1.5e9, TypeError, "budget must be an int or a str"),
         (float("nan"), TypeError, "budget must be an int or a str"),
+        ({"cpu": "1GB"}, TypeError, r"gives a budget per device; fit plans one device.*plan_stages"),
     ],
 )
 def test_bad_budgets(budget, error, message):

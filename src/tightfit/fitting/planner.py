@@ -259,6 +259,12 @@ def fit(
     """
     check_type("model", model, nn.Module)
     args, kwargs = _split_inputs(example_inputs)
+    if isinstance(budget, Mapping):
+        raise TypeError(
+            f"budget={budget!r} gives a budget per device; fit plans one device. A model across devices is cut into "
+            f"stages, one per device: tightfit.distributed.plan_stages(folder, budget, inputs), run with "
+            f"tightfit.distributed.run_local (docs/distributed.md)"
+        )
     budget_bytes = parse_size(budget, "budget")
     check_type("training", training, bool)
     if not training and optimizer != "AdamW":
