@@ -87,6 +87,7 @@ def test_two_ranks_under_torchrun_generate_the_single_process_tokens_within_thei
     for report in run["reports"]:
         assert report["measured_peak_bytes"] <= report["budget_bytes"] < full_bytes
         assert report["load_peak_bytes"] <= report["predicted_load_peak_bytes"] <= report["budget_bytes"]
+        assert report["sent_bytes"] == report["predicted_sent_bytes"] > 0
         assert abs(report["measured_peak_bytes"] / report["predicted_peak_bytes"] - 1) < 0.02
         # the process's read calls while loading: its own tensors, and less than another stage's
         assert report["stage_read_bytes"] <= report["read_bytes"] < report["stage_read_bytes"] + 4 * 2**20

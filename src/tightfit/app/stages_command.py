@@ -134,8 +134,8 @@ def _print_run(run: StageRun, folder: Any, console: Console) -> None:
     else:
         console.print(f"embedded {run.embeddings.shape[0]} sentences in {run.seconds * 1e3:.1f} ms", highlight=False)
     console.print(
-        f"{'rank':>4}  {'budget':>10} {'predicted':>10} {'measured':>10} {'loading':>10} {'peak RSS':>10} {'read':>10} {'its tensors':>11} "
-        f"{'s/run':>7} {'in send/recv':>12} {'sent':>9}",
+        f"{'rank':>4}  {'budget':>10} {'predicted':>10} {'measured':>10} {'loading':>10} {'peak RSS':>10} {'read':>10} "
+        f"{'its tensors':>11} {'s/run':>7} {'in send/recv':>12} {'compute pred.':>13} {'sent':>9} {'planned':>9}",
         highlight=False,
         markup=False,
     )
@@ -145,8 +145,8 @@ def _print_run(run: StageRun, folder: Any, console: Console) -> None:
         console.print(
             f"{r.rank:>4}  {human_bytes(r.budget_bytes):>10} {human_bytes(r.predicted_peak_bytes):>10} "
             f"{human_bytes(r.measured_peak_bytes):>10} {human_bytes(r.load_peak_bytes):>10} {rss:>10} {read:>10} "
-            f"{human_bytes(r.stage_read_bytes):>11} "
-            f"{r.seconds:>7.3f} {r.link_seconds:>12.3f} {human_bytes(r.sent_bytes):>9}",
+            f"{human_bytes(r.stage_read_bytes):>11} {r.seconds:>7.3f} {r.link_seconds:>12.3f} "
+            f"{r.predicted_seconds:>13.3f} {human_bytes(r.sent_bytes):>9} {human_bytes(r.predicted_sent_bytes):>9}",
             highlight=False,
             markup=False,
         )

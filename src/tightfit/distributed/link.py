@@ -15,10 +15,17 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["Link", "StageError"]
+__all__ = ["HEADER_BYTES", "Link", "StageError", "message_bytes"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8)
 _MOST_DIMS = 6
+#: The header before each tensor: its dtype, its number of dims and its shape, as int64.
+HEADER_BYTES = (2 + _MOST_DIMS) * 8
+
+
+def message_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """The bytes a tensor of ``shape`` and ``dtype`` takes on the wire: its header and its data."""
+    return HEADER_BYTES + torch.Size(shape).numel() * dtype.itemsize
 
 
 class StageError(RuntimeError):

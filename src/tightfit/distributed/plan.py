@@ -31,6 +31,7 @@ from torch import nn
 from tightfit._files import parse_json
 from tightfit._format import human_bytes
 from tightfit._validate import check_count, check_type
+from tightfit.distributed.link import message_bytes
 from tightfit.distributed.split import check_kind, cut, layout_of
 from tightfit.fitting import Allow, FitError, FitPlan, fit
 from tightfit.fitting.size import parse_size
@@ -54,7 +55,9 @@ class Stage:
     """One stage: layers ``[start, end)`` of the stack on ``device`` (rank ``rank``), with
     the embedding where ``start == 0`` and the head where ``end`` is the stack's end;
     ``plan``: its fit within ``budget_bytes``; ``read_bytes``: the checkpoint bytes of its
-    tensors, all that its rank reads; ``why``: how it came to hold these layers."""
+    tensors, all that its rank reads; ``sent_bytes``: what it sends per run (its hidden
+    states to the next stage; the last stage of a generation, each token back to the
+    first); ``why``: how it came to hold these layers."""
 
     rank: int
     device: str
@@ -63,6 +66,7 @@ class Stage:
     budget_bytes: int
     plan: FitPlan
     read_bytes: int
+    sent_bytes: int
     why: str
 
     @property
@@ -108,13 +112,26 @@ class StagePlan:
         rows = [
             f"{self.model} ({self.kind}, {self.layers} layers) in {len(self.stages)} stages; each covers {self.covers}"
         ]
-        rows.append(f"{'rank':>4}  {'device':<8} {'holds':<32} {'budget':>10} {'predicted':>10} {'reads':>10}  why")
+        rows.append(
+            f"{'rank':>4}  {'device':<8} {'holds':<32} {'budget':>10} {'predicted':>10} {'reads':>10} {'sends':>10} "
+            f"{'s/run':>7}  why"
+        )
         for s in self.stages:
             rows.append(
                 f"{s.rank:>4}  {s.device:<8} {s.holds(self.layers, self.kind):<32} {human_bytes(s.budget_bytes):>10} "
-                f"{human_bytes(s.predicted_peak_bytes):>10} {human_bytes(s.read_bytes):>10}  {s.why}"
+                f"{human_bytes(s.predicted_peak_bytes):>10} {human_bytes(s.read_bytes):>10} "
+                f"{human_bytes(s.sent_bytes):>10} {s.plan.predicted_seconds:>7.3f}  {s.why}"
             )
+        rows.append(
+            f"predicted: {self.predicted_seconds:.3f} s a run in the stages' compute, one stage after another; "
+            f"the transfers between them are measured, not predicted"
+        )
         return "\n".join(rows)
+
+    @property
+    def predicted_seconds(self) -> float:
+        """The stages' predicted compute per run, summed: at batch 1 they run one after another."""
+        return sum(s.plan.predicted_seconds for s in self.stages)
 
     def to_json(self) -> str:
         data = asdict(self) | {"format": _FORMAT}
@@ -323,8 +340,11 @@ def plan_stages(
         stage, _ = skeleton(path, kind)
         cut(stage, kind, start, end)
         why = moved.get(r) or f"{end - start} of {layers} layers, in proportion to its budget after its fixed parts"
+        sent = _sent_bytes(kind, r, ranks, tuple(ids.shape), max_new_tokens, int(config.hidden_size), stage.dtype)
         stages.append(
-            Stage(r, stage_devices[r], start, end, budget_bytes[r], results[r], _read_bytes(stage, checkpoint), why)
+            Stage(
+                r, stage_devices[r], start, end, budget_bytes[r], results[r], _read_bytes(stage, checkpoint), sent, why
+            )
         )
     return StagePlan(
         type(model).__name__, kind, layers, covers, sum(e.nbytes for e in checkpoint.entries.values()), tuple(stages)
@@ -342,6 +362,20 @@ def _first_bytes(model: nn.Module, layout: Any) -> int:
 
 def _last_bytes(model: nn.Module, layout: Any) -> int:
     return sum(_tensor_bytes(model, name) for name in layout.last)
+
+
+def _sent_bytes(
+    kind: str, rank: int, ranks: int, ids: tuple[int, int], new_tokens: int, hidden: int, dtype: torch.dtype
+) -> int:
+    """What stage ``rank`` sends per run: its hidden states (an encoder's once; a
+    generation's prefill, then one position per step), or a generation's tokens back."""
+    if ranks == 1:
+        return 0
+    if rank < ranks - 1:
+        if kind != CAUSAL_LM:
+            return message_bytes((*ids, hidden), dtype)
+        return message_bytes((1, ids[1], hidden), dtype) + (new_tokens - 1) * message_bytes((1, 1, hidden), dtype)
+    return (new_tokens - 1) * message_bytes((1, 1), torch.int64) if kind == CAUSAL_LM else 0
 
 
 def _read_bytes(stage: nn.Module, checkpoint: Checkpoint) -> int:

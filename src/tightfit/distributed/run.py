@@ -107,8 +107,9 @@ def shared_plan(make: Callable[[], StagePlan], ranks: Ranks) -> StagePlan:
 class RankReport:
     """What one rank measured: its peak (running, and while loading) against its
     prediction and budget, the bytes it read from the checkpoint files (the process's read
-    calls while loading) against its stage's tensor bytes, and its times per run (the
-    whole call; in send and receive)."""
+    calls while loading) against its stage's tensor bytes, its times per run (the whole
+    call, waiting for its peers included; in send and receive; its stage's compute as
+    predicted) and the bytes it sent per run against the plan's."""
 
     rank: int
     device: str
@@ -123,8 +124,10 @@ class RankReport:
     stage_read_bytes: int
     load_seconds: float
     seconds: float
+    predicted_seconds: float
     link_seconds: float
     sent_bytes: int
+    predicted_sent_bytes: int
     measured_by: str
 
     @property
@@ -208,8 +211,10 @@ def stage_report(
         stage_read_bytes=stage.read_bytes,
         load_seconds=loaded.seconds,
         seconds=timed.seconds,
+        predicted_seconds=stage.plan.predicted_seconds,
         link_seconds=timed.counted,
         sent_bytes=sent_bytes,
+        predicted_sent_bytes=stage.sent_bytes,
         measured_by=timed.measured_by[device],
     )
 
