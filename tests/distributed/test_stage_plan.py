@@ -15,7 +15,7 @@ from torch import nn
 from tightfit.app.models import default_model_dir, embed, load_tokenizer, save_causal_lm
 from tightfit.app.run import DEFAULT_SENTENCES
 from tightfit.app.stages_command import stage_budgets
-from tightfit.distributed import StagePlan, plan_stages
+from tightfit.distributed import Ranks, StagePlan, plan_stages, process_group, ranks_from_environment
 from tightfit.distributed.split import cut, layout_of
 from tightfit.fitting import FitError
 from tightfit.loading import load
@@ -118,15 +118,23 @@ def test_unequal_budgets_move_layers_to_the_rank_with_room(lm_folder):
         (["9MB"], PROMPT, {"devices": ["cpu", "cpu"]}, ValueError, "one device per budget"),
         (["9MB"], PROMPT, {"kind": "encoder-decoder"}, ValueError, "cannot be cut into stages"),
         (["9MB"], PROMPT, {"allow": "keep"}, TypeError, "allow"),
+        (["9MB"], PROMPT, {"max_new_tokens": 0}, ValueError, "give at least 1 token"),
+        (["9MB"], {"input_ids": torch.ones(2, 3, dtype=torch.long)}, {}, ValueError, "takes one prompt"),
+        (["9MB"], {"input_ids": torch.ones(1, 0, dtype=torch.long)}, {}, ValueError, "at least 1 x 1"),
+        (["9MB"], {**PROMPT, "position_ids": PROMPT["input_ids"]}, {}, ValueError, "do not pass on"),
+        (["9MB"], PROMPT, {"devices": ["gpu"]}, ValueError, r"devices\[0\]='gpu' is not a device"),
+        (["9MB"], PROMPT, {"devices": "cpu"}, TypeError, "must be a list of devices"),
+        ({5: "9MB"}, PROMPT, {}, TypeError, "budgets key 5 must be a device"),
+        ({"cpu": "9MB", "cpu:0": "9MB"}, PROMPT, {}, ValueError, "names one device twice"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_is_read(lm_folder, budgets, inputs, kwargs, error, match):
     with pytest.raises(error, match=match):
-        plan_stages(lm_folder, budgets, inputs, **kwargs)
+        plan_stages(lm_folder, budgets, inputs, **({"max_new_tokens": 2} | kwargs))
 
 
 def test_cut_refuses_a_model_it_cannot_cut_and_a_bad_range(lm_folder):
-    with pytest.raises(ValueError, match="is not laid out as stages are cut"):
+    with pytest.raises(ValueError, match="model_type None.*accepted for a causal-lm: gemma, llama"):
         layout_of(nn.Linear(2, 2), "causal-lm")
     model, _ = skeleton(lm_folder, "causal-lm")
     for start, end in ((2, 2), (0, 5), (3, 1)):
@@ -144,7 +152,7 @@ def test_a_stage_plan_read_from_any_text_is_a_plan_or_a_clear_error(text):
 
 
 def test_a_stage_plan_with_a_gap_or_a_key_changed_is_refused(lm_folder):
-    data = json.loads(plan_stages(lm_folder, ["10MB", "10MB"], PROMPT).to_json())
+    data = json.loads(plan_stages(lm_folder, ["10MB", "10MB"], PROMPT, max_new_tokens=2).to_json())
     data["stages"][1]["start"] += 1
     with pytest.raises(ValueError, match="must cover layers 0-3 in order"):
         StagePlan.from_json(json.dumps(data))
@@ -159,6 +167,10 @@ def test_budget_option_gives_every_rank_one_size_or_one_each():
     assert stage_budgets("50MB, 70MB", 2) == ["50MB", "70MB"]
     with pytest.raises(ValueError, match="names 3 sizes for 2 ranks"):
         stage_budgets("1MB,2MB,3MB", 2)
+    with pytest.raises(TypeError, match="text must be"):
+        stage_budgets(5, 2)
+    with pytest.raises(ValueError, match="ranks must be"):
+        stage_budgets("60MB", 0)
 
 
 def test_stages_of_one_process_run_on_their_devices_and_embed_as_the_whole_model():
@@ -185,3 +197,87 @@ def test_budget_option_per_device_runs_in_one_process():
         stage_budgets("cpu=1GB,cpu=2GB", 1)
     with pytest.raises(ValueError, match="DEVICE=SIZE for each device"):
         stage_budgets("cpu=1GB,2GB", 1)
+
+
+def test_a_model_type_whose_stages_were_not_checked_is_refused(lm_folder):
+    model, _ = skeleton(lm_folder, "causal-lm")
+    model.config.model_type = "granite"  # scales its embeddings in the model's forward
+    with pytest.raises(ValueError, match="model_type 'granite'.*accepted for a causal-lm: gemma, llama"):
+        cut(model, "causal-lm", 0, 2)
+
+
+def test_when_shares_in_proportion_do_not_fit_the_layers_are_filled_front_to_back(lm_folder):
+    from tightfit.distributed.plan import _filled
+
+    peaks = {(0, 1): 5, (0, 2): 9, (0, 3): 20, (1, 2): 4, (1, 3): 8, (2, 3): 4, (1, 4): 30, (2, 4): 9, (3, 4): 5}
+    budgets = [9, 4, 9]
+
+    def stage_fit(rank, start, end):
+        fits = peaks[(start, end)] <= budgets[rank]
+        return (
+            FitPlanStub(peaks[(start, end)])
+            if fits
+            else FitError("over", budget_bytes=1, smallest_peak_bytes=2, parts=[])
+        )
+
+    bounds, _ = _filled(stage_fit, 3, 4)
+    assert bounds == [0, 2, 3, 4]
+    budgets[2] = 4  # the last rank cannot hold even its one layer and the head
+    bounds, where = _filled(stage_fit, 3, 4)
+    assert bounds is None and where == (2, 3, 4)
+
+
+class FitPlanStub:
+    def __init__(self, peak):
+        self.predicted_peak_bytes = peak
+
+
+def test_a_plan_runs_only_on_the_inputs_it_was_made_for(lm_folder):
+    plan = plan_stages(lm_folder, ["40MB"], PROMPT, max_new_tokens=2)
+    plan.check_run(PROMPT, 2)
+    with pytest.raises(ValueError, match=r"made for input_ids of shape \(1, 6\) and max_new_tokens=2; this run has"):
+        plan.check_run({"input_ids": torch.ones(1, 300, dtype=torch.long)}, 2)
+    with pytest.raises(ValueError, match="plan it again"):
+        plan.check_run(PROMPT, 100)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: Ranks(1, 1), ValueError, "Ranks.rank=1 must be below Ranks.world=1"),
+        (lambda: Ranks(-1, 2), ValueError, "Ranks.rank"),
+        (lambda: ranks_from_environment({"RANK": "3", "WORLD_SIZE": "2"}), ValueError, "RANK=3, WORLD_SIZE=2"),
+        (lambda: ranks_from_environment(None), TypeError, "environ"),
+        (lambda: process_group(Ranks(0, 1), float("inf")).__enter__(), ValueError, "timeout_seconds must be a finite"),
+        (lambda: process_group(None, 5).__enter__(), TypeError, "ranks"),
+    ],
+)
+def test_ranks_and_process_group_arguments_are_checked(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_run_arguments_are_checked_before_anything_is_read(lm_folder):
+    from tightfit.distributed import run_stage
+
+    plan = plan_stages(lm_folder, ["40MB"], PROMPT, max_new_tokens=2)
+    with pytest.raises(TypeError, match="inputs must be"):
+        run_stage(lm_folder, plan, None, Ranks(0, 1), max_new_tokens=2)
+    with pytest.raises(ValueError, match="the plan has 1 stages; this run has 2 ranks"):
+        run_stage(lm_folder, plan, PROMPT, Ranks(0, 2), max_new_tokens=2)
+    with pytest.raises(ValueError, match="timeout_seconds must be a finite"):
+        run_stage(lm_folder, plan, PROMPT, Ranks(0, 1), max_new_tokens=2, timeout_seconds=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), min_size=8, max_size=8))
+def test_any_header_a_peer_sends_is_a_tensor_a_stage_could_send_or_a_stage_error(values):
+    from tightfit.distributed import StageError
+    from tightfit.distributed.link import Link
+
+    try:
+        dtype, shape = Link(0, 5.0)._announced(torch.tensor(values, dtype=torch.int64), 1)
+    except StageError as error:
+        assert "rank 1 sent a header no stage makes" in str(error) and error.peer == 1
+    else:
+        assert all(size >= 0 for size in shape) and torch.Size(shape).numel() * dtype.itemsize <= 1 << 40

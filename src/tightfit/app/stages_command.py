@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from tightfit._format import human_bytes
+from tightfit._validate import check_count, check_type
 from tightfit.app.generation_job import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROMPT
 from tightfit.app.models import default_model_dir, load_tokenizer
 from tightfit.app.run import DEFAULT_SENTENCES
@@ -39,6 +40,8 @@ __all__ = ["add_parser", "handle", "stage_budgets"]
 def stage_budgets(text: str, ranks: int) -> list[str] | dict[str, str]:
     """``--budget``: one size for every rank, one per rank (comma-separated), or one per
     device of this process (``cuda:0=20GB,cpu=64GB``: stages in one process)."""
+    check_type("text", text, str)
+    check_count("ranks", ranks, least=1)
     sizes = [part.strip() for part in text.split(",")]
     if any("=" in size for size in sizes):
         pairs = [size.partition("=") for size in sizes]

@@ -5,12 +5,15 @@ Tensors travel as their bytes through host memory (a small header first: dtype a
 shape), so that any two ranks exchange them whatever devices they compute on and
 whatever dtypes the process group's backend supports; gloo carries them between CPU
 processes. A peer that dies closes its connections and the waiting rank fails at once; a
-peer that stops answering fails the wait after the process group's timeout.
+peer that stops answering fails the wait after the link's timeout (each call waits at most
+that long; the process group's own timeout, longer, covers planning and loading).
 """
 
 from __future__ import annotations
 
+import datetime
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +22,8 @@ __all__ = ["HEADER_BYTES", "Link", "StageError", "message_bytes"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8)
 _MOST_DIMS = 6
+#: The most bytes one message may announce: a header asking for more is not one a stage made.
+_MOST_BYTES = 1 << 40
 #: The header before each tensor: its dtype, its number of dims and its shape, as int64.
 HEADER_BYTES = (2 + _MOST_DIMS) * 8
 
@@ -60,6 +65,11 @@ class Link:
             f"rank {self.rank}: {cause} while {doing}; the run ends on every rank ({first})", rank=self.rank, peer=peer
         )
 
+    def _wait(self, work: Any) -> None:
+        """Wait for one point-to-point call at most the link's timeout (the process group's
+        own, longer, covers planning and loading)."""
+        work.wait(timeout=datetime.timedelta(seconds=self.timeout_seconds))
+
     def send(self, tensor: torch.Tensor, peer: int, doing: str = "sending its stage's output") -> None:
         if tensor.dtype not in _DTYPES or tensor.dim() > _MOST_DIMS:
             raise ValueError(
@@ -71,9 +81,9 @@ class Link:
         payload = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
         start = time.perf_counter()
         try:
-            dist.send(header, peer)
+            self._wait(dist.isend(header, peer))
             if payload.numel():
-                dist.send(payload, peer)
+                self._wait(dist.isend(payload, peer))
         except (RuntimeError, dist.DistError) as error:
             raise self._failed(error, peer, doing) from None
         self.seconds += time.perf_counter() - start
@@ -83,21 +93,33 @@ class Link:
         header = torch.zeros(2 + _MOST_DIMS, dtype=torch.int64)
         start = time.perf_counter()
         try:
-            dist.recv(header, peer)
-            code, dims = int(header[0]), int(header[1])
-            if not (0 <= code < len(_DTYPES) and 0 <= dims <= _MOST_DIMS):
-                raise StageError(
-                    f"rank {self.rank}: rank {peer} sent a header it cannot have made: {header.tolist()}",
-                    rank=self.rank,
-                    peer=peer,
-                )
-            dtype, shape = _DTYPES[code], [int(n) for n in header[2 : 2 + dims]]
+            self._wait(dist.irecv(header, peer))
+            dtype, shape = self._announced(header, peer)
             payload = torch.empty(torch.Size(shape).numel() * dtype.itemsize, dtype=torch.uint8)
             if payload.numel():
-                dist.recv(payload, peer)
+                self._wait(dist.irecv(payload, peer))
+        except StageError:
+            raise
         except (RuntimeError, dist.DistError) as error:
-            if isinstance(error, StageError):
-                raise
             raise self._failed(error, peer, doing) from None
         self.seconds += time.perf_counter() - start
         return payload.view(dtype).reshape(shape).to(device)
+
+    def _announced(self, header: torch.Tensor, peer: int) -> tuple[torch.dtype, list[int]]:
+        """The dtype and shape a received header announces; a :class:`StageError` where no
+        stage could have sent it (an unknown dtype, a negative or huge size)."""
+        code, dims = int(header[0]), int(header[1])
+        shape = [int(n) for n in header[2 : 2 + dims]] if 0 <= dims <= _MOST_DIMS else []
+        dtype = _DTYPES[code] if 0 <= code < len(_DTYPES) else None
+        total = dtype.itemsize if dtype is not None else 0
+        for size in shape:
+            total = total * size if size >= 0 else -1
+            if not 0 <= total <= _MOST_BYTES:
+                break
+        if dtype is None or not 0 <= dims <= _MOST_DIMS or not 0 <= total <= _MOST_BYTES:
+            raise StageError(
+                f"rank {self.rank}: rank {peer} sent a header no stage makes: {header.tolist()}; the run ends",
+                rank=self.rank,
+                peer=peer,
+            )
+        return dtype, shape

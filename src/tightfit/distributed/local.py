@@ -89,8 +89,7 @@ def run_local(
             f"as ranks (tightfit.distributed.run_stage under torchrun)"
         )
     check_count("repeat", repeat, least=1)
-    if plan.kind == CAUSAL_LM:
-        check_count("max_new_tokens", max_new_tokens, least=1)
+    plan.check_run(inputs, max_new_tokens)
     stages = [load_stage(folder, plan, index) for index in range(len(plan.stages))]
     steps = [
         StageStep(model, plan.kind, index, len(stages), device, inputs)

@@ -69,6 +69,18 @@ class Stage:
     sent_bytes: int
     why: str
 
+    def __post_init__(self) -> None:
+        for name in ("rank", "start", "read_bytes", "sent_bytes"):
+            check_count(f"Stage.{name}", getattr(self, name))
+        check_count("Stage.end", self.end, least=1)
+        check_count("Stage.budget_bytes", self.budget_bytes, least=1)
+        check_type("Stage.why", self.why, str)
+        check_type("Stage.plan", self.plan, FitPlan)
+        if device_name(self.device, "Stage.device") != self.device:
+            raise ValueError(
+                f"Stage.device={self.device!r} must be spelled {device_name(self.device, 'Stage.device')!r}"
+            )
+
     @property
     def predicted_peak_bytes(self) -> int:
         return self.plan.predicted_peak_bytes
@@ -87,16 +99,36 @@ class Stage:
 class StagePlan:
     """Per rank, the :class:`Stage` it runs; ``kind``: ``"causal-lm"`` or ``"encoder"``;
     ``layers``: the stack's length; ``covers``: what each stage's prediction covers;
-    ``checkpoint_bytes``: the whole checkpoint's tensor bytes (what one process reads)."""
+    ``checkpoint_bytes``: the whole checkpoint's tensor bytes (what one process reads);
+    ``input_shape`` and ``max_new_tokens``: the run it was made for, which a run must be."""
 
     model: str
     kind: str
     layers: int
     covers: str
     checkpoint_bytes: int
+    input_shape: tuple[int, int]
+    max_new_tokens: int
     stages: tuple[Stage, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        for name in ("model", "covers"):
+            check_type(f"StagePlan.{name}", getattr(self, name), str)
+        check_kind(self.kind)
+        check_count("StagePlan.layers", self.layers, least=1)
+        check_count("StagePlan.checkpoint_bytes", self.checkpoint_bytes)
+        check_count("StagePlan.max_new_tokens", self.max_new_tokens)
+        shape = self.input_shape
+        if (
+            not isinstance(shape, (list, tuple))
+            or len(shape) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape)
+        ):
+            raise ValueError(f"StagePlan.input_shape must be (batch, positions), two ints >= 1, got {shape!r}")
+        object.__setattr__(self, "input_shape", tuple(shape))
+        if not isinstance(self.stages, (list, tuple)) or not all(isinstance(s, Stage) for s in self.stages):
+            raise TypeError(f"StagePlan.stages must be a tuple of Stage, got {self.stages!r:.100}")
+        object.__setattr__(self, "stages", tuple(self.stages))
         ranges = [(s.start, s.end) for s in self.stages]
         if (
             not self.stages
@@ -128,6 +160,18 @@ class StagePlan:
         )
         return "\n".join(rows)
 
+    def check_run(self, inputs: Any, max_new_tokens: int) -> None:
+        """Nothing where ``inputs`` and ``max_new_tokens`` are the run this plan was made
+        for; else a ValueError: a longer prompt or more tokens would outgrow its peaks."""
+        check_type("inputs", inputs, Mapping)
+        ids = inputs.get("input_ids")
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else None
+        if shape != self.input_shape or max_new_tokens != self.max_new_tokens:
+            raise ValueError(
+                f"the plan was made for input_ids of shape {self.input_shape} and max_new_tokens="
+                f"{self.max_new_tokens}; this run has {shape} and {max_new_tokens}: plan it again for this run"
+            )
+
     @property
     def predicted_seconds(self) -> float:
         """The stages' predicted compute per run, summed: at batch 1 they run one after another."""
@@ -148,11 +192,14 @@ class StagePlan:
         if set(data) != {f.name for f in fields(cls)} or not isinstance(data["stages"], list):
             raise ValueError(f"text: a stage plan holds {sorted(f.name for f in fields(cls))}, got {sorted(data)}")
         stages = []
-        for item in data.pop("stages"):
-            if not isinstance(item, dict) or set(item) != {f.name for f in fields(Stage)}:
-                raise ValueError(f"text: each stage holds {sorted(f.name for f in fields(Stage))}, got {item!r:.200}")
-            stages.append(Stage(**(item | {"plan": FitPlan.from_json(json.dumps(item["plan"]))})))
-        return cls(**data, stages=tuple(stages))
+        try:
+            for item in data.pop("stages"):
+                if not isinstance(item, dict) or set(item) != {f.name for f in fields(Stage)}:
+                    raise ValueError(f"each stage holds {sorted(f.name for f in fields(Stage))}, got {item!r:.200}")
+                stages.append(Stage(**(item | {"plan": FitPlan.from_json(json.dumps(item["plan"]))})))
+            return cls(**data, stages=tuple(stages))
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"text: {error}") from None
 
 
 def keeps_last_logits(stage: nn.Module) -> bool:
@@ -199,19 +246,61 @@ def _decode_trace(stage: nn.Module, first: bool, context: int) -> DecodeTrace:
     return DecodeTrace(script, context, "model", context * per_token)
 
 
+def device_name(device: Any, name: str) -> str:
+    """``device`` as one spelling: ``cpu`` (any index), an accelerator with its index
+    (``cuda`` is ``cuda:0``); a ValueError naming ``name`` where torch does not know it."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"{name} must be a device such as 'cpu' or 'cuda:0', got {type(device).__name__}: {device!r}")
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"{name}={device!r} is not a device; accepted: 'cpu', 'cuda:0', 'xpu:1', ...") from None
+    return "cpu" if parsed.type == "cpu" else f"{parsed.type}:{parsed.index or 0}"
+
+
 def _budgets(budgets: Any) -> tuple[list[str], list[int]]:
     """(devices, bytes) from a list of sizes (ranks, on the CPU unless ``devices`` says) or
-    a mapping device -> size (stages of one process)."""
+    a mapping device -> size (stages of one process, a device each)."""
     if isinstance(budgets, Mapping):
         if not budgets:
             raise ValueError("budgets is empty; give one size per rank, or a mapping device -> size")
-        return [str(torch.device(d)) for d in budgets], [parse_size(v, f"budgets[{d!r}]") for d, v in budgets.items()]
+        devices = [device_name(d, f"budgets key {d!r}") for d in budgets]
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"budgets={dict(budgets)!r} names one device twice; give each device one size")
+        return devices, [parse_size(v, f"budgets[{d!r}]") for d, v in budgets.items()]
     if isinstance(budgets, (str, int)) or not isinstance(budgets, Sequence) or not budgets:
         raise TypeError(
             f"budgets must be a non-empty list of sizes (one per rank, such as ['60MB', '60MB']) or a mapping "
             f"device -> size, got {type(budgets).__name__}: {budgets!r}"
         )
     return ["cpu"] * len(budgets), [parse_size(v, f"budgets[{i}]") for i, v in enumerate(budgets)]
+
+
+def _check_inputs(inputs: Any, kind: str, max_new_tokens: int) -> torch.Tensor:
+    """The first stage's ``input_ids``, once ``inputs`` holds what a stage run passes on:
+    ``input_ids`` (2-D, int64, at least one position) and, for an encoder, an
+    ``attention_mask`` of its shape; a generation's prompt is one sequence."""
+    check_type("inputs", inputs, Mapping)
+    ids = inputs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.long or 0 in ids.shape:
+        raise ValueError(f"inputs must hold 'input_ids', a 2-D int64 tensor of at least 1 x 1, got {ids!r:.100}")
+    accepted = {"input_ids"} if kind == CAUSAL_LM else {"input_ids", "attention_mask"}
+    unknown = sorted(set(inputs) - accepted)
+    if unknown:
+        raise ValueError(
+            f"inputs holds {', '.join(map(repr, unknown))}, which stages do not pass on; accepted for a {kind}: "
+            f"{', '.join(sorted(accepted))}"
+        )
+    mask = inputs.get("attention_mask")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != ids.shape):
+        raise ValueError(
+            f"inputs' attention_mask must be a tensor of input_ids' shape {tuple(ids.shape)}, got {mask!r:.100}"
+        )
+    if kind == CAUSAL_LM and ids.shape[0] != 1:
+        raise ValueError(
+            f"a generation across stages takes one prompt (input_ids of shape 1 x N), got {tuple(ids.shape)}"
+        )
+    return ids
 
 
 def _shares(fixed: list[int], budgets: list[int], layers: int) -> list[int]:
@@ -248,16 +337,17 @@ def plan_stages(
     path = model_folder(folder)
     stage_devices, budget_bytes = _budgets(budgets)
     if devices is not None:
-        if isinstance(budgets, Mapping) or len(devices) != len(budget_bytes):
-            raise ValueError(f"devices={devices!r} must name one device per budget (and only with a list of budgets)")
-        stage_devices = [str(torch.device(d)) for d in devices]
-    check_type("inputs", inputs, Mapping)
-    ids = inputs.get("input_ids")
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.long:
-        raise ValueError(f"inputs must hold 'input_ids', a 2-D int64 tensor, got {ids!r:.100}")
+        if isinstance(budgets, Mapping) or isinstance(devices, str) or not isinstance(devices, Sequence):
+            raise TypeError(
+                f"devices={devices!r} must be a list of devices, one per budget (only with a list of budgets)"
+            )
+        if len(devices) != len(budget_bytes):
+            raise ValueError(f"devices={devices!r} must name one device per budget ({len(budget_bytes)})")
+        stage_devices = [device_name(d, f"devices[{i}]") for i, d in enumerate(devices)]
     check_count("max_new_tokens", max_new_tokens)
     check_type("allow", allow, (Allow, type(None)))
     kind = check_kind(kind or folder_kind(path))
+    ids = _check_inputs(inputs, kind, max_new_tokens)
     model, config = skeleton(path, kind)
     layout = layout_of(model, kind)
     layers = layout.layers(model)
@@ -266,6 +356,8 @@ def plan_stages(
         raise ValueError(
             f"{ranks} ranks for {layers} layers: every stage needs at least one layer; use at most {layers} ranks"
         )
+    if kind == CAUSAL_LM and max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: a causal LM's stages generate; give at least 1 token")
     if max_new_tokens and kind != CAUSAL_LM:
         raise ValueError(f"max_new_tokens={max_new_tokens} is for a causal LM's generation; {path} is run as {kind}")
     checkpoint = Checkpoint(path)
@@ -305,35 +397,16 @@ def plan_stages(
         (_first_bytes(model, layout) if r == 0 else 0) + (_last_bytes(model, layout) if r == ranks - 1 else 0)
         for r in range(ranks)
     ]
-    counts = _shares(fixed, budget_bytes, layers)
-    seen: set[tuple[int, ...]] = set()
-    moved: dict[int, str] = {}
-    while True:
-        seen.add(tuple(counts))
-        bounds = [sum(counts[:r]) for r in range(ranks + 1)]
-        results = [stage_fit(r, bounds[r], bounds[r + 1]) for r in range(ranks)]
-        over = [r for r, result in enumerate(results) if isinstance(result, FitError)]
-        if not over:
-            break
-        rank = over[0]
-        error = results[rank]
-        room = {
-            n: budget_bytes[n]
-            - (results[n].predicted_peak_bytes if isinstance(results[n], FitPlan) else budget_bytes[n])
-            for n in (rank - 1, rank + 1)
-            if 0 <= n < ranks
+    bounds, results, moved = _balanced(stage_fit, fixed, budget_bytes, layers)
+    if bounds is None:
+        bounds, results = _filled(stage_fit, ranks, layers)
+        moved = {
+            r: "as many layers as fit, front to back: no share in proportion to the budgets fits" for r in range(ranks)
         }
-        to = max(room, key=room.get) if room else None
-        if to is None or counts[rank] == 1:
-            raise _refusal(rank, bounds, error, stage_devices, layers, "it holds one layer only")
-        counts[rank] -= 1
-        counts[to] += 1
-        moved[rank] = f"gave layers to rank {to}: its budget could not hold its share"
-        moved[to] = f"took layers from rank {rank}, whose budget could not hold its share"
-        if tuple(counts) in seen:
-            raise _refusal(
-                rank, bounds, error, stage_devices, layers, "moving its layers to its neighbours overfills them"
-            )
+    if bounds is None:
+        rank, start, end = results
+        reason = "it is the only rank" if ranks == 1 else "no arrangement of the layers over the ranks fits"
+        raise _refusal(rank, start, end, stage_fit(rank, start, end), stage_devices, layers, reason)
     stages = []
     for r in range(ranks):
         start, end = bounds[r], bounds[r + 1]
@@ -346,9 +419,69 @@ def plan_stages(
                 r, stage_devices[r], start, end, budget_bytes[r], results[r], _read_bytes(stage, checkpoint), sent, why
             )
         )
-    return StagePlan(
-        type(model).__name__, kind, layers, covers, sum(e.nbytes for e in checkpoint.entries.values()), tuple(stages)
-    )
+    total = sum(e.nbytes for e in checkpoint.entries.values())
+    return StagePlan(type(model).__name__, kind, layers, covers, total, tuple(ids.shape), max_new_tokens, tuple(stages))
+
+
+def _balanced(
+    stage_fit: Any, fixed: list[int], budgets: list[int], layers: int
+) -> tuple[list[int] | None, list[Any], dict[int, str]]:
+    """(bounds, each stage's fit, why) of the layers shared in proportion to the budgets,
+    a stage over its budget giving its boundary layer to the neighbour with the most room;
+    bounds None where that reaches an arrangement seen before or a one-layer stage over."""
+    ranks = len(budgets)
+    counts = _shares(fixed, budgets, layers)
+    seen: set[tuple[int, ...]] = set()
+    moved: dict[int, str] = {}
+    while True:
+        seen.add(tuple(counts))
+        bounds = [sum(counts[:r]) for r in range(ranks + 1)]
+        results = [stage_fit(r, bounds[r], bounds[r + 1]) for r in range(ranks)]
+        over = [r for r, result in enumerate(results) if isinstance(result, FitError)]
+        if not over:
+            return bounds, results, moved
+        rank = over[0]
+        room = {
+            n: budgets[n] - (results[n].predicted_peak_bytes if isinstance(results[n], FitPlan) else budgets[n])
+            for n in (rank - 1, rank + 1)
+            if 0 <= n < ranks
+        }
+        if not room or counts[rank] == 1:
+            return None, results, moved
+        to = max(room, key=room.get)
+        counts[rank] -= 1
+        counts[to] += 1
+        moved[rank] = f"gave layers to rank {to}: its budget could not hold its share"
+        moved[to] = f"took layers from rank {rank}, whose budget could not hold its share"
+        if tuple(counts) in seen:
+            return None, results, moved
+
+
+def _filled(stage_fit: Any, ranks: int, layers: int) -> tuple[list[int] | None, Any]:
+    """(bounds, each stage's fit) with each rank, front to back, taking as many layers as
+    fit (found by bisection, a stage's peak growing with its layers) and leaving one for
+    each rank after it: where any arrangement fits, this one does. Where none does:
+    (None, (rank, start, end)) of the first stage that cannot fit even its least."""
+    bounds = [0]
+    for rank in range(ranks):
+        start = bounds[-1]
+        most = layers - (ranks - 1 - rank)
+        if rank == ranks - 1:
+            if isinstance(stage_fit(rank, start, layers), FitError):
+                return None, (rank, start, layers)
+            bounds.append(layers)
+            break
+        if isinstance(stage_fit(rank, start, start + 1), FitError):
+            return None, (rank, start, start + 1)
+        low, high = start + 1, most  # low fits; find the largest end that fits
+        while low < high:
+            middle = (low + high + 1) // 2
+            if isinstance(stage_fit(rank, start, middle), FitError):
+                high = middle - 1
+            else:
+                low = middle
+        bounds.append(low)
+    return bounds, [stage_fit(r, bounds[r], bounds[r + 1]) for r in range(ranks)]
 
 
 def _tensor_bytes(model: nn.Module, name: str) -> int:
@@ -386,8 +519,9 @@ def _read_bytes(stage: nn.Module, checkpoint: Checkpoint) -> int:
     return sum(checkpoint.entries[name].nbytes for name in found)
 
 
-def _refusal(rank: int, bounds: list[int], error: FitError, devices: list[str], layers: int, reason: str) -> FitError:
-    start, end = bounds[rank], bounds[rank + 1]
+def _refusal(
+    rank: int, start: int, end: int, error: FitError, devices: list[str], layers: int, reason: str
+) -> FitError:
     span = f"layers {start}-{end - 1}" if end - start > 1 else f"layer {start}"
     parts = "; ".join(f"{part}: {human_bytes(size)}" for part, size in error.parts[:3])
     least = human_bytes(error.smallest_peak_bytes)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -51,29 +52,47 @@ class Ranks:
     rank: int
     world: int
 
+    def __post_init__(self) -> None:
+        check_count("Ranks.world", self.world, least=1)
+        check_count("Ranks.rank", self.rank)
+        if self.rank >= self.world:
+            raise ValueError(f"Ranks.rank={self.rank} must be below Ranks.world={self.world}")
+
 
 def ranks_from_environment(environ: Mapping[str, str] = os.environ) -> Ranks:
     """The :class:`Ranks` ``torchrun`` gives this process; rank 0 of 1 outside it."""
+    check_type("environ", environ, Mapping)
     try:
         rank, world = int(environ.get("RANK", "0")), int(environ.get("WORLD_SIZE", "1"))
     except ValueError:
         raise ValueError(
             f"RANK={environ.get('RANK')!r} and WORLD_SIZE={environ.get('WORLD_SIZE')!r} must be integers"
         ) from None
-    if not 0 <= rank < world:
-        raise ValueError(f"RANK={rank} must be in 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
-    return Ranks(rank, world)
+    try:
+        return Ranks(rank, world)
+    except ValueError as error:
+        raise ValueError(f"RANK={rank}, WORLD_SIZE={world}: {error}") from None
+
+
+def _check_seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
 
 
 @contextlib.contextmanager
-def process_group(ranks: Ranks, timeout_seconds: float) -> Iterator[None]:
+def process_group(ranks: Ranks, timeout_seconds: float, setup_seconds: float = 600.0) -> Iterator[None]:
     """Joins the run's process group (gloo; only where there are several ranks) for the
-    block and leaves it after, also on failure, so that no rank is left waiting on it."""
-    if not isinstance(timeout_seconds, (int, float)) or isinstance(timeout_seconds, bool) or not timeout_seconds > 0:
-        raise ValueError(f"timeout_seconds must be a number > 0, got {timeout_seconds!r}")
+    block and leaves it after, also on failure, so that no rank is left waiting on it.
+    ``setup_seconds``: how long a rank waits for the others through planning and loading
+    (the group's own timeout); ``timeout_seconds``, for one message while the stages run,
+    is the links' (:func:`run_stage` takes it)."""
+    check_type("ranks", ranks, Ranks)
+    _check_seconds("timeout_seconds", timeout_seconds)
+    setup = _check_seconds("setup_seconds", setup_seconds)
     joined = ranks.world > 1 and not dist.is_initialized()
     if joined:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(setup, timeout_seconds)))
     try:
         yield
     finally:
@@ -271,15 +290,17 @@ def run_stage(
     rank waits on a peer before the run ends with :class:`StageError`."""
     check_type("plan", plan, StagePlan)
     check_type("ranks", ranks, Ranks)
+    timeout_seconds = _check_seconds("timeout_seconds", timeout_seconds)
     if ranks.world != len(plan.stages):
         raise ValueError(f"the plan has {len(plan.stages)} stages; this run has {ranks.world} ranks (WORLD_SIZE)")
     check_count("repeat", repeat, least=1)
-    if plan.kind == CAUSAL_LM:
-        check_count("max_new_tokens", max_new_tokens, least=1)
+    plan.check_run(inputs, max_new_tokens)
     stage = plan.stages[ranks.rank]
     device = torch.device(stage.device)
     with process_group(ranks, timeout_seconds):
         model, loaded, read = load_stage(folder, plan, ranks.rank)
+        if ranks.world > 1:  # every rank loaded before any waits on another's message
+            _collective(dist.barrier, ranks.rank, "waiting for every rank to load its stage")
         link = Link(ranks.rank, timeout_seconds)
         step = StageStep(model, plan.kind, ranks.rank, ranks.world, device, inputs)
         call = _stage_call(step, ranks.rank, ranks.world, link, max_new_tokens)

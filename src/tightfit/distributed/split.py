@@ -12,7 +12,8 @@ hidden states where the whole model returns logits (its head is an identity).
 
 Two families are cut: decoder-only causal LMs laid out as Llama is (``model.layers``,
 ``model.embed_tokens``, ``model.norm``, ``lm_head``) and BERT-style encoders
-(``embeddings``, ``encoder.layer``, ``pooler``).
+(``embeddings``, ``encoder.layer``, ``pooler``), of the model types in
+:data:`CUT_MODEL_TYPES`, whose stages were checked against the whole model.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch import nn
 from tightfit._validate import check_count, check_type
 from tightfit.kinds import CAUSAL_LM, ENCODER
 
-__all__ = ["Layout", "check_kind", "cut", "layout_of"]
+__all__ = ["CUT_MODEL_TYPES", "Layout", "check_kind", "cut", "layout_of"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,12 @@ _DECODER = Layout(CAUSAL_LM, "model.layers", ("model.embed_tokens",), ("model.no
 _ENCODER = Layout(ENCODER, "encoder.layer", ("embeddings",), (), ("",))
 _LAYOUTS = {CAUSAL_LM: _DECODER, ENCODER: _ENCODER}
 
+#: The model types whose cut stages compute what the whole model computes (checked: chained
+#: stages against the whole model, on this transformers). Others may change values between
+#: the parts a stage keeps (Granite scales the embeddings in the model's forward, Gemma 2
+#: soft-caps the logits, which a stage before the last would apply to its hidden states).
+CUT_MODEL_TYPES = {CAUSAL_LM: ("gemma", "llama", "mistral", "qwen2", "qwen3"), ENCODER: ("bert", "roberta")}
+
 
 def check_kind(kind: str) -> str:
     """``kind``, where stages can be cut for it; a ValueError naming the kinds that can."""
@@ -63,6 +70,12 @@ def layout_of(model: nn.Module, kind: str) -> Layout:
     where the model is laid out otherwise (it cannot be cut into stages)."""
     check_type("model", model, nn.Module)
     layout = _LAYOUTS[check_kind(kind)]
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in CUT_MODEL_TYPES[kind]:
+        raise ValueError(
+            f"{type(model).__name__} (model_type {model_type!r}) is not one whose stages are known to compute what the "
+            f"whole model computes; accepted for a {kind}: {', '.join(CUT_MODEL_TYPES[kind])}"
+        )
     names = dict(model.named_modules())
     missing = [name for name in (layout.stack, *layout.first, *layout.last) if name not in names]
     if missing or not isinstance(names.get(layout.stack), nn.ModuleList):
