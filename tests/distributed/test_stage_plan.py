@@ -63,21 +63,28 @@ def test_causal_lm_stages_chained_generate_the_whole_models_tokens(lm_folder):
     assert all(int(n.split(".")[2]) in range(middle.start, middle.end) for n in names[1])
 
 
-def test_encoder_stages_chained_embed_as_the_whole_model():
+def test_encoder_stages_embed_as_the_whole_model_chained_and_on_the_devices_of_one_process():
+    from tightfit.distributed import run_local
+
     folder = default_model_dir()
     tokenizer = load_tokenizer(folder)
     batch = tokenizer(list(DEFAULT_SENTENCES), padding=True, return_tensors="pt")
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    whole = embed(load(folder, "200MB")[0], tokenizer, list(DEFAULT_SENTENCES), torch.device("cpu"))
     plan = plan_stages(folder, ["60MB", "60MB"], inputs)
     assert plan.kind == "encoder" and len(plan.stages) == 2
     first, second = _loaded_stages(folder, plan)
     with torch.inference_mode():
         hidden = first(**inputs).last_hidden_state
         out = second(inputs_embeds=hidden, attention_mask=inputs["attention_mask"]).last_hidden_state
-    whole = load(folder, "200MB")[0]
     mask = inputs["attention_mask"].unsqueeze(-1).float()
-    pooled = torch.nn.functional.normalize((out * mask).sum(1) / mask.sum(1), dim=-1)
-    assert torch.equal(pooled, embed(whole, tokenizer, list(DEFAULT_SENTENCES), torch.device("cpu")))
+    assert torch.equal(torch.nn.functional.normalize((out * mask).sum(1) / mask.sum(1), dim=-1), whole)
+    with pytest.raises(ValueError, match="several stages on one device"):
+        run_local(folder, plan, inputs)
+    run = run_local(folder, plan_stages(folder, {"cpu": "120MB"}, inputs), inputs, repeat=1)
+    assert torch.equal(run.embeddings, whole)
+    (report,) = run.reports
+    assert abs(report.measured_peak_bytes / report.predicted_peak_bytes - 1) < 0.005 and report.within_budget
 
 
 def test_a_budget_no_single_process_holds_is_planned_over_two_ranks(lm_folder):
@@ -171,24 +178,6 @@ def test_budget_option_gives_every_rank_one_size_or_one_each():
         stage_budgets(5, 2)
     with pytest.raises(ValueError, match="ranks must be"):
         stage_budgets("60MB", 0)
-
-
-def test_stages_of_one_process_run_on_their_devices_and_embed_as_the_whole_model():
-    from tightfit.distributed import run_local
-
-    folder = default_model_dir()
-    tokenizer = load_tokenizer(folder)
-    batch = tokenizer(list(DEFAULT_SENTENCES), padding=True, return_tensors="pt")
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    plan = plan_stages(folder, {"cpu": "120MB"}, inputs)
-    run = run_local(folder, plan, inputs, repeat=1)
-    whole = load(folder, "200MB")[0]
-    assert torch.equal(run.embeddings, embed(whole, tokenizer, list(DEFAULT_SENTENCES), torch.device("cpu")))
-    (report,) = run.reports
-    assert abs(report.measured_peak_bytes / report.predicted_peak_bytes - 1) < 0.005 and report.within_budget
-    two = plan_stages(folder, ["60MB", "60MB"], inputs)
-    with pytest.raises(ValueError, match="several stages on one device"):
-        run_local(folder, two, inputs)
 
 
 def test_budget_option_per_device_runs_in_one_process():
