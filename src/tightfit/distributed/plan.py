@@ -11,9 +11,11 @@ ranks computes what one process computes; ``allow`` widens that.
 How the layers are shared out: first in proportion to what each budget leaves after the
 stage's own fixed parts (the embedding on the first, the head on the last), every stage at
 least one layer; then each stage is fitted, and a stage over its budget gives its boundary
-layer to the neighbour with the most room, until every stage fits. An arrangement seen
-before, or a stage down to one layer that still does not fit, ends the search with a
-:class:`~tightfit.fitting.FitError` naming the rank, its budget and what dominates its peak.
+layer to the neighbour with the most room, until every stage fits. Where that goes round
+in circles (an arrangement seen before, a one-layer stage over), each rank in turn takes as
+many layers as fit, leaving one for each rank after it; where that fails too, no
+arrangement fits, and a :class:`~tightfit.fitting.FitError` names the rank, its budget and
+what dominates its peak.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from tightfit.kinds import CAUSAL_LM
 from tightfit.loading.folder import folder_kind, model_folder, skeleton
 from tightfit.loading.safetensors import Checkpoint
 from tightfit.loading.stream import on_meta, stored_dtypes
+from tightfit.memory.measure import tensor_bytes
 
 __all__ = ["EXACT", "Stage", "StagePlan", "keeps_last_logits", "plan_stages", "stage_inputs"]
 
@@ -368,13 +371,18 @@ def plan_stages(
         if max_new_tokens > 1
         else f"one forward over inputs of shape {tuple(ids.shape)}"
     )
+    cuts: dict[tuple[int, int], nn.Module] = {}  # each range cut from its own skeleton once
     fitted: dict[tuple[int, int, int], FitPlan | FitError] = {}
+
+    def stage_of(start: int, end: int) -> nn.Module:
+        if (start, end) not in cuts:
+            cuts[start, end] = cut(skeleton(path, kind)[0], kind, start, end)
+        return cuts[start, end]
 
     def stage_fit(rank: int, start: int, end: int) -> FitPlan | FitError:
         key = (rank, start, end)
         if key not in fitted:
-            stage, _ = skeleton(path, kind)
-            cut(stage, kind, start, end)
+            stage = stage_of(start, end)
             example = stage_inputs(stage, kind, on_meta(dict(inputs)), start == 0)
             trace = _decode_trace(stage, start == 0, context) if max_new_tokens > 1 else None
             try:
@@ -394,7 +402,7 @@ def plan_stages(
         return fitted[key]
 
     fixed = [
-        (_first_bytes(model, layout) if r == 0 else 0) + (_last_bytes(model, layout) if r == ranks - 1 else 0)
+        _modules_bytes(model, (layout.first if r == 0 else ()) + (layout.last if r == ranks - 1 else ()))
         for r in range(ranks)
     ]
     bounds, results, moved = _balanced(stage_fit, fixed, budget_bytes, layers)
@@ -410,8 +418,7 @@ def plan_stages(
     stages = []
     for r in range(ranks):
         start, end = bounds[r], bounds[r + 1]
-        stage, _ = skeleton(path, kind)
-        cut(stage, kind, start, end)
+        stage = stage_of(start, end)
         why = moved.get(r) or f"{end - start} of {layers} layers, in proportion to its budget after its fixed parts"
         sent = _sent_bytes(kind, r, ranks, tuple(ids.shape), max_new_tokens, int(config.hidden_size), stage.dtype)
         stages.append(
@@ -484,17 +491,10 @@ def _filled(stage_fit: Any, ranks: int, layers: int) -> tuple[list[int] | None, 
     return bounds, [stage_fit(r, bounds[r], bounds[r + 1]) for r in range(ranks)]
 
 
-def _tensor_bytes(model: nn.Module, name: str) -> int:
-    module = model.get_submodule(name)
-    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
-
-
-def _first_bytes(model: nn.Module, layout: Any) -> int:
-    return sum(_tensor_bytes(model, name) for name in layout.first)
-
-
-def _last_bytes(model: nn.Module, layout: Any) -> int:
-    return sum(_tensor_bytes(model, name) for name in layout.last)
+def _modules_bytes(model: nn.Module, names: tuple[str, ...]) -> int:
+    """Bytes of the named modules' tensors (on meta: what they will hold)."""
+    modules = [model.get_submodule(name) for name in names]
+    return tensor_bytes(t for module in modules for t in [*module.parameters(), *module.buffers()])
 
 
 def _sent_bytes(
