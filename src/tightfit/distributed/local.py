@@ -15,7 +15,6 @@ import torch
 
 from tightfit import backends
 from tightfit._validate import check_count, check_type
-from tightfit.backends.cpu import read_process_memory, reset_process_peak
 from tightfit.distributed.measured import timed_and_measured
 from tightfit.distributed.plan import StagePlan
 from tightfit.distributed.run import StageRun, load_stage, stage_report
@@ -97,19 +96,9 @@ def run_local(
     ]
     copies = _Copies()
     held = {device: held_bytes(model, device) for (model, _, _), device in zip(stages, devices)}
-    rss_reset = reset_process_peak()
     timed = timed_and_measured(_chained(steps, copies, max_new_tokens), held, repeat, lambda: copies.seconds)
-    peak_rss = read_process_memory()[1] if rss_reset else None
-    calls = repeat + 2
     reports = tuple(
-        stage_report(plan, index, loaded, read, timed, peak_rss=peak_rss, sent_bytes=copies.bytes // calls)
+        stage_report(plan, index, loaded, read, timed, copies.bytes // timed.calls)
         for index, (_, loaded, read) in enumerate(stages)
     )
-    result = timed.result
-    return StageRun(
-        plan,
-        reports,
-        tuple(result) if plan.kind == CAUSAL_LM else (),
-        None if plan.kind == CAUSAL_LM else result,
-        timed.seconds,
-    )
+    return StageRun.of(plan, reports, timed.result, timed.seconds)

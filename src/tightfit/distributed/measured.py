@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tightfit import backends
+from tightfit.backends.cpu import read_process_memory, reset_process_peak
 from tightfit.memory.measure import LiveTensorBytes
 
 __all__ = ["Timed", "timed_and_measured"]
@@ -26,13 +27,17 @@ _LIVE = "live tensors: weights + created by the run"
 class Timed:
     """What :func:`timed_and_measured` found: the last timed call's ``result``, the median
     ``seconds`` of the timed calls, ``counted`` (``count()``'s growth per timed call: the
-    seconds in sends and receives) and per device its ``peaks`` and how each was measured."""
+    seconds in sends and receives), per device its ``peaks`` and how each was measured,
+    the process's ``peak_rss`` over the calls (None where it cannot be reset) and how many
+    ``calls`` were made in all."""
 
     result: Any
     seconds: float
     counted: float
     peaks: dict[torch.device, int]
     measured_by: dict[torch.device, str]
+    peak_rss: int | None
+    calls: int
 
 
 def timed_and_measured(
@@ -41,6 +46,7 @@ def timed_and_measured(
     """Time ``call`` and measure its peak on each device of ``held`` (device -> the bytes its
     weights hold there, what live tensors start from on the CPU)."""
     devices = list(held)
+    rss_reset = reset_process_peak()
     call()  # the warm-up, which also opens a run's connections
     seconds, result = [], None
     before = count()
@@ -66,4 +72,5 @@ def timed_and_measured(
             backend.synchronize(device)
             info = backend.memory(device)
             peaks[device], measured_by[device] = info.peak, info.source
-    return Timed(result, statistics.median(seconds), counted, peaks, measured_by)
+    peak_rss = read_process_memory()[1] if rss_reset else None
+    return Timed(result, statistics.median(seconds), counted, peaks, measured_by, peak_rss, repeat + 2)

@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from tightfit._validate import check_count, check_type
 from tightfit.app.budget import Loaded, measure_load
-from tightfit.backends.cpu import read_process_memory, reset_process_peak
 from tightfit.distributed.link import Link, StageError
 from tightfit.distributed.measured import Timed, timed_and_measured
 from tightfit.distributed.plan import StagePlan
@@ -166,6 +165,12 @@ class StageRun:
     embeddings: torch.Tensor | None
     seconds: float
 
+    @classmethod
+    def of(cls, plan: StagePlan, reports: tuple[RankReport, ...], result: Any, seconds: float) -> StageRun:
+        """The run whose last stage returned ``result``: a generation's tokens, or the embeddings."""
+        generated = plan.kind == CAUSAL_LM
+        return cls(plan, reports, tuple(result) if generated else (), None if generated else result, seconds)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.plan.model,
@@ -204,16 +209,10 @@ def load_stage(folder: str | Path, plan: StagePlan, index: int) -> tuple[Any, Lo
 
 
 def stage_report(
-    plan: StagePlan,
-    index: int,
-    loaded: Loaded,
-    read: int | None,
-    timed: Timed,
-    *,
-    peak_rss: int | None,
-    sent_bytes: int,
+    plan: StagePlan, index: int, loaded: Loaded, read: int | None, timed: Timed, sent_bytes: int
 ) -> RankReport:
-    """Stage ``index``'s :class:`RankReport` from what loading and the measured run found."""
+    """Stage ``index``'s :class:`RankReport` from what loading and the measured run found;
+    ``sent_bytes``: what it sent per call."""
     stage = plan.stages[index]
     device = torch.device(stage.device)
     return RankReport(
@@ -223,7 +222,7 @@ def stage_report(
         budget_bytes=stage.budget_bytes,
         predicted_peak_bytes=stage.predicted_peak_bytes,
         measured_peak_bytes=timed.peaks[device],
-        peak_rss_bytes=peak_rss,
+        peak_rss_bytes=timed.peak_rss,
         load_peak_bytes=loaded.peak_bytes,
         predicted_load_peak_bytes=stage.plan.predicted_load_peak_bytes,
         read_bytes=read,
@@ -304,18 +303,8 @@ def run_stage(
         link = Link(ranks.rank, timeout_seconds)
         step = StageStep(model, plan.kind, ranks.rank, ranks.world, device, inputs)
         call = _stage_call(step, ranks.rank, ranks.world, link, max_new_tokens)
-        rss_reset = reset_process_peak()
-        sent = link.sent_bytes
         timed = timed_and_measured(call, {device: held_bytes(model, device)}, repeat, lambda: link.seconds)
-        report = stage_report(
-            plan,
-            ranks.rank,
-            loaded,
-            read,
-            timed,
-            peak_rss=read_process_memory()[1] if rss_reset else None,
-            sent_bytes=(link.sent_bytes - sent) // (repeat + 2),
-        )
+        report = stage_report(plan, ranks.rank, loaded, read, timed, link.sent_bytes // timed.calls)
         mine = (report, timed.result if ranks.rank == ranks.world - 1 else None)
         gathered = [mine] if ranks.world == 1 else ([None] * ranks.world if ranks.rank == 0 else None)
         if ranks.world > 1:
@@ -323,10 +312,7 @@ def run_stage(
         if ranks.rank != 0:
             return None
         reports = tuple(report for report, _ in gathered)
-        final = gathered[-1][1]
-        tokens = tuple(final) if plan.kind == CAUSAL_LM else ()
-        embeddings = final if plan.kind != CAUSAL_LM else None
-        return StageRun(plan, reports, tokens, embeddings, max(r.seconds for r in reports))
+        return StageRun.of(plan, reports, gathered[-1][1], max(r.seconds for r in reports))
 
 
 def _collective(call: Callable[[], Any], rank: int, doing: str) -> None:
