@@ -43,6 +43,7 @@ __all__ = [
     "load_tokenizer",
     "model_kind",
     "model_skeleton",
+    "pooled_embeddings",
     "save_causal_lm",
 ]
 
@@ -228,7 +229,11 @@ def save_causal_lm(
 def embed(model: Any, tokenizer: Any, sentences: list[str], device: torch.device) -> torch.Tensor:
     """Mean-pooled, L2-normalized sentence embeddings (the sentence-transformers recipe)."""
     batch = tokenizer(sentences, padding=True, truncation=True, return_tensors="pt").to(device)
-    hidden = model(**batch).last_hidden_state
-    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-    pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1e-9)
+    return pooled_embeddings(model(**batch).last_hidden_state, batch["attention_mask"])
+
+
+def pooled_embeddings(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean over each sequence's unmasked positions of ``hidden``, L2-normalized, in float32."""
+    weights = mask.unsqueeze(-1).to(hidden.dtype)
+    pooled = (hidden * weights).sum(1) / weights.sum(1).clamp_min(1e-9)
     return torch.nn.functional.normalize(pooled.float(), dim=-1)

@@ -12,6 +12,7 @@ import torch
 
 from tightfit.app.generation import next_token
 from tightfit.app.kv_cache import cache_argument
+from tightfit.app.models import pooled_embeddings
 from tightfit.distributed.plan import keeps_last_logits
 from tightfit.kinds import CAUSAL_LM
 
@@ -44,16 +45,12 @@ class StageStep:
         if self.kind != CAUSAL_LM:
             extra = {"attention_mask": self.mask} if self.mask is not None else {}
             hidden = self.model(**{keyword: taken}, **extra).last_hidden_state
-            return self._pooled(hidden) if self.last else hidden
+            if not self.last:
+                return hidden
+            mask = self.mask if self.mask is not None else torch.ones(self.ids.shape, device=self.device)
+            return pooled_embeddings(hidden, mask)
         extra: dict[str, Any] = {"use_cache": True}
         if step == 0 and self.keeps_last:
             extra["logits_to_keep"] = torch.tensor([self.ids.shape[1] - 1], device=self.device)
         out = self.model(**{keyword: taken}, **extra, **cache)
         return next_token(out) if self.last else out.logits  # a stage before the last gives its hidden states
-
-    def _pooled(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Mean-pooled, L2-normalized sentence embeddings (the sentence-transformers recipe)."""
-        mask = self.mask if self.mask is not None else torch.ones(self.ids.shape, device=self.device)
-        weights = mask.unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * weights).sum(1) / weights.sum(1).clamp_min(1e-9)
-        return torch.nn.functional.normalize(pooled.float(), dim=-1)
