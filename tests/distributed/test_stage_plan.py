@@ -16,6 +16,7 @@ from tightfit.app.models import default_model_dir, embed, load_tokenizer, save_c
 from tightfit.app.run import DEFAULT_SENTENCES
 from tightfit.app.stages_command import stage_budgets
 from tightfit.distributed import Ranks, StagePlan, plan_stages, process_group, ranks_from_environment
+from tightfit.distributed.pricing import Hop, device_hop
 from tightfit.distributed.split import cut, layout_of
 from tightfit.fitting import FitError
 from tightfit.loading import load
@@ -23,6 +24,7 @@ from tightfit.loading.folder import skeleton
 
 LM = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 PROMPT = {"input_ids": torch.tensor([[5, 17, 99, 2000, 7, 12]])}
+HOP = Hop(1e-4, 1e9, "a test's link")
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +135,9 @@ def test_unequal_budgets_move_layers_to_the_rank_with_room(lm_folder):
         (["9MB"], PROMPT, {"devices": "cpu"}, TypeError, "must be a list of devices"),
         ({5: "9MB"}, PROMPT, {}, TypeError, "budgets key 5 must be a device"),
         ({"cpu": "9MB", "cpu:0": "9MB"}, PROMPT, {}, ValueError, "names one device twice"),
+        (["9MB"], PROMPT, {"hops": [HOP, HOP]}, ValueError, r"one Hop per rank \(1\)"),
+        (["9MB"], PROMPT, {"hops": [0.1]}, ValueError, "one Hop per rank"),
+        ({"cpu": "9MB"}, PROMPT, {"hops": [HOP]}, ValueError, "priced from their calibrations"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_is_read(lm_folder, budgets, inputs, kwargs, error, match):
@@ -167,6 +172,34 @@ def test_a_stage_plan_with_a_gap_or_a_key_changed_is_refused(lm_folder):
     data["stages"][0]["extra"] = 1
     with pytest.raises(ValueError, match="each stage holds"):
         StagePlan.from_json(json.dumps(data))
+
+
+def test_sends_are_priced_per_hop_in_the_plans_time_model(lm_folder):
+    unpriced = plan_stages(lm_folder, ["10MB", "10MB"], PROMPT, max_new_tokens=4)
+    assert [s.send_seconds for s in unpriced.stages] == [None, None] and unpriced.send_seconds is None
+    assert "not priced" in str(unpriced)
+    hops = [Hop(1e-4, 1e9, "to rank 1: a test's link"), Hop(2e-4, 5e8, "to rank 0: a test's link")]
+    plan = plan_stages(lm_folder, ["10MB", "10MB"], PROMPT, max_new_tokens=4, hops=hops)
+    hidden = LM["hidden_size"] * 4  # float32
+    # rank 0: the prefill's hidden states, then one position per decode step; rank 1: 3 tokens back
+    assert plan.stages[0].send_seconds == pytest.approx(4 * 1e-4 + (6 * hidden + 3 * hidden) / 1e9)
+    assert plan.stages[1].send_seconds == pytest.approx(3 * (2e-4 + 8 / 5e8))
+    assert plan.predicted_seconds == pytest.approx(unpriced.predicted_seconds + plan.send_seconds)
+    assert "rank 1 to rank 0: a test's link" in str(plan) and "+ sends" in str(plan)
+    assert StagePlan.from_json(plan.to_json()) == plan
+    single = plan_stages(lm_folder, {"cpu": "30MB"}, PROMPT, max_new_tokens=4)
+    assert single.stages[0].send_seconds == 0.0 and single.transfers == "none: one stage"
+
+
+def test_copies_between_devices_are_priced_at_each_accelerators_link():
+    figures = {"cuda:0": {"host_to_device_bandwidth": 2e10}, "cuda:1": {"host_to_device_bandwidth": 1e10}}
+    assert device_hop("cuda:0", "cpu", figures).seconds([(1, 10**9)]) == pytest.approx(0.05)
+    assert device_hop("cuda:0", "cuda:1", figures).seconds([(2, 10**9)]) == pytest.approx(2 * (0.05 + 0.1))
+    with pytest.raises(ValueError, match="calibration of xpu:0 has no host_to_device_bandwidth"):
+        device_hop("cpu", "xpu:0", figures | {"xpu:0": {"host_to_device_bandwidth": None}})
+    for bad in ({"latency_seconds": -1.0}, {"bytes_per_second": 0.0}, {"bytes_per_second": float("nan")}):
+        with pytest.raises(ValueError, match="Hop.(latency_seconds|bytes_per_second)"):
+            Hop(**({"latency_seconds": 0.0, "bytes_per_second": 1.0, "how": "x"} | bad))
 
 
 def test_budget_option_gives_every_rank_one_size_or_one_each():

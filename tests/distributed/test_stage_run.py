@@ -84,6 +84,9 @@ def test_two_ranks_under_torchrun_generate_the_single_process_tokens_within_thei
     assert tuple(run["tokens"]) == generate_greedy(whole, prompt, NEW_TOKENS).tokens
     full_bytes = sum(t.nbytes for t in whole.state_dict().values())
     assert [s["rank"] for s in run["plan"]["stages"]] == [0, 1]
+    # the links were measured when the ranks met, and the sends priced with them
+    assert run["plan"]["transfers"].startswith("priced per hop: rank 0 to rank 1: ")
+    assert all(s["send_seconds"] > 0 for s in run["plan"]["stages"])
     for report in run["reports"]:
         assert report["measured_peak_bytes"] <= report["budget_bytes"] < full_bytes
         assert report["load_peak_bytes"] <= report["predicted_load_peak_bytes"] <= report["budget_bytes"]

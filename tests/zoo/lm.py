@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -33,11 +34,12 @@ def cache_docs_calibration() -> None:
     every machine)."""
     from tightfit.fitting.calibration import _device_name, cache_path
 
-    figures = json.loads(DOCS_CALIBRATION.read_text())
-    figures.update(device_name=_device_name(torch.device("cpu")), torch_version=torch.__version__)
-    path = cache_path("cpu", figures["device_name"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(figures))
+    for threads in range(1, (os.cpu_count() or 1) + 1):  # child processes may run fewer threads (torchrun's ranks)
+        figures = json.loads(DOCS_CALIBRATION.read_text())
+        figures.update(device_name=_device_name(torch.device("cpu"), threads), torch_version=torch.__version__)
+        path = cache_path("cpu", figures["device_name"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(figures))
 
 
 def figures(**changes) -> Calibration:

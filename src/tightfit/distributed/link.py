@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["HEADER_BYTES", "Link", "StageError", "message_bytes"]
+__all__ = ["HEADER_BYTES", "Link", "StageError", "collective"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8)
 _MOST_DIMS = 6
@@ -26,11 +27,6 @@ _MOST_DIMS = 6
 _MOST_BYTES = 1 << 40
 #: The header before each tensor: its dtype, its number of dims and its shape, as int64.
 HEADER_BYTES = (2 + _MOST_DIMS) * 8
-
-
-def message_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """The bytes a tensor of ``shape`` and ``dtype`` takes on the wire: its header and its data."""
-    return HEADER_BYTES + torch.Size(shape).numel() * dtype.itemsize
 
 
 class StageError(RuntimeError):
@@ -41,6 +37,17 @@ class StageError(RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.peer = peer
+
+
+def collective(call: Callable[[], Any], rank: int, doing: str) -> None:
+    """``call()``, a collective of every rank; where a peer failed meanwhile, a
+    :class:`StageError` saying what this rank was ``doing``."""
+    try:
+        call()
+    except (RuntimeError, dist.DistError) as error:
+        raise StageError(
+            f"rank {rank}: a peer failed while {doing}; the run ends on every rank ({error})", rank=rank, peer=None
+        ) from None
 
 
 class Link:

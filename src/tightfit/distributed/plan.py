@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -33,7 +34,8 @@ from torch import nn
 from tightfit._files import parse_json
 from tightfit._format import human_bytes
 from tightfit._validate import check_count, check_type
-from tightfit.distributed.link import message_bytes
+from tightfit.distributed.link import HEADER_BYTES
+from tightfit.distributed.pricing import Hop, device_hop
 from tightfit.distributed.split import check_kind, cut, layout_of
 from tightfit.fitting import Allow, FitError, FitPlan, fit
 from tightfit.fitting.size import parse_size
@@ -46,7 +48,7 @@ from tightfit.memory.measure import tensor_bytes
 
 __all__ = ["EXACT", "Stage", "StagePlan", "keeps_last_logits", "plan_stages", "stage_inputs"]
 
-_FORMAT = "tightfit.stages/1"
+_FORMAT = "tightfit.stages/2"
 
 #: What stages may use by default: weights as stored, on the stage's device, so that the
 #: stages together compute what the whole model computes in one process.
@@ -60,7 +62,8 @@ class Stage:
     ``plan``: its fit within ``budget_bytes``; ``read_bytes``: the checkpoint bytes of its
     tensors, all that its rank reads; ``sent_bytes``: what it sends per run (its hidden
     states to the next stage; the last stage of a generation, each token back to the
-    first); ``why``: how it came to hold these layers."""
+    first) and ``send_seconds`` what that costs (None: not priced); ``why``: how it came
+    to hold these layers."""
 
     rank: int
     device: str
@@ -70,11 +73,17 @@ class Stage:
     plan: FitPlan
     read_bytes: int
     sent_bytes: int
+    send_seconds: float | None
     why: str
 
     def __post_init__(self) -> None:
         for name in ("rank", "start", "read_bytes", "sent_bytes"):
             check_count(f"Stage.{name}", getattr(self, name))
+        seconds = self.send_seconds
+        if seconds is not None and (
+            isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf
+        ):
+            raise ValueError(f"Stage.send_seconds must be None or a finite number >= 0, got {seconds!r}")
         check_count("Stage.end", self.end, least=1)
         check_count("Stage.budget_bytes", self.budget_bytes, least=1)
         check_type("Stage.why", self.why, str)
@@ -103,7 +112,8 @@ class StagePlan:
     """Per rank, the :class:`Stage` it runs; ``kind``: ``"causal-lm"`` or ``"encoder"``;
     ``layers``: the stack's length; ``covers``: what each stage's prediction covers;
     ``checkpoint_bytes``: the whole checkpoint's tensor bytes (what one process reads);
-    ``input_shape`` and ``max_new_tokens``: the run it was made for, which a run must be."""
+    ``input_shape`` and ``max_new_tokens``: the run it was made for, which a run must be;
+    ``transfers``: how the sends between stages were priced, or why they were not."""
 
     model: str
     kind: str
@@ -112,10 +122,11 @@ class StagePlan:
     checkpoint_bytes: int
     input_shape: tuple[int, int]
     max_new_tokens: int
+    transfers: str
     stages: tuple[Stage, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        for name in ("model", "covers"):
+        for name in ("model", "covers", "transfers"):
             check_type(f"StagePlan.{name}", getattr(self, name), str)
         check_kind(self.kind)
         check_count("StagePlan.layers", self.layers, least=1)
@@ -149,17 +160,21 @@ class StagePlan:
         ]
         rows.append(
             f"{'rank':>4}  {'device':<8} {'holds':<32} {'budget':>10} {'predicted':>10} {'reads':>10} {'sends':>10} "
-            f"{'s/run':>7}  why"
+            f"{'ms/run':>8} {'send ms':>8}  why"
         )
         for s in self.stages:
             rows.append(
                 f"{s.rank:>4}  {s.device:<8} {s.holds(self.layers, self.kind):<32} {human_bytes(s.budget_bytes):>10} "
                 f"{human_bytes(s.predicted_peak_bytes):>10} {human_bytes(s.read_bytes):>10} "
-                f"{human_bytes(s.sent_bytes):>10} {s.plan.predicted_seconds:>7.3f}  {s.why}"
+                f"{human_bytes(s.sent_bytes):>10} {s.plan.predicted_seconds * 1e3:>8.2f} {_milliseconds(s.send_seconds):>8}  "
+                f"{s.why}"
             )
+        compute = sum(s.plan.predicted_seconds for s in self.stages)
+        sends = self.send_seconds
         rows.append(
-            f"predicted: {self.predicted_seconds:.3f} s a run in the stages' compute, one stage after another; "
-            f"the transfers between them are measured, not predicted"
+            f"predicted: {self.predicted_seconds * 1e3:.2f} ms a run, one stage after another: compute "
+            f"{compute * 1e3:.2f} ms" + (f" + sends {sends * 1e3:.2f} ms" if sends is not None else "")
+            + f"; sends {self.transfers}"
         )
         return "\n".join(rows)
 
@@ -176,9 +191,16 @@ class StagePlan:
             )
 
     @property
+    def send_seconds(self) -> float | None:
+        """The stages' sends per run, priced; None where they were not."""
+        priced = [s.send_seconds for s in self.stages if s.send_seconds is not None]
+        return sum(priced) if len(priced) == len(self.stages) else None
+
+    @property
     def predicted_seconds(self) -> float:
-        """The stages' predicted compute per run, summed: at batch 1 they run one after another."""
-        return sum(s.plan.predicted_seconds for s in self.stages)
+        """The stages' predicted compute and sends per run (where priced), summed: at batch
+        1 they run one after another."""
+        return sum(s.plan.predicted_seconds for s in self.stages) + (self.send_seconds or 0.0)
 
     def to_json(self) -> str:
         data = asdict(self) | {"format": _FORMAT}
@@ -328,13 +350,17 @@ def plan_stages(
     max_new_tokens: int = 0,
     devices: Sequence[str] | None = None,
     allow: Allow | None = None,
+    hops: Sequence[Hop] | None = None,
 ) -> StagePlan:
     """The :class:`StagePlan` of a local Hugging Face folder over ``budgets``: a list, one
     size per rank (on ``devices``, default the CPU), or a mapping device -> size (stages
     of one process). ``inputs``: the first stage's (``input_ids``; an encoder's
     ``attention_mask``); ``max_new_tokens``: a causal LM's generation, whose last decode
     step (its KV cache at the prompt and the new tokens) every stage is planned for.
-    ``allow``: what the stages' fits may use (default :data:`EXACT`). Nothing is read but
+    ``allow``: what the stages' fits may use (default :data:`EXACT`). ``hops``: ranks'
+    links, one per rank (:func:`~tightfit.distributed.pricing.measured_hops`), to price
+    their sends with (None: not priced); the copies between the devices of one process are
+    priced from their calibrations. Nothing is read but
     the config and the checkpoint's headers; a :class:`~tightfit.fitting.FitError` where
     no arrangement fits, naming the rank."""
     path = model_folder(folder)
@@ -349,6 +375,7 @@ def plan_stages(
         stage_devices = [device_name(d, f"devices[{i}]") for i, d in enumerate(devices)]
     check_count("max_new_tokens", max_new_tokens)
     check_type("allow", allow, (Allow, type(None)))
+    _check_hops(hops, budgets, len(budget_bytes))
     kind = check_kind(kind or folder_kind(path))
     ids = _check_inputs(inputs, kind, max_new_tokens)
     model, config = skeleton(path, kind)
@@ -415,19 +442,59 @@ def plan_stages(
         rank, start, end = results
         reason = "it is the only rank" if ranks == 1 else "no arrangement of the layers over the ranks fits"
         raise _refusal(rank, start, end, stage_fit(rank, start, end), stage_devices, layers, reason)
+    in_process = isinstance(budgets, Mapping)
+    if in_process and ranks > 1:
+        calibrations = {stage_devices[r]: results[r].calibration for r in range(ranks)}
+        hops = [device_hop(stage_devices[r], stage_devices[(r + 1) % ranks], calibrations) for r in range(ranks)]
     stages = []
     for r in range(ranks):
         start, end = bounds[r], bounds[r + 1]
         stage = stage_of(start, end)
         why = moved.get(r) or f"{end - start} of {layers} layers, in proportion to its budget after its fixed parts"
-        sent = _sent_bytes(kind, r, ranks, tuple(ids.shape), max_new_tokens, int(config.hidden_size), stage.dtype)
-        stages.append(
-            Stage(
-                r, stage_devices[r], start, end, budget_bytes[r], results[r], _read_bytes(stage, checkpoint), sent, why
-            )
-        )
+        messages = _messages(kind, r, ranks, tuple(ids.shape), max_new_tokens, int(config.hidden_size), stage.dtype)
+        header = 0 if in_process else HEADER_BYTES  # a copy between devices has no header
+        sent = sum(count * (nbytes + header) for count, nbytes in messages)
+        seconds = hops[r].seconds(messages) if hops else 0.0 if ranks == 1 else None
+        read = _read_bytes(stage, checkpoint)
+        stages.append(Stage(r, stage_devices[r], start, end, budget_bytes[r], results[r], read, sent, seconds, why))
     total = sum(e.nbytes for e in checkpoint.entries.values())
-    return StagePlan(type(model).__name__, kind, layers, covers, total, tuple(ids.shape), max_new_tokens, tuple(stages))
+    return StagePlan(
+        type(model).__name__,
+        kind,
+        layers,
+        covers,
+        total,
+        tuple(ids.shape),
+        max_new_tokens,
+        _transfers(hops, ranks),
+        tuple(stages),
+    )
+
+
+def _check_hops(hops: Any, budgets: Any, ranks: int) -> None:
+    """``hops`` is None or one :class:`Hop` per rank, and only for ranks (a list of budgets)."""
+    if hops is None:
+        return
+    if isinstance(budgets, Mapping):
+        raise ValueError(
+            "hops are the links between ranks; the copies between the devices of one process (a mapping of "
+            "budgets) are priced from their calibrations: leave hops out"
+        )
+    if not isinstance(hops, Sequence) or len(hops) != ranks or not all(isinstance(h, Hop) for h in hops):
+        raise ValueError(f"hops must be one Hop per rank ({ranks}), such as measured_hops gives, got {hops!r:.200}")
+
+
+def _transfers(hops: Sequence[Hop] | None, ranks: int) -> str:
+    """How the plan's sends were priced, in words, or why they were not."""
+    if ranks == 1:
+        return "none: one stage"
+    if not hops:
+        return "not priced: the ranks measure their links when they meet (plan_stages' hops)"
+    return "priced per hop: " + "; ".join(f"rank {r} {hop.how}" for r, hop in enumerate(hops))
+
+
+def _milliseconds(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.2f}"
 
 
 def _balanced(
@@ -497,18 +564,19 @@ def _modules_bytes(model: nn.Module, names: tuple[str, ...]) -> int:
     return tensor_bytes(t for module in modules for t in [*module.parameters(), *module.buffers()])
 
 
-def _sent_bytes(
+def _messages(
     kind: str, rank: int, ranks: int, ids: tuple[int, int], new_tokens: int, hidden: int, dtype: torch.dtype
-) -> int:
-    """What stage ``rank`` sends per run: its hidden states (an encoder's once; a
-    generation's prefill, then one position per step), or a generation's tokens back."""
+) -> list[tuple[int, int]]:
+    """What stage ``rank`` sends per run, as (how many, data bytes each): its hidden states
+    (an encoder's once; a generation's prefill, then one position per step), or a
+    generation's tokens back to the first."""
     if ranks == 1:
-        return 0
+        return []
     if rank < ranks - 1:
         if kind != CAUSAL_LM:
-            return message_bytes((*ids, hidden), dtype)
-        return message_bytes((1, ids[1], hidden), dtype) + (new_tokens - 1) * message_bytes((1, 1, hidden), dtype)
-    return (new_tokens - 1) * message_bytes((1, 1), torch.int64) if kind == CAUSAL_LM else 0
+            return [(1, ids[0] * ids[1] * hidden * dtype.itemsize)]
+        return [(1, ids[1] * hidden * dtype.itemsize), (new_tokens - 1, hidden * dtype.itemsize)]
+    return [(new_tokens - 1, torch.int64.itemsize)] if kind == CAUSAL_LM else []
 
 
 def _read_bytes(stage: nn.Module, checkpoint: Checkpoint) -> int:

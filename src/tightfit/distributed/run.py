@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from tightfit._validate import check_count, check_type
 from tightfit.app.budget import Loaded, measure_load
-from tightfit.distributed.link import Link, StageError
+from tightfit.distributed.link import Link, collective
 from tightfit.distributed.measured import Timed, timed_and_measured
 from tightfit.distributed.plan import StagePlan
 from tightfit.distributed.split import cut
@@ -112,7 +112,7 @@ def shared_plan(make: Callable[[], StagePlan], ranks: Ranks) -> StagePlan:
             box[0] = ("plan", make().to_json())
         except (FitError, ValueError, TypeError) as error:
             failure, box[0] = error, ("error", str(error))
-    _collective(lambda: dist.broadcast_object_list(box, src=0), ranks.rank, "sharing the plan")
+    collective(lambda: dist.broadcast_object_list(box, src=0), ranks.rank, "sharing the plan")
     if failure is not None:
         raise failure
     what, text = box[0]
@@ -126,8 +126,9 @@ class RankReport:
     """What one rank measured: its peak (running, and while loading) against its
     prediction and budget, the bytes it read from the checkpoint files (the process's read
     calls while loading) against its stage's tensor bytes, its times per run (the whole
-    call, waiting for its peers included; in send and receive; its stage's compute as
-    predicted) and the bytes it sent per run against the plan's."""
+    call, waiting for its peers included; in send and receive; its stage's compute and
+    sends as predicted, the sends None where not priced) and the bytes it sent per run
+    against the plan's."""
 
     rank: int
     device: str
@@ -144,6 +145,7 @@ class RankReport:
     seconds: float
     predicted_seconds: float
     link_seconds: float
+    predicted_send_seconds: float | None
     sent_bytes: int
     predicted_sent_bytes: int
     measured_by: str
@@ -231,6 +233,7 @@ def stage_report(
         seconds=timed.seconds,
         predicted_seconds=stage.plan.predicted_seconds,
         link_seconds=timed.counted,
+        predicted_send_seconds=stage.send_seconds,
         sent_bytes=sent_bytes,
         predicted_sent_bytes=stage.sent_bytes,
         measured_by=timed.measured_by[device],
@@ -299,7 +302,7 @@ def run_stage(
     with process_group(ranks, timeout_seconds):
         model, loaded, read = load_stage(folder, plan, ranks.rank)
         if ranks.world > 1:  # every rank loaded before any waits on another's message
-            _collective(dist.barrier, ranks.rank, "waiting for every rank to load its stage")
+            collective(dist.barrier, ranks.rank, "waiting for every rank to load its stage")
         link = Link(ranks.rank, timeout_seconds)
         step = StageStep(model, plan.kind, ranks.rank, ranks.world, device, inputs)
         call = _stage_call(step, ranks.rank, ranks.world, link, max_new_tokens)
@@ -308,17 +311,9 @@ def run_stage(
         mine = (report, timed.result if ranks.rank == ranks.world - 1 else None)
         gathered = [mine] if ranks.world == 1 else ([None] * ranks.world if ranks.rank == 0 else None)
         if ranks.world > 1:
-            _collective(lambda: dist.gather_object(mine, gathered, dst=0), ranks.rank, "gathering the reports")
+            collective(lambda: dist.gather_object(mine, gathered, dst=0), ranks.rank, "gathering the reports")
         if ranks.rank != 0:
             return None
         reports = tuple(report for report, _ in gathered)
         return StageRun.of(plan, reports, gathered[-1][1], max(r.seconds for r in reports))
 
-
-def _collective(call: Callable[[], Any], rank: int, doing: str) -> None:
-    try:
-        call()
-    except (RuntimeError, dist.DistError) as error:
-        raise StageError(
-            f"rank {rank}: a peer failed while {doing}; the run ends on every rank ({error})", rank=rank, peer=None
-        ) from None

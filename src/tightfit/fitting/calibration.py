@@ -170,15 +170,20 @@ class Calibration:
         return cls(**data)
 
 
-def _device_name(device: torch.device) -> str:
+def _device_name(device: torch.device, threads: int | None = None) -> str:
+    """The device's name, the key of its figures. On the CPU, with torch's thread count
+    (``threads``, default the current) where it is not one per core: a process given fewer
+    threads (each rank of a ``torchrun``) computes slower, and is measured for its own."""
     if device.type == "cpu":
+        threads = threads or torch.get_num_threads()
+        shared = "" if threads == os.cpu_count() else f", {threads} thread{'s' if threads > 1 else ''}"
         try:
             for line in Path("/proc/cpuinfo").read_text().splitlines():
                 if line.startswith("model name"):
-                    return f"{line.partition(':')[2].strip()} x{os.cpu_count()}"
+                    return f"{line.partition(':')[2].strip()} x{os.cpu_count()}{shared}"
         except OSError:
             pass
-        return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
+        return f"{platform.processor() or platform.machine()} x{os.cpu_count()}{shared}"
     module = torch.get_device_module(device.type)
     if hasattr(module, "get_device_name"):
         return str(module.get_device_name(device.index or 0))
