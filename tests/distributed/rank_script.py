@@ -22,6 +22,7 @@ def main() -> None:
     parser.add_argument("--budgets", nargs="+", required=True)
     parser.add_argument("--inputs", required=True, help="a file holding the first stage's inputs (torch.save)")
     parser.add_argument("--max-new-tokens", type=int, default=0)
+    parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--die-at-send", type=int, default=0)
     parser.add_argument("--hang-at-send", type=int, default=0)
@@ -43,7 +44,10 @@ def main() -> None:
     inputs = torch.load(args.inputs)
     with process_group(ranks, args.timeout):
         plan = shared_plan(
-            lambda: plan_stages(args.folder, args.budgets, inputs, max_new_tokens=args.max_new_tokens), ranks
+            lambda: plan_stages(
+                args.folder, args.budgets, inputs, max_new_tokens=args.max_new_tokens, micro_batches=args.micro_batches
+            ),
+            ranks,
         )
         run = run_stage(
             args.folder, plan, inputs, ranks, max_new_tokens=args.max_new_tokens, repeat=1, timeout_seconds=args.timeout

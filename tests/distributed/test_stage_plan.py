@@ -15,7 +15,14 @@ from torch import nn
 from tightfit.app.models import default_model_dir, embed, load_tokenizer, save_causal_lm
 from tightfit.app.run import DEFAULT_SENTENCES
 from tightfit.app.stages_command import stage_budgets
-from tightfit.distributed import Ranks, StagePlan, plan_stages, process_group, ranks_from_environment
+from tightfit.distributed import (
+    Ranks,
+    StagePlan,
+    plan_stages,
+    process_group,
+    rank_device,
+    ranks_from_environment,
+)
 from tightfit.distributed.pricing import Hop, device_hop
 from tightfit.distributed.split import cut, layout_of
 from tightfit.fitting import FitError
@@ -87,6 +94,15 @@ def test_encoder_stages_embed_as_the_whole_model_chained_and_on_the_devices_of_o
     assert torch.equal(run.embeddings, whole)
     (report,) = run.reports
     assert abs(report.measured_peak_bytes / report.predicted_peak_bytes - 1) < 0.005 and report.within_budget
+    # in 3 micro-batches (3, 3 and 2 rows): the same embeddings, a lower peak, the batch's embeddings held
+    parts = plan_stages(folder, {"cpu": "120MB"}, inputs, micro_batches=3)
+    assert parts.micro_batch_rows() == [slice(0, 3), slice(3, 6), slice(6, 8)]
+    assert parts.stages[0].held_bytes == 8 * 384 * 4 and "in 3 micro-batches" in str(parts)
+    run = run_local(folder, parts, inputs, repeat=1)
+    torch.testing.assert_close(run.embeddings, whole, rtol=0, atol=1e-6)
+    (parted,) = run.reports
+    assert abs(parted.measured_peak_bytes / parted.predicted_peak_bytes - 1) < 0.005
+    assert parted.measured_peak_bytes < report.measured_peak_bytes
 
 
 def test_a_budget_no_single_process_holds_is_planned_over_two_ranks(lm_folder):
@@ -138,6 +154,9 @@ def test_unequal_budgets_move_layers_to_the_rank_with_room(lm_folder):
         (["9MB"], PROMPT, {"hops": [HOP, HOP]}, ValueError, r"one Hop per rank \(1\)"),
         (["9MB"], PROMPT, {"hops": [0.1]}, ValueError, "one Hop per rank"),
         ({"cpu": "9MB"}, PROMPT, {"hops": [HOP]}, ValueError, "priced from their calibrations"),
+        (["9MB"], PROMPT, {"micro_batches": 2}, ValueError, "one prompt, one micro-batch"),
+        (["9MB"], PROMPT, {"micro_batches": 0}, ValueError, "micro_batches"),
+        (["9MB"], PROMPT, {"micro_batches": 1.5}, ValueError, "micro_batches must be an int"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_is_read(lm_folder, budgets, inputs, kwargs, error, match):
@@ -213,12 +232,43 @@ def test_budget_option_gives_every_rank_one_size_or_one_each():
         stage_budgets("60MB", 0)
 
 
+def test_each_rank_takes_the_device_of_its_local_rank():
+    assert rank_device("cpu", 3) == "cpu"
+    if torch.cuda.is_available():
+        assert rank_device("cuda", 0) == "cuda:0"
+
+
 def test_budget_option_per_device_runs_in_one_process():
     assert stage_budgets("cuda:0=20GB, cpu=64GB", 1) == {"cuda:0": "20GB", "cpu": "64GB"}
     with pytest.raises(ValueError, match="names a device twice"):
         stage_budgets("cpu=1GB,cpu=2GB", 1)
     with pytest.raises(ValueError, match="DEVICE=SIZE for each device"):
         stage_budgets("cpu=1GB,2GB", 1)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--device", "cuda:0"], "must be a device type without an index"),
+        (["--device", "nope"], "device_type='nope'"),
+        (["--budget", "cpu=60MB", "--device", "cuda"], "--device is for ranks"),
+        (["--sentences", "missing.txt"], "--sentences 'missing.txt' cannot be read"),
+        (["--sentences", "blank.txt"], "holds no sentence"),
+        (["--sentences", "binary.txt"], "is not valid UTF-8"),
+        (["--micro-batches", "9"], "more than the batch's 8 rows"),
+        (["--micro-batches", "0"], "micro_batches must be an int >= 1"),
+    ],
+)
+def test_stages_options_given_wrong_are_one_line_and_exit_2(options, message, tmp_path, monkeypatch, capsys):
+    from tightfit.app import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00sentence")
+    budget = [] if "--budget" in options else ["--budget", "60MB"]
+    assert cli.main(["stages", *budget, "--ranks", "2", "--plan-only", *options]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_a_model_type_whose_stages_were_not_checked_is_refused(lm_folder):
@@ -272,6 +322,10 @@ def test_a_plan_runs_only_on_the_inputs_it_was_made_for(lm_folder):
         (lambda: ranks_from_environment(None), TypeError, "environ"),
         (lambda: process_group(Ranks(0, 1), float("inf")).__enter__(), ValueError, "timeout_seconds must be a finite"),
         (lambda: process_group(None, 5).__enter__(), TypeError, "ranks"),
+        (lambda: rank_device("cuda:1", 0), ValueError, "device type without an index"),
+        (lambda: rank_device("gpu", 0), ValueError, "device_type='gpu' must be a device type"),
+        (lambda: rank_device("cpu", -1), ValueError, "local_rank"),
+        (lambda: rank_device("cuda", torch.cuda.device_count()), ValueError, "has no cuda device of its own"),
     ],
 )
 def test_ranks_and_process_group_arguments_are_checked(call, error, match):

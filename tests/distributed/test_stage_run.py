@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tightfit.app.generation import generate_greedy
-from tightfit.app.models import load_tokenizer, save_causal_lm
+from tightfit.app.models import default_model_dir, embed, load_tokenizer, save_causal_lm
+from tightfit.app.run import DEFAULT_SENTENCES
 from tightfit.loading import load
 
 SCRIPT = Path(__file__).with_name("rank_script.py")
@@ -37,12 +38,14 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _spawn(folder, tmp_path, budgets, *, fault=None, timeout=30.0):
-    """Start one process per budget as torchrun would (the environment it sets); with
-    ``fault`` (rank, "die" or "hang", N), that rank exits or stops answering at its N-th
-    send. Returns (processes, rank 0's output file)."""
+def _spawn(folder, tmp_path, budgets, *, fault=None, timeout=30.0, inputs=None, options=()):
+    """Start one process per budget as torchrun would (the environment it sets), on
+    ``inputs`` (default: the prompt, generating); with ``fault`` (rank, "die" or "hang",
+    N), that rank exits or stops answering at its N-th send. Returns (processes, rank 0's
+    output file)."""
+    given = inputs
     inputs = tmp_path / "inputs.pt"
-    torch.save({"input_ids": PROMPT}, inputs)
+    torch.save(given or {"input_ids": PROMPT}, inputs)
     out = tmp_path / "run.pt"
     port = _free_port()
     processes = []
@@ -50,7 +53,7 @@ def _spawn(folder, tmp_path, budgets, *, fault=None, timeout=30.0):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(budgets)), LOCAL_RANK=str(rank))
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         command = [sys.executable, str(SCRIPT), str(folder), str(out), "--budgets", *budgets, "--inputs", str(inputs)]
-        command += ["--max-new-tokens", str(NEW_TOKENS), "--timeout", str(timeout)]
+        command += ["--max-new-tokens", str(0 if given else NEW_TOKENS), "--timeout", str(timeout), *options]
         if fault is not None and fault[0] == rank:
             command += [f"--{fault[1]}-at-send", str(fault[2])]
         processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -95,6 +98,24 @@ def test_two_ranks_under_torchrun_generate_the_single_process_tokens_within_thei
         # the process's read calls while loading: its own tensors, and less than another stage's
         assert report["stage_read_bytes"] <= report["read_bytes"] < report["stage_read_bytes"] + 4 * 2**20
         assert report["stage_read_bytes"] < 0.7 * full_bytes
+
+
+def test_two_ranks_embed_in_micro_batches_as_the_whole_model_each_within_its_plan(tmp_path):
+    folder = default_model_dir()
+    tokenizer = load_tokenizer(folder)
+    batch = tokenizer(list(DEFAULT_SENTENCES), padding=True, return_tensors="pt")
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    processes, out = _spawn(folder, tmp_path, ["60MB", "60MB"], inputs=inputs, options=["--micro-batches", "3"])
+    for process in processes:
+        _, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err[-2000:]
+    saved = torch.load(out)
+    whole = embed(load(folder, "200MB")[0], tokenizer, list(DEFAULT_SENTENCES), torch.device("cpu"))
+    torch.testing.assert_close(saved["embeddings"], whole, rtol=0, atol=1e-6)
+    for report in saved["run"]["reports"]:
+        assert abs(report["measured_peak_bytes"] / report["predicted_peak_bytes"] - 1) < 0.02
+        assert report["measured_peak_bytes"] <= report["budget_bytes"]
+        assert report["sent_bytes"] == report["predicted_sent_bytes"]
 
 
 def test_a_rank_that_stops_answering_ends_the_waiting_rank_after_the_timeout(lm_folder, tmp_path):

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.markup import escape
 
+from tightfit._files import read_text
 from tightfit._format import human_bytes
 from tightfit._validate import check_count, check_type
 from tightfit.app.generation_job import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROMPT
@@ -25,9 +27,11 @@ from tightfit.distributed import (
     StageRun,
     plan_stages,
     process_group,
+    rank_device,
     ranks_from_environment,
     run_local,
     run_stage,
+    shared_devices,
     shared_plan,
 )
 from tightfit.distributed.pricing import measured_hops
@@ -35,7 +39,9 @@ from tightfit.fitting import Allow
 from tightfit.kinds import CAUSAL_LM
 from tightfit.loading.folder import folder_kind, model_folder
 
-__all__ = ["add_parser", "handle", "stage_budgets"]
+__all__ = ["add_parser", "handle", "read_sentences", "stage_budgets"]
+
+_MOST_SENTENCE_BYTES = 64 << 20
 
 
 def stage_budgets(text: str, ranks: int) -> list[str] | dict[str, str]:
@@ -65,11 +71,25 @@ def stage_budgets(text: str, ranks: int) -> list[str] | dict[str, str]:
     return sizes
 
 
-def _inputs(folder: Any, kind: str, prompt: str) -> dict[str, torch.Tensor]:
+def read_sentences(file: str) -> list[str]:
+    """``--sentences``: the file's non-blank lines, one sentence each."""
+    try:
+        text = read_text(file, limit=_MOST_SENTENCE_BYTES)
+    except OSError as error:
+        raise ValueError(f"{option('sentences')} {file!r} cannot be read: {error.strerror or error}") from None
+    except ValueError as error:
+        raise ValueError(f"{option('sentences')}: {error}") from None
+    sentences = [line.strip() for line in text.splitlines() if line.strip()]
+    if not sentences:
+        raise ValueError(f"{option('sentences')} {file!r} holds no sentence; give one sentence per line")
+    return sentences
+
+
+def _inputs(folder: Any, kind: str, prompt: str, sentences: list[str]) -> dict[str, torch.Tensor]:
     tokenizer = load_tokenizer(folder)
     if kind == CAUSAL_LM:
         return {"input_ids": tokenizer(prompt, return_tensors="pt")["input_ids"]}
-    batch = tokenizer(list(DEFAULT_SENTENCES), padding=True, truncation=True, return_tensors="pt")
+    batch = tokenizer(sentences, padding=True, truncation=True, return_tensors="pt")
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 
@@ -84,21 +104,38 @@ def handle(args: argparse.Namespace, console: Console) -> int:
     if ranks.world < 1:
         raise ValueError(f"{option('ranks')} must be >= 1, got {ranks.world}")
     new_tokens = args.max_new_tokens if kind == CAUSAL_LM else 0
-    inputs = _inputs(folder, kind, args.prompt)
+    if args.sentences is not None and kind == CAUSAL_LM:
+        raise ValueError(f"{option('sentences')} is for an encoder; {folder} is a causal LM, which takes --prompt")
+    sentences = read_sentences(args.sentences) if args.sentences is not None else list(DEFAULT_SENTENCES)
+    inputs = _inputs(folder, kind, args.prompt, sentences)
     allow = Allow.parse(args.allow) if args.allow else None
     budgets = stage_budgets(args.budget, ranks.world)
     per_device = isinstance(budgets, dict)
+    if per_device and args.device != "cpu":
+        raise ValueError(f"{option('device')} is for ranks; {option('budget')} {args.budget!r} names the devices")
     if per_device and (args.ranks is not None or launched.world > 1):
         raise ValueError(
             f"{option('budget')} {args.budget!r} gives a budget per device, which runs the stages in this process; "
             f"for ranks, give one size per rank"
         )
 
-    def make(hops=None):
-        return plan_stages(folder, budgets, inputs, kind=kind, max_new_tokens=new_tokens, allow=allow, hops=hops)
+    local_rank = int(os.environ.get("LOCAL_RANK", ranks.rank))
 
-    if args.plan_only:
-        plan = make()
+    def make(hops=None, devices=None):
+        return plan_stages(
+            folder,
+            budgets,
+            inputs,
+            kind=kind,
+            max_new_tokens=new_tokens,
+            allow=allow,
+            devices=devices,
+            hops=hops,
+            micro_batches=args.micro_batches,
+        )
+
+    if args.plan_only:  # the ranks of one node
+        plan = make(devices=None if per_device else [rank_device(args.device, r) for r in range(ranks.world)])
         print(plan.to_json()) if args.json else console.print(escape(str(plan)), highlight=False, soft_wrap=True)
         return 0
     if per_device:
@@ -108,8 +145,9 @@ def handle(args: argparse.Namespace, console: Console) -> int:
         run = run_local(folder, plan, inputs, max_new_tokens=new_tokens, repeat=args.repeat)
         return _print_result(run, plan, folder, args, console)
     with process_group(ranks, args.timeout):
+        devices = shared_devices(rank_device(args.device, local_rank), ranks)
         hops = measured_hops(ranks.rank, ranks.world, args.timeout) if ranks.world > 1 else None
-        plan = shared_plan(lambda: make(hops), ranks)
+        plan = shared_plan(lambda: make(hops, devices), ranks)
         if ranks.rank == 0 and not args.json:
             console.print(escape(str(plan)), highlight=False, soft_wrap=True)
         run = run_stage(
@@ -190,11 +228,28 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
         help="memory each rank may use: one size for every rank, or one per rank (e.g. 60MB or 50MB,70MB); or "
         "DEVICE=SIZE for each device of this process (e.g. cuda:0=20GB,cpu=64GB), its stages run in this process",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        metavar="TYPE",
+        help="each rank's device: cpu (default), or an accelerator type (cuda, xpu, ...), each rank taking the one "
+        "of its local rank",
+    )
     parser.add_argument("--ranks", type=int, help="with --plan-only: the ranks to plan for (default: WORLD_SIZE)")
     parser.add_argument("--plan-only", action="store_true", help="print the stage plan and stop; nothing is read")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="a causal LM's prompt")
     parser.add_argument(
+        "--sentences", metavar="FILE", help="an encoder's batch: a text file, one sentence per line (default: built-in)"
+    )
+    parser.add_argument(
         "--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="a causal LM's tokens to generate"
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        metavar="N",
+        help="an encoder's batch in N parts through the stages, so that the stages work at once (default: 1)",
     )
     parser.add_argument("--repeat", type=int, default=3, help="timed runs after a warm-up (default: 3)")
     parser.add_argument(

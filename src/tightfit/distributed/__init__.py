@@ -10,8 +10,10 @@ from tightfit.distributed.run import (
     Ranks,
     StageRun,
     process_group,
+    rank_device,
     ranks_from_environment,
     run_stage,
+    shared_devices,
     shared_plan,
 )
 
@@ -25,8 +27,10 @@ __all__ = [
     "StageRun",
     "plan_stages",
     "process_group",
-    "run_local",
+    "rank_device",
     "ranks_from_environment",
+    "run_local",
     "run_stage",
+    "shared_devices",
     "shared_plan",
 ]

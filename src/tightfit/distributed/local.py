@@ -44,14 +44,19 @@ class _Copies:
         return moved
 
 
-def _chained(steps: list[StageStep], copies: _Copies, new_tokens: int) -> Callable[[], Any]:
-    """One run through every stage in turn: a generation's tokens, or an encoding's embeddings."""
+def _chained(steps: list[StageStep], copies: _Copies, new_tokens: int, parts: list[slice]) -> Callable[[], Any]:
+    """One run through every stage in turn: a generation's tokens, or an encoding's
+    embeddings, each micro-batch (``parts``: their rows) through every stage before the next."""
 
     def encode() -> torch.Tensor:
-        taken = steps[0].ids
-        for step in steps:
-            taken = step(copies(taken, step.device), {})
-        return taken
+        embeddings = None
+        for rows in parts:
+            taken = steps[0].ids[rows]
+            for step in steps:
+                taken = step(copies(taken, step.device), {}, rows=rows)
+            embeddings = steps[-1].into_batch(embeddings, taken, rows, len(parts))
+            del taken  # not held through the next part's forward
+        return embeddings
 
     def generate() -> tuple[int, ...]:
         caches = [step.new_cache() for step in steps]
@@ -96,7 +101,9 @@ def run_local(
     ]
     copies = _Copies()
     held = {device: held_bytes(model, device) for (model, _, _), device in zip(stages, devices)}
-    timed = timed_and_measured(_chained(steps, copies, max_new_tokens), held, repeat, lambda: copies.seconds)
+    timed = timed_and_measured(
+        _chained(steps, copies, max_new_tokens, plan.micro_batch_rows()), held, repeat, lambda: copies.seconds
+    )
     reports = tuple(
         stage_report(plan, index, loaded, read, timed, copies.bytes // timed.calls)
         for index, (_, loaded, read) in enumerate(stages)

@@ -35,7 +35,7 @@ from tightfit._files import parse_json
 from tightfit._format import human_bytes
 from tightfit._validate import check_count, check_type
 from tightfit.distributed.link import HEADER_BYTES
-from tightfit.distributed.pricing import Hop, device_hop
+from tightfit.distributed.pricing import Hop, device_hop, host_legs
 from tightfit.distributed.split import check_kind, cut, layout_of
 from tightfit.fitting import Allow, FitError, FitPlan, fit
 from tightfit.fitting.size import parse_size
@@ -46,9 +46,9 @@ from tightfit.loading.safetensors import Checkpoint
 from tightfit.loading.stream import on_meta, stored_dtypes
 from tightfit.memory.measure import tensor_bytes
 
-__all__ = ["EXACT", "Stage", "StagePlan", "keeps_last_logits", "plan_stages", "stage_inputs"]
+__all__ = ["EXACT", "Stage", "StagePlan", "keeps_last_logits", "micro_batch_rows", "plan_stages", "stage_inputs"]
 
-_FORMAT = "tightfit.stages/2"
+_FORMAT = "tightfit.stages/3"
 
 #: What stages may use by default: weights as stored, on the stage's device, so that the
 #: stages together compute what the whole model computes in one process.
@@ -59,7 +59,9 @@ EXACT = Allow(storage=frozenset({"keep"}), placement=frozenset({"device"}), hint
 class Stage:
     """One stage: layers ``[start, end)`` of the stack on ``device`` (rank ``rank``), with
     the embedding where ``start == 0`` and the head where ``end`` is the stack's end;
-    ``plan``: its fit within ``budget_bytes``; ``read_bytes``: the checkpoint bytes of its
+    ``plan``: its fit of one micro-batch within ``budget_bytes`` less ``held_bytes`` (what
+    it keeps across micro-batches: an encoder's last stage, the batch's embeddings), and
+    ``compute_seconds`` its compute per run (every micro-batch); ``read_bytes``: the checkpoint bytes of its
     tensors, all that its rank reads; ``sent_bytes``: what it sends per run (its hidden
     states to the next stage; the last stage of a generation, each token back to the
     first) and ``send_seconds`` what that costs (None: not priced); ``why``: how it came
@@ -74,16 +76,19 @@ class Stage:
     read_bytes: int
     sent_bytes: int
     send_seconds: float | None
+    held_bytes: int
+    compute_seconds: float
     why: str
 
     def __post_init__(self) -> None:
-        for name in ("rank", "start", "read_bytes", "sent_bytes"):
+        for name in ("rank", "start", "read_bytes", "sent_bytes", "held_bytes"):
             check_count(f"Stage.{name}", getattr(self, name))
-        seconds = self.send_seconds
-        if seconds is not None and (
-            isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf
-        ):
-            raise ValueError(f"Stage.send_seconds must be None or a finite number >= 0, got {seconds!r}")
+        for name in ("send_seconds", "compute_seconds"):
+            seconds = getattr(self, name)
+            if (seconds is not None or name == "compute_seconds") and (
+                isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf
+            ):
+                raise ValueError(f"Stage.{name} must be a finite number >= 0, got {seconds!r}")
         check_count("Stage.end", self.end, least=1)
         check_count("Stage.budget_bytes", self.budget_bytes, least=1)
         check_type("Stage.why", self.why, str)
@@ -95,7 +100,7 @@ class Stage:
 
     @property
     def predicted_peak_bytes(self) -> int:
-        return self.plan.predicted_peak_bytes
+        return self.plan.predicted_peak_bytes + self.held_bytes
 
     def holds(self, layers: int, kind: str) -> str:
         """What the stage holds, in words: its layers and the ends of the model it has."""
@@ -113,7 +118,9 @@ class StagePlan:
     ``layers``: the stack's length; ``covers``: what each stage's prediction covers;
     ``checkpoint_bytes``: the whole checkpoint's tensor bytes (what one process reads);
     ``input_shape`` and ``max_new_tokens``: the run it was made for, which a run must be;
-    ``transfers``: how the sends between stages were priced, or why they were not."""
+    ``micro_batches``: how many parts an encoder's batch goes through the stages in, one
+    after another, so that the stages work on different parts at once; ``transfers``: how
+    the sends between stages were priced, or why they were not."""
 
     model: str
     kind: str
@@ -122,6 +129,7 @@ class StagePlan:
     checkpoint_bytes: int
     input_shape: tuple[int, int]
     max_new_tokens: int
+    micro_batches: int
     transfers: str
     stages: tuple[Stage, ...] = field(default_factory=tuple)
 
@@ -132,6 +140,7 @@ class StagePlan:
         check_count("StagePlan.layers", self.layers, least=1)
         check_count("StagePlan.checkpoint_bytes", self.checkpoint_bytes)
         check_count("StagePlan.max_new_tokens", self.max_new_tokens)
+        check_count("StagePlan.micro_batches", self.micro_batches, least=1)
         shape = self.input_shape
         if (
             not isinstance(shape, (list, tuple))
@@ -158,6 +167,8 @@ class StagePlan:
         rows = [
             f"{self.model} ({self.kind}, {self.layers} layers) in {len(self.stages)} stages; each covers {self.covers}"
         ]
+        if self.micro_batches > 1:
+            rows[0] += f", in {self.micro_batches} micro-batches"
         rows.append(
             f"{'rank':>4}  {'device':<8} {'holds':<32} {'budget':>10} {'predicted':>10} {'reads':>10} {'sends':>10} "
             f"{'ms/run':>8} {'send ms':>8}  why"
@@ -166,17 +177,24 @@ class StagePlan:
             rows.append(
                 f"{s.rank:>4}  {s.device:<8} {s.holds(self.layers, self.kind):<32} {human_bytes(s.budget_bytes):>10} "
                 f"{human_bytes(s.predicted_peak_bytes):>10} {human_bytes(s.read_bytes):>10} "
-                f"{human_bytes(s.sent_bytes):>10} {s.plan.predicted_seconds * 1e3:>8.2f} {_milliseconds(s.send_seconds):>8}  "
+                f"{human_bytes(s.sent_bytes):>10} {s.compute_seconds * 1e3:>8.2f} {_milliseconds(s.send_seconds):>8}  "
                 f"{s.why}"
             )
-        compute = sum(s.plan.predicted_seconds for s in self.stages)
+        compute = sum(s.compute_seconds for s in self.stages)
         sends = self.send_seconds
-        rows.append(
-            f"predicted: {self.predicted_seconds * 1e3:.2f} ms a run, one stage after another: compute "
-            f"{compute * 1e3:.2f} ms" + (f" + sends {sends * 1e3:.2f} ms" if sends is not None else "")
-            + f"; sends {self.transfers}"
+        how = (
+            f"the pipeline filled and drained: each stage's compute and sends ({compute * 1e3:.2f} and "
+            f"{(sends or 0) * 1e3:.2f} ms in all) for one micro-batch, then the slowest stage's for each after"
+            if self.micro_batches > 1
+            else f"one stage after another: compute {compute * 1e3:.2f} ms"
+            + (f" + sends {sends * 1e3:.2f} ms" if sends is not None else "")
         )
+        rows.append(f"predicted: {self.predicted_seconds * 1e3:.2f} ms a run, {how}; sends {self.transfers}")
         return "\n".join(rows)
+
+    def micro_batch_rows(self) -> list[slice]:
+        """The batch's rows of each micro-batch, in order."""
+        return micro_batch_rows(self.input_shape[0], self.micro_batches)
 
     def check_run(self, inputs: Any, max_new_tokens: int) -> None:
         """Nothing where ``inputs`` and ``max_new_tokens`` are the run this plan was made
@@ -198,9 +216,12 @@ class StagePlan:
 
     @property
     def predicted_seconds(self) -> float:
-        """The stages' predicted compute and sends per run (where priced), summed: at batch
-        1 they run one after another."""
-        return sum(s.plan.predicted_seconds for s in self.stages) + (self.send_seconds or 0.0)
+        """A run's predicted seconds: each stage's compute and sends (where priced) for one
+        micro-batch, one stage after another, then the slowest stage's for each micro-batch
+        after (while it works on one, the stages before it work on the next). With one
+        micro-batch, the stages' sum."""
+        each = [(s.compute_seconds + (s.send_seconds or 0.0)) / self.micro_batches for s in self.stages]
+        return sum(each) + (self.micro_batches - 1) * max(each)
 
     def to_json(self) -> str:
         data = asdict(self) | {"format": _FORMAT}
@@ -351,6 +372,7 @@ def plan_stages(
     devices: Sequence[str] | None = None,
     allow: Allow | None = None,
     hops: Sequence[Hop] | None = None,
+    micro_batches: int = 1,
 ) -> StagePlan:
     """The :class:`StagePlan` of a local Hugging Face folder over ``budgets``: a list, one
     size per rank (on ``devices``, default the CPU), or a mapping device -> size (stages
@@ -360,7 +382,10 @@ def plan_stages(
     ``allow``: what the stages' fits may use (default :data:`EXACT`). ``hops``: ranks'
     links, one per rank (:func:`~tightfit.distributed.pricing.measured_hops`), to price
     their sends with (None: not priced); the copies between the devices of one process are
-    priced from their calibrations. Nothing is read but
+    priced from their calibrations. ``micro_batches``: an encoder's batch split into this
+    many parts, which go through the stages one after another, so that while a stage works
+    on one part the stages before it work on the next (each stage is planned for the
+    largest part). Nothing is read but
     the config and the checkpoint's headers; a :class:`~tightfit.fitting.FitError` where
     no arrangement fits, naming the rank."""
     path = model_folder(folder)
@@ -378,6 +403,8 @@ def plan_stages(
     _check_hops(hops, budgets, len(budget_bytes))
     kind = check_kind(kind or folder_kind(path))
     ids = _check_inputs(inputs, kind, max_new_tokens)
+    _check_micro_batches(micro_batches, kind, ids.shape[0])
+    rows = micro_batch_rows(ids.shape[0], micro_batches)
     model, config = skeleton(path, kind)
     layout = layout_of(model, kind)
     layers = layout.layers(model)
@@ -392,12 +419,18 @@ def plan_stages(
         raise ValueError(f"max_new_tokens={max_new_tokens} is for a causal LM's generation; {path} is run as {kind}")
     checkpoint = Checkpoint(path)
     context = ids.shape[1] + max_new_tokens - 1
+    part = (rows[0].stop - rows[0].start, ids.shape[1])
     covers = (
         f"the prefill over {ids.shape[1]} positions and the last of {max_new_tokens - 1} decode steps, its KV cache "
         f"at {context} positions"
         if max_new_tokens > 1
-        else f"one forward over inputs of shape {tuple(ids.shape)}"
+        else f"one forward over inputs of shape {part}"
     )
+    hidden = int(config.hidden_size)
+
+    def held(end: int) -> int:  # an encoder's last stage keeps the batch's embeddings across micro-batches
+        return ids.shape[0] * hidden * model.dtype.itemsize if micro_batches > 1 and end == layers else 0
+
     cuts: dict[tuple[int, int], nn.Module] = {}  # each range cut from its own skeleton once
     fitted: dict[tuple[int, int, int], FitPlan | FitError] = {}
 
@@ -410,13 +443,14 @@ def plan_stages(
         key = (rank, start, end)
         if key not in fitted:
             stage = stage_of(start, end)
-            example = stage_inputs(stage, kind, on_meta(dict(inputs)), start == 0)
+            first_part = {name: tensor[rows[0]] for name, tensor in inputs.items()}
+            example = stage_inputs(stage, kind, on_meta(first_part), start == 0)
             trace = _decode_trace(stage, start == 0, context) if max_new_tokens > 1 else None
             try:
                 fitted[key] = fit(
                     stage,
                     example,
-                    budget_bytes[rank],
+                    max(budget_bytes[rank] - held(end), 1),
                     backend=stage_devices[rank],
                     allow=allow or EXACT,
                     loading=True,
@@ -443,20 +477,42 @@ def plan_stages(
         reason = "it is the only rank" if ranks == 1 else "no arrangement of the layers over the ranks fits"
         raise _refusal(rank, start, end, stage_fit(rank, start, end), stage_devices, layers, reason)
     in_process = isinstance(budgets, Mapping)
+    calibrations = {stage_devices[r]: results[r].calibration for r in range(ranks)}
+    ends = [(stage_devices[r], stage_devices[(r + 1) % ranks]) for r in range(ranks)]
     if in_process and ranks > 1:
-        calibrations = {stage_devices[r]: results[r].calibration for r in range(ranks)}
-        hops = [device_hop(stage_devices[r], stage_devices[(r + 1) % ranks], calibrations) for r in range(ranks)]
+        hops = [device_hop(source, target, calibrations) for source, target in ends]
+    elif hops:  # ranks on accelerators send through host memory
+        hops = [
+            hop.through_host(host_legs(source, target, calibrations), f"{source} and {target}")
+            for hop, (source, target) in zip(hops, ends)
+        ]
     stages = []
     for r in range(ranks):
         start, end = bounds[r], bounds[r + 1]
         stage = stage_of(start, end)
         why = moved.get(r) or f"{end - start} of {layers} layers, in proportion to its budget after its fixed parts"
-        messages = _messages(kind, r, ranks, tuple(ids.shape), max_new_tokens, int(config.hidden_size), stage.dtype)
+        messages = _messages(kind, r, ranks, tuple(ids.shape), max_new_tokens, hidden, stage.dtype, rows)
         header = 0 if in_process else HEADER_BYTES  # a copy between devices has no header
         sent = sum(count * (nbytes + header) for count, nbytes in messages)
         seconds = hops[r].seconds(messages) if hops else 0.0 if ranks == 1 else None
         read = _read_bytes(stage, checkpoint)
-        stages.append(Stage(r, stage_devices[r], start, end, budget_bytes[r], results[r], read, sent, seconds, why))
+        compute = results[r].predicted_seconds * micro_batches
+        stages.append(
+            Stage(
+                r,
+                stage_devices[r],
+                start,
+                end,
+                budget_bytes[r],
+                results[r],
+                read,
+                sent,
+                seconds,
+                held(end),
+                compute,
+                why,
+            )
+        )
     total = sum(e.nbytes for e in checkpoint.entries.values())
     return StagePlan(
         type(model).__name__,
@@ -466,9 +522,30 @@ def plan_stages(
         total,
         tuple(ids.shape),
         max_new_tokens,
+        micro_batches,
         _transfers(hops, ranks),
         tuple(stages),
     )
+
+
+def micro_batch_rows(batch: int, parts: int) -> list[slice]:
+    """``batch`` rows in ``parts`` micro-batches, the first ``batch % parts`` a row larger."""
+    size, larger = divmod(batch, parts)
+    bounds = [0]
+    for index in range(parts):
+        bounds.append(bounds[-1] + size + (index < larger))
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _check_micro_batches(micro_batches: Any, kind: str, batch: int) -> None:
+    check_count("micro_batches", micro_batches, least=1)
+    if micro_batches > 1 and kind == CAUSAL_LM:
+        raise ValueError(
+            f"micro_batches={micro_batches}: a generation across stages is one prompt, one micro-batch; "
+            f"micro-batches split an encoder's batch"
+        )
+    if micro_batches > batch:
+        raise ValueError(f"micro_batches={micro_batches} is more than the batch's {batch} rows; give at most {batch}")
 
 
 def _check_hops(hops: Any, budgets: Any, ranks: int) -> None:
@@ -565,16 +642,23 @@ def _modules_bytes(model: nn.Module, names: tuple[str, ...]) -> int:
 
 
 def _messages(
-    kind: str, rank: int, ranks: int, ids: tuple[int, int], new_tokens: int, hidden: int, dtype: torch.dtype
+    kind: str,
+    rank: int,
+    ranks: int,
+    ids: tuple[int, int],
+    new_tokens: int,
+    hidden: int,
+    dtype: torch.dtype,
+    rows: list[slice],
 ) -> list[tuple[int, int]]:
     """What stage ``rank`` sends per run, as (how many, data bytes each): its hidden states
-    (an encoder's once; a generation's prefill, then one position per step), or a
-    generation's tokens back to the first."""
+    (an encoder's once per micro-batch of ``rows``; a generation's prefill, then one
+    position per step), or a generation's tokens back to the first."""
     if ranks == 1:
         return []
     if rank < ranks - 1:
         if kind != CAUSAL_LM:
-            return [(1, ids[0] * ids[1] * hidden * dtype.itemsize)]
+            return [(1, (part.stop - part.start) * ids[1] * hidden * dtype.itemsize) for part in rows]
         return [(1, ids[1] * hidden * dtype.itemsize), (new_tokens - 1, hidden * dtype.itemsize)]
     return [(new_tokens - 1, torch.int64.itemsize)] if kind == CAUSAL_LM else []
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from tightfit._validate import check_count, check_type
 from tightfit.distributed.link import Link, collective
 
-__all__ = ["Hop", "device_hop", "measured_hops"]
+__all__ = ["Hop", "device_hop", "host_legs", "measured_hops"]
 
 #: The round trips of each size a measured hop times: the least of them is its figure.
 ROUND_TRIPS = 8
@@ -51,15 +51,26 @@ class Hop:
             raise ValueError("Hop.bytes_per_second must be > 0")
         check_type("Hop.how", self.how, str)
 
+    def through_host(self, per_byte: float, devices: str) -> Hop:
+        """The hop with ``per_byte`` more seconds per byte: the accelerators' copies to and
+        from host memory (``devices``, named in ``how``) on either end."""
+        if per_byte == 0:
+            return self
+        return Hop(
+            self.latency_seconds,
+            1 / (1 / self.bytes_per_second + per_byte),
+            f"{self.how}, then through host memory from and to {devices}",
+        )
+
     def seconds(self, messages: Sequence[tuple[int, int]]) -> float:
         """What ``messages`` cost: (how many, data bytes each) pairs."""
         return sum(count * (self.latency_seconds + nbytes / self.bytes_per_second) for count, nbytes in messages)
 
 
-def device_hop(source: str, target: str, calibrations: Mapping[str, Mapping[str, Any] | None]) -> Hop:
-    """The copy from device ``source`` to ``target`` in one process, priced by the bytes
-    crossing each accelerator's host-to-device link (``calibrations``: device -> its plan's
-    calibration figures); the calibration measures no latency, so a copy has none."""
+def host_legs(source: str, target: str, calibrations: Mapping[str, Mapping[str, Any] | None]) -> float:
+    """Seconds per byte that a tensor moved from ``source`` to ``target`` through host
+    memory spends crossing each accelerator's host-to-device link (``calibrations``: device
+    -> its plan's calibration figures); 0 between CPUs."""
     per_byte = 0.0
     for device in (source, target):
         if device == "cpu":
@@ -69,6 +80,13 @@ def device_hop(source: str, target: str, calibrations: Mapping[str, Mapping[str,
         if not bandwidth:
             raise ValueError(f"the calibration of {device} has no host_to_device_bandwidth to price its copies with")
         per_byte += 1 / bandwidth
+    return per_byte
+
+
+def device_hop(source: str, target: str, calibrations: Mapping[str, Mapping[str, Any] | None]) -> Hop:
+    """The copy from device ``source`` to ``target`` in one process, priced by
+    :func:`host_legs`; the calibration measures no latency, so a copy has none."""
+    per_byte = host_legs(source, target, calibrations)
     if per_byte == 0:
         raise ValueError(f"{source} to {target}: stages of one process are on different devices")
     return Hop(0.0, 1 / per_byte, f"{source} to {target} at the calibrated host-to-device bandwidth")

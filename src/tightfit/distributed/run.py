@@ -40,7 +40,17 @@ from tightfit.kinds import CAUSAL_LM
 from tightfit.loading.folder import skeleton
 from tightfit.loading.stream import load
 
-__all__ = ["RankReport", "Ranks", "StageRun", "process_group", "ranks_from_environment", "run_stage", "shared_plan"]
+__all__ = [
+    "RankReport",
+    "Ranks",
+    "StageRun",
+    "process_group",
+    "rank_device",
+    "ranks_from_environment",
+    "run_stage",
+    "shared_devices",
+    "shared_plan",
+]
 
 
 @dataclass(frozen=True)
@@ -119,6 +129,41 @@ def shared_plan(make: Callable[[], StagePlan], ranks: Ranks) -> StagePlan:
     if what == "error":
         raise ValueError(f"rank {ranks.rank}: rank 0 could not plan the stages: {text}")
     return StagePlan.from_json(text)
+
+
+def rank_device(device_type: str, local_rank: int) -> str:
+    """The device a rank computes on: the CPU, or the accelerator of ``device_type`` at its
+    index on the node (``LOCAL_RANK``, which torchrun sets), one per rank."""
+    check_type("device_type", device_type, str)
+    check_count("local_rank", local_rank)
+    try:
+        parsed = torch.device(device_type)
+    except RuntimeError:
+        parsed = None
+    if parsed is None or parsed.index is not None:
+        raise ValueError(
+            f"device_type={device_type!r} must be a device type without an index ('cpu', 'cuda', 'xpu', ...): "
+            f"each rank takes the device of its local rank"
+        )
+    if parsed.type == "cpu":
+        return "cpu"
+    module = getattr(torch, parsed.type, None)
+    count = module.device_count() if module is not None and hasattr(module, "device_count") else 0
+    if local_rank >= count:
+        raise ValueError(
+            f"local rank {local_rank} has no {parsed.type} device of its own: this node has {count}; start at most "
+            f"{count} ranks per node (torchrun --nproc-per-node)"
+        )
+    return f"{parsed.type}:{local_rank}"
+
+
+def shared_devices(device: str, ranks: Ranks) -> list[str]:
+    """Every rank's device, each rank giving its own ``device``: what rank 0 plans with."""
+    if ranks.world == 1:
+        return [device]
+    devices: list[Any] = [None] * ranks.world
+    collective(lambda: dist.all_gather_object(devices, device), ranks.rank, "sharing the ranks' devices")
+    return devices
 
 
 @dataclass(frozen=True)
@@ -231,7 +276,7 @@ def stage_report(
         stage_read_bytes=stage.read_bytes,
         load_seconds=loaded.seconds,
         seconds=timed.seconds,
-        predicted_seconds=stage.plan.predicted_seconds,
+        predicted_seconds=stage.compute_seconds,
         link_seconds=timed.counted,
         predicted_send_seconds=stage.send_seconds,
         sent_bytes=sent_bytes,
@@ -240,17 +285,24 @@ def stage_report(
     )
 
 
-def _stage_call(step: StageStep, rank: int, world: int, link: Link, new_tokens: int) -> Callable[[], Any]:
-    """One run of this rank's part: a generation of ``new_tokens`` tokens or one encoding;
-    the last rank's call returns the tokens or the embeddings, the others' None."""
+def _stage_call(
+    step: StageStep, rank: int, world: int, link: Link, new_tokens: int, parts: list[slice]
+) -> Callable[[], Any]:
+    """One run of this rank's part: a generation of ``new_tokens`` tokens or one encoding,
+    micro-batch by micro-batch (``parts``: their rows); the last rank's call returns the
+    tokens or the embeddings, the others' None."""
     first, last = step.first, step.last
 
     def encode() -> torch.Tensor | None:
-        out = step(step.ids if first else link.recv(rank - 1, step.device), {})
-        if last:
-            return out
-        link.send(out, rank + 1)
-        return None
+        embeddings = None
+        for rows in parts:
+            out = step(step.ids[rows] if first else link.recv(rank - 1, step.device), {}, rows=rows)
+            if last:
+                embeddings = step.into_batch(embeddings, out, rows, len(parts))
+            else:
+                link.send(out, rank + 1)
+            del out  # not held through the next part's forward
+        return embeddings
 
     def generate() -> tuple[int, ...] | None:
         cache = step.new_cache()
@@ -305,7 +357,7 @@ def run_stage(
             collective(dist.barrier, ranks.rank, "waiting for every rank to load its stage")
         link = Link(ranks.rank, timeout_seconds)
         step = StageStep(model, plan.kind, ranks.rank, ranks.world, device, inputs)
-        call = _stage_call(step, ranks.rank, ranks.world, link, max_new_tokens)
+        call = _stage_call(step, ranks.rank, ranks.world, link, max_new_tokens, plan.micro_batch_rows())
         timed = timed_and_measured(call, {device: held_bytes(model, device)}, repeat, lambda: link.seconds)
         report = stage_report(plan, ranks.rank, loaded, read, timed, link.sent_bytes // timed.calls)
         mine = (report, timed.result if ranks.rank == ranks.world - 1 else None)
@@ -316,4 +368,3 @@ def run_stage(
             return None
         reports = tuple(report for report, _ in gathered)
         return StageRun.of(plan, reports, gathered[-1][1], max(r.seconds for r in reports))
-

@@ -33,22 +33,38 @@ class StageStep:
         self.mask = mask.to(device) if mask is not None else None
         self.keeps_last = self.last and keeps_last_logits(model)
 
+    def into_batch(self, embeddings: torch.Tensor | None, out: torch.Tensor, rows: slice, parts: int) -> torch.Tensor:
+        """The batch's embeddings with ``out``, those of its ``rows``, written in: a tensor
+        made at the first of several micro-batches (the plan holds it for the last stage);
+        with one micro-batch, ``out`` itself."""
+        if parts == 1:
+            return out
+        if embeddings is None:
+            embeddings = out.new_empty(self.ids.shape[0], out.shape[-1])
+        embeddings[rows] = out
+        return embeddings
+
     def new_cache(self) -> dict[str, Any]:
         """A fresh KV cache for a generation (none for an encoder), as the forward's keyword."""
         return cache_argument(self.model) if self.kind == CAUSAL_LM else {}
 
     @torch.inference_mode()
-    def __call__(self, taken: torch.Tensor, cache: dict[str, Any], step: int = 0) -> torch.Tensor:
+    def __call__(
+        self, taken: torch.Tensor, cache: dict[str, Any], step: int = 0, rows: slice = slice(None)
+    ) -> torch.Tensor:
         """The stage's output for ``taken`` (token ids on the first stage, hidden states
-        after it) at generation ``step`` (0: the prefill; an encoder has only step 0)."""
+        after it) at generation ``step`` (0: the prefill; an encoder has only step 0), of
+        the batch's ``rows`` (an encoder's micro-batch)."""
         keyword = "input_ids" if self.first else "inputs_embeds"
         if self.kind != CAUSAL_LM:
-            extra = {"attention_mask": self.mask} if self.mask is not None else {}
+            mask = self.mask[rows] if self.mask is not None else None
+            extra = {"attention_mask": mask} if mask is not None else {}
             hidden = self.model(**{keyword: taken}, **extra).last_hidden_state
             if not self.last:
                 return hidden
-            mask = self.mask if self.mask is not None else torch.ones(self.ids.shape, device=self.device)
-            return pooled_embeddings(hidden, mask)
+            return pooled_embeddings(
+                hidden, mask if mask is not None else torch.ones(taken.shape[:2], device=self.device)
+            )
         extra: dict[str, Any] = {"use_cache": True}
         if step == 0 and self.keeps_last:
             extra["logits_to_keep"] = torch.tensor([self.ids.shape[1] - 1], device=self.device)
