@@ -128,6 +128,21 @@ def test_numba_threads_follow_torch():
     assert numba.get_num_threads() == min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
 
 
+def test_a_numba_kernel_leaves_torchs_thread_count_as_the_process_set_it():
+    """numba's OpenMP layer, launched, sets the process's OpenMP threads to all of its own:
+    a process given one thread (OMP_NUM_THREADS=1, as each torchrun rank) keeps one."""
+    script = (
+        "import torch, tightfit.ops\n"
+        f"x = torch.randn({MIN_FAST_NUMEL * 2}).to(torch.float8_e4m3fn)\n"
+        "tightfit.ops.cast(x, torch.bfloat16)\n"
+        "print(torch.get_num_threads())\n"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["1"]
+
+
 def test_fast_cpu_kernel_runs_without_fallback_warnings():
     x = torch.randn(MIN_FAST_NUMEL * 2).to(torch.float8_e4m3fn)
     with warnings.catch_warnings():

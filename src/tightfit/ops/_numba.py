@@ -39,8 +39,14 @@ def load_numba() -> tuple[ModuleType | None, str | None]:
 
 
 def match_torch_threads(numba: ModuleType) -> None:
-    """Use as many threads as torch's intra-op pool, so the two never oversubscribe."""
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+    """Use as many threads as torch's intra-op pool, so the two never oversubscribe; and
+    keep torch's count: numba's OpenMP layer, launched here, sets the process's OpenMP
+    threads to all of numba's, which torch's pool is (a process given one thread, as each
+    of torchrun's ranks is, would run torch on every core from the first kernel on)."""
+    threads = torch.get_num_threads()
+    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 def usable_numba(op: str, instead: str) -> ModuleType | None:
