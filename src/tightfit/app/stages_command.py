@@ -178,35 +178,35 @@ def _print_run(run: StageRun, folder: Any, console: Console) -> None:
         console.print(f"embedded {run.embeddings.shape[0]} sentences in {run.seconds * 1e3:.1f} ms", highlight=False)
     console.print(
         f"{'rank':>4}  {'budget':>10} {'predicted':>10} {'measured':>10} {'loading':>10} {'peak RSS':>10} {'read':>10} "
-        f"{'its tensors':>11} {'s/run':>7} {'in send/recv':>12} {'compute pred.':>13} {'sends pred.':>11} {'sent':>9} "
-        f"{'planned':>9}",
+        f"{'its tensors':>11} {'ms/run':>8} {'send/recv ms':>12} {'compute pred.':>13} {'sends pred.':>11} "
+        f"{'sent':>9} {'planned':>9}",
         highlight=False,
         markup=False,
     )
     for r in run.reports:
         rss = human_bytes(r.peak_rss_bytes) if r.peak_rss_bytes is not None else "-"
         read = human_bytes(r.read_bytes) if r.read_bytes is not None else "-"
-        sends = f"{r.predicted_send_seconds:.3f}" if r.predicted_send_seconds is not None else "-"
+        sends = f"{r.predicted_send_seconds * 1e3:.2f}" if r.predicted_send_seconds is not None else "-"
         console.print(
             f"{r.rank:>4}  {human_bytes(r.budget_bytes):>10} {human_bytes(r.predicted_peak_bytes):>10} "
             f"{human_bytes(r.measured_peak_bytes):>10} {human_bytes(r.load_peak_bytes):>10} {rss:>10} {read:>10} "
-            f"{human_bytes(r.stage_read_bytes):>11} {r.seconds:>7.3f} {r.link_seconds:>12.3f} "
-            f"{r.predicted_seconds:>13.3f} {sends:>11} {human_bytes(r.sent_bytes):>9} "
+            f"{human_bytes(r.stage_read_bytes):>11} {r.seconds * 1e3:>8.2f} {r.link_seconds * 1e3:>12.2f} "
+            f"{r.predicted_seconds * 1e3:>13.2f} {sends:>11} {human_bytes(r.sent_bytes):>9} "
             f"{human_bytes(r.predicted_sent_bytes):>9}",
             highlight=False,
             markup=False,
         )
     within = sum(r.within_budget for r in run.reports)
     console.print(
-        f"a run: predicted {run.plan.predicted_seconds:.3f} s (the stages' compute and sends, one after another), "
-        f"measured {run.seconds:.3f} s",
+        f"a run: predicted {run.plan.predicted_seconds * 1e3:.2f} ms, measured {run.seconds * 1e3:.2f} ms (the "
+        f"slowest rank's median; each rank starts its next run once its part of the last is sent)",
         highlight=False,
         markup=False,
     )
     console.print(
         f"{within} of {len(run.reports)} ranks within their budgets (measured: {run.reports[0].measured_by}; "
         f"loading: the peak while its checkpoint streamed in; read: the process's read calls while loading; "
-        f"in send/recv: waiting for the peer included)",
+        f"send/recv: waiting for the peer included; pred.: the plan's, in ms)",
         highlight=False,
         markup=False,
         soft_wrap=True,

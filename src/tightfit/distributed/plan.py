@@ -183,8 +183,8 @@ class StagePlan:
         compute = sum(s.compute_seconds for s in self.stages)
         sends = self.send_seconds
         how = (
-            f"the pipeline filled and drained: each stage's compute and sends ({compute * 1e3:.2f} and "
-            f"{(sends or 0) * 1e3:.2f} ms in all) for one micro-batch, then the slowest stage's for each after"
+            f"one micro-batch through every stage, then the slowest stage once for each micro-batch after "
+            f"(compute {compute * 1e3:.2f} ms" + (f", sends {sends * 1e3:.2f} ms" if sends is not None else "") + " in all)"
             if self.micro_batches > 1
             else f"one stage after another: compute {compute * 1e3:.2f} ms"
             + (f" + sends {sends * 1e3:.2f} ms" if sends is not None else "")
