@@ -12,8 +12,18 @@ quality): 512 hidden, 12 layers, the default model's 30,522-token vocabulary, fl
 stages on those devices of one process instead (`tightfit stages --budget
 cuda:0=SIZE,cpu=SIZE`), beside accelerate's `device_map` with the same `max_memory`.
 
+Each rank's predicted compute and sends are shown beside what it measured, and each
+generation's predicted seconds (the plan's: compute and sends, one stage after another)
+beside its measured.
+
+``--encoder``: the built-in encoder over a batch of ``--sentences`` sentences on 2 ranks
+in each number of ``--micro-batches``, and in one process, alternated over ``--rounds``
+rounds: peaks predicted and measured, a batch's time predicted and measured
+(benchmarks/results/stages_encoder.md).
+
 Run: python benchmarks/stages.py [--total 380MB] [--ranks 1 2 4 | --devices DEV ...]
-[--size small|tiny] [--new-tokens 32] [--no-accelerate] [--out benchmarks/results/stages.md]
+[--size small|tiny] [--new-tokens 32] [--no-accelerate] [--out FILE]
+or: python benchmarks/stages.py --encoder [--sentences 64] [--micro-batches 1 4 8] [--rank-budget 80MB]
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,6 +45,7 @@ from _common import ReadRoof, machine_lines, markdown_table  # noqa: E402
 from tightfit._format import human_bytes  # noqa: E402
 from tightfit.app.generation_job import DEFAULT_PROMPT  # noqa: E402
 from tightfit.app.models import save_causal_lm  # noqa: E402
+from tightfit.distributed import StagePlan  # noqa: E402
 from tightfit.fitting import parse_size  # noqa: E402
 
 SIZES = {
@@ -46,12 +58,13 @@ SIZES = {
 }
 
 
-def run_stages(folder: Path, budget: str, new_tokens: int, ranks: int | None) -> dict:
+def run_stages(folder: Path | None, budget: str, new_tokens: int, ranks: int | None, options=()) -> dict:
     """``tightfit stages --json`` as a user types it: under torchrun with ``ranks``
-    processes, or (``ranks`` None, a budget per device) in one process."""
+    processes, or (``ranks`` None, a budget per device) in one process; ``folder`` None:
+    the built-in encoder."""
     tightfit = str(Path(sys.executable).with_name("tightfit"))
-    command = [tightfit, "stages", "--model", str(folder), "--budget", budget]
-    command += ["--max-new-tokens", str(new_tokens), "--repeat", "3", "--json"]
+    command = [tightfit, "stages", *(["--model", str(folder)] if folder else []), "--budget", budget]
+    command += ["--max-new-tokens", str(new_tokens), "--repeat", "3", "--json", *options]
     env = dict(os.environ)
     if ranks is not None:
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
@@ -105,16 +118,109 @@ def _rows(label: str, budget: str, run: dict, new_tokens: int) -> list[list[str]
                 human_bytes(report["peak_rss_bytes"]) if report["peak_rss_bytes"] is not None else "-",
                 "yes" if report["within_budget"] else "NO",
                 f"{report['link_seconds'] * 1e3:.1f}",
+                _predicted_ms(report),
                 human_bytes(report["read_bytes"]) if report["read_bytes"] is not None else "-",
+                f"{run['plan_seconds']:.2f} / {run['seconds']:.2f}" if report["rank"] == 0 else "",
                 f"{new_tokens / run['seconds']:.1f}" if report["rank"] == 0 else "",
             ]
         )
     return rows
 
 
+def _plan_seconds(run: dict) -> float:
+    """The run's predicted seconds, read from the plan it printed."""
+    return StagePlan.from_json(json.dumps(run["plan"])).predicted_seconds
+
+
+def encoder_main(args: argparse.Namespace) -> None:
+    """The built-in encoder on ``--sentences`` sentences over 2 ranks, in each number of
+    ``--micro-batches``, and in one process: per-rank predicted and measured peaks, and a
+    batch's predicted and measured seconds, the configurations alternated over
+    ``--rounds`` rounds (medians and ranges)."""
+    from tightfit.app.run import DEFAULT_SENTENCES
+
+    configs = [(f"tightfit, 2 ranks, {n} micro-batches", 2, n) for n in args.micro_batches]
+    configs.append(("tightfit, one process, both budgets (2 threads)", None, 1))
+    seconds: dict[str, list[float]] = {label: [] for label, _, _ in configs}
+    last: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        sentences = Path(scratch) / "sentences.txt"
+        lines = [DEFAULT_SENTENCES[i % len(DEFAULT_SENTENCES)] for i in range(args.sentences)]
+        sentences.write_text("\n".join(lines))
+        for _ in range(args.rounds):
+            for label, ranks, parts in configs:
+                budget = args.rank_budget if ranks else f"cpu={2 * parse_size(args.rank_budget, '--rank-budget')}"
+                options = ["--sentences", str(sentences), "--micro-batches", str(parts)]
+                run = run_stages(None, budget, 0, ranks, options)
+                if "error" in run:
+                    raise SystemExit(f"{label}: {run['error']}")
+                seconds[label].append(run["seconds"])
+                last[label] = run
+    rows = []
+    for label, ranks, parts in configs:
+        run, times = last[label], sorted(seconds[label])
+        for report in run["reports"]:
+            rows.append(
+                [
+                    label if report["rank"] == 0 else "",
+                    f"{report['rank']}: {report['holds']}",
+                    human_bytes(report["budget_bytes"]),
+                    human_bytes(report["predicted_peak_bytes"]),
+                    human_bytes(report["measured_peak_bytes"]),
+                    _predicted_ms(report),
+                    f"{_plan_seconds(run) * 1e3:.1f}" if report["rank"] == 0 else "",
+                    f"{statistics.median(times) * 1e3:.1f} ({times[0] * 1e3:.1f}-{times[-1] * 1e3:.1f})"
+                    if report["rank"] == 0
+                    else "",
+                    f"{args.sentences / statistics.median(times):.0f}" if report["rank"] == 0 else "",
+                ]
+            )
+    lines = [
+        "# The built-in encoder in stages, in micro-batches",
+        "",
+        *machine_lines(
+            {
+                "model": "all-MiniLM-L6-v2 (the built-in encoder), float32",
+                "batch": f"{args.sentences} sentences (the built-in 8, repeated), padded to 12 positions",
+            }
+        ),
+        "",
+        f"Command: `python benchmarks/stages.py --encoder --sentences {args.sentences} --micro-batches "
+        f"{' '.join(map(str, args.micro_batches))} --rank-budget {args.rank_budget} --rounds {args.rounds}`",
+        "",
+        markdown_table(
+            [
+                "run",
+                "rank: holds",
+                "budget",
+                "predicted peak",
+                "measured peak",
+                "predicted ms: compute + sends",
+                "predicted ms a batch",
+                f"measured ms a batch: median (range of {args.rounds})",
+                "sentences/s",
+            ],
+            rows,
+        ),
+        "",
+        "Each run is `tightfit stages --json` as typed, under torchrun for the ranks (one thread each), the",
+        "configurations alternated round by round. A batch's time is the slowest rank's median of 3 runs; each",
+        "rank starts its next run once its part of the last is sent, so consecutive batches overlap across ranks.",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out.write_text(text)
+
+
+def _predicted_ms(report: dict) -> str:
+    """A rank's predicted compute + sends per run, in ms."""
+    sends = report["predicted_send_seconds"]
+    return f"{report['predicted_seconds'] * 1e3:.1f} + " + (f"{sends * 1e3:.1f}" if sends is not None else "-")
+
+
 def _accelerate_row(label: str, budget: str, result: dict, new_tokens: int) -> list[str]:
     if "error" in result:
-        return [label, budget, *["-"] * 7, result["error"][:120]]
+        return [label, budget, *["-"] * 9, result["error"][:120]]
     return [
         label,
         budget,
@@ -125,6 +231,8 @@ def _accelerate_row(label: str, budget: str, result: dict, new_tokens: int) -> l
         "-",
         "-",
         "-",
+        "-",
+        f"- / {result['seconds']:.2f}",
         f"{new_tokens / result['seconds']:.1f}",
     ]
 
@@ -145,8 +253,18 @@ def main() -> None:
     parser.add_argument("--size", choices=list(SIZES), default="small")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--no-accelerate", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "stages.md")
+    parser.add_argument("--out", type=Path, help="default: results/stages.md, or results/stages_encoder.md")
+    parser.add_argument("--encoder", action="store_true", help="the built-in encoder in micro-batches instead")
+    parser.add_argument("--sentences", type=int, default=64, help="--encoder: the batch's sentences")
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 4, 8], help="--encoder: each run's")
+    parser.add_argument("--rank-budget", default="80MB", help="--encoder: each rank's budget")
+    parser.add_argument("--rounds", type=int, default=3, help="--encoder: rounds of the alternated runs")
     args = parser.parse_args()
+    results = Path(__file__).parent / "results"
+    args.out = args.out or results / ("stages_encoder.md" if args.encoder else "stages.md")
+    if args.encoder:
+        encoder_main(args)
+        return
     total = parse_size(args.total, "--total")
     sizes = SIZES[args.size]
     rows, tokens, speeds = [], {}, []
@@ -169,8 +287,9 @@ def main() -> None:
             shown = human_bytes(total // (ranks or len(args.devices)))
             run = run_stages(folder, budget, args.new_tokens, ranks)
             if "error" in run:
-                rows.append([label, shown, *["-"] * 7, run["error"]])
+                rows.append([label, shown, *["-"] * 9, run["error"]])
                 continue
+            run["plan_seconds"] = _plan_seconds(run)
             tokens[label] = tuple(run["tokens"])
             rows += _rows(label, shown, run, args.new_tokens)
             speeds.append((rows[-len(run["reports"])], args.new_tokens / run["seconds"]))
@@ -186,7 +305,7 @@ def main() -> None:
         for row, speed in speeds:
             row.append(f"{speed * per_token / roof.bandwidth:.0%}")
     for row in rows:
-        row.extend([""] * (11 - len(row)))
+        row.extend([""] * (13 - len(row)))
     same = len(set(tokens.values())) <= 1
     how = f"--devices {' '.join(args.devices)}" if args.devices else f"--ranks {' '.join(map(str, args.ranks))}"
     lines = [
@@ -211,7 +330,9 @@ def main() -> None:
                 "peak RSS",
                 "within",
                 "ms in send/recv (copies) per generation",
+                "predicted ms: compute + sends",
                 "read while loading",
+                "s a generation: predicted / measured",
                 "tokens/s",
                 "of roof",
             ],
