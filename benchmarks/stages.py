@@ -157,7 +157,7 @@ def encoder_main(args: argparse.Namespace) -> None:
                 seconds[label].append(run["seconds"])
                 last[label] = run
     rows = []
-    for label, ranks, parts in configs:
+    for label, _, _ in configs:
         run, times = last[label], sorted(seconds[label])
         for report in run["reports"]:
             rows.append(
@@ -204,8 +204,8 @@ def encoder_main(args: argparse.Namespace) -> None:
         ),
         "",
         "Each run is `tightfit stages --json` as typed, under torchrun for the ranks (one thread each), the",
-        "configurations alternated round by round. A batch's time is the slowest rank's median of 3 runs; each",
-        "rank starts its next run once its part of the last is sent, so consecutive batches overlap across ranks.",
+        "configurations alternated round by round. A batch's time is the slowest rank's median of 3 runs, the",
+        "ranks starting each run together (a batch's latency: batches do not overlap across the ranks).",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -71,16 +71,7 @@ GPU_TEST_SELECTION = "cuda or gpu or triton or offload"
 #: Each step's time limit in seconds, per device kind, in the order the steps run.
 LIMITS = {
     "cuda": {"tests": 100, "calls": 40, "cli": 200, "decode": 300, "quant": 60, "optim": 60, "train": 90, "stages": 60},
-    "cpu": {
-        "tests": 240,
-        "calls": 60,
-        "cli": 120,
-        "decode": 240,
-        "quant": 120,
-        "optim": 120,
-        "train": 120,
-        "stages": 60,
-    },
+    "cpu": {"tests": 240, "calls": 60, "cli": 120, "decode": 240, "quant": 120, "optim": 120, "train": 120, "stages": 60},
 }
 
 

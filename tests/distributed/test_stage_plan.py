@@ -188,6 +188,10 @@ def test_a_stage_plan_with_a_gap_or_a_key_changed_is_refused(lm_folder):
     with pytest.raises(ValueError, match="must cover layers 0-3 in order"):
         StagePlan.from_json(json.dumps(data))
     data["stages"][1]["start"] -= 1
+    data["micro_batches"] = 2
+    with pytest.raises(ValueError, match="micro_batches=2: .* a generation one"):
+        StagePlan.from_json(json.dumps(data))
+    data["micro_batches"] = 1
     data["stages"][0]["extra"] = 1
     with pytest.raises(ValueError, match="each stage holds"):
         StagePlan.from_json(json.dumps(data))

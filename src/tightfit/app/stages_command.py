@@ -199,7 +199,7 @@ def _print_run(run: StageRun, folder: Any, console: Console) -> None:
     within = sum(r.within_budget for r in run.reports)
     console.print(
         f"a run: predicted {run.plan.predicted_seconds * 1e3:.2f} ms, measured {run.seconds * 1e3:.2f} ms (the "
-        f"slowest rank's median; each rank starts its next run once its part of the last is sent)",
+        f"slowest rank's median; the ranks start each run together)",
         highlight=False,
         markup=False,
     )

@@ -41,16 +41,23 @@ class Timed:
 
 
 def timed_and_measured(
-    call: Callable[[], Any], held: Mapping[torch.device, int], repeat: int, count: Callable[[], float]
+    call: Callable[[], Any],
+    held: Mapping[torch.device, int],
+    repeat: int,
+    count: Callable[[], float],
+    start_together: Callable[[], None] = lambda: None,
 ) -> Timed:
     """Time ``call`` and measure its peak on each device of ``held`` (device -> the bytes its
-    weights hold there, what live tensors start from on the CPU)."""
+    weights hold there, what live tensors start from on the CPU). ``start_together`` runs
+    before each timed call, untimed: the ranks' barrier, so that each call is one run's
+    time from its start, not a run overlapping the ranks' previous one."""
     devices = list(held)
     rss_reset = reset_process_peak()
     call()  # the warm-up, which also opens a run's connections
     seconds, result = [], None
     before = count()
     for _ in range(repeat):
+        start_together()
         start = time.perf_counter()
         result = call()
         for device in devices:

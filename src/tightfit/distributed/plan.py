@@ -149,6 +149,11 @@ class StagePlan:
         ):
             raise ValueError(f"StagePlan.input_shape must be (batch, positions), two ints >= 1, got {shape!r}")
         object.__setattr__(self, "input_shape", tuple(shape))
+        if self.micro_batches > shape[0] or (self.micro_batches > 1 and self.kind == CAUSAL_LM):
+            raise ValueError(
+                f"StagePlan.micro_batches={self.micro_batches}: an encoder's batch of {shape[0]} rows takes at most "
+                f"{shape[0]}, a generation one"
+            )
         if not isinstance(self.stages, (list, tuple)) or not all(isinstance(s, Stage) for s in self.stages):
             raise TypeError(f"StagePlan.stages must be a tuple of Stage, got {self.stages!r:.100}")
         object.__setattr__(self, "stages", tuple(self.stages))
@@ -184,7 +189,9 @@ class StagePlan:
         sends = self.send_seconds
         how = (
             f"one micro-batch through every stage, then the slowest stage once for each micro-batch after "
-            f"(compute {compute * 1e3:.2f} ms" + (f", sends {sends * 1e3:.2f} ms" if sends is not None else "") + " in all)"
+            f"(compute {compute * 1e3:.2f} ms"
+            + (f", sends {sends * 1e3:.2f} ms" if sends is not None else "")
+            + " in all)"
             if self.micro_batches > 1
             else f"one stage after another: compute {compute * 1e3:.2f} ms"
             + (f" + sends {sends * 1e3:.2f} ms" if sends is not None else "")

@@ -358,7 +358,12 @@ def run_stage(
         link = Link(ranks.rank, timeout_seconds)
         step = StageStep(model, plan.kind, ranks.rank, ranks.world, device, inputs)
         call = _stage_call(step, ranks.rank, ranks.world, link, max_new_tokens, plan.micro_batch_rows())
-        timed = timed_and_measured(call, {device: held_bytes(model, device)}, repeat, lambda: link.seconds)
+        together = (
+            (lambda: collective(dist.barrier, ranks.rank, "starting a run together"))
+            if ranks.world > 1
+            else (lambda: None)
+        )
+        timed = timed_and_measured(call, {device: held_bytes(model, device)}, repeat, lambda: link.seconds, together)
         report = stage_report(plan, ranks.rank, loaded, read, timed, link.sent_bytes // timed.calls)
         mine = (report, timed.result if ranks.rank == ranks.world - 1 else None)
         gathered = [mine] if ranks.world == 1 else ([None] * ranks.world if ranks.rank == 0 else None)
