@@ -127,6 +127,13 @@ def _rows(label: str, budget: str, run: dict, new_tokens: int) -> list[list[str]
     return rows
 
 
+def _publish(lines: list[str], out: Path) -> None:
+    """Print the results' page and write it to ``out``."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out.write_text(text)
+
+
 def _plan_seconds(run: dict) -> float:
     """The run's predicted seconds, read from the plan it printed."""
     return StagePlan.from_json(json.dumps(run["plan"])).predicted_seconds
@@ -207,9 +214,7 @@ def encoder_main(args: argparse.Namespace) -> None:
         "configurations alternated round by round. A batch's time is the slowest rank's median of 3 runs, the",
         "ranks starting each run together (a batch's latency: batches do not overlap across the ranks).",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    args.out.write_text(text)
+    _publish(lines, args.out)
 
 
 def _predicted_ms(report: dict) -> str:
@@ -354,9 +359,7 @@ def main() -> None:
         "accelerate, the pages of its disk offload too). accelerate's max_memory bounds the weights it",
         "places on a device, not what the process holds.",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    args.out.write_text(text)
+    _publish(lines, args.out)
 
 
 if __name__ == "__main__":
