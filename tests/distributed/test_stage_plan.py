@@ -22,8 +22,10 @@ from tightfit.distributed import (
     process_group,
     rank_device,
     ranks_from_environment,
+    shared_inputs,
 )
-from tightfit.distributed.pricing import Hop, device_hop
+from tightfit.distributed.plan import micro_batch_rows
+from tightfit.distributed.pricing import Hop, device_hop, measured_hops
 from tightfit.distributed.split import cut, layout_of
 from tightfit.fitting import FitError
 from tightfit.loading import load
@@ -214,6 +216,23 @@ def test_sends_are_priced_per_hop_in_the_plans_time_model(lm_folder):
     assert single.stages[0].send_seconds == 0.0 and single.transfers == "none: one stage"
 
 
+def test_a_pipeline_is_predicted_filled_then_at_its_busiest_stage_including_what_it_receives(lm_folder):
+    folder = default_model_dir()
+    batch = load_tokenizer(folder)(list(DEFAULT_SENTENCES), padding=True, return_tensors="pt")
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    hops = [Hop(1e-3, 1e6, "a slow link"), Hop(1e-3, 1e6, "a slow link")]
+    plan = plan_stages(folder, ["60MB", "60MB"], inputs, micro_batches=4, hops=hops)
+    first, last = plan.stages
+    each = [(s.compute_seconds + s.send_seconds) / 4 for s in plan.stages]
+    busiest = max(each[0], each[1] + first.send_seconds / 4)  # the last stage waits through its receives
+    assert plan.predicted_seconds == pytest.approx(sum(each) + 3 * busiest)
+    assert last.held_bytes == 8 * 384 * 4  # float32 embeddings, whatever the model's dtype
+    with pytest.raises(ValueError, match="parts=9 micro-batches of a batch of 8 rows"):
+        micro_batch_rows(8, 9)
+    with pytest.raises(ValueError, match="parts"):
+        micro_batch_rows(8, 0)
+
+
 def test_copies_between_devices_are_priced_at_each_accelerators_link():
     figures = {"cuda:0": {"host_to_device_bandwidth": 2e10}, "cuda:1": {"host_to_device_bandwidth": 1e10}}
     assert device_hop("cuda:0", "cpu", figures).seconds([(1, 10**9)]) == pytest.approx(0.05)
@@ -275,6 +294,14 @@ def test_stages_options_given_wrong_are_one_line_and_exit_2(options, message, tm
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_bad_local_rank_from_the_launcher_is_one_line(monkeypatch, capsys):
+    from tightfit.app import cli
+
+    monkeypatch.setenv("LOCAL_RANK", "first")
+    assert cli.main(["stages", "--budget", "60MB", "--ranks", "2", "--plan-only"]) == 2
+    assert "LOCAL_RANK='first' must be an integer >= 0" in capsys.readouterr().err
+
+
 def test_a_model_type_whose_stages_were_not_checked_is_refused(lm_folder):
     model, _ = skeleton(lm_folder, "causal-lm")
     model.config.model_type = "granite"  # scales its embeddings in the model's forward
@@ -330,6 +357,10 @@ def test_a_plan_runs_only_on_the_inputs_it_was_made_for(lm_folder):
         (lambda: rank_device("gpu", 0), ValueError, "device_type='gpu' must be a device type"),
         (lambda: rank_device("cpu", -1), ValueError, "local_rank"),
         (lambda: rank_device("cuda", torch.cuda.device_count()), ValueError, "has no cuda device of its own"),
+        (lambda: measured_hops(2, 2, 5.0), ValueError, "rank=2 must be below world=2"),
+        (lambda: measured_hops(0, 2, 0), ValueError, "timeout_seconds must be a finite"),
+        (lambda: measured_hops(0, 2, 5.0), ValueError, "inside process_group"),
+        (lambda: shared_inputs(None, Ranks(0, 1)), TypeError, "inputs"),
     ],
 )
 def test_ranks_and_process_group_arguments_are_checked(call, error, match):

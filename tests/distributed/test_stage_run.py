@@ -113,7 +113,8 @@ def test_two_ranks_embed_in_micro_batches_as_the_whole_model_each_within_its_pla
     whole = embed(load(folder, "200MB")[0], tokenizer, list(DEFAULT_SENTENCES), torch.device("cpu"))
     torch.testing.assert_close(saved["embeddings"], whole, rtol=0, atol=1e-6)
     for report in saved["run"]["reports"]:
-        assert abs(report["measured_peak_bytes"] / report["predicted_peak_bytes"] - 1) < 0.02
+        # to within a page: the last rank's batch of embeddings held across parts (12 KiB) shows
+        assert abs(report["measured_peak_bytes"] - report["predicted_peak_bytes"]) <= 4096
         assert report["measured_peak_bytes"] <= report["budget_bytes"]
         assert report["sent_bytes"] == report["predicted_sent_bytes"]
 

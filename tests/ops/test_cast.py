@@ -137,7 +137,7 @@ def test_a_numba_kernel_leaves_torchs_thread_count_as_the_process_set_it():
         "tightfit.ops.cast(x, torch.bfloat16)\n"
         "print(torch.get_num_threads())\n"
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TIGHTFIT_STRICT="1")  # strict: the numba kernel ran, no fallback
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["1"]

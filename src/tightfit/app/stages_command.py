@@ -32,6 +32,7 @@ from tightfit.distributed import (
     run_local,
     run_stage,
     shared_devices,
+    shared_inputs,
     shared_plan,
 )
 from tightfit.distributed.pricing import measured_hops
@@ -85,6 +86,14 @@ def read_sentences(file: str) -> list[str]:
     return sentences
 
 
+def _local_rank(environ: Any, rank: int) -> int:
+    """This rank's index on its node: ``LOCAL_RANK``, which torchrun sets (its rank outside it)."""
+    text = environ.get("LOCAL_RANK", str(rank))
+    if not text.isdigit():
+        raise ValueError(f"LOCAL_RANK={text!r} must be an integer >= 0 (torchrun sets it)")
+    return int(text)
+
+
 def _inputs(folder: Any, kind: str, prompt: str, sentences: list[str]) -> dict[str, torch.Tensor]:
     tokenizer = load_tokenizer(folder)
     if kind == CAUSAL_LM:
@@ -119,7 +128,7 @@ def handle(args: argparse.Namespace, console: Console) -> int:
             f"for ranks, give one size per rank"
         )
 
-    local_rank = int(os.environ.get("LOCAL_RANK", ranks.rank))
+    local_rank = _local_rank(os.environ, ranks.rank)
 
     def make(hops=None, devices=None):
         return plan_stages(
@@ -145,6 +154,7 @@ def handle(args: argparse.Namespace, console: Console) -> int:
         run = run_local(folder, plan, inputs, max_new_tokens=new_tokens, repeat=args.repeat)
         return _print_result(run, plan, folder, args, console)
     with process_group(ranks, args.timeout):
+        inputs = shared_inputs(inputs, ranks)
         devices = shared_devices(rank_device(args.device, local_rank), ranks)
         hops = measured_hops(ranks.rank, ranks.world, args.timeout) if ranks.world > 1 else None
         plan = shared_plan(lambda: make(hops, devices), ranks)

@@ -14,6 +14,7 @@ from tightfit.distributed.run import (
     ranks_from_environment,
     run_stage,
     shared_devices,
+    shared_inputs,
     shared_plan,
 )
 
@@ -32,5 +33,6 @@ __all__ = [
     "run_local",
     "run_stage",
     "shared_devices",
+    "shared_inputs",
     "shared_plan",
 ]

@@ -12,6 +12,7 @@ that long; the process group's own timeout, longer, covers planning and loading)
 from __future__ import annotations
 
 import datetime
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["HEADER_BYTES", "Link", "StageError", "collective"]
+__all__ = ["HEADER_BYTES", "Link", "StageError", "check_seconds", "collective"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8)
 _MOST_DIMS = 6
@@ -37,6 +38,13 @@ class StageError(RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.peer = peer
+
+
+def check_seconds(name: str, value: Any) -> float:
+    """``value`` as seconds: a finite number > 0; a ValueError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
 
 
 def collective(call: Callable[[], Any], rank: int, doing: str) -> None:

@@ -25,7 +25,7 @@ _LIVE = "live tensors: weights + created by the run"
 
 @dataclass(frozen=True)
 class Timed:
-    """What :func:`timed_and_measured` found: the last timed call's ``result``, the median
+    """What :func:`timed_and_measured` found: the measured call's ``result``, the median
     ``seconds`` of the timed calls, ``counted`` (``count()``'s growth per timed call: the
     seconds in sends and receives), per device its ``peaks`` and how each was measured,
     the process's ``peak_rss`` over the calls (None where it cannot be reset) and how many
@@ -54,12 +54,12 @@ def timed_and_measured(
     devices = list(held)
     rss_reset = reset_process_peak()
     call()  # the warm-up, which also opens a run's connections
-    seconds, result = [], None
+    seconds: list[float] = []
     before = count()
     for _ in range(repeat):
         start_together()
         start = time.perf_counter()
-        result = call()
+        call()
         for device in devices:
             backends.get(device).synchronize(device)
         seconds.append(time.perf_counter() - start)
@@ -69,7 +69,7 @@ def timed_and_measured(
         backends.get(device).reset_peak_memory(device)
     on_cpu = any(d.type == "cpu" for d in devices)
     with LiveTensorBytes("cpu") if on_cpu else contextlib.nullcontext() as tracker:
-        call()
+        result = call()  # no earlier call's result is alive: the allocator's peak is this call's alone
     peaks, measured_by = {}, {}
     for device in devices:
         if device.type == "cpu":

@@ -188,7 +188,7 @@ class StagePlan:
         compute = sum(s.compute_seconds for s in self.stages)
         sends = self.send_seconds
         how = (
-            f"one micro-batch through every stage, then the slowest stage once for each micro-batch after "
+            f"one micro-batch through every stage, then the busiest stage once for each micro-batch after "
             f"(compute {compute * 1e3:.2f} ms"
             + (f", sends {sends * 1e3:.2f} ms" if sends is not None else "")
             + " in all)"
@@ -224,11 +224,15 @@ class StagePlan:
     @property
     def predicted_seconds(self) -> float:
         """A run's predicted seconds: each stage's compute and sends (where priced) for one
-        micro-batch, one stage after another, then the slowest stage's for each micro-batch
-        after (while it works on one, the stages before it work on the next). With one
-        micro-batch, the stages' sum."""
-        each = [(s.compute_seconds + (s.send_seconds or 0.0)) / self.micro_batches for s in self.stages]
-        return sum(each) + (self.micro_batches - 1) * max(each)
+        micro-batch, one stage after another, then the busiest stage's part for each
+        micro-batch after (while it works on one, the stages before it work on the next):
+        its compute, its sends and its receives, which it waits through (a point-to-point
+        send completes when its peer receives). With one micro-batch, the stages' sum."""
+        parts = self.micro_batches
+        sends = [(s.send_seconds or 0.0) / parts for s in self.stages]
+        each = [s.compute_seconds / parts + send for s, send in zip(self.stages, sends)]
+        busy = [part + (sends[index - 1] if index else 0.0) for index, part in enumerate(each)]
+        return sum(each) + (parts - 1) * max(busy)
 
     def to_json(self) -> str:
         data = asdict(self) | {"format": _FORMAT}
@@ -435,8 +439,8 @@ def plan_stages(
     )
     hidden = int(config.hidden_size)
 
-    def held(end: int) -> int:  # an encoder's last stage keeps the batch's embeddings across micro-batches
-        return ids.shape[0] * hidden * model.dtype.itemsize if micro_batches > 1 and end == layers else 0
+    def held(end: int) -> int:  # an encoder's last stage keeps the batch's float32 embeddings across micro-batches
+        return ids.shape[0] * hidden * torch.float32.itemsize if micro_batches > 1 and end == layers else 0
 
     cuts: dict[tuple[int, int], nn.Module] = {}  # each range cut from its own skeleton once
     fitted: dict[tuple[int, int, int], FitPlan | FitError] = {}
@@ -473,7 +477,7 @@ def plan_stages(
         _modules_bytes(model, (layout.first if r == 0 else ()) + (layout.last if r == ranks - 1 else ()))
         for r in range(ranks)
     ]
-    bounds, results, moved = _balanced(stage_fit, fixed, budget_bytes, layers)
+    bounds, results, moved = _balanced(stage_fit, held, fixed, budget_bytes, layers)
     if bounds is None:
         bounds, results = _filled(stage_fit, ranks, layers)
         moved = {
@@ -482,7 +486,7 @@ def plan_stages(
     if bounds is None:
         rank, start, end = results
         reason = "it is the only rank" if ranks == 1 else "no arrangement of the layers over the ranks fits"
-        raise _refusal(rank, start, end, stage_fit(rank, start, end), stage_devices, layers, reason)
+        raise _refusal(rank, start, end, stage_fit(rank, start, end), held(end), stage_devices, layers, reason)
     in_process = isinstance(budgets, Mapping)
     calibrations = {stage_devices[r]: results[r].calibration for r in range(ranks)}
     ends = [(stage_devices[r], stage_devices[(r + 1) % ranks]) for r in range(ranks)]
@@ -537,6 +541,10 @@ def plan_stages(
 
 def micro_batch_rows(batch: int, parts: int) -> list[slice]:
     """``batch`` rows in ``parts`` micro-batches, the first ``batch % parts`` a row larger."""
+    check_count("batch", batch, least=1)
+    check_count("parts", parts, least=1)
+    if parts > batch:
+        raise ValueError(f"parts={parts} micro-batches of a batch of {batch} rows: give at most {batch}")
     size, larger = divmod(batch, parts)
     bounds = [0]
     for index in range(parts):
@@ -582,11 +590,12 @@ def _milliseconds(value: float | None) -> str:
 
 
 def _balanced(
-    stage_fit: Any, fixed: list[int], budgets: list[int], layers: int
+    stage_fit: Any, held: Any, fixed: list[int], budgets: list[int], layers: int
 ) -> tuple[list[int] | None, list[Any], dict[int, str]]:
     """(bounds, each stage's fit, why) of the layers shared in proportion to the budgets,
-    a stage over its budget giving its boundary layer to the neighbour with the most room;
-    bounds None where that reaches an arrangement seen before or a one-layer stage over."""
+    a stage over its budget giving its boundary layer to the neighbour with the most room
+    (its budget less its fit's peak and what it holds, ``held(end)``); bounds None where
+    that reaches an arrangement seen before or a one-layer stage over."""
     ranks = len(budgets)
     counts = _shares(fixed, budgets, layers)
     seen: set[tuple[int, ...]] = set()
@@ -600,7 +609,8 @@ def _balanced(
             return bounds, results, moved
         rank = over[0]
         room = {
-            n: budgets[n] - (results[n].predicted_peak_bytes if isinstance(results[n], FitPlan) else budgets[n])
+            n: budgets[n]
+            - (results[n].predicted_peak_bytes + held(bounds[n + 1]) if isinstance(results[n], FitPlan) else budgets[n])
             for n in (rank - 1, rank + 1)
             if 0 <= n < ranks
         }
@@ -679,16 +689,19 @@ def _read_bytes(stage: nn.Module, checkpoint: Checkpoint) -> int:
 
 
 def _refusal(
-    rank: int, start: int, end: int, error: FitError, devices: list[str], layers: int, reason: str
+    rank: int, start: int, end: int, error: FitError, held: int, devices: list[str], layers: int, reason: str
 ) -> FitError:
+    """The stage's fit refusal for the rank: its budget and smallest peak with what it
+    holds across micro-batches (``held``, which its fit's budget left out) added back."""
     span = f"layers {start}-{end - 1}" if end - start > 1 else f"layer {start}"
     parts = "; ".join(f"{part}: {human_bytes(size)}" for part, size in error.parts[:3])
-    least = human_bytes(error.smallest_peak_bytes)
+    budget, smallest = error.budget_bytes + held, error.smallest_peak_bytes + held
+    holding = f", holding the batch's embeddings ({human_bytes(held)})" if held else ""
     return FitError(
-        f"rank {rank} ({devices[rank]}, budget {human_bytes(error.budget_bytes)}) cannot hold its stage ({span} of "
-        f"{layers}), and {reason}: its smallest peak is {least} ({error.smallest_peak_bytes:,} B); largest parts: "
-        f"{parts}. Give rank {rank} at least {least}, or more ranks",
-        budget_bytes=error.budget_bytes,
-        smallest_peak_bytes=error.smallest_peak_bytes,
+        f"rank {rank} ({devices[rank]}, budget {human_bytes(budget)}) cannot hold its stage ({span} of "
+        f"{layers}{holding}), and {reason}: its smallest peak is {human_bytes(smallest)} ({smallest:,} B); largest "
+        f"parts: {parts}. Give rank {rank} at least {human_bytes(smallest)}, or more ranks",
+        budget_bytes=budget,
+        smallest_peak_bytes=smallest,
         parts=error.parts,
     )

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from tightfit._validate import check_count, check_type
-from tightfit.distributed.link import Link, collective
+from tightfit.distributed.link import Link, check_seconds, collective
 
 __all__ = ["Hop", "device_hop", "host_legs", "measured_hops"]
 
@@ -98,6 +98,11 @@ def measured_hops(rank: int, world: int, timeout_seconds: float) -> list[Hop]:
     it joins and shared with every rank; called by every rank of the process group at once."""
     check_count("world", world, least=2)
     check_count("rank", rank)
+    if rank >= world:
+        raise ValueError(f"rank={rank} must be below world={world}")
+    check_seconds("timeout_seconds", timeout_seconds)
+    if not dist.is_initialized():
+        raise ValueError("measured_hops runs in the ranks' process group: call it inside process_group(...)")
     link = Link(rank, timeout_seconds)
     mine: Hop | None = None
     for sender in range(world):  # in this order no rank waits on one still busy with another hop

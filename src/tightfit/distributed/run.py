@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -29,7 +28,7 @@ import torch.distributed as dist
 
 from tightfit._validate import check_count, check_type
 from tightfit.app.budget import Loaded, measure_load
-from tightfit.distributed.link import Link, collective
+from tightfit.distributed.link import Link, check_seconds, collective
 from tightfit.distributed.measured import Timed, timed_and_measured
 from tightfit.distributed.plan import StagePlan
 from tightfit.distributed.split import cut
@@ -49,6 +48,7 @@ __all__ = [
     "ranks_from_environment",
     "run_stage",
     "shared_devices",
+    "shared_inputs",
     "shared_plan",
 ]
 
@@ -83,12 +83,6 @@ def ranks_from_environment(environ: Mapping[str, str] = os.environ) -> Ranks:
         raise ValueError(f"RANK={rank}, WORLD_SIZE={world}: {error}") from None
 
 
-def _check_seconds(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-    return float(value)
-
-
 @contextlib.contextmanager
 def process_group(ranks: Ranks, timeout_seconds: float, setup_seconds: float = 600.0) -> Iterator[None]:
     """Joins the run's process group (gloo; only where there are several ranks) for the
@@ -97,8 +91,8 @@ def process_group(ranks: Ranks, timeout_seconds: float, setup_seconds: float = 6
     (the group's own timeout); ``timeout_seconds``, for one message while the stages run,
     is the links' (:func:`run_stage` takes it)."""
     check_type("ranks", ranks, Ranks)
-    _check_seconds("timeout_seconds", timeout_seconds)
-    setup = _check_seconds("setup_seconds", setup_seconds)
+    check_seconds("timeout_seconds", timeout_seconds)
+    setup = check_seconds("setup_seconds", setup_seconds)
     joined = ranks.world > 1 and not dist.is_initialized()
     if joined:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(setup, timeout_seconds)))
@@ -164,6 +158,17 @@ def shared_devices(device: str, ranks: Ranks) -> list[str]:
     devices: list[Any] = [None] * ranks.world
     collective(lambda: dist.all_gather_object(devices, device), ranks.rank, "sharing the ranks' devices")
     return devices
+
+
+def shared_inputs(inputs: Mapping[str, torch.Tensor], ranks: Ranks) -> dict[str, torch.Tensor]:
+    """Rank 0's ``inputs`` on every rank, whatever each rank made of its own (a sentences
+    file read on each node): the stages of one run must work on the same batch."""
+    check_type("inputs", inputs, Mapping)
+    if ranks.world == 1:
+        return dict(inputs)
+    box: list[Any] = [dict(inputs) if ranks.rank == 0 else None]
+    collective(lambda: dist.broadcast_object_list(box, src=0), ranks.rank, "sharing the inputs")
+    return box[0]
 
 
 @dataclass(frozen=True)
@@ -344,7 +349,7 @@ def run_stage(
     rank waits on a peer before the run ends with :class:`StageError`."""
     check_type("plan", plan, StagePlan)
     check_type("ranks", ranks, Ranks)
-    timeout_seconds = _check_seconds("timeout_seconds", timeout_seconds)
+    timeout_seconds = check_seconds("timeout_seconds", timeout_seconds)
     if ranks.world != len(plan.stages):
         raise ValueError(f"the plan has {len(plan.stages)} stages; this run has {ranks.world} ranks (WORLD_SIZE)")
     check_count("repeat", repeat, least=1)

@@ -172,11 +172,11 @@ class Calibration:
 
 def _device_name(device: torch.device, threads: int | None = None) -> str:
     """The device's name, the key of its figures. On the CPU, with torch's thread count
-    (``threads``, default the current) where it is not one per core: a process given fewer
-    threads (each rank of a ``torchrun``) computes slower, and is measured for its own."""
+    (``threads``, default the current): a process given fewer threads (each rank of a
+    ``torchrun``) computes slower, and is measured for its own."""
     if device.type == "cpu":
         threads = threads or torch.get_num_threads()
-        shared = "" if threads == os.cpu_count() else f", {threads} thread{'s' if threads > 1 else ''}"
+        shared = f", {threads} thread{'s' if threads > 1 else ''}"
         try:
             for line in Path("/proc/cpuinfo").read_text().splitlines():
                 if line.startswith("model name"):
