@@ -92,19 +92,17 @@ def test_encoder_stages_embed_as_the_whole_model_chained_and_on_the_devices_of_o
     assert torch.equal(torch.nn.functional.normalize((out * mask).sum(1) / mask.sum(1), dim=-1), whole)
     with pytest.raises(ValueError, match="several stages on one device"):
         run_local(folder, plan, inputs)
-    run = run_local(folder, plan_stages(folder, {"cpu": "120MB"}, inputs), inputs, repeat=1)
-    assert torch.equal(run.embeddings, whole)
-    (report,) = run.reports
-    assert abs(report.measured_peak_bytes / report.predicted_peak_bytes - 1) < 0.005 and report.within_budget
-    # in 3 micro-batches (3, 3 and 2 rows): the same embeddings, a lower peak, the batch's embeddings held
+    # in one process, in 3 micro-batches (3, 3 and 2 rows): the same embeddings, the peak predicted and
+    # lower than in one part, the batch's embeddings held
+    whole_batch = plan_stages(folder, {"cpu": "120MB"}, inputs)
     parts = plan_stages(folder, {"cpu": "120MB"}, inputs, micro_batches=3)
     assert parts.micro_batch_rows() == [slice(0, 3), slice(3, 6), slice(6, 8)]
     assert parts.stages[0].held_bytes == 8 * 384 * 4 and "in 3 micro-batches" in str(parts)
     run = run_local(folder, parts, inputs, repeat=1)
     torch.testing.assert_close(run.embeddings, whole, rtol=0, atol=1e-6)
-    (parted,) = run.reports
-    assert abs(parted.measured_peak_bytes / parted.predicted_peak_bytes - 1) < 0.005
-    assert parted.measured_peak_bytes < report.measured_peak_bytes
+    (report,) = run.reports
+    assert abs(report.measured_peak_bytes - report.predicted_peak_bytes) <= 4096 and report.within_budget
+    assert report.measured_peak_bytes < whole_batch.stages[0].predicted_peak_bytes
 
 
 def test_a_budget_no_single_process_holds_is_planned_over_two_ranks(lm_folder):
