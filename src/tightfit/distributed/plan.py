@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -38,6 +37,7 @@ from tightfit.distributed.link import HEADER_BYTES
 from tightfit.distributed.pricing import Hop, device_hop, host_legs
 from tightfit.distributed.split import check_kind, cut, layout_of
 from tightfit.fitting import Allow, FitError, FitPlan, fit
+from tightfit.fitting.plan import _check_seconds as check_plan_seconds
 from tightfit.fitting.size import parse_size
 from tightfit.fitting.traced import DECODE, DecodeTrace
 from tightfit.kinds import CAUSAL_LM
@@ -83,12 +83,9 @@ class Stage:
     def __post_init__(self) -> None:
         for name in ("rank", "start", "read_bytes", "sent_bytes", "held_bytes"):
             check_count(f"Stage.{name}", getattr(self, name))
-        for name in ("send_seconds", "compute_seconds"):
-            seconds = getattr(self, name)
-            if (seconds is not None or name == "compute_seconds") and (
-                isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf
-            ):
-                raise ValueError(f"Stage.{name} must be a finite number >= 0, got {seconds!r}")
+        check_plan_seconds("Stage", "compute_seconds", self.compute_seconds)
+        if self.send_seconds is not None:  # None: not priced
+            check_plan_seconds("Stage", "send_seconds", self.send_seconds)
         check_count("Stage.end", self.end, least=1)
         check_count("Stage.budget_bytes", self.budget_bytes, least=1)
         check_type("Stage.why", self.why, str)
@@ -442,6 +439,7 @@ def plan_stages(
     def held(end: int) -> int:  # an encoder's last stage keeps the batch's float32 embeddings across micro-batches
         return ids.shape[0] * hidden * torch.float32.itemsize if micro_batches > 1 and end == layers else 0
 
+    first_part = on_meta({name: tensor[rows[0]] for name, tensor in inputs.items()})  # what each stage is fitted on
     cuts: dict[tuple[int, int], nn.Module] = {}  # each range cut from its own skeleton once
     fitted: dict[tuple[int, int, int], FitPlan | FitError] = {}
 
@@ -454,8 +452,7 @@ def plan_stages(
         key = (rank, start, end)
         if key not in fitted:
             stage = stage_of(start, end)
-            first_part = {name: tensor[rows[0]] for name, tensor in inputs.items()}
-            example = stage_inputs(stage, kind, on_meta(first_part), start == 0)
+            example = stage_inputs(stage, kind, first_part, start == 0)
             trace = _decode_trace(stage, start == 0, context) if max_new_tokens > 1 else None
             try:
                 fitted[key] = fit(

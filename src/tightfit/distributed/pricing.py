@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from tightfit._validate import check_count, check_type
 from tightfit.distributed.link import Link, check_seconds, collective
+from tightfit.fitting.plan import _check_seconds as check_plan_seconds
 
 __all__ = ["Hop", "device_hop", "host_legs", "measured_hops"]
 
@@ -43,12 +44,10 @@ class Hop:
     how: str
 
     def __post_init__(self) -> None:
-        for name in ("latency_seconds", "bytes_per_second"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ValueError(f"Hop.{name} must be a finite number >= 0, got {value!r}")
-        if self.bytes_per_second == 0:
-            raise ValueError("Hop.bytes_per_second must be > 0")
+        check_plan_seconds("Hop", "latency_seconds", self.latency_seconds)
+        rate = self.bytes_per_second
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
+            raise ValueError(f"Hop.bytes_per_second must be a finite number > 0, got {rate!r}")
         check_type("Hop.how", self.how, str)
 
     def through_host(self, per_byte: float, devices: str) -> Hop:

@@ -109,17 +109,16 @@ def shared_plan(make: Callable[[], StagePlan], ranks: Ranks) -> StagePlan:
     the others a ValueError quoting it), before any weight is read."""
     if ranks.world == 1:
         return make()
-    box: list[Any] = [None]
+    made: Any = None
     failure: Exception | None = None
     if ranks.rank == 0:
         try:
-            box[0] = ("plan", make().to_json())
+            made = ("plan", make().to_json())
         except (FitError, ValueError, TypeError) as error:
-            failure, box[0] = error, ("error", str(error))
-    collective(lambda: dist.broadcast_object_list(box, src=0), ranks.rank, "sharing the plan")
+            failure, made = error, ("error", str(error))
+    what, text = _from_rank_zero(made, ranks, "sharing the plan")
     if failure is not None:
         raise failure
-    what, text = box[0]
     if what == "error":
         raise ValueError(f"rank {ranks.rank}: rank 0 could not plan the stages: {text}")
     return StagePlan.from_json(text)
@@ -164,10 +163,13 @@ def shared_inputs(inputs: Mapping[str, torch.Tensor], ranks: Ranks) -> dict[str,
     """Rank 0's ``inputs`` on every rank, whatever each rank made of its own (a sentences
     file read on each node): the stages of one run must work on the same batch."""
     check_type("inputs", inputs, Mapping)
-    if ranks.world == 1:
-        return dict(inputs)
-    box: list[Any] = [dict(inputs) if ranks.rank == 0 else None]
-    collective(lambda: dist.broadcast_object_list(box, src=0), ranks.rank, "sharing the inputs")
+    return dict(inputs) if ranks.world == 1 else _from_rank_zero(dict(inputs), ranks, "sharing the inputs")
+
+
+def _from_rank_zero(value: Any, ranks: Ranks, doing: str) -> Any:
+    """Rank 0's ``value`` on every rank (each rank's own is ignored but rank 0's)."""
+    box: list[Any] = [value if ranks.rank == 0 else None]
+    collective(lambda: dist.broadcast_object_list(box, src=0), ranks.rank, doing)
     return box[0]
 
 
